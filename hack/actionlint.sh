@@ -8,4 +8,4 @@ if [ ! -x "$bin" ]; then
   echo "[actionlint] building $VERSION"
   GOBIN=$(dirname "$bin") GOTOOLCHAIN=local go install "github.com/rhysd/actionlint/cmd/actionlint@$VERSION"
 fi
-"$bin" -color=never .github/workflows/*.yml
+"$bin" -no-color .github/workflows/*.yml

@@ -259,14 +259,18 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
     _write_kubeconfigs(layout)
     args = component_args(layout, bins, pools)
     checks = health_checks(layout)
-    for component in START_ORDER:
-        t0 = time.monotonic()
-        log = layout.log_file(component)
-        with open(log, "ab") as out:
-            proc = _spawn(args[component], out, layout)
-        layout.pid_file(component).write_text(str(proc.pid))
-        _wait(component, checks[component], 120, lambda c=component: running_pid(layout, c), log)
-        _log(f"{component} ready ({time.monotonic() - t0:.1f}s)")
+    try:
+        for component in START_ORDER:
+            t0 = time.monotonic()
+            log = layout.log_file(component)
+            with open(log, "ab") as out:
+                proc = _spawn(args[component], out, layout)
+            layout.pid_file(component).write_text(str(proc.pid))
+            _wait(component, checks[component], 120, lambda c=component: running_pid(layout, c), log)
+            _log(f"{component} ready ({time.monotonic() - t0:.1f}s)")
+    except BaseException:
+        down(layout, purge=False)  # keep the logs that explain the failure
+        raise
     _log(f"cluster up in {time.monotonic() - started:.1f}s; export KUBECONFIG={layout.kubeconfig}")
     return layout
 
