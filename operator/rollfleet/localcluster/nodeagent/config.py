@@ -1,0 +1,87 @@
+"""The pools file: which nodes the agent registers and how image names run locally.
+
+Pure data (pydantic); read by `agent` at start. The packaged default is
+`rollfleet/localcluster/pools.yaml`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_POOLS = Path(__file__).resolve().parent.parent / "pools.yaml"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Taint(_Model):
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+    def to_api(self) -> dict[str, str]:
+        return {"key": self.key, "value": self.value, "effect": self.effect}
+
+
+class Pool(_Model):
+    """Nodes `<name>-0` .. `<name>-(nodes-1)`, all alike."""
+
+    name: str
+    nodes: int = Field(ge=0)
+    capacity: dict[str, str]
+    labels: dict[str, str] = {}
+    taints: list[Taint] = []
+
+
+class ImageRule(_Model):
+    """How one family of images runs locally (no image is ever pulled).
+
+    `entrypoint` plays the image's ENTRYPOINT and `cmd` its CMD: a container without
+    `command` runs `entrypoint + (args or cmd)`; a container with `command` runs it as-is.
+    """
+
+    image: str = Field(description="glob on the image reference, e.g. 'rollfleet/engine*'")
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    env: dict[str, str] = Field(default={}, description="extra environment, like an image's ENV")
+
+
+class PoolsFile(_Model):
+    pools: list[Pool]
+    images: list[ImageRule] = []
+    pass_env: list[str] = Field(
+        default=["HOME", "LANG", "LC_*", "TZ", "TMPDIR", "ROLLFLEET_*", "HF_*"],
+        alias="passEnv",
+        description="globs of the agent's own environment variables that every container inherits",
+    )
+
+    def node_names(self) -> list[str]:
+        return [f"{p.name}-{i}" for p in self.pools for i in range(p.nodes)]
+
+    def image_rule(self, image: str) -> ImageRule | None:
+        """The first rule whose glob matches the image, with or without its registry host."""
+        for candidate in _image_names(image):
+            for rule in self.images:
+                if fnmatch.fnmatchcase(candidate, rule.image):
+                    return rule
+        return None
+
+
+def _image_names(image: str) -> list[str]:
+    """`ghcr.io/acme/rollfleet/engine:1` also answers to `acme/rollfleet/engine:1`; `busybox` to `library/busybox`."""
+    names = [image]
+    first, _, rest = image.partition("/")
+    if rest and ("." in first or ":" in first or first == "localhost"):
+        names.append(rest)
+    if names[-1].startswith("library/"):
+        names.append(names[-1].removeprefix("library/"))
+    return names
+
+
+def load(path: Path | None = None) -> PoolsFile:
+    return PoolsFile.model_validate(yaml.safe_load((path or DEFAULT_POOLS).read_text()))

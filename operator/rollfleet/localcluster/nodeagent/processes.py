@@ -1,0 +1,190 @@
+"""Container processes: start through `launcher`, wait, signal, and make sure none survive.
+
+Each container runs in its own session (one process group) and its own mount
+namespace. The namespace doubles as the container's identity: every process whose
+`/proc/PID/ns/mnt` is the container's belongs to it, even one that called setsid, so
+stopping a container leaves nothing behind. A pid file per container (pid, start
+time, namespace) lets a restarted agent find and kill what an earlier run left.
+Talks to: the processes it starts, /proc, and `nsenter` for exec probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = Path(__file__).with_name("launcher.py")
+NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What identifies a running container process across agent restarts."""
+
+    pid: int
+    start_ticks: int
+    mntns: str
+
+    def alive(self) -> bool:
+        return _start_ticks(self.pid) == self.start_ticks
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    signal: int | None
+    start_error: str
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])  # field 22 of stat: start time, in clock ticks since boot
+
+
+def _mntns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
+def members(mntns: str) -> list[int]:
+    """Every live process in that mount namespace."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and _mntns(int(entry.name)) == mntns:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_all(ident: Identity, sig: int) -> None:
+    """Signal the container's process group and every other process of its namespace."""
+    if ident.alive():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(ident.pid, sig)
+    if ident.mntns == _mntns(os.getpid()):
+        return  # never our own namespace: the launcher failed before unshare
+    for pid in members(ident.mntns):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _open_files(spec_file: Path, spec: dict[str, object], log_file: Path) -> int:
+    """Write the launcher's spec (owner-only: it holds secrets); open the log for appending."""
+    fd = os.open(spec_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    return os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+
+class ContainerProcess:
+    """One run of one container."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, pid_file: Path, error_r: int) -> None:
+        self._proc = proc
+        self._pid_file = pid_file
+        self._error_r = error_r
+        self.exited = asyncio.Event()
+        self.identity = Identity(proc.pid, _start_ticks(proc.pid) or 0, "")
+
+    @classmethod
+    async def start(cls, spec: dict[str, object], spec_file: Path, log_file: Path, pid_file: Path) -> ContainerProcess:
+        error_r, error_w = os.pipe()
+        out = _open_files(spec_file, {**spec, "error_fd": error_w}, log_file)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", str(LAUNCHER), str(spec_file),
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(error_w,),
+                start_new_session=True, env={},
+            )
+        finally:
+            os.close(out)
+            os.close(error_w)
+        return cls(proc, pid_file, error_r)
+
+    async def started(self) -> str:
+        """Wait until the launcher exec'd the command ("") or failed (the reason)."""
+        loop = asyncio.get_running_loop()
+        try:
+            data = await loop.run_in_executor(None, os.read, self._error_r, 4096)
+        finally:
+            os.close(self._error_r)
+        if not data:
+            # The exec happened: the namespace is now the container's; remember it for cleanup.
+            self.identity = Identity(self._proc.pid, self.identity.start_ticks, _mntns(self._proc.pid) or "")
+            self._pid_file.write_text(json.dumps(self.identity.__dict__))
+        return data.decode(errors="replace")
+
+    async def wait(self) -> Exit:
+        code = await self._proc.wait()
+        self.exited.set()
+        # Like a container's PID 1 exiting: whatever it left running in the namespace goes too.
+        if self.identity.mntns:
+            kill_all(self.identity, signal.SIGKILL)
+        self._pid_file.unlink(missing_ok=True)
+        if code < 0:
+            return Exit(128 - code, -code, "")
+        return Exit(code, None, "")
+
+    def signal(self, sig: int) -> None:
+        kill_all(self.identity, sig)
+
+
+async def exec_in(ident: Identity, argv: list[str], env: dict[str, str], cwd: str, limit_s: float) -> int:
+    """Run a command inside a running container (exec probes); its exit code, -1 on timeout."""
+    proc = await asyncio.create_subprocess_exec(
+        NSENTER, "-t", str(ident.pid), "-m", "-u", f"--wd={cwd}", "--", *argv,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        env=env, start_new_session=True,
+    )
+    try:
+        return await asyncio.wait_for(proc.wait(), limit_s)
+    except TimeoutError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        return -1
+
+
+def _signal_recorded(pods_dir: Path, sig: int) -> list[Identity]:
+    """Signal every container that a pid file names and that still runs; forget the pid files."""
+    found = []
+    for pid_file in pods_dir.glob("*/*.pid"):
+        try:
+            ident = Identity(**json.loads(pid_file.read_text()))
+        except (OSError, ValueError, TypeError):
+            ident = None
+        pid_file.unlink(missing_ok=True)
+        if ident and ident.mntns and (ident.alive() or members(ident.mntns)):
+            kill_all(ident, sig)
+            found.append(ident)
+    return found
+
+
+async def kill_leftovers(pods_dir: Path, grace_s: float = 3.0) -> int:
+    """Stop the processes that pid files under `pods_dir` name (an earlier agent's containers):
+    SIGTERM, then SIGKILL after `grace_s`. Returns how many containers were still running."""
+    found = _signal_recorded(pods_dir, signal.SIGTERM)
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while found and asyncio.get_running_loop().time() < deadline:
+        if not any(members(i.mntns) for i in found):
+            break
+        await asyncio.sleep(0.1)
+    for ident in found:
+        kill_all(ident, signal.SIGKILL)
+    return len(found)
