@@ -1,0 +1,43 @@
+"""Command line: ``python -m rollfleet_engine serve|tiny-model``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+USAGE = """usage: python -m rollfleet_engine <command> [args]
+
+commands:
+  serve       run the engine: vLLM's OpenAI server with Rollfleet's control API
+              serve --model DIR --token-file PATH [--host H] [--port P] [...] [-- vLLM args]
+  tiny-model  build (once) the deterministic tiny test model and print its directory
+              tiny-model [--out DIR]
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        from rollfleet_engine.server import parse_serve_argv, serve
+
+        serve(parse_serve_argv(rest))
+        return 0
+    if command == "tiny-model":
+        from rollfleet_engine.tiny_model import ensure_tiny_model
+
+        parser = argparse.ArgumentParser(prog="python -m rollfleet_engine tiny-model")
+        parser.add_argument("--out", type=Path, default=None, help="default: $ROLLFLEET_CACHE/models/tiny-v1")
+        print(ensure_tiny_model(parser.parse_args(rest).out))
+        return 0
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

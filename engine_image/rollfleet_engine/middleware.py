@@ -1,0 +1,155 @@
+"""The ASGI middleware in front of vLLM's app: access control and request bookkeeping.
+
+Runs before any vLLM route, so a refused control call changes nothing. For generation
+requests it fixes the caller id (header, else body ``request_id``, else a new one,
+written back into the header so vLLM uses the same), tracks the request for abort,
+and stamps the weight version and the id on the response.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+from urllib.parse import parse_qs
+
+from rollfleet_engine.engine_hooks import current_caller_id
+from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER
+from rollfleet_engine.runtime import Runtime
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Routes that generate; each request to them is tracked by caller id.
+TRACKED_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages"}
+)
+_VERSION_ROUTES = frozenset({"/finish_weight_update", "/update_weight_version"})
+
+
+class RollfleetMiddleware:
+    def __init__(self, app: ASGIApp, runtime: Runtime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self.runtime.policy.decide(method, path, headers.get("authorization"))
+        if refusal is not None:
+            await _json(send, refusal[0], {"error": refusal[1]})
+            return
+        if method == "POST" and path in TRACKED_PATHS:
+            await self._tracked(scope, receive, send, headers)
+            return
+        status = await _run_capturing_status(self.app, scope, receive, send)
+        if status == 200:
+            await self._after_control(path, scope)
+
+    async def _after_control(self, path: str, scope: Scope) -> None:
+        if path == "/pause":
+            mode = parse_qs(scope.get("query_string", b"").decode()).get("mode", ["abort"])[0]
+            self.runtime.pause_mode = mode if mode in ("abort", "wait", "keep") else None  # type: ignore[assignment]
+        elif path == "/resume":
+            self.runtime.pause_mode = None
+        elif path in _VERSION_ROUTES:
+            await self.runtime.refresh_weight_version()
+
+    async def _tracked(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
+        body = await _read_body(receive)
+        caller = headers.get(REQUEST_ID_HEADER.lower()) or _body_request_id(body) or f"rf-{uuid.uuid4().hex}"
+        tracker = self.runtime.tracker
+        if not tracker.open(caller):
+            await _json(send, 409, {"error": f"request id {caller!r} is still in flight; ids must not be reused"})
+            return
+        scope = dict(scope)
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"] + [
+            (b"x-request-id", caller.encode("latin-1"))
+        ]
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                tracked = tracker.get(caller)
+                versions = tracked.weight_versions if tracked and tracked.weight_versions else []
+                version = ",".join(versions) or self.runtime.weight_version
+                message = dict(message)
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (REQUEST_ID_HEADER.lower().encode(), caller.encode("latin-1")),
+                    (WEIGHT_VERSION_HEADER.lower().encode(), version.encode("latin-1")),
+                ]
+            await send(message)
+
+        token = current_caller_id.set(caller)
+        try:
+            await self.app(scope, _replay(body, receive), send_with_headers)
+        finally:
+            current_caller_id.reset(token)
+            tracker.close(caller)
+
+
+async def _run_capturing_status(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> int | None:
+    status: int | None = None
+
+    async def capture(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        await send(message)
+
+    await app(scope, receive, capture)
+    return status
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields the already-read body once, then defers to the real one (disconnects)."""
+    done = False
+
+    async def replay() -> Message:
+        nonlocal done
+        if not done:
+            done = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _body_request_id(body: bytes) -> str | None:
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    rid = parsed.get("request_id") if isinstance(parsed, dict) else None
+    return rid if isinstance(rid, str) and rid else None
+
+
+async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})

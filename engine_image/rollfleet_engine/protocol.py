@@ -1,0 +1,111 @@
+"""Bodies of the engine's own HTTP API, and the names of its routes and headers.
+
+Pure pydantic: no vLLM or torch import, so the gateway, the operator and the sync
+sidecar import this module to talk to engines.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+API_PREFIX = "/rollfleet/v1"
+STATE_PATH = f"{API_PREFIX}/state"
+REQUESTS_PATH = f"{API_PREFIX}/requests"
+ABORT_PATH = f"{API_PREFIX}/abort"
+READY_PATH = f"{API_PREFIX}/ready"
+
+REQUEST_ID_HEADER = "X-Request-Id"
+WEIGHT_VERSION_HEADER = "X-Rollfleet-Weight-Version"
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+# The backend name this package registers with vLLM's WeightTransferEngineFactory.
+HTTP_WEIGHT_BACKEND = "http"
+
+
+class AbortStatus(StrEnum):
+    """What an abort did to one caller id, as observed at the engine."""
+
+    ABORTED = "aborted"  # it ended with finish_reason "abort" (now or earlier)
+    UNKNOWN = "unknown"  # the engine never saw this id (or forgot it: finished long ago)
+    FINISHED = "finished"  # it had already ended for another reason (stop, length, error)
+    PENDING = "pending"  # abort sent, but the request had not ended within the deadline
+
+
+class AbortRequest(BaseModel):
+    request_ids: list[str] = Field(min_length=1, description="Caller ids (the X-Request-Id or body request_id).")
+    timeout_s: float = Field(default=10.0, gt=0, le=120, description="How long to wait for each request to end.")
+
+
+class AbortResult(BaseModel):
+    results: dict[str, AbortStatus]
+
+
+class RequestPhase(StrEnum):
+    QUEUED = "queued"  # accepted, no token yet (includes waiting in a paused engine)
+    RUNNING = "running"  # at least one token produced
+    FINISHED = "finished"
+
+
+class TrackedRequest(BaseModel):
+    """The engine's view of one caller request."""
+
+    request_id: str
+    phase: RequestPhase
+    finish_reason: str | None = None
+    engine_request_ids: list[str] = Field(default_factory=list, description="vLLM's own ids for this request.")
+    output_tokens: int = 0
+    weight_versions: list[str] = Field(default_factory=list, description="Versions that produced its tokens.")
+
+
+class RequestsView(BaseModel):
+    in_flight: list[TrackedRequest]
+    recently_finished: list[TrackedRequest]
+
+
+class EngineState(BaseModel):
+    model: str
+    weight_version: str
+    paused: bool
+    pause_mode: PauseMode | None = Field(default=None, description="Mode of the last pause, while paused.")
+    running: int
+    waiting: int
+    weight_backend: str | None = None
+
+
+class WeightUpdateInfo(BaseModel):
+    """``update_info`` for vLLM's ``/update_weights`` with the ``http`` backend."""
+
+    url: str = Field(description="Base URL of a weights server (rollfleet_engine.weights_server).")
+    manifest_sha256: str | None = Field(
+        default=None, description="Expected sha256 of the manifest; pins the exact weights the trainer meant."
+    )
+    timeout_s: float = Field(default=300.0, gt=0)
+
+
+class TensorEntry(BaseModel):
+    name: str
+    dtype: str = Field(description="safetensors dtype: F32, BF16, F16, I64, ...")
+    shape: list[int]
+    data_offsets: tuple[int, int] = Field(description="[begin, end) in the shard's data section.")
+    sha256: str
+
+
+class Shard(BaseModel):
+    path: str = Field(description="URL path of the shard, relative to the server's base URL.")
+    size: int = Field(description="Bytes in the whole shard (header included).")
+    tensors: list[TensorEntry]
+
+
+class WeightManifest(BaseModel):
+    """What a weights server serves: safetensors shards and a sha256 per tensor."""
+
+    format: Literal["safetensors"] = "safetensors"
+    shards: list[Shard]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)

@@ -1,0 +1,75 @@
+"""The engine's own routes under /rollfleet/v1: state, readiness, tracked requests, abort.
+
+Access is decided by the middleware (state, ready and requests are open; abort needs
+the control token), so the handlers only do their job.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request
+
+from rollfleet_engine.abort import abort_requests
+from rollfleet_engine.protocol import (
+    ABORT_PATH,
+    READY_PATH,
+    REQUESTS_PATH,
+    STATE_PATH,
+    AbortRequest,
+    AbortResult,
+    EngineState,
+    RequestsView,
+    TrackedRequest,
+)
+from rollfleet_engine.runtime import Runtime
+
+router = APIRouter()
+
+
+def _runtime(request: Request) -> Runtime:
+    return request.app.state.rollfleet
+
+
+@router.get(STATE_PATH, response_model=EngineState)
+async def state(request: Request) -> EngineState:
+    rt = _runtime(request)
+    paused = await rt.engine.is_paused()
+    running, waiting = rt.tracker.counts()
+    return EngineState(
+        model=rt.model_name,
+        weight_version=await rt.refresh_weight_version(),
+        paused=paused,
+        pause_mode=rt.pause_mode if paused else None,
+        running=running,
+        waiting=waiting,
+        weight_backend=rt.weight_backend,
+    )
+
+
+@router.get(READY_PATH)
+async def ready(request: Request) -> dict[str, bool]:
+    """Readiness: this app only serves once the model is loaded; the engine must also be alive."""
+    try:
+        await _runtime(request).engine.check_health()
+    except Exception as err:
+        raise HTTPException(status_code=503, detail=f"engine not healthy: {err}") from err
+    return {"ready": True}
+
+
+@router.get(REQUESTS_PATH, response_model=RequestsView)
+async def requests_view(request: Request) -> RequestsView:
+    return _runtime(request).tracker.view()
+
+
+@router.get(REQUESTS_PATH + "/{request_id}", response_model=TrackedRequest)
+async def request_view(request: Request, request_id: str) -> TrackedRequest:
+    tracked = _runtime(request).tracker.get(request_id)
+    if tracked is None:
+        raise HTTPException(status_code=404, detail=f"unknown request id {request_id!r}")
+    return tracked
+
+
+@router.post(ABORT_PATH, response_model=AbortResult)
+async def abort(request: Request, body: AbortRequest) -> AbortResult:
+    rt = _runtime(request)
+    results = await abort_requests(rt.tracker, rt.engine.abort, body.request_ids, body.timeout_s)
+    return AbortResult(results=results)

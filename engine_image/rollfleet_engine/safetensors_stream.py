@@ -1,0 +1,175 @@
+"""The safetensors wire format, streamed: build shards and manifests, read and verify them.
+
+A shard is a byte-exact safetensors file (8-byte little-endian header length, JSON
+header, data section). The manifest lists every shard with a sha256 per tensor, so the
+reader checks each tensor as it arrives and a corrupt or truncated transfer fails
+before anything reaches the model. torch is imported lazily: the manifest side of this
+module is usable without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollfleet_engine.protocol import Shard, TensorEntry, WeightManifest
+
+_HEADER_LEN = struct.Struct("<Q")
+_HASH_CHUNK = 8 << 20
+# torch dtype name -> safetensors dtype (the subset a model checkpoint uses).
+_TORCH_TO_ST = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+_ST_TO_TORCH = {v: k for k, v in _TORCH_TO_ST.items()}
+
+
+class TransferError(RuntimeError):
+    """The weights that arrived are not the weights the manifest promised."""
+
+
+def manifest_bytes(manifest: WeightManifest) -> bytes:
+    """Canonical serialization; its sha256 pins a manifest (``WeightUpdateInfo.manifest_sha256``)."""
+    return json.dumps(manifest.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _header(entries: list[TensorEntry]) -> bytes:
+    header = {e.name: {"dtype": e.dtype, "shape": e.shape, "data_offsets": list(e.data_offsets)} for e in entries}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+    return _HEADER_LEN.pack(len(raw)) + raw
+
+
+@dataclass(frozen=True)
+class MemoryShard:
+    """A shard built from in-memory tensors: header bytes plus one buffer per tensor."""
+
+    shard: Shard
+    header: bytes
+    buffers: list[memoryview]
+
+
+def shard_from_tensors(tensors: Mapping[str, Any], path: str) -> MemoryShard:
+    """Lay out CPU tensors as one safetensors shard (the tensors are not copied twice)."""
+    entries, buffers, offset = [], [], 0
+    for name, tensor in tensors.items():
+        t = tensor.detach().to("cpu").contiguous()
+        dtype = _TORCH_TO_ST.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
+        raw = memoryview(t.reshape(-1).view(_torch().uint8).numpy()).cast("B")
+        entries.append(
+            TensorEntry(
+                name=name,
+                dtype=dtype,
+                shape=list(t.shape),
+                data_offsets=(offset, offset + raw.nbytes),
+                sha256=sha256_hex(raw),
+            )
+        )
+        buffers.append(raw)
+        offset += raw.nbytes
+    header = _header(entries)
+    return MemoryShard(Shard(path=path, size=len(header) + offset, tensors=entries), header, buffers)
+
+
+def shard_from_file(file: Path, path: str) -> Shard:
+    """Describe an existing .safetensors file (reads it once to hash every tensor)."""
+    with file.open("rb") as f:
+        (n,) = _HEADER_LEN.unpack(f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+        entries = []
+        for name, meta in sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
+        ):
+            begin, end = meta["data_offsets"]
+            f.seek(base + begin)
+            digest = hashlib.sha256()
+            left = end - begin
+            while left:
+                chunk = f.read(min(left, _HASH_CHUNK))
+                if not chunk:
+                    raise TransferError(f"{file}: truncated in tensor {name}")
+                digest.update(chunk)
+                left -= len(chunk)
+            entries.append(
+                TensorEntry(
+                    name=name, dtype=meta["dtype"], shape=meta["shape"], data_offsets=(begin, end), sha256=digest.hexdigest()
+                )
+            )
+    return Shard(path=path, size=file.stat().st_size, tensors=entries)
+
+
+ReadInto = Callable[[memoryview], int]
+
+
+def _read_exact(read_into: ReadInto, n: int, what: str) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = read_into(view[got:])
+        if not k:
+            raise TransferError(f"stream ended after {got} of {n} bytes of {what} (truncated transfer)")
+        got += k
+    return buf
+
+
+def read_shard(read_into: ReadInto, shard: Shard) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` from a shard stream, each checked against the manifest."""
+    torch = _torch()
+    (n,) = _HEADER_LEN.unpack(_read_exact(read_into, 8, "header length"))
+    if 8 + n > shard.size:
+        raise TransferError(f"{shard.path}: header length {n} exceeds the shard size {shard.size}")
+    header = json.loads(bytes(_read_exact(read_into, n, "header")))
+    header.pop("__metadata__", None)
+    expected = {e.name: e for e in shard.tensors}
+    if set(header) != set(expected):
+        raise TransferError(f"{shard.path}: tensors differ from the manifest")
+    position = 0
+    for entry in sorted(shard.tensors, key=lambda e: e.data_offsets[0]):
+        meta = header[entry.name]
+        if (meta["dtype"], list(meta["shape"]), tuple(meta["data_offsets"])) != (
+            entry.dtype,
+            entry.shape,
+            tuple(entry.data_offsets),
+        ):
+            raise TransferError(f"{shard.path}: header of {entry.name} differs from the manifest")
+        begin, end = entry.data_offsets
+        if begin < position:
+            raise TransferError(f"{shard.path}: overlapping tensor {entry.name}")
+        if begin > position:
+            _read_exact(read_into, begin - position, "padding")
+        data = _read_exact(read_into, end - begin, entry.name)
+        if sha256_hex(data) != entry.sha256:
+            raise TransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
+        position = end
+        dtype = getattr(torch, _ST_TO_TORCH[entry.dtype])
+        tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        yield entry.name, tensor.reshape(entry.shape)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch

@@ -1,0 +1,228 @@
+"""The launcher: vLLM's OpenAI-compatible server, in-process, with Rollfleet's additions.
+
+It follows vLLM's own ``run_server`` (vllm/entrypoints/launchers/api_server/entry.py)
+step by step and adds, between building the app and serving it: the generate hook
+(caller id -> vLLM id), the /rollfleet/v1 routes and the access middleware. The HTTP
+socket only serves once the model is loaded, so /health and /rollfleet/v1/ready cannot
+pass before that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollfleet_engine.access import AccessPolicy, read_token
+from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND
+
+# Defaults that let a small model run on a CPU-only host; any of them can be
+# overridden by the extra vLLM arguments after "--" (argparse keeps the last value).
+CPU_VLLM_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--enforce-eager", "--max-model-len", "512"]
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str
+    served_model_name: str
+    host: str
+    port: int
+    token_file: str
+    inference_token_file: str | None
+    allow_unsafe_routes: bool
+    weight_version: str | None
+    weight_backend: str | None
+    device: str
+    vllm_args: list[str]
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (or hub name)")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the model)")
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("POD_IP") or "127.0.0.1",
+        help="address to bind: the pod IP from the downward API ($POD_IP) by default",
+    )
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--token-file", required=True, help="file holding the bearer token for control routes")
+    parser.add_argument(
+        "--inference-token-file", default=None, help="if set, inference routes need this token (or the control token)"
+    )
+    parser.add_argument(
+        "--allow-unsafe-routes", action="store_true", help="enable /collective_rpc and other arbitrary-code routes"
+    )
+    parser.add_argument("--weight-version", default=None, help="version label of the weights loaded at start")
+    parser.add_argument(
+        "--weight-backend",
+        default=HTTP_WEIGHT_BACKEND,
+        help="vLLM weight transfer backend: 'http' (portable, this package) or 'nccl' (GPU clusters); 'none' to disable",
+    )
+    parser.add_argument(
+        "--device", choices=["auto", "cpu", "gpu"], default="auto", help="'cpu' applies small-host vLLM defaults"
+    )
+
+
+def options_from_args(ns: argparse.Namespace, extra: Sequence[str] = ()) -> ServeOptions:
+    """Options from our parsed flags and the extra vLLM arguments (those after '--')."""
+    backend = None if ns.weight_backend == "none" else ns.weight_backend
+    return ServeOptions(
+        model=ns.model,
+        served_model_name=ns.served_model_name or ns.model,
+        host=ns.host,
+        port=ns.port,
+        token_file=ns.token_file,
+        inference_token_file=ns.inference_token_file,
+        allow_unsafe_routes=ns.allow_unsafe_routes,
+        weight_version=ns.weight_version,
+        weight_backend=backend,
+        device=ns.device,
+        vllm_args=list(extra),
+    )
+
+
+def vllm_argv(opts: ServeOptions, on_cpu: bool) -> list[str]:
+    """The argument list handed to vLLM's own server parser."""
+    argv = [
+        "--model",
+        opts.model,
+        "--served-model-name",
+        opts.served_model_name,
+        "--host",
+        opts.host,
+        "--port",
+        str(opts.port),
+    ]
+    if opts.weight_backend:
+        argv += ["--weight-transfer-config", json.dumps({"backend": opts.weight_backend})]
+    if on_cpu:
+        argv += CPU_VLLM_DEFAULTS
+    return argv + opts.vllm_args
+
+
+def _on_cpu(device: str) -> bool:
+    if device != "auto":
+        return device == "cpu"
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def serve(opts: ServeOptions) -> None:
+    """Run the engine until SIGTERM/SIGINT."""
+    # Both must be set before vLLM reads its environment: the RL control routes exist
+    # only in dev mode, and the engine core must be spawned, not forked.
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    policy = AccessPolicy(
+        control_token=read_token(opts.token_file),
+        inference_token=read_token(opts.inference_token_file) if opts.inference_token_file else None,
+        allow_unsafe_routes=opts.allow_unsafe_routes,
+    )
+    on_cpu = _on_cpu(opts.device)
+    if on_cpu:
+        for key, value in CPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM server (Rollfleet engine)"))
+    vargs = parser.parse_args(vllm_argv(opts, on_cpu))
+    configure_logging_from_args(vargs)
+    validate_parsed_serve_args(vargs)
+    uvloop.run(_run(vargs, opts, policy))
+
+
+async def _run(vargs: argparse.Namespace, opts: ServeOptions, policy: AccessPolicy) -> None:
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    listen_address, sock = setup_server(vargs, reuse_port=False)
+    try:
+        async with build_async_engine_client(vargs) as engine:
+            shutdown_task = await _build_and_serve(engine, listen_address, sock, vargs, opts, policy)
+        await shutdown_task
+    finally:
+        sock.close()
+
+
+async def _build_and_serve(
+    engine: Any, listen_address: str, sock: Any, vargs: argparse.Namespace, opts: ServeOptions, policy: AccessPolicy
+) -> Any:
+    """vLLM's ``build_and_serve`` plus the Rollfleet hook, routes and middleware."""
+    from vllm import envs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+    from vllm.logger import init_logger
+
+    from rollfleet_engine.engine_hooks import install_generate_hook
+    from rollfleet_engine.middleware import RollfleetMiddleware
+    from rollfleet_engine.routes import router
+    from rollfleet_engine.runtime import Runtime
+
+    runtime = Runtime(
+        engine=engine, policy=policy, model_name=opts.served_model_name, weight_backend=opts.weight_backend
+    )
+    install_generate_hook(engine, runtime.tracker)
+    if opts.weight_version is not None:
+        await engine.update_weight_version(opts.weight_version)
+    await runtime.refresh_weight_version()
+
+    supported_tasks = await engine.get_supported_tasks()
+    app = build_app(vargs, supported_tasks, engine.model_config)
+    app.include_router(router)
+    app.state.rollfleet = runtime
+    # Outermost layer, so a refused call reaches no vLLM code. vLLM's SageMaker
+    # bootstrap may already have built Starlette's middleware stack; then wrap it.
+    if app.middleware_stack is None:
+        app.add_middleware(RollfleetMiddleware, runtime=runtime)
+    else:
+        app.middleware_stack = RollfleetMiddleware(app.middleware_stack, runtime)
+    await init_app_state(engine, app.state, vargs, supported_tasks)
+
+    uvicorn_kwargs: dict[str, Any] = {}
+    log_config = get_uvicorn_log_config(vargs)
+    if log_config is not None:
+        uvicorn_kwargs["log_config"] = log_config
+    init_logger("rollfleet_engine").info(
+        "Rollfleet engine on %s (unsafe routes %s, inference token %s)",
+        listen_address,
+        "on" if policy.allow_unsafe_routes else "off",
+        "required" if policy.inference_token else "not required",
+    )
+    return await serve_http(
+        app,
+        sock=sock,
+        enable_ssl_refresh=vargs.enable_ssl_refresh,
+        host=vargs.host,
+        port=vargs.port,
+        log_level=vargs.uvicorn_log_level,
+        access_log=not vargs.disable_uvicorn_access_log,
+        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+        ssl_keyfile=vargs.ssl_keyfile,
+        ssl_certfile=vargs.ssl_certfile,
+        ssl_ca_certs=vargs.ssl_ca_certs,
+        ssl_cert_reqs=vargs.ssl_cert_reqs,
+        ssl_ciphers=vargs.ssl_ciphers,
+        h11_max_incomplete_event_size=vargs.h11_max_incomplete_event_size,
+        h11_max_header_count=vargs.h11_max_header_count,
+        **uvicorn_kwargs,
+    )
+
+
+def parse_serve_argv(argv: Sequence[str]) -> ServeOptions:
+    """``[our flags] [-- extra vLLM flags]``."""
+    argv = list(argv)
+    ours, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="python -m rollfleet_engine serve")
+    add_serve_arguments(parser)
+    return options_from_args(parser.parse_args(ours), extra)
