@@ -69,10 +69,8 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     csub.add_parser("status", help="what runs, and whether it is healthy").set_defaults(func=_cluster_status)
     csub.add_parser("kubeconfig", help="print the admin kubeconfig's path").set_defaults(func=_cluster_kubeconfig)
     csub.add_parser("build", help="build the control-plane binaries only").set_defaults(func=_cluster_build)
-    try:
-        from rollfleet.localcluster.nodeagent import cli as agent_cli
-    except ImportError:  # the node agent is optional for `build`
-        return
+    from rollfleet.localcluster.nodeagent import cli as agent_cli
+
     agent_cli.add_cluster_subcommands(csub)
 
 
