@@ -94,7 +94,7 @@ class Agent:
                     on_synced=functools.partial(self._on_synced, node.info.name, synced),
                     fieldSelector=f"spec.nodeName={node.info.name}")))
             tasks.append(asyncio.create_task(self._control_loop(shared)))
-            tasks.append(asyncio.create_task(self._maybe_proxy(api)))
+            tasks.append(asyncio.create_task(self._maybe_proxy(api, (host, port))))
             log.info("node agent running: %s", ", ".join(f"{n.info.name} ({n.info.ip})" for n in self.nodes.values()))
             await stop.wait()
             log.info("shutting down: stopping every pod")
@@ -221,14 +221,14 @@ class Agent:
                         self._reconcile(shared, node, uid)
             await asyncio.sleep(CONTROL_POLL_S)
 
-    async def _maybe_proxy(self, api: Api) -> None:
+    async def _maybe_proxy(self, api: Api, api_address: tuple[str, int]) -> None:
         """Run the service proxy when Services get loopback ClusterIPs (the local cluster's range)."""
         svc = await _retry_forever(lambda: api.get("/api/v1/namespaces/default/services/kubernetes"))
         ip = svc.get("spec", {}).get("clusterIP", "")
         if not is_loopback(ip):
             log.info("service proxy off: the kubernetes Service's clusterIP %s is not a loopback address", ip)
             return
-        await ServiceProxy(api).run()
+        await ServiceProxy(api, api_address).run()
 
     async def _stop_all_pods(self, grace_s: float) -> None:
         finishing = []

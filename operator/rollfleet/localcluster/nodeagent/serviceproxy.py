@@ -1,9 +1,14 @@
 """A userspace service proxy for Services with loopback ClusterIPs (the local cluster's range).
 
 For each TCP port of each such Service it listens on clusterIP:port and forwards every
-connection to a ready endpoint of the Service's EndpointSlices, round robin. Services
-and EndpointSlices come from watches. `wanted_listeners` and `backends` are pure.
-Talks to: the kube-apiserver (watches), and the pods it forwards to.
+connection to a ready pod of the Service, round robin. The API server refuses loopback
+addresses in EndpointSlices and Endpoints ("may not be in the loopback range"), so with
+loopback pod IPs no Service has endpoints; the proxy therefore selects backends itself,
+as the EndpointSlice controller would: Ready, not terminating pods matching the
+selector, `targetPort` resolved by number or container port name. The `kubernetes`
+Service goes to the API server's own address. Services and pods come from watches;
+`wanted_listeners` and `backends` are pure. Talks to: the kube-apiserver (watches) and
+the pods it forwards to.
 """
 
 from __future__ import annotations
@@ -56,18 +61,37 @@ def wanted_listeners(services: list[Obj]) -> set[ListenerKey]:
     return out
 
 
-def backends(slices: list[Obj], port_name: str) -> list[tuple[str, int]]:
-    """Ready (or readiness-unknown) endpoint addresses for the service port named `port_name`."""
-    out: list[tuple[str, int]] = []
-    for s in slices:
-        port = next((p.get("port") for p in s.get("ports") or [] if (p.get("name") or "") == port_name), None)
-        if port is None:
+def _target_port(pod: Obj, target: int | str) -> int | None:
+    if isinstance(target, int) or str(target).isdigit():
+        return int(target)
+    for c in pod.get("spec", {}).get("containers", []):
+        for p in c.get("ports") or []:
+            if p.get("name") == target and p.get("protocol", "TCP") == "TCP":
+                return int(p["containerPort"])
+    return None
+
+
+def backends(service: Obj, port_name: str, pods: list[Obj]) -> list[tuple[str, int]]:
+    """Addresses of the Service's ready pods for its port named `port_name` (sorted, for round robin)."""
+    spec = service.get("spec", {})
+    selector = spec.get("selector") or {}
+    sport = next((p for p in spec.get("ports") or [] if (p.get("name") or "") == port_name), None)
+    if not selector or sport is None:
+        return []
+    target = sport.get("targetPort", sport["port"])
+    out = []
+    for pod in pods:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        if meta.get("namespace") != service["metadata"]["namespace"] or meta.get("deletionTimestamp"):
             continue
-        for ep in s.get("endpoints") or []:
-            if (ep.get("conditions") or {}).get("ready") is False:
-                continue
-            out.extend((addr, int(port)) for addr in ep.get("addresses") or [])
-    return sorted(set(out))
+        labels = meta.get("labels") or {}
+        if any(labels.get(k) != v for k, v in selector.items()):
+            continue
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+        port = _target_port(pod, target)
+        if ready and status.get("podIP") and port is not None:
+            out.append((status["podIP"], port))
+    return sorted(out)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -82,10 +106,11 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 class ServiceProxy:
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Api, api_address: tuple[str, int]) -> None:
         self.api = api
+        self.api_address = api_address
         self._services: dict[str, Obj] = {}
-        self._slices: dict[str, Obj] = {}
+        self._pods: dict[str, Obj] = {}
         self._servers: dict[ListenerKey, asyncio.Server] = {}
         self._rr: dict[ListenerKey, itertools.count[int]] = {}
 
@@ -93,7 +118,7 @@ class ServiceProxy:
         try:
             await asyncio.gather(
                 self.api.informer("/api/v1/services", self._on_service),
-                self.api.informer("/apis/discovery.k8s.io/v1/endpointslices", self._on_slice),
+                self.api.informer("/api/v1/pods", self._on_pod),
             )
         finally:
             for server in self._servers.values():
@@ -107,12 +132,12 @@ class ServiceProxy:
             self._services[uid] = obj
         await self._sync_listeners()
 
-    async def _on_slice(self, kind: str, obj: Obj) -> None:
+    async def _on_pod(self, kind: str, obj: Obj) -> None:
         uid = obj["metadata"]["uid"]
         if kind == "DELETED":
-            self._slices.pop(uid, None)
+            self._pods.pop(uid, None)
         else:
-            self._slices[uid] = obj
+            self._pods[uid] = obj
 
     async def _sync_listeners(self) -> None:
         wanted = wanted_listeners(list(self._services.values()))
@@ -128,12 +153,15 @@ class ServiceProxy:
             except OSError as e:
                 log.warning("service proxy: cannot listen on %s:%d: %s", key.ip, key.port, e)
 
-    def _slices_of(self, namespace: str, service: str) -> list[Obj]:
-        return [s for s in self._slices.values() if s["metadata"]["namespace"] == namespace
-                and (s["metadata"].get("labels") or {}).get("kubernetes.io/service-name") == service]
+    def _targets(self, key: ListenerKey) -> list[tuple[str, int]]:
+        if (key.namespace, key.service) == ("default", "kubernetes"):
+            return [self.api_address]
+        service = next((s for s in self._services.values() if s["metadata"]["namespace"] == key.namespace
+                        and s["metadata"]["name"] == key.service), None)
+        return backends(service, key.port_name, list(self._pods.values())) if service else []
 
     async def _forward(self, key: ListenerKey, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        targets = backends(self._slices_of(key.namespace, key.service), key.port_name)
+        targets = self._targets(key)
         if not targets:
             writer.close()  # no ready endpoint: refuse, like kube-proxy's REJECT
             return
