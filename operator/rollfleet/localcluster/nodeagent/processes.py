@@ -65,10 +65,10 @@ def _mntns(pid: int) -> str | None:
 
 
 def members(mntns: str) -> list[int]:
-    """Every live process in that mount namespace."""
+    """Every live (not zombie) process in that mount namespace."""
     found = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and _mntns(int(entry.name)) == mntns:
+        if entry.name.isdigit() and _mntns(int(entry.name)) == mntns and _start_ticks(int(entry.name)) is not None:
             found.append(int(entry.name))
     return found
 

@@ -1,0 +1,91 @@
+"""Container processes for real: private mounts, start errors, and nothing left behind.
+
+Needs root (CAP_SYS_ADMIN) for mount namespaces, as the node agent does; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rollfleet.localcluster.nodeagent.processes import ContainerProcess, kill_leftovers, members
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
+
+
+def _spec(tmp_path: Path, argv: list[str], mounts: list[dict] | None = None) -> dict[str, object]:
+    return {"argv": argv, "env": {"PATH": "/usr/bin:/bin"}, "cwd": str(tmp_path / "work"), "hostname": "podname",
+            "private_roots": ["/var/run/secrets"], "mounts": mounts or []}
+
+
+async def _start(tmp_path: Path, spec: dict[str, object]) -> tuple[ContainerProcess, str]:
+    proc = await ContainerProcess.start(spec, tmp_path / "c.spec.json", tmp_path / "c.log", tmp_path / "c.pid")
+    return proc, await proc.started()
+
+
+async def _until(check: Callable[[], bool], limit_s: float = 5) -> None:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)  # polling /proc: there is no event to wait on
+
+
+def test_mounts_are_private_and_read_only(tmp_path: Path) -> None:
+    src = tmp_path / "vol"
+    src.mkdir()
+    (src / "f").write_text("hello")
+    target = "/var/run/secrets/rollfleet-test"
+    script = f"cat {target}/f; echo; hostname; touch {target}/g 2>/dev/null || echo ro; pwd"
+
+    async def main() -> int:
+        proc, error = await _start(tmp_path, _spec(tmp_path, ["sh", "-c", script],
+                                                   [{"source": str(src), "target": target, "read_only": True}]))
+        assert error == ""
+        return (await proc.wait()).code
+
+    assert asyncio.run(main()) == 0
+    assert (tmp_path / "c.log").read_text() == f"hello\npodname\nro\n{tmp_path / 'work'}\n"
+    assert not Path(target).exists()  # the tmpfs and the bind lived in the container's namespace only
+    assert not (tmp_path / "c.spec.json").exists()  # it held the environment: deleted once read
+
+
+def test_start_error_is_reported(tmp_path: Path) -> None:
+    async def main() -> str:
+        proc, error = await _start(tmp_path, _spec(tmp_path, ["no-such-command-xyz"]))
+        await proc.wait()
+        return error
+
+    assert "executable file not found" in asyncio.run(main())
+
+
+def test_stopping_kills_escaped_children(tmp_path: Path) -> None:
+    async def main() -> None:
+        proc, _ = await _start(tmp_path, _spec(tmp_path, ["sh", "-c", "trap '' TERM; setsid sleep 300 & sleep 300"]))
+        ns = proc.identity.mntns
+        await _until(lambda: len(members(ns)) == 3)
+        proc.signal(signal.SIGKILL)
+        exit_ = await proc.wait()
+        assert exit_.signal == signal.SIGKILL and exit_.code == 137
+        await _until(lambda: members(ns) == [])
+
+    asyncio.run(main())
+
+
+def test_leftovers_of_an_earlier_agent_are_killed(tmp_path: Path) -> None:
+    pod_dir = tmp_path / "pods" / "ns_p_uid"
+    pod_dir.mkdir(parents=True)
+
+    async def main() -> None:
+        proc = await ContainerProcess.start(_spec(tmp_path, ["sleep", "300"]), pod_dir / "c.spec.json",
+                                            pod_dir / "c.log", pod_dir / "c.pid")
+        await proc.started()
+        assert (pod_dir / "c.pid").exists()
+        assert await kill_leftovers(tmp_path / "pods", grace_s=2) == 1
+        assert (await proc.wait()).signal == signal.SIGTERM
+
+    asyncio.run(main())

@@ -1,0 +1,138 @@
+"""Pools file, addresses, probes' thresholds, downward API, nodes, service proxy, logs, control."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from rollfleet.localcluster.nodeagent import config, control, ipam
+from rollfleet.localcluster.nodeagent.downward import FieldError, field_value, parse_quantity
+from rollfleet.localcluster.nodeagent.logs import LogsError, find_log, logs_command
+from rollfleet.localcluster.nodeagent.nodes import merge_taints, node_status
+from rollfleet.localcluster.nodeagent.probes import ProbeTiming, Tracker
+from rollfleet.localcluster.nodeagent.serviceproxy import backends, wanted_listeners
+
+
+def test_default_pools() -> None:
+    pools = config.load()
+    assert pools.node_names() == ["gpu-0", "gpu-1", "cpu-0"]
+    gpu = pools.pools[0]
+    assert gpu.capacity["nvidia.com/gpu"] == "8" and gpu.labels["nvidia.com/gpu.present"] == "true"
+    assert [t.to_api() for t in gpu.taints] == [{"key": "nvidia.com/gpu", "value": "present",
+                                                 "effect": "NoSchedule"}]
+    assert not pools.pools[1].taints
+
+
+@pytest.mark.parametrize(("image", "entrypoint"), [
+    ("rollfleet/engine:dev", ["python", "-m", "rollfleet_engine"]),
+    ("ghcr.io/acme/rollfleet/operator:1.0", ["rollfleet"]),
+    ("docker.io/library/busybox:1.36", []),
+])
+def test_image_rules(image: str, entrypoint: list[str]) -> None:
+    rule = config.load().image_rule(image)
+    assert rule is not None and rule.entrypoint == entrypoint
+
+
+def test_unknown_image_has_no_rule() -> None:
+    assert config.load().image_rule("nginx:1.27") is None
+
+
+def test_pools_file_rejects_typos() -> None:
+    with pytest.raises(ValueError, match="capacty"):
+        config.PoolsFile.model_validate({"pools": [{"name": "x", "nodes": 1, "capacty": {}}]})
+
+
+def test_addresses() -> None:
+    assert ipam.node_ip(0) == "127.10.0.1" and ipam.node_ip(2) == "127.12.0.1"
+    ips = ipam.PodIPs(1)
+    assert ips.claim("127.11.0.7") and not ips.claim("127.11.0.7") and not ips.claim("127.10.0.7")
+    a, b = ips.allocate(), ips.allocate()
+    assert (a, b) == ("127.11.0.2", "127.11.0.3")
+    ips.release(a)
+    assert ips.allocate() == "127.11.0.4"  # not reused at once
+    with pytest.raises(ValueError):
+        ipam.node_network(ipam.MAX_NODES)
+
+
+def test_probe_thresholds() -> None:
+    t = Tracker(ProbeTiming.of({"successThreshold": 2, "failureThreshold": 2}), initial=False)
+    assert not t.record(True) and t.record(True) and t.result
+    assert not t.record(False) and t.record(False) and not t.result and t.failed_out
+    live = Tracker(ProbeTiming.of({}), initial=True)
+    assert [live.record(False) for _ in range(3)] == [False, False, True] and live.failed_out
+    assert ProbeTiming.of({}).period_s == 10 and ProbeTiming.of({}).timeout_s == 1
+
+
+def test_quantities_and_fields() -> None:
+    assert parse_quantity("500m") == Decimal("0.5") and parse_quantity("2Gi") == 2 * 2**30
+    assert parse_quantity("1e3") == 1000 and parse_quantity(4) == 4
+    with pytest.raises(FieldError):
+        parse_quantity("3 apples")
+    pod = {"metadata": {"annotations": {"x/y": "z"}}, "status": {"podIPs": [{"ip": "127.10.0.2"}]}}
+    assert field_value(pod, "metadata.annotations['x/y']") == "z"
+    assert field_value(pod, "status.podIPs") == "127.10.0.2"
+    with pytest.raises(FieldError):
+        field_value(pod, "spec.nope")
+
+
+def test_node_status_and_taints() -> None:
+    pool = config.load().pools[0]
+    s = node_status(pool, "127.10.0.1", "v1.37.1", True, datetime(2026, 1, 1, tzinfo=UTC), "boot")
+    ready = next(c for c in s["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True" and s["allocatable"]["nvidia.com/gpu"] == "8"
+    assert s["addresses"] == [{"type": "InternalIP", "address": "127.10.0.1"}]
+    unreachable = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+    gpu = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    assert merge_taints([unreachable], [gpu]) == [unreachable, gpu]
+    assert merge_taints([gpu], [gpu]) == [gpu]
+
+
+def _svc(ip: str = "127.96.0.9", **spec: object) -> dict:
+    return {"metadata": {"namespace": "ns", "name": "web"},
+            "spec": {"clusterIP": ip, "selector": {"app": "web"},
+                     "ports": [{"name": "http", "port": 80, "targetPort": "http"}], **spec}}
+
+
+def _pod(ip: str, ready: bool = True, **meta: object) -> dict:
+    return {"metadata": {"namespace": "ns", "labels": {"app": "web"}, **meta},
+            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_service_proxy_selection() -> None:
+    assert {(k.ip, k.port) for k in wanted_listeners([_svc(), _svc(ip="10.0.0.1"), _svc(ip="None")])} == {
+        ("127.96.0.9", 80)}
+    pods = [_pod("127.10.0.3"), _pod("127.10.0.2"), _pod("127.10.0.4", ready=False),
+            _pod("127.10.0.5", deletionTimestamp="now"), {**_pod("127.10.0.6"), "metadata": {"namespace": "other",
+                                                                                            "labels": {"app": "web"}}}]
+    assert backends(_svc(), "http", pods) == [("127.10.0.2", 8000), ("127.10.0.3", 8000)]
+    assert backends(_svc(), "other-port", pods) == []
+
+
+def test_logs_lookup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "pods" / "ns_web_uid1"
+    d.mkdir(parents=True)
+    (d / "pod.json").write_text('{"containers": ["app", "side"], "defaultContainer": null}')
+    (d / "app.log").write_text("now\n")
+    (d / "app.0.log").write_text("first\n")
+    (d / "app.1.log").write_text("second\n")
+    assert find_log(tmp_path / "pods", "ns", "web", None, False).read_text() == "now\n"
+    assert find_log(tmp_path / "pods", "ns", "web", "app", True).read_text() == "second\n"
+    with pytest.raises(LogsError):
+        find_log(tmp_path / "pods", "ns", "web", "side", False)
+    with pytest.raises(LogsError):
+        find_log(tmp_path / "pods", "ns", "we", None, False)  # no prefix matches
+    args = argparse.Namespace(state_dir=str(tmp_path), namespace="ns", pod="web", container=None, previous=True,
+                              follow=False)
+    assert logs_command(args) == 0
+
+
+def test_node_control_files(tmp_path: Path) -> None:
+    control.set_stopped(tmp_path, "gpu-1", True)
+    assert control.stopped_nodes(tmp_path) == {"gpu-1"}
+    control.set_stopped(tmp_path, "gpu-1", False)
+    assert control.stopped_nodes(tmp_path) == set()
