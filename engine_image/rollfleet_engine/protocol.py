@@ -45,8 +45,8 @@ class AbortResult(BaseModel):
 
 
 class RequestPhase(StrEnum):
-    QUEUED = "queued"  # accepted, no token yet (includes waiting in a paused engine)
-    RUNNING = "running"  # at least one token produced
+    QUEUED = "queued"  # accepted by the HTTP server, not yet handed to the engine
+    RUNNING = "running"  # in the engine (decoding, waiting for a batch slot, or held by a pause)
     FINISHED = "finished"
 
 
@@ -57,7 +57,7 @@ class TrackedRequest(BaseModel):
     phase: RequestPhase
     finish_reason: str | None = None
     engine_request_ids: list[str] = Field(default_factory=list, description="vLLM's own ids for this request.")
-    output_tokens: int = 0
+    output_tokens: int = Field(default=0, description="Tokens produced so far (streaming) or in total (at the end).")
     weight_versions: list[str] = Field(default_factory=list, description="Versions that produced its tokens.")
 
 

@@ -57,7 +57,7 @@ class _Entry:
         if self.finished:
             phase = RequestPhase.FINISHED
         else:
-            phase = RequestPhase.RUNNING if tokens else RequestPhase.QUEUED
+            phase = RequestPhase.RUNNING if self.engine else RequestPhase.QUEUED
         versions = list(dict.fromkeys(v for e in self.engine.values() for v in e.versions))
         return TrackedRequest(
             request_id=self.request_id,

@@ -1,0 +1,109 @@
+"""One real engine (vLLM on CPU with the tiny model) per test session, as a subprocess.
+
+Engine start costs 30-60 s on a 2-core host, so every test in tests/engine shares it;
+tests that change its state (pause, weights) restore what the next test relies on.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollfleet_engine.tiny_model import ensure_tiny_model
+
+START_TIMEOUT_S = 300
+TOKEN = "engine-test-token"
+
+
+@dataclass(frozen=True)
+class Engine:
+    url: str
+    token: str
+    model: str
+    model_dir: Path
+    log: Path
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+def free_loopback_address() -> tuple[str, int]:
+    """A random 127.x.y.z address (every one is loopback on Linux) and a free port on it."""
+    host = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}.{random.randint(1, 254)}"
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if client.get(url + "/rollfleet/v1/ready").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)  # polling a condition: the model is loading
+    raise TimeoutError(f"engine not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    model_dir = ensure_tiny_model()
+    tmp = tmp_path_factory.mktemp("engine")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
+    host, port = free_loopback_address()
+    log = tmp / "engine.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollfleet_engine",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--token-file",
+        str(token_file),
+        "--weight-version",
+        "a-0",
+        "--",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--disable-uvicorn-access-log",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://{host}:{port}"
+    try:
+        wait_ready(url, proc, log, START_TIMEOUT_S)
+        yield Engine(url=url, token=TOKEN, model="tiny", model_dir=model_dir, log=log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
