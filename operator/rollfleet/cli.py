@@ -74,10 +74,28 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     agent_cli.add_cluster_subcommands(csub)
 
 
+def _add_sync(sub: argparse._SubParsersAction) -> None:
+    from rollfleet.sync import server
+
+    p = sub.add_parser("sync", help="the weight sync sidecar of a trainer pod (pushes new weights to a fleet)")
+    server.add_arguments(p)
+    p.set_defaults(func=server.main)
+
+
+def _add_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from rollfleet.gateway import server
+
+    p = sub.add_parser("gateway", help="the fleet's data plane: routing, abort by id, cancellation, failover")
+    server.add_arguments(p)
+    p.set_defaults(func=server.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollfleet", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_cluster(sub)
+    _add_sync(sub)
+    _add_gateway(sub)
     return parser
 
 

@@ -1,0 +1,51 @@
+"""``fleet_weight_version``: the fleet's weight version and each engine's routability. Pure.
+
+The operator is the only writer of RolloutFleet status; the sync sidecar records push
+outcomes as annotations on the fleet (``protocol``). The operator calls this function
+on every reconcile with the fleet's annotations and the weight version each engine
+reports (``GET /rollfleet/v1/state``, None when unknown), writes ``version`` to
+``status.weightVersion``, and gives every engine in ``pending_sync`` the pod annotation
+``rollfleet.dev/phase=PendingSync`` (never Ready or Paused) so the gateway does not
+route to it. An engine leaves PendingSync when it reports the fleet's version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rollfleet.sync.protocol import PushPhase, decode_record, routable
+
+
+@dataclass(frozen=True)
+class FleetWeightVersion:
+    version: str | None  # for status.weightVersion: what every routable engine serves
+    generation: int | None
+    routable: tuple[str, ...]  # engines that may get traffic (by weights)
+    pending_sync: tuple[str, ...]  # engines that must not: wrong or unknown weights
+    syncing_to: str | None  # the target of a push under way, if any
+    weights_url: str | None  # where an engine that is behind pulls the fleet's version from
+    manifest_sha256: str | None
+
+
+def fleet_weight_version(
+    annotations: Mapping[str, str] | None, engine_versions: Mapping[str, str | None]
+) -> FleetWeightVersion:
+    """The fleet's version and which engines may serve, from the record and the engines' reports.
+
+    The version changes only at a push's commit, and then every routable engine has
+    it, because routable means "reports the committed version" (or, while a push is
+    InProgress, the target: such an engine is paused and only holds requests).
+    A fleet with no record yet has a version only if all its engines agree on one.
+    """
+    record = decode_record(annotations)
+    ok = tuple(sorted(name for name, v in engine_versions.items() if routable(v, record)))
+    pending = tuple(sorted(set(engine_versions) - set(ok)))
+    push = record.push
+    syncing_to = push.target.version if push is not None and push.phase is PushPhase.IN_PROGRESS else None
+    c = record.committed
+    if c is not None:
+        return FleetWeightVersion(c.version, c.generation, ok, pending, syncing_to, c.url, c.manifest_sha256)
+    reported = {v for v in engine_versions.values() if v is not None}
+    agreed = reported.pop() if len(reported) == 1 and None not in engine_versions.values() else None
+    return FleetWeightVersion(agreed, None, ok, pending, None, None, None)

@@ -1,0 +1,476 @@
+"""Runs the protocol: pushes, recovery after a restart, and catching late engines up.
+
+Every decision comes from ``protocol``; this module does the I/O around it, in the
+order that keeps the fleet consistent:
+
+1. stage: the weights are in a directory (the trainer's shared volume, or the spool
+   the client streamed into) and the weights server serves it (hashed: pinned by the
+   manifest's sha256). Nothing is paused yet.
+2. record InProgress on the fleet, abort requests that would become too stale,
+   pause every engine (``keep``: in-flight requests are held, not lost).
+3. every engine pulls in parallel: start_weight_update, update_weights (download and
+   verify into host memory), finish_weight_update(version), then its reported
+   version is checked.
+4. commit if at least one engine verified (else roll back), then resume exactly the
+   engines on the fleet's version; the others are PendingSync (paused, out of routing)
+   and the reconcile loop catches them up, or they are replaced.
+
+The spool sits on an emptyDir, which survives a restart of the sidecar container, so
+a restarted sidecar can finish a push from it. Talks to engines and the record store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rollfleet.sync.engines import (
+    PHASE_PENDING_SYNC,
+    PHASE_READY,
+    Discovery,
+    EngineAPI,
+    EngineCallError,
+    EngineRef,
+)
+from rollfleet.sync.fleetversion import fleet_weight_version
+from rollfleet.sync.models import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
+from rollfleet.sync.protocol import (
+    EngineObservation,
+    FleetRecord,
+    PushRefused,
+    RecoveryAction,
+    WeightsRef,
+    adopt_initial,
+    begin_push,
+    commit,
+    complete,
+    max_staleness,
+    needs_catch_up,
+    plan_recovery,
+    roll_back,
+    should_commit,
+    stale_requests,
+)
+from rollfleet.sync.store import RecordStore, read_record, update
+from rollfleet_engine.protocol import PauseMode
+from rollfleet_engine.weights_server import WeightsServer
+
+log = logging.getLogger(__name__)
+
+_STREAM_FILE = "model.safetensors"
+_KEPT_PUSHES = 32
+
+
+class Publisher:
+    """The one weights server engines pull from (fixed address: it is recorded on the fleet)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        self._server: WeightsServer | None = None
+        self.source: Path | None = None
+        self.url: str | None = None
+        self.total_bytes = 0
+
+    async def serve(self, source: Path) -> tuple[str, str, int]:
+        """Serve ``source`` from now on; returns (url, manifest sha256, bytes). Hashes every tensor."""
+
+        def load() -> WeightsServer:
+            if self._server is None:
+                server = WeightsServer(source, self._host, self._port)
+                server.start()
+                return server
+            if self.source != source:
+                self._server.replace(source)
+            return self._server
+
+        self._server = await asyncio.to_thread(load)
+        self.source = source
+        info = self._server.update_info()
+        self.url, self.total_bytes = info["url"], self._server.manifest.total_bytes
+        return info["url"], info["manifest_sha256"], self.total_bytes
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+
+async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+    return list(await asyncio.gather(*calls))
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        store: RecordStore,
+        discovery: Discovery,
+        api: EngineAPI,
+        publisher: Publisher,
+        spool: Path,
+        pause_mode: PauseMode = "keep",
+        default_max_staleness: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
+        self.spool = spool
+        self.pause_mode: PauseMode = pause_mode
+        self.default_max_staleness = default_max_staleness
+        self.clock = clock
+        # One actor on the engines at a time: a push, a recovery or a catch-up.
+        self._lock = asyncio.Lock()
+        self._push_task: asyncio.Task[None] | None = None
+        self._pushes: dict[int, PushStatus] = {}
+        self._changed = asyncio.Condition()
+
+    # --- the trainer's API -------------------------------------------------------------
+
+    async def stage_stream(self, version: str, chunks: AsyncIterator[bytes]) -> Path:
+        """Write a streamed safetensors shard into the spool; returns its directory."""
+        self._refuse_if_running()
+        record, _ = await read_record(self.store)
+        if record.generation_of(version) is not None:
+            raise PushRefused(f"version {version!r} was already pushed; every push needs a new version label")
+        final = self.spool / version
+        partial = self.spool / f".{version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        # No fsync: the spool's job is to survive a restart of this container, and the
+        # page cache does; fsyncing a gigabyte would add seconds to every push.
+        with (partial / _STREAM_FILE).open("wb") as f:
+            async for chunk in chunks:
+                await asyncio.to_thread(f.write, chunk)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        return final
+
+    async def submit(self, version: str, source: Path, expected_sha256: str | None = None) -> PushStatus:
+        """Stage ``source`` and record the push; the fleet is then driven in the background."""
+        self._refuse_if_running()
+        if not _has_weights(str(source)):
+            raise PushRefused(f"no .safetensors files in {source}")
+        async with self._lock:
+            t0 = self.clock()
+            record, _ = await read_record(self.store)
+            generation = record.generation + 1
+            begin_push(record, WeightsRef(version, generation), time.time())  # refuse early, before hashing
+            status = PushStatus(generation=generation, version=version)
+            self._remember(status)
+            url, sha, nbytes = await self.publisher.serve(source)
+            if expected_sha256 is not None and sha != expected_sha256:
+                await self._serve_committed(record)
+                raise PushRefused(f"the staged weights hash to manifest {sha}, the trainer sent {expected_sha256}")
+            target = WeightsRef(version, generation, url=url, manifest_sha256=sha, source=str(source))
+            try:
+                record = await update(self.store, lambda r: begin_push(r, target, time.time()))
+            except PushRefused:
+                await self._serve_committed(record)
+                raise
+            status.bytes, status.staging_s, status.state = nbytes, self.clock() - t0, PushState.RUNNING
+        self._push_task = asyncio.create_task(self._run(status, record, t0))
+        return status
+
+    def _refuse_if_running(self) -> None:
+        if self._push_task is not None and not self._push_task.done():
+            raise PushRefused("a push is running; wait for it (GET /v1/pushes/<generation>?wait=...)")
+
+    def status(self, generation: int) -> PushStatus | None:
+        return self._pushes.get(generation)
+
+    async def wait(self, generation: int, timeout_s: float) -> PushStatus | None:
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._finished(generation)), timeout=max(timeout_s, 0.0)
+                )
+        return self._pushes.get(generation)
+
+    async def fleet_version(self) -> FleetVersionView:
+        annotations, _ = await self.store.read()
+        engines = await self.discovery.engines()
+        observed = await _gather([self.api.observe(e) for e in engines])
+        fv = fleet_weight_version(annotations, {e.name: o.version for e, o in zip(engines, observed, strict=True)})
+        last = self._pushes[max(self._pushes)] if self._pushes else None
+        return FleetVersionView(
+            version=fv.version,
+            generation=fv.generation,
+            routable=list(fv.routable),
+            pending_sync=list(fv.pending_sync),
+            syncing_to=fv.syncing_to,
+            last_push=last,
+        )
+
+    # --- the push ------------------------------------------------------------------------
+
+    async def _run(self, status: PushStatus, record: FleetRecord, t0: float) -> None:
+        try:
+            async with self._lock:
+                await self._drive(record, status)
+        except Exception as err:
+            log.exception("push %s failed", status.version)
+            status.state = PushState.FAILED
+            status.message = f"{type(err).__name__}: {err}; engines stay paused until the next reconcile recovers"
+        finally:
+            status.total_s = self.clock() - t0
+            await self._notify()
+
+    async def _drive(self, record: FleetRecord, status: PushStatus) -> None:
+        """Pause, transfer, commit or roll back, resume: the body of a push and of a roll-forward."""
+        assert record.push is not None
+        target = replace(record.push.target, url=await self._serve_ref(record.push.target))
+        status.bytes = self.publisher.total_bytes
+        engines = await self.discovery.engines()
+        status.engines = [EngineProgress(name=e.name) for e in engines]
+        progress = {p.name: p for p in status.engines}
+        await self._notify()
+
+        annotations, _ = await self.store.read()
+        bound = max_staleness(annotations, self.default_max_staleness)
+        status.aborted_stale = sum(await _gather([self._abort_stale(e, record, target, bound) for e in engines]))
+
+        t_pause = self.clock()
+        paused = await _gather([self._pause(e, progress[e.name]) for e in engines])
+        t_transfer = self.clock()
+        candidates = [e for e, p in zip(engines, paused, strict=True) if p]
+        ok = await _gather([self._sync_engine(e, target, progress[e.name]) for e in candidates])
+        status.transfer_s = self.clock() - t_transfer
+        succeeded = [e.name for e, good in zip(candidates, ok, strict=True) if good]
+        failed = sorted({e.name for e in engines} - set(succeeded))
+        transferred = sum(1 for p in progress.values() if p.transfer_s is not None)
+        if status.transfer_s > 0 and transferred:
+            status.throughput_bytes_per_s = status.bytes * transferred / status.transfer_s
+
+        if should_commit(succeeded):
+            message = f"left out of routing: {', '.join(failed)}" if failed else ""
+            record = await update(self.store, lambda r: commit(_ours(r, target), failed, message))
+        else:
+            record = await update(
+                self.store, lambda r: roll_back(_ours(r, target), "no engine verified the new weights")
+            )
+            await self._serve_committed(record)
+        await self._settle(record, engines, progress)
+        status.pause_window_s = self.clock() - t_pause
+        if should_commit(succeeded):
+            await update(self.store, lambda r: complete(_ours(r, target)))
+            status.state, status.message = PushState.DONE, record.push.message if record.push else ""
+        else:
+            status.state, status.message = PushState.ROLLED_BACK, "no engine verified the new weights"
+        self._collect_spool(record)
+
+    async def _abort_stale(self, engine: EngineRef, record: FleetRecord, target: WeightsRef, bound: int | None) -> int:
+        if bound is None:
+            return 0
+        try:
+            ids = stale_requests(await self.api.in_flight(engine), record, target.generation, bound)
+            if ids:
+                await self.api.abort(engine, ids)
+        except EngineCallError as err:  # an unreachable engine fails in the transfer, with its reason
+            log.warning("staleness check on %s: %s", engine.name, err)
+            return 0
+        return len(ids)
+
+    async def _pause(self, engine: EngineRef, progress: EngineProgress) -> bool:
+        try:
+            await self.api.pause(engine, self.pause_mode)
+        except EngineCallError as err:
+            progress.step, progress.error = EngineStep.FAILED, str(err)
+            return False
+        progress.step = EngineStep.PAUSED
+        return True
+
+    async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
+        """Bring one paused engine to ``ref``; True once it reports that version."""
+        obs = await self.api.observe(engine)
+        if obs.version == ref.version:
+            progress.step = EngineStep.VERIFIED
+            return True
+        progress.step = EngineStep.TRANSFERRING
+        await self._notify()
+        t0 = self.clock()
+        info = {"url": ref.url, "manifest_sha256": ref.manifest_sha256}
+        try:
+            # A sidecar that died mid-push may have left an update session open; then start
+            # is refused and update/finish continue that session with verified weights.
+            with contextlib.suppress(EngineCallError):
+                await self.api.start_update(engine)
+            await self.api.update(engine, info)
+            await self.api.finish(engine, ref.version)
+            reported = (await self.api.state(engine)).weight_version
+            if reported != ref.version:
+                raise EngineCallError(f"{engine.name}: reports version {reported!r} after finishing {ref.version!r}")
+        except EngineCallError as err:
+            progress.step, progress.error = EngineStep.FAILED, str(err)
+            return False
+        progress.step, progress.transfer_s = EngineStep.VERIFIED, self.clock() - t0
+        await self._notify()
+        return True
+
+    async def _settle(
+        self, record: FleetRecord, engines: Sequence[EngineRef], progress: dict[str, EngineProgress]
+    ) -> None:
+        """Resume exactly the engines on the fleet's version; take the others out of routing."""
+        committed = record.committed.version if record.committed else None
+
+        async def one(engine: EngineRef) -> None:
+            p = progress.setdefault(engine.name, EngineProgress(name=engine.name))
+            obs = await self.api.observe(engine)
+            if obs.reachable and (committed is None or obs.version == committed):
+                try:
+                    await self.api.resume(engine)
+                    await self.discovery.set_phase(engine, PHASE_READY, only_if=PHASE_PENDING_SYNC)
+                    p.step = EngineStep.RESUMED
+                    return
+                except EngineCallError as err:
+                    p.error = str(err)
+            await self.discovery.set_phase(engine, PHASE_PENDING_SYNC)
+            p.step = EngineStep.PENDING_SYNC
+
+        await _gather([one(e) for e in engines])
+
+    # --- restart recovery and late engines -----------------------------------------------
+
+    async def reconcile_forever(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.reconcile_once()
+            except Exception:
+                log.exception("reconcile failed; retrying in %.1fs", interval_s)
+            await asyncio.sleep(interval_s)
+
+    async def reconcile_once(self) -> None:
+        """Finish or undo an interrupted push; adopt a new fleet's version; catch late engines up."""
+        if self._lock.locked() or (self._push_task is not None and not self._push_task.done()):
+            return
+        async with self._lock:
+            record, _ = await read_record(self.store)
+            engines = await self.discovery.engines()
+            observed = dict(zip(engines, await _gather([self.api.observe(e) for e in engines]), strict=True))
+            if record.push is not None and record.push.phase.active:
+                await self._recover(record, engines, observed)
+            elif record.committed is None:
+                await update(self.store, lambda r: adopt_initial(r, [o.version for o in observed.values()]))
+            else:
+                for engine, obs in observed.items():
+                    if needs_catch_up(obs, record):
+                        await self._catch_up(engine, record)
+
+    async def _recover(
+        self, record: FleetRecord, engines: list[EngineRef], observed: dict[EngineRef, EngineObservation]
+    ) -> None:
+        push = record.push
+        assert push is not None
+        target_ok = await self._servable(push.target)
+        previous_ok = push.previous is not None and _has_weights(push.previous.source)
+        by_name = {e.name: o for e, o in observed.items()}
+        action = plan_recovery(record, by_name, target_ok, previous_ok)
+        log.warning("recovering push %s (generation %d): %s", push.target.version, push.target.generation, action)
+        status = self._pushes.get(push.target.generation) or PushStatus(
+            generation=push.target.generation, version=push.target.version, state=PushState.RUNNING
+        )
+        status.state, status.message = PushState.RUNNING, f"recovering after an interrupted push: {action.value}"
+        self._remember(status)
+        t0 = self.clock()
+        progress = {e.name: EngineProgress(name=e.name) for e in engines}
+        status.engines = list(progress.values())
+        try:
+            if action is RecoveryAction.ROLL_FORWARD:
+                await self._drive(record, status)
+                return
+            if action is RecoveryAction.REPUSH_PREVIOUS:
+                assert push.previous is not None
+                previous = replace(push.previous, url=await self._serve_ref(push.previous))
+                behind = [e for e, o in observed.items() if o.version == push.target.version]
+                await _gather([self._sync_engine(e, previous, progress[e.name]) for e in behind])
+            if action in (RecoveryAction.ROLL_BACK, RecoveryAction.REPUSH_PREVIOUS):
+                record = await update(self.store, lambda r: roll_back(_ours(r, push.target), status.message))
+                await self._serve_committed(record)
+                status.state = PushState.ROLLED_BACK
+            elif action is RecoveryAction.COMMIT_PARTIAL:
+                failed = [e.name for e, o in observed.items() if o.version != push.target.version]
+                record = await update(self.store, lambda r: commit(_ours(r, push.target), failed, status.message))
+            await self._settle(record, engines, progress)
+            if record.push is not None and record.push.phase.active:  # RESUME or COMMIT_PARTIAL
+                await update(self.store, lambda r: complete(_ours(r, push.target)))
+                status.state = PushState.DONE
+            self._collect_spool(record)
+        finally:
+            status.total_s = self.clock() - t0
+            await self._notify()
+
+    async def _catch_up(self, engine: EngineRef, record: FleetRecord) -> None:
+        """PendingSync -> pull the fleet's version -> Ready, for an engine that started late or failed a push."""
+        assert record.committed is not None
+        if not await self._servable(record.committed):
+            log.warning("%s is behind, but the source of %s is gone", engine.name, record.committed.version)
+            return
+        ref = replace(record.committed, url=self.publisher.url)
+        progress = EngineProgress(name=engine.name)
+        await self.discovery.set_phase(engine, PHASE_PENDING_SYNC)
+        if not await self._pause(engine, progress):
+            return
+        if await self._sync_engine(engine, ref, progress):
+            await self._settle(record, [engine], {engine.name: progress})
+            log.info("caught %s up to %s in %.2fs", engine.name, ref.version, progress.transfer_s or 0.0)
+        else:
+            log.warning("catching %s up failed: %s", engine.name, progress.error)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    async def _serve_ref(self, ref: WeightsRef) -> str:
+        """Serve ``ref`` and return the URL engines pull it from."""
+        if not await self._servable(ref) or self.publisher.url is None:
+            raise RuntimeError(f"weights of {ref.version} are no longer at {ref.source}")
+        return self.publisher.url
+
+    async def _servable(self, ref: WeightsRef) -> bool:
+        """Serve ``ref``'s directory if it still holds exactly those weights."""
+        if not _has_weights(ref.source):
+            return False
+        assert ref.source is not None
+        _, sha, _ = await self.publisher.serve(Path(ref.source))
+        return ref.manifest_sha256 is None or sha == ref.manifest_sha256
+
+    async def _serve_committed(self, record: FleetRecord) -> None:
+        """Serve the fleet's version again (for late engines), after a refused or undone push."""
+        if record.committed is not None:
+            await self._servable(record.committed)
+
+    def _collect_spool(self, record: FleetRecord) -> None:
+        """Delete spooled weights other than the fleet's version (kept for late engines)."""
+        if not self.spool.is_dir():
+            return
+        sources = [record.committed.source if record.committed else None, self.publisher.source]
+        keep = {Path(s).resolve() for s in sources if s is not None}
+        for entry in self.spool.iterdir():
+            if entry.is_dir() and entry.resolve() not in keep:
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _finished(self, generation: int) -> bool:
+        s = self._pushes.get(generation)
+        return s is None or s.state.terminal
+
+    def _remember(self, status: PushStatus) -> None:
+        self._pushes[status.generation] = status
+        for old in sorted(self._pushes)[:-_KEPT_PUSHES]:
+            del self._pushes[old]
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+def _ours(record: FleetRecord, target: WeightsRef) -> FleetRecord:
+    """The record, if its active push is still the one this sidecar drives."""
+    push = record.push
+    if push is None or not push.phase.active or push.target.generation != target.generation:
+        raise PushRefused(f"the fleet's record no longer shows push {target.version} as active")
+    return record
+
+
+def _has_weights(source: str | None) -> bool:
+    return source is not None and any(Path(source).glob("*.safetensors"))

@@ -1,0 +1,348 @@
+"""The weight sync protocol: the durable push record and every decision made on it. Pure.
+
+A push moves the fleet from the *committed* weights (version A, generation g) to a
+*target* (version B, generation g+1). Versions are free-form labels chosen by the
+trainer; generations are the order: a monotonically increasing integer assigned by the
+sidecar, so staleness ("how many versions behind") is a subtraction.
+
+The record lives on the RolloutFleet as annotations (``store`` writes it with
+optimistic concurrency) so that a restarted sidecar, and the operator, know:
+
+- which version every routable engine must have (``committed``), and where an engine
+  that starts later can pull it from (``url`` + ``manifest_sha256``);
+- whether a push was under way (``push.phase``), towards what, and from what.
+
+Push phases, each written *before* the step it announces::
+
+    InProgress ──(≥1 engine finished and verified)──▶ Committed ──(resumed)──▶ Done
+        │
+        └──(no engine got the target)──▶ RolledBack
+
+Consistency rule: an engine is routable only if it reports the committed version
+(or, while a push is InProgress, the target: it is then paused by the sidecar and only
+holds requests). Everything else is PendingSync until it is caught up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from rollfleet.api.common import ANNOTATION_WEIGHT_VERSION, GROUP
+
+ANNOTATION_WEIGHT_GENERATION = f"{GROUP}/weight-generation"
+ANNOTATION_WEIGHTS_URL = f"{GROUP}/weights-url"
+ANNOTATION_SYNC_STATE = f"{GROUP}/sync-state"
+# Optional, set by a person on the fleet: how many generations behind a request may run.
+ANNOTATION_MAX_STALENESS = f"{GROUP}/max-staleness"
+
+# Versions remembered for staleness (request versions -> generations).
+HISTORY_LENGTH = 64
+
+
+class PushPhase(StrEnum):
+    IN_PROGRESS = "InProgress"  # engines may be paused; some may already have the target
+    COMMITTED = "Committed"  # the target is the fleet's version; engines are being resumed
+    DONE = "Done"
+    ROLLED_BACK = "RolledBack"  # the fleet stayed on the committed version
+
+    @property
+    def active(self) -> bool:
+        return self in (PushPhase.IN_PROGRESS, PushPhase.COMMITTED)
+
+
+class PushRefused(ValueError):
+    """A push that must not start (another is active, or the version was already used)."""
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """One set of weights: its label, its order, and where it can be pulled from."""
+
+    version: str
+    generation: int
+    url: str | None = None  # weights server serving it (None: the engines' initial weights)
+    manifest_sha256: str | None = None  # pins the exact weights served at url
+    source: str | None = None  # directory the sidecar serves it from (None: not servable)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WeightsRef:
+        return cls(
+            version=str(data["version"]),
+            generation=int(data["generation"]),
+            url=data.get("url"),
+            manifest_sha256=data.get("manifest_sha256"),
+            source=data.get("source"),
+        )
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    phase: PushPhase
+    target: WeightsRef
+    previous: WeightsRef | None
+    started_at: float
+    failed: tuple[str, ...] = ()  # engines left out of the commit (PendingSync)
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase.value,
+            "target": self.target.to_json(),
+            "previous": self.previous.to_json() if self.previous else None,
+            "started_at": self.started_at,
+            "failed": list(self.failed),
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PushRecord:
+        prev = data.get("previous")
+        return cls(
+            phase=PushPhase(data["phase"]),
+            target=WeightsRef.from_json(data["target"]),
+            previous=WeightsRef.from_json(prev) if prev else None,
+            started_at=float(data.get("started_at", 0.0)),
+            failed=tuple(data.get("failed", ())),
+            message=str(data.get("message", "")),
+        )
+
+
+@dataclass(frozen=True)
+class FleetRecord:
+    """Everything the sidecar keeps on the fleet."""
+
+    committed: WeightsRef | None = None
+    push: PushRecord | None = None
+    history: tuple[tuple[str, int], ...] = field(default=())  # (version, generation), oldest first
+
+    @property
+    def generation(self) -> int:
+        return self.committed.generation if self.committed else 0
+
+    def generation_of(self, version: str) -> int | None:
+        return next((g for v, g in reversed(self.history) if v == version), None)
+
+
+# --- the record as annotations -------------------------------------------------------
+
+
+def encode_record(record: FleetRecord) -> dict[str, str | None]:
+    """Annotations to merge-patch onto the fleet (None deletes a key).
+
+    The JSON under ``sync-state`` is the whole record; the plain keys repeat the
+    committed version for people (``kubectl get rf -o yaml``) and the operator.
+    """
+    state = {
+        "committed": record.committed.to_json() if record.committed else None,
+        "push": record.push.to_json() if record.push else None,
+        "history": [list(h) for h in record.history],
+    }
+    c = record.committed
+    return {
+        ANNOTATION_SYNC_STATE: json.dumps(state, sort_keys=True, separators=(",", ":")),
+        ANNOTATION_WEIGHT_VERSION: c.version if c else None,
+        ANNOTATION_WEIGHT_GENERATION: str(c.generation) if c else None,
+        ANNOTATION_WEIGHTS_URL: c.url if c else None,
+    }
+
+
+def decode_record(annotations: Mapping[str, str] | None) -> FleetRecord:
+    """The record from a fleet's annotations; an absent or foreign one reads as empty."""
+    annotations = annotations or {}
+    raw = annotations.get(ANNOTATION_SYNC_STATE)
+    if raw:
+        state = json.loads(raw)
+        committed, push = state.get("committed"), state.get("push")
+        return FleetRecord(
+            committed=WeightsRef.from_json(committed) if committed else None,
+            push=PushRecord.from_json(push) if push else None,
+            history=tuple((str(v), int(g)) for v, g in state.get("history", ())),
+        )
+    version = annotations.get(ANNOTATION_WEIGHT_VERSION)
+    if version:  # set by hand, or by an older sidecar: a committed version without a source
+        generation = int(annotations.get(ANNOTATION_WEIGHT_GENERATION) or 0)
+        ref = WeightsRef(version, generation, url=annotations.get(ANNOTATION_WEIGHTS_URL))
+        return FleetRecord(committed=ref, history=((version, generation),))
+    return FleetRecord()
+
+
+def max_staleness(annotations: Mapping[str, str] | None, default: int | None) -> int | None:
+    """The fleet's staleness bound: its annotation, else the sidecar's flag (None: unbounded)."""
+    raw = (annotations or {}).get(ANNOTATION_MAX_STALENESS)
+    if raw is None or raw.strip() == "":
+        return default
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"{ANNOTATION_MAX_STALENESS} must be >= 0, got {value}")
+    return value
+
+
+# --- transitions ---------------------------------------------------------------------
+
+
+def adopt_initial(record: FleetRecord, versions: Sequence[str | None]) -> FleetRecord:
+    """A fleet never pushed to: adopt the version its engines started with, if they agree."""
+    if record.committed is not None or not versions or any(v is None for v in versions) or len(set(versions)) != 1:
+        return record
+    version = str(versions[0])
+    return replace(record, committed=WeightsRef(version, 0), history=((version, 0),))
+
+
+def begin_push(record: FleetRecord, target: WeightsRef, now: float) -> FleetRecord:
+    """Record a push as InProgress; refuse if one is active or the version was used."""
+    if record.push is not None and record.push.phase.active:
+        raise PushRefused(
+            f"push of {record.push.target.version!r} (generation {record.push.target.generation}) is still "
+            f"{record.push.phase.value}"
+        )
+    if record.generation_of(target.version) is not None:
+        raise PushRefused(f"version {target.version!r} was already pushed; every push needs a new version label")
+    if target.generation != record.generation + 1:
+        raise PushRefused(f"target generation {target.generation} does not follow {record.generation}")
+    push = PushRecord(PushPhase.IN_PROGRESS, target, record.committed, now)
+    return replace(record, push=push)
+
+
+def commit(record: FleetRecord, failed: Sequence[str] = (), message: str = "") -> FleetRecord:
+    """The target becomes the fleet's version; the failed engines stay out of routing."""
+    push = _active(record)
+    history = (*record.history, (push.target.version, push.target.generation))[-HISTORY_LENGTH:]
+    done = replace(push, phase=PushPhase.COMMITTED, failed=tuple(sorted(failed)), message=message)
+    return FleetRecord(committed=push.target, push=done, history=history)
+
+
+def complete(record: FleetRecord) -> FleetRecord:
+    """After resume: Committed -> Done."""
+    push = _active(record)
+    return replace(record, push=replace(push, phase=PushPhase.DONE))
+
+
+def roll_back(record: FleetRecord, message: str) -> FleetRecord:
+    """The fleet stays on the committed version."""
+    push = _active(record)
+    return replace(record, push=replace(push, phase=PushPhase.ROLLED_BACK, message=message))
+
+
+def _active(record: FleetRecord) -> PushRecord:
+    if record.push is None or not record.push.phase.active:
+        raise ValueError("no active push in the record")
+    return record.push
+
+
+# --- decisions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineObservation:
+    """One engine as the sidecar sees it: None version means unreachable."""
+
+    version: str | None
+    paused: bool | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self.version is not None
+
+
+def should_commit(succeeded: Sequence[str]) -> bool:
+    """Commit when at least one engine finished and verified the target.
+
+    The others are PendingSync and get caught up (or replaced); rolling back a fleet
+    where most engines already hold the trainer's newest weights would throw that away.
+    """
+    return len(succeeded) > 0
+
+
+class RecoveryAction(StrEnum):
+    NOTHING = "nothing"  # no active push
+    RESUME = "resume"  # Committed: resume the engines on the committed version
+    ROLL_FORWARD = "roll-forward"  # re-run the transfer to the target (its source still exists)
+    ROLL_BACK = "roll-back"  # nothing reached the target: resume on the committed version
+    REPUSH_PREVIOUS = "repush-previous"  # some reached the target, its source is gone: push them back
+    COMMIT_PARTIAL = "commit-partial"  # neither source exists: commit the target with those that have it
+
+
+def plan_recovery(
+    record: FleetRecord,
+    observed: Mapping[str, EngineObservation],
+    target_source_exists: bool,
+    previous_source_exists: bool,
+) -> RecoveryAction:
+    """What a restarted sidecar does with the push it finds on the fleet.
+
+    Prefers finishing what the trainer asked for; rolls back only when the target's
+    weights are gone. Whatever the action, the engines not on the resulting version
+    stay out of routing (``routable``), so no mix is ever served.
+    """
+    push = record.push
+    if push is None or not push.phase.active:
+        return RecoveryAction.NOTHING
+    if push.phase is PushPhase.COMMITTED:
+        return RecoveryAction.RESUME
+    if target_source_exists:
+        return RecoveryAction.ROLL_FORWARD
+    if not any(o.version == push.target.version for o in observed.values()):
+        return RecoveryAction.ROLL_BACK
+    if previous_source_exists:
+        return RecoveryAction.REPUSH_PREVIOUS
+    return RecoveryAction.COMMIT_PARTIAL
+
+
+def routable(version: str | None, record: FleetRecord) -> bool:
+    """Whether an engine reporting ``version`` may get traffic under ``record``.
+
+    No committed version (a fleet never synced and whose engines disagree): every
+    reachable engine is routable, there is nothing to be consistent with.
+    """
+    if version is None:
+        return False
+    if record.committed is None:
+        return True
+    if version == record.committed.version:
+        return True
+    push = record.push
+    return push is not None and push.phase is PushPhase.IN_PROGRESS and version == push.target.version
+
+
+def needs_catch_up(obs: EngineObservation, record: FleetRecord) -> bool:
+    """A reachable engine, not on the committed version, that can pull it."""
+    c = record.committed
+    active = record.push is not None and record.push.phase.active
+    return obs.reachable and c is not None and c.url is not None and obs.version != c.version and not active
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A request in an engine, with the versions that produced its tokens so far."""
+
+    request_id: str
+    versions: tuple[str, ...]
+
+
+def stale_requests(
+    in_flight: Sequence[InFlight], record: FleetRecord, target_generation: int, bound: int | None
+) -> list[str]:
+    """Ids of requests that would run more than ``bound`` generations behind the target.
+
+    A request's age is that of the oldest weights that produced its tokens; one with
+    no tokens yet runs entirely on the target and is never stale. A version missing
+    from the history is older than anything remembered, so it is stale.
+    """
+    if bound is None:
+        return []
+    stale = []
+    for req in in_flight:
+        if not req.versions:
+            continue
+        generations = [record.generation_of(v) for v in req.versions]
+        oldest = min(-1 if g is None else g for g in generations)
+        if target_generation - oldest > bound:
+            stale.append(req.request_id)
+    return stale

@@ -1,0 +1,181 @@
+"""``rollfleet sync``: the sidecar process: its localhost API for the trainer, and wiring.
+
+Owns the HTTP surface (routes in ``models``) and the choice of mode: Kubernetes (the
+fleet's engine pods, the record as RolloutFleet annotations) or static (``--engines``
+URLs, the record in a file). The trainer talks to it on 127.0.0.1; engines pull
+weights from its weights server on the pod IP (``--weights-host``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from rollfleet.api.common import TOKEN_FILE
+from rollfleet.sync.engines import Discovery, EngineAPI, PodDiscovery, StaticDiscovery
+from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
+from rollfleet.sync.orchestrator import Orchestrator, Publisher
+from rollfleet.sync.protocol import PushRefused
+from rollfleet.sync.store import FileStore, FleetStore, RecordStore
+from rollfleet_engine.access import read_token
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8471
+DEFAULT_WEIGHTS_PORT = 8472
+DEFAULT_SPOOL = "/var/lib/rollfleet-sync"
+_CHUNK = 4 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fleet", required=True, help="RolloutFleet name")
+    p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    p.add_argument("--host", default="127.0.0.1", help="address of the trainer API (localhost: same pod only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--token-file", default=TOKEN_FILE, help="the fleet's admin token (engine control routes)")
+    p.add_argument(
+        "--weights-host",
+        default=os.environ.get("POD_IP", "127.0.0.1"),
+        help="address engines pull weights from: the pod IP ($POD_IP) by default",
+    )
+    p.add_argument("--weights-port", type=int, default=DEFAULT_WEIGHTS_PORT)
+    p.add_argument(
+        "--spool-dir",
+        default=DEFAULT_SPOOL,
+        help="where streamed weights are written (an emptyDir: it survives a restart of this container)",
+    )
+    p.add_argument("--engines", default=None, help="static mode: comma-separated engine URLs instead of the pods")
+    p.add_argument(
+        "--state-file", default=None, help="keep the push record in this file instead of the fleet (static mode)"
+    )
+    p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="abort requests more than N generations behind at a push (the fleet's annotation overrides)",
+    )
+    p.add_argument("--reconcile-interval", type=float, default=2.0, help="seconds between recovery/catch-up checks")
+    p.add_argument("--transfer-timeout", type=float, default=900.0, help="seconds an engine may take to pull")
+
+
+def build_app(orch: Orchestrator) -> web.Application:
+    routes = web.RouteTableDef()
+
+    def refused(err: Exception) -> web.Response:
+        return web.json_response({"error": str(err)}, status=409)
+
+    @routes.get("/healthz")
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    @routes.post("/v1/pushes")
+    async def push_dir(request: web.Request) -> web.Response:
+        try:
+            body = PushDirRequest.model_validate_json(await request.read())
+        except ValidationError as err:
+            return web.json_response({"error": str(err)}, status=400)
+        try:
+            status = await orch.submit(body.version, Path(body.path))
+        except PushRefused as err:
+            return refused(err)
+        return web.json_response(status.model_dump(mode="json"), status=202)
+
+    @routes.put("/v1/pushes/stream")
+    async def push_stream(request: web.Request) -> web.Response:
+        try:
+            version = PushDirRequest(version=request.query.get("version", ""), path="-").version
+        except ValidationError as err:
+            return web.json_response({"error": str(err)}, status=400)
+        try:
+            source = await orch.stage_stream(version, request.content.iter_chunked(_CHUNK))
+            status = await orch.submit(version, source, request.headers.get(MANIFEST_SHA_HEADER))
+        except PushRefused as err:
+            return refused(err)
+        return web.json_response(status.model_dump(mode="json"), status=202)
+
+    @routes.get("/v1/pushes/{generation}")
+    async def push_status(request: web.Request) -> web.Response:
+        generation = int(request.match_info["generation"])
+        wait_s = float(request.query.get("wait", "0"))
+        status = await orch.wait(generation, wait_s) if wait_s > 0 else orch.status(generation)
+        if status is None:
+            return web.json_response({"error": f"no push with generation {generation} in this sidecar"}, status=404)
+        return web.json_response(status.model_dump(mode="json"))
+
+    @routes.get("/v1/version")
+    async def version(_: web.Request) -> web.Response:
+        return web.json_response((await orch.fleet_version()).model_dump(mode="json"))
+
+    app = web.Application(client_max_size=1 << 20)
+    app.add_routes(routes)
+    return app
+
+
+def _kubernetes(args: argparse.Namespace) -> tuple[RecordStore, Discovery]:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    store: RecordStore = (
+        FileStore(Path(args.state_file))
+        if args.state_file
+        else FleetStore(client.CustomObjectsApi(), args.namespace, args.fleet)
+    )
+    return store, PodDiscovery(client.CoreV1Api(), args.namespace, args.fleet)
+
+
+def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
+    spool = Path(args.spool_dir)
+    if args.engines:
+        urls = [u.strip() for u in args.engines.split(",") if u.strip()]
+        store: RecordStore = FileStore(Path(args.state_file) if args.state_file else spool / "record.json")
+        discovery: Discovery = StaticDiscovery(urls)
+    else:
+        store, discovery = _kubernetes(args)
+    return Orchestrator(
+        store=store,
+        discovery=discovery,
+        api=EngineAPI(read_token(args.token_file), transfer_timeout_s=args.transfer_timeout),
+        publisher=Publisher(args.weights_host, args.weights_port),
+        spool=spool,
+        pause_mode=args.pause_mode,
+        default_max_staleness=args.max_staleness,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    orch = build_orchestrator(args)
+    runner = web.AppRunner(build_app(orch), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("rollfleet sync for fleet %s on http://%s:%d", args.fleet, args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    reconcile = asyncio.create_task(orch.reconcile_forever(args.reconcile_interval))
+    try:
+        await stop.wait()
+    finally:
+        reconcile.cancel()
+        await runner.cleanup()
+        await orch.api.close()
+        orch.publisher.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per engine call every reconcile interval would bury the pushes.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    asyncio.run(serve(args))
+    return 0

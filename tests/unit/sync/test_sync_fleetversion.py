@@ -1,0 +1,35 @@
+"""fleet_weight_version: what the operator writes to status and which engines may serve."""
+
+from __future__ import annotations
+
+from rollfleet.sync.fleetversion import fleet_weight_version
+from rollfleet.sync.protocol import FleetRecord, WeightsRef, adopt_initial, begin_push, commit, complete, encode_record
+
+B = WeightsRef("B", 1, url="http://10.0.0.5:8472", manifest_sha256="abc", source="/spool/B")
+
+
+def annotations(record: FleetRecord) -> dict[str, str]:
+    return {k: v for k, v in encode_record(record).items() if v is not None}
+
+
+def test_no_record_the_version_is_the_one_all_engines_agree_on() -> None:
+    fv = fleet_weight_version({}, {"e0": "A", "e1": "A"})
+    assert (fv.version, fv.routable, fv.pending_sync) == ("A", ("e0", "e1"), ())
+    assert fleet_weight_version({}, {"e0": "A", "e1": "B"}).version is None
+    assert fleet_weight_version({}, {"e0": "A", "e1": None}).version is None
+
+
+def test_during_a_push_the_version_stays_until_commit() -> None:
+    pushing = begin_push(adopt_initial(FleetRecord(), ["A"]), B, now=0.0)
+    fv = fleet_weight_version(annotations(pushing), {"e0": "A", "e1": "B", "e2": None})
+    assert (fv.version, fv.generation, fv.syncing_to) == ("A", 0, "B")
+    assert fv.routable == ("e0", "e1")  # both paused by the sidecar: they hold requests
+    assert fv.pending_sync == ("e2",)
+
+
+def test_after_commit_only_engines_on_the_new_version_serve() -> None:
+    done = complete(commit(begin_push(adopt_initial(FleetRecord(), ["A"]), B, now=0.0), failed=["e0"]))
+    fv = fleet_weight_version(annotations(done), {"e0": "A", "e1": "B", "e9": "B"})
+    assert (fv.version, fv.generation, fv.syncing_to) == ("B", 1, None)
+    assert fv.routable == ("e1", "e9") and fv.pending_sync == ("e0",)
+    assert (fv.weights_url, fv.manifest_sha256) == ("http://10.0.0.5:8472", "abc")

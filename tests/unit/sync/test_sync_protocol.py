@@ -1,0 +1,183 @@
+"""The weight sync protocol's decisions: record round trip, transitions, recovery, staleness."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollfleet.sync.protocol import (
+    ANNOTATION_MAX_STALENESS,
+    ANNOTATION_SYNC_STATE,
+    ANNOTATION_WEIGHT_GENERATION,
+    ANNOTATION_WEIGHT_VERSION,
+    ANNOTATION_WEIGHTS_URL,
+    HISTORY_LENGTH,
+    EngineObservation,
+    FleetRecord,
+    InFlight,
+    PushPhase,
+    PushRefused,
+    RecoveryAction,
+    WeightsRef,
+    adopt_initial,
+    begin_push,
+    commit,
+    complete,
+    decode_record,
+    encode_record,
+    max_staleness,
+    needs_catch_up,
+    plan_recovery,
+    roll_back,
+    routable,
+    should_commit,
+    stale_requests,
+)
+
+A = WeightsRef("A", 0)
+B = WeightsRef("B", 1, url="http://10.0.0.5:8472", manifest_sha256="abc", source="/spool/B")
+
+
+def on_a() -> FleetRecord:
+    return adopt_initial(FleetRecord(), ["A", "A"])
+
+
+def pushing_b() -> FleetRecord:
+    return begin_push(on_a(), B, now=100.0)
+
+
+def test_record_round_trips_through_annotations() -> None:
+    record = commit(pushing_b(), failed=["e1"], message="left out")
+    annotations = {k: v for k, v in encode_record(record).items() if v is not None}
+    assert decode_record(annotations) == record
+    assert annotations[ANNOTATION_WEIGHT_VERSION] == "B"
+    assert annotations[ANNOTATION_WEIGHT_GENERATION] == "1"
+    assert annotations[ANNOTATION_WEIGHTS_URL] == "http://10.0.0.5:8472"
+
+
+def test_empty_record_deletes_the_plain_keys() -> None:
+    patch = encode_record(FleetRecord())
+    assert patch[ANNOTATION_WEIGHT_VERSION] is None and patch[ANNOTATION_SYNC_STATE]
+    assert decode_record(None) == FleetRecord()
+
+
+def test_a_hand_set_version_reads_as_committed_without_a_source() -> None:
+    record = decode_record({ANNOTATION_WEIGHT_VERSION: "v7", ANNOTATION_WEIGHT_GENERATION: "7"})
+    assert record.committed == WeightsRef("v7", 7)
+    assert record.generation_of("v7") == 7
+
+
+def test_adopt_initial_needs_every_engine_to_agree() -> None:
+    assert on_a().committed == A
+    assert adopt_initial(FleetRecord(), ["A", "B"]).committed is None
+    assert adopt_initial(FleetRecord(), ["A", None]).committed is None
+    assert adopt_initial(FleetRecord(), []).committed is None
+    assert adopt_initial(on_a(), ["Z"]).committed == A  # never overrides a committed version
+
+
+def test_begin_push_refuses_a_second_active_push_a_used_version_and_a_gap() -> None:
+    record = pushing_b()
+    assert record.push is not None and record.push.phase is PushPhase.IN_PROGRESS
+    assert record.push.previous == A
+    with pytest.raises(PushRefused, match="still InProgress"):
+        begin_push(record, WeightsRef("C", 2), now=1.0)
+    with pytest.raises(PushRefused, match="already pushed"):
+        begin_push(on_a(), WeightsRef("A", 1), now=1.0)
+    with pytest.raises(PushRefused, match="does not follow"):
+        begin_push(on_a(), WeightsRef("C", 5), now=1.0)
+
+
+def test_commit_then_complete_moves_the_fleet_and_extends_history() -> None:
+    committed = commit(pushing_b(), failed=["e2", "e1"])
+    assert committed.committed == B
+    assert committed.push is not None and committed.push.phase is PushPhase.COMMITTED
+    assert committed.push.failed == ("e1", "e2")
+    assert committed.generation_of("B") == 1 and committed.generation_of("A") == 0
+    done = complete(committed)
+    assert done.push is not None and done.push.phase is PushPhase.DONE
+    # The next push may start and must use generation 2.
+    assert begin_push(done, WeightsRef("C", 2), now=1.0).push is not None
+
+
+def test_roll_back_keeps_the_committed_version() -> None:
+    rolled = roll_back(pushing_b(), "no engine verified")
+    assert rolled.committed == A
+    assert rolled.push is not None and rolled.push.phase is PushPhase.ROLLED_BACK
+    with pytest.raises(ValueError, match="no active push"):
+        complete(rolled)
+
+
+def test_history_is_bounded() -> None:
+    record = on_a()
+    for g in range(1, HISTORY_LENGTH + 10):
+        record = complete(commit(begin_push(record, WeightsRef(f"v{g}", g), now=0.0)))
+    assert len(record.history) == HISTORY_LENGTH
+    assert record.generation_of("A") is None
+
+
+def test_commit_needs_one_verified_engine() -> None:
+    assert should_commit(["e0"])
+    assert not should_commit([])
+
+
+@pytest.mark.parametrize(
+    ("observed", "target_exists", "previous_exists", "expected"),
+    [
+        ({"e0": "A", "e1": "B"}, True, True, RecoveryAction.ROLL_FORWARD),
+        ({"e0": "A", "e1": "A"}, False, False, RecoveryAction.ROLL_BACK),
+        ({"e0": "A", "e1": None}, False, True, RecoveryAction.ROLL_BACK),
+        ({"e0": "A", "e1": "B"}, False, True, RecoveryAction.REPUSH_PREVIOUS),
+        ({"e0": "A", "e1": "B"}, False, False, RecoveryAction.COMMIT_PARTIAL),
+    ],
+)
+def test_recovery_of_an_interrupted_push(
+    observed: dict[str, str | None], target_exists: bool, previous_exists: bool, expected: RecoveryAction
+) -> None:
+    obs = {k: EngineObservation(v) for k, v in observed.items()}
+    assert plan_recovery(pushing_b(), obs, target_exists, previous_exists) is expected
+
+
+def test_recovery_after_commit_only_resumes_and_nothing_without_an_active_push() -> None:
+    obs = {"e0": EngineObservation("A")}
+    assert plan_recovery(commit(pushing_b()), obs, False, False) is RecoveryAction.RESUME
+    assert plan_recovery(complete(commit(pushing_b())), obs, False, False) is RecoveryAction.NOTHING
+    assert plan_recovery(on_a(), obs, True, True) is RecoveryAction.NOTHING
+
+
+def test_routable_means_on_the_committed_version_or_on_the_target_while_paused_for_it() -> None:
+    assert routable("A", on_a()) and not routable("B", on_a()) and not routable(None, on_a())
+    assert routable("A", pushing_b()) and routable("B", pushing_b())
+    after = commit(pushing_b())
+    assert routable("B", after) and not routable("A", after)
+    assert routable("anything", FleetRecord())  # nothing to be consistent with yet
+
+
+def test_catch_up_only_without_an_active_push_and_with_a_source() -> None:
+    done = complete(commit(pushing_b()))
+    assert needs_catch_up(EngineObservation("A"), done)
+    assert not needs_catch_up(EngineObservation("B"), done)
+    assert not needs_catch_up(EngineObservation(None), done)
+    assert not needs_catch_up(EngineObservation("A"), commit(pushing_b()))  # resuming: not yet
+    assert not needs_catch_up(EngineObservation("Z"), on_a())  # initial weights: no url to pull from
+
+
+def test_staleness_counts_generations_from_the_oldest_weights_a_request_ran_on() -> None:
+    record = complete(commit(pushing_b()))  # history A=0, B=1
+    reqs = [
+        InFlight("old", ("A",)),
+        InFlight("mixed", ("A", "B")),
+        InFlight("fresh", ("B",)),
+        InFlight("queued", ()),
+        InFlight("unknown", ("pre-history",)),
+    ]
+    assert stale_requests(reqs, record, target_generation=2, bound=None) == []
+    assert stale_requests(reqs, record, target_generation=2, bound=1) == ["old", "mixed", "unknown"]
+    assert stale_requests(reqs, record, target_generation=2, bound=2) == ["unknown"]
+    assert stale_requests(reqs, record, target_generation=2, bound=0) == ["old", "mixed", "fresh", "unknown"]
+
+
+def test_max_staleness_from_the_fleet_overrides_the_flag() -> None:
+    assert max_staleness({}, 3) == 3
+    assert max_staleness({ANNOTATION_MAX_STALENESS: "1"}, 3) == 1
+    assert max_staleness({ANNOTATION_MAX_STALENESS: " "}, None) is None
+    with pytest.raises(ValueError, match=">= 0"):
+        max_staleness({ANNOTATION_MAX_STALENESS: "-1"}, None)
