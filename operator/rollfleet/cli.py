@@ -82,20 +82,11 @@ def _add_sync(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=server.main)
 
 
-def _add_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from rollfleet.gateway import server
-
-    p = sub.add_parser("gateway", help="the fleet's data plane: routing, abort by id, cancellation, failover")
-    server.add_arguments(p)
-    p.set_defaults(func=server.run)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollfleet", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_cluster(sub)
     _add_sync(sub)
-    _add_gateway(sub)
     return parser
 
 
