@@ -54,7 +54,9 @@ async def _observe(
                 engine_id,
                 output_tokens=sum(len(o.token_ids) for o in outputs),
                 cumulative=cumulative,
-                finish_reason=(ABORT if ABORT in reasons else (reasons[0] if reasons else "stop")) if finished else None,
+                finish_reason=(ABORT if ABORT in reasons else (reasons[0] if reasons else "stop"))
+                if finished
+                else None,
                 versions=versions,
             )
             yield out

@@ -48,7 +48,7 @@ def manifest_bytes(manifest: WeightManifest) -> bytes:
     return json.dumps(manifest.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
 
 
-def sha256_hex(data: bytes | memoryview) -> str:
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -114,7 +114,11 @@ def shard_from_file(file: Path, path: str) -> Shard:
                 left -= len(chunk)
             entries.append(
                 TensorEntry(
-                    name=name, dtype=meta["dtype"], shape=meta["shape"], data_offsets=(begin, end), sha256=digest.hexdigest()
+                    name=name,
+                    dtype=meta["dtype"],
+                    shape=meta["shape"],
+                    data_offsets=(begin, end),
+                    sha256=digest.hexdigest(),
                 )
             )
     return Shard(path=path, size=file.stat().st_size, tensors=entries)

@@ -60,7 +60,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight-backend",
         default=HTTP_WEIGHT_BACKEND,
-        help="vLLM weight transfer backend: 'http' (portable, this package) or 'nccl' (GPU clusters); 'none' to disable",
+        help="vLLM weight transfer backend: 'http' (portable, this package), 'nccl' (GPU clusters) or 'none'",
     )
     parser.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto", help="'cpu' applies small-host vLLM defaults"

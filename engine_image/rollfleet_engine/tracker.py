@@ -12,6 +12,7 @@ No vLLM import: the engine glue feeds plain values in, so this is unit-tested al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -56,8 +57,10 @@ class _Entry:
         tokens = sum(e.output_tokens for e in self.engine.values())
         if self.finished:
             phase = RequestPhase.FINISHED
+        elif self.engine:
+            phase = RequestPhase.RUNNING
         else:
-            phase = RequestPhase.RUNNING if self.engine else RequestPhase.QUEUED
+            phase = RequestPhase.QUEUED
         versions = list(dict.fromkeys(v for e in self.engine.values() for v in e.versions))
         return TrackedRequest(
             request_id=self.request_id,
@@ -163,17 +166,14 @@ class RequestTracker:
         finished = list(self._finished.values())[-recent:] if recent > 0 else []
         return RequestsView(
             in_flight=[e.view() for e in self._active.values() if not e.finished],
-            recently_finished=[e.view() for e in finished]
-            + [e.view() for e in self._active.values() if e.finished],
+            recently_finished=[e.view() for e in finished] + [e.view() for e in self._active.values() if e.finished],
         )
 
-    async def wait_changed(self, timeout: float) -> None:
-        """Return when anything changes, or after ``timeout`` seconds."""
+    async def wait_changed(self, max_wait_s: float) -> None:
+        """Return when anything changes, or after ``max_wait_s`` seconds."""
         event = self._changed
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max_wait_s)
 
     def _notify(self) -> None:
         # A fresh event per change: waiters woken by the old one re-check and wait on the new.

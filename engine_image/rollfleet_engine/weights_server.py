@@ -78,7 +78,7 @@ class WeightsServer:
         if self._httpd is None:
             raise RuntimeError("weights server not started")
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> str:
         """Bind and serve in a background thread; returns the base URL."""

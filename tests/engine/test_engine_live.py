@@ -169,7 +169,9 @@ def test_abort_by_caller_id_ends_that_request_only(engine: Engine) -> None:
     chat_victim.wait_tokens(4)
     assert {victim.request_id, chat_victim.request_id} <= in_flight_ids(engine)
 
-    r = control(engine, "/rollfleet/v1/abort", json={"request_ids": [victim.request_id, chat_victim.request_id, "nope"]})
+    r = control(
+        engine, "/rollfleet/v1/abort", json={"request_ids": [victim.request_id, chat_victim.request_id, "nope"]}
+    )
     assert r.status_code == 200
     assert r.json()["results"] == {victim.request_id: "aborted", chat_victim.request_id: "aborted", "nope": "unknown"}
 

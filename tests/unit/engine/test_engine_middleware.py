@@ -1,0 +1,81 @@
+"""The access middleware in front of a stand-in ASGI app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from rollfleet_engine.access import AccessPolicy
+from rollfleet_engine.engine_hooks import current_caller_id
+from rollfleet_engine.middleware import RollfleetMiddleware
+from rollfleet_engine.runtime import Runtime
+
+
+class App:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str], str | None]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.calls.append((scope["path"], headers, current_caller_id.get()))
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def call(mw: RollfleetMiddleware, path: str, headers: dict[str, str], body: dict[str, Any] | None = None) -> dict:
+    sent: list[dict[str, Any]] = []
+    payload = json.dumps(body or {}).encode()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": payload, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "query_string": b"mode=keep",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    asyncio.run(mw(scope, receive, send))
+    start = sent[0]
+    return {"status": start["status"], "headers": {k.decode(): v.decode() for k, v in start["headers"]}}
+
+
+def make() -> tuple[RollfleetMiddleware, App, Runtime]:
+    app = App()
+    runtime = Runtime(engine=None, policy=AccessPolicy("ctl"), model_name="m", weight_backend="http")
+    runtime.weight_version = "v7"
+    return RollfleetMiddleware(app, runtime), app, runtime
+
+
+def test_refused_control_call_reaches_nothing() -> None:
+    mw, app, runtime = make()
+    assert call(mw, "/pause", {})["status"] == 401
+    assert call(mw, "/pause", {"Authorization": "Bearer wrong"})["status"] == 401
+    assert app.calls == [] and runtime.pause_mode is None
+    assert call(mw, "/pause", {"Authorization": "Bearer ctl"})["status"] == 200
+    assert runtime.pause_mode == "keep"
+
+
+def test_caller_id_from_header_body_or_new() -> None:
+    mw, app, runtime = make()
+    r = call(mw, "/v1/completions", {"X-Request-Id": "h1"})
+    assert r["headers"]["x-request-id"] == "h1" and r["headers"]["x-rollfleet-weight-version"] == "v7"
+    assert app.calls[-1][2] == "h1"
+    call(mw, "/v1/completions", {}, {"request_id": "b1"})
+    assert app.calls[-1][1]["x-request-id"] == "b1" and app.calls[-1][2] == "b1"
+    r = call(mw, "/v1/chat/completions", {})
+    assert r["headers"]["x-request-id"].startswith("rf-")
+    assert runtime.tracker.get("h1") is not None and runtime.tracker.view().in_flight == []
+
+
+def test_in_flight_id_cannot_be_reused() -> None:
+    mw, app, runtime = make()
+    runtime.tracker.open("dup")
+    assert call(mw, "/v1/completions", {"X-Request-Id": "dup"})["status"] == 409
+    assert app.calls == []

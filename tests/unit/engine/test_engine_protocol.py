@@ -1,0 +1,27 @@
+"""The gateway and operator import the protocol: it must not pull in vLLM or torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from rollfleet_engine.server import parse_serve_argv, vllm_argv
+
+
+def test_protocol_imports_without_vllm_or_torch() -> None:
+    code = (
+        "import sys, rollfleet_engine.protocol, rollfleet_engine.access, rollfleet_engine.tracker;"
+        "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serve_argv_split_and_defaults() -> None:
+    opts = parse_serve_argv(
+        ["--model", "/m", "--host", "127.1.2.3", "--port", "9", "--token-file", "/t", "--", "--dtype", "float32"]
+    )
+    assert opts.served_model_name == "/m" and opts.vllm_args == ["--dtype", "float32"]
+    argv = vllm_argv(opts, on_cpu=True)
+    assert argv[-2:] == ["--dtype", "float32"]  # user arguments come last, so they win
+    assert "--weight-transfer-config" in argv and "--enforce-eager" in argv
+    assert "--enforce-eager" not in vllm_argv(opts, on_cpu=False)

@@ -1,0 +1,85 @@
+"""Safetensors streaming, the weights server and the engine-side pull (no vLLM)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollfleet_engine.safetensors_stream import TransferError, read_shard, shard_from_file, shard_from_tensors
+from rollfleet_engine.weights_client import fetch_weights
+from rollfleet_engine.weights_server import WeightsServer
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(4, 3, generator=g),
+        "b.bias": torch.randn(5, generator=g).to(torch.bfloat16),
+        "c.scalar": torch.tensor(2.5),
+        "d.ids": torch.arange(7, dtype=torch.int64),
+    }
+
+
+def _blob(tensors: dict[str, torch.Tensor]) -> tuple[bytes, object]:
+    mem = shard_from_tensors(tensors, "/shards/0")
+    return mem.header + b"".join(bytes(b) for b in mem.buffers), mem.shard
+
+
+def test_memory_shard_is_valid_safetensors(tmp_path: Path) -> None:
+    tensors = _tensors()
+    blob, _ = _blob(tensors)
+    (tmp_path / "x.safetensors").write_bytes(blob)
+    loaded = load_file(str(tmp_path / "x.safetensors"))
+    assert set(loaded) == set(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(loaded[name], tensor)
+
+
+def test_read_shard_roundtrip_and_file_manifest(tmp_path: Path) -> None:
+    tensors = _tensors()
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    shard = shard_from_file(tmp_path / "m.safetensors", "/shards/0")
+    stream = io.BytesIO((tmp_path / "m.safetensors").read_bytes())
+    got = dict(read_shard(stream.readinto, shard))
+    for name, tensor in tensors.items():
+        assert torch.equal(got[name], tensor)
+
+
+def test_corrupt_and_truncated_streams_fail() -> None:
+    blob, shard = _blob(_tensors())
+    corrupt = bytearray(blob)
+    corrupt[-3] ^= 0xFF
+    with pytest.raises(TransferError, match="sha256"):
+        list(read_shard(io.BytesIO(bytes(corrupt)).readinto, shard))  # type: ignore[arg-type]
+    with pytest.raises(TransferError, match="truncated"):
+        list(read_shard(io.BytesIO(blob[:-5]).readinto, shard))  # type: ignore[arg-type]
+
+
+def test_server_and_fetch(tmp_path: Path) -> None:
+    tensors = _tensors()
+    server = WeightsServer(tensors, host="127.0.0.1")
+    url = server.start()
+    try:
+        info = server.update_info()
+        got = dict(fetch_weights(url, info["manifest_sha256"], 10))
+        assert all(torch.equal(got[n], t) for n, t in tensors.items())
+        with pytest.raises(TransferError, match="manifest"):
+            fetch_weights(url, "0" * 64, 10)
+        tensors["a.weight"].add_(1)  # changed after the manifest: a corrupt transfer
+        with pytest.raises(TransferError, match="sha256"):
+            fetch_weights(url, info["manifest_sha256"], 10)
+    finally:
+        server.stop()
+
+    save_file(_tensors(), str(tmp_path / "model.safetensors"))
+    directory = WeightsServer(tmp_path, host="127.0.0.1")
+    url = directory.start()
+    try:
+        got = dict(fetch_weights(url, directory.update_info()["manifest_sha256"], 10))
+        assert set(got) == set(_tensors())
+    finally:
+        directory.stop()
