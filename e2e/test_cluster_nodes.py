@@ -336,3 +336,12 @@ def test_node_objects_look_like_gpu_nodes(core: kubernetes.client.CoreV1Api, loc
     lease = kubernetes.client.CoordinationV1Api(core.api_client).read_namespaced_lease("gpu-0", "kube-node-lease")
     age = time.time() - lease.spec.renew_time.timestamp()
     assert age < 30, f"lease renewed {age:.0f}s ago"
+
+
+def test_failing_init_container_fails_a_never_pod(core: kubernetes.client.CoreV1Api, ns: str) -> None:
+    core.create_namespaced_pod(ns, _pod("badinit", ["true"], restartPolicy="Never", initContainers=[
+        {"name": "init", "image": "busybox", "command": ["sh", "-c", "exit 7"]}]))
+    wait_for(lambda: _phase(core, ns, "badinit") == "Failed", 30, what="badinit Failed")
+    p = core.read_namespaced_pod("badinit", ns)
+    assert p.status.init_container_statuses[0].state.terminated.exit_code == 7
+    assert p.status.container_statuses[0].state.waiting.reason == "PodInitializing"

@@ -480,31 +480,29 @@ class PodWorker:
     # --- the whole pod ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Prepare, run init containers, then containers, until the pod ends or is terminated."""
+        """Prepare, run init containers, then containers; keep reporting until the pod is terminated
+        (a pod that ran to completion keeps its worker, so its last status goes out)."""
         status_task = asyncio.create_task(self.status_loop())
         refresh_task: asyncio.Task[None] | None = None
         try:
             self.publish()
-            if not await self._prepare():
-                return
-            refresh_task = asyncio.create_task(self.token_refresh_loop())
-            for c in self.init:
-                if not await self._container_loop(c, init=True):
-                    return
-            await asyncio.gather(*(self._container_loop(c, init=False) for c in self.main))
-            # Everything has finished for good (Succeeded/Failed): let the last status go out.
+            if await self._prepare():
+                refresh_task = asyncio.create_task(self.token_refresh_loop())
+                if await self._init_containers():
+                    await asyncio.gather(*(self._container_loop(c, init=False) for c in self.main))
             await self.terminating.wait()
         finally:
-            if refresh_task:
-                refresh_task.cancel()
-            await self._flush_status(status_task)
+            for task in (refresh_task, status_task):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
-    async def _flush_status(self, status_task: asyncio.Task[None]) -> None:
-        self.publish()
-        await asyncio.sleep(0)
-        status_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await status_task
+    async def _init_containers(self) -> bool:
+        for c in self.init:
+            if not await self._container_loop(c, init=True):
+                return False
+        return True
 
     async def terminate(self, grace_s: float | None = None) -> None:
         """Stop every container (SIGTERM, SIGKILL after the grace period) and wait until all exited."""
