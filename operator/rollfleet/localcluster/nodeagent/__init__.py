@@ -5,6 +5,6 @@ only to the kube-apiserver (aiohttp, JSON dicts) and to the processes it starts.
 Module map: `config` (pools file), `kubeapi` (API client and watches), `nodes`
 (registration, leases, heartbeats), `pods` (pod lifecycle), `processes` + `launcher`
 (container processes in private mount namespaces), `volumes`, `env`, `downward`,
-`probes`, `status` (pure pod status), `ipam`, `images`, `serviceproxy`, `logs`,
-`control` (node stop/start), `agent` (wiring).
+`probes`, `status` (pure pod status), `ipam`, `serviceproxy`, `logs`, `control`
+(node stop/start), `cli` (`rollfleet cluster logs|node`), `agent` (wiring).
 """

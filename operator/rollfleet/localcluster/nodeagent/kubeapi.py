@@ -187,3 +187,6 @@ class Api:
             except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
                 log.warning("watch %s: %s; re-listing", path, e)
                 await asyncio.sleep(1)
+            except Exception:  # a handler's bug must not end the watch for good
+                log.exception("watch %s: event handler failed; re-listing", path)
+                await asyncio.sleep(1)

@@ -15,6 +15,8 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
+
 from rollfleet.localcluster.nodeagent.config import Pool
 from rollfleet.localcluster.nodeagent.kubeapi import Api, ApiError
 from rollfleet.localcluster.nodeagent.status import rfc3339
@@ -157,7 +159,7 @@ class NodeKeeper:
                     if loop.time() >= next_status:
                         await self.post_status(True)
                         next_status = loop.time() + STATUS_EVERY_S
-                except (TimeoutError, ApiError, OSError) as e:
+                except (TimeoutError, ApiError, OSError, aiohttp.ClientError) as e:
                     log.warning("node %s: heartbeat failed: %s", self.name, e)
             else:
                 next_status = 0.0  # when it runs again, post status at once

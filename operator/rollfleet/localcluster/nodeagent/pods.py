@@ -187,8 +187,8 @@ class PodWorker:
                 continue
             try:
                 updated = await self.shared.api.strategic_patch(path, {"status": status})
-            except ApiError as e:
-                if e.status == 404:
+            except (ApiError, aiohttp.ClientError, OSError, TimeoutError) as e:
+                if isinstance(e, ApiError) and e.status == 404:
                     return
                 log.warning("%s: status patch failed: %s", self.ref, e)
                 await asyncio.sleep(1)
@@ -259,7 +259,7 @@ class PodWorker:
             try:
                 await action()
                 return True
-            except (volumes.VolumeError, envmod.EnvError, ApiError, OSError) as e:
+            except (volumes.VolumeError, envmod.EnvError, ApiError, OSError, aiohttp.ClientError, TimeoutError) as e:
                 msg = str(e) if not isinstance(e, ApiError) else f"API error {e.status} during {what}"
                 log.info("%s: %s: %s", self.ref, what, e)
                 on_error(msg)
@@ -345,7 +345,7 @@ class PodWorker:
         try:
             await self._fetch_refs()
             launch, why = self._launch_spec(c)
-        except (envmod.EnvError, volumes.VolumeError, ApiError) as e:
+        except (envmod.EnvError, volumes.VolumeError, ApiError, aiohttp.ClientError, TimeoutError) as e:
             c.obs.state = Waiting("CreateContainerConfigError", str(e))
             return False
         if launch is None:
