@@ -22,10 +22,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from rollfleet.api import fleet
+from rollfleet.api import fleet, request
 from rollfleet.api.common import CrdInfo
 
-CRDS: tuple[CrdInfo, ...] = (fleet.CRD,)
+CRDS: tuple[CrdInfo, ...] = (fleet.CRD, request.CRD)
 
 Schema = dict[str, Any]
 

@@ -1,0 +1,55 @@
+"""kopf registration for RolloutRequest: one daemon per request object.
+
+A daemon (not on.create/on.update handlers) because a run is long-lived and must
+react within a fraction of a second to annotations on its object: kopf hands the
+daemon a live view of the body, which the run loop reads every tick. The daemon
+returns once the request is terminal (after its TTL when one is set), so finished
+requests cost nothing; after an operator restart every request gets a daemon again
+and a running one is adopted (see `runner`).
+
+Shared clients (API client, HTTP client to gateways) are created on first use in the
+operator's event loop. Talks to nobody itself; `runner` does the I/O.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import httpx
+import kopf
+import kubernetes
+
+from rollfleet.api.common import GROUP, VERSION
+from rollfleet.api.request import PLURAL, TERMINAL_PHASES
+from rollfleet.controller.requests import runner
+
+# Each in-flight sample holds one connection to its gateway; parallelism is per request.
+MAX_CONNECTIONS = 4096
+
+
+@functools.cache
+def _kube() -> runner.Kube:
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return runner.Kube(kubernetes.client.ApiClient())
+
+
+@functools.cache
+def _http() -> httpx.AsyncClient:
+    # No read timeout: a sample may wait out a long weight sync on a paused engine; deadlines are ours.
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                             limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=30.0)
+async def run_request(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    kube = _kube()
+    phase = (body.get("status") or {}).get("phase")
+    if phase not in TERMINAL_PHASES:
+        verdict = await runner.Run(kube, _http(), body, stopping=lambda: bool(stopped)).run()
+        if not verdict.terminal or stopped:
+            return
+    await runner.expire(kube, body, stopped.wait)

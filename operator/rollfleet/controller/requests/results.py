@@ -1,0 +1,174 @@
+"""The results store of a RolloutRequest: finished samples as JSONL in ConfigMaps it owns.
+
+Why ConfigMaps: they live in the API server's etcd (they survive operator, gateway
+and pod restarts with no volume to provision), are garbage-collected with their
+owner (deleting the request, or its TTL, deletes its results), are guarded by the
+request's namespace RBAC, and need nothing beyond the cluster itself (kind included).
+A ConfigMap holds at most 1 MiB, so results are chunked: the operator appends lines
+to the open chunk and rewrites it at most once per flush; a full chunk is sealed
+(`immutable: true`) and a new one opened. Chunks are named
+`<request>-<uid[:8]>-<index>` (the uid part keeps a re-created request from meeting
+its predecessor's chunks) and labelled with the request's name, uid and chunk index.
+
+`Layout` is the pure part (which lines go in which chunk, which chunks need a write);
+`ResultStore` does the I/O with the CoreV1 API (synchronous client, called from
+threads by the runner); `read_lines` is what `rollfleet results` uses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import kubernetes
+
+from rollfleet.api.common import API_VERSION, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME
+from rollfleet.api.request import KIND, LABEL_CHUNK, LABEL_REQUEST, LABEL_REQUEST_UID
+from rollfleet.controller.requests.plan import SampleResult
+
+DATA_KEY = "samples.jsonl"
+# Bytes of JSONL per chunk: ConfigMaps hold 1 MiB with their metadata; leave room for it.
+CHUNK_LIMIT = 900 * 1024
+
+
+def chunk_name(request: str, uid: str, index: int) -> str:
+    return f"{request}-{uid[:8]}-{index:04d}"
+
+
+@dataclass
+class Chunk:
+    index: int
+    lines: list[str] = field(default_factory=list)
+    size: int = 0
+    sealed: bool = False
+    written: int = -1  # lines the API server holds; -1: the ConfigMap does not exist yet
+    sealed_written: bool = False
+    resource_version: str | None = None
+
+    @property
+    def dirty(self) -> bool:
+        return self.written != len(self.lines) or self.sealed != self.sealed_written
+
+    def text(self) -> str:
+        return "".join(line + "\n" for line in self.lines)
+
+
+class Layout:
+    """Which chunk each line goes in. Pure: the store writes what `dirty()` names."""
+
+    def __init__(self, limit: int = CHUNK_LIMIT, chunks: Iterable[Chunk] = ()) -> None:
+        self.limit = limit
+        self.chunks = sorted(chunks, key=lambda c: c.index)
+
+    def append(self, line: str) -> None:
+        size = len(line.encode()) + 1
+        current = self.chunks[-1] if self.chunks else None
+        if current is not None and not current.sealed and current.lines and current.size + size > self.limit:
+            current.sealed = True
+        if current is None or current.sealed:
+            current = Chunk(index=current.index + 1 if current else 0)
+            self.chunks.append(current)
+        current.lines.append(line)
+        current.size += size
+
+    def dirty(self) -> list[Chunk]:
+        return [c for c in self.chunks if c.dirty]
+
+    def lines(self) -> Iterator[str]:
+        for c in self.chunks:
+            yield from c.lines
+
+
+def parse_chunk(cm: dict[str, Any]) -> Chunk:
+    """A stored chunk (a ConfigMap as JSON) back as a Chunk that needs no write."""
+    meta = cm["metadata"]
+    text = (cm.get("data") or {}).get(DATA_KEY, "")
+    lines = [line for line in text.split("\n") if line]
+    sealed = bool(cm.get("immutable"))
+    return Chunk(index=int(meta["labels"][LABEL_CHUNK]), lines=lines, size=len(text.encode()), sealed=sealed,
+                 written=len(lines), sealed_written=sealed, resource_version=meta.get("resourceVersion"))
+
+
+class ResultStore:
+    """The results of one RolloutRequest, loaded from and written to its ConfigMaps."""
+
+    def __init__(self, core: kubernetes.client.CoreV1Api, namespace: str, name: str, uid: str,
+                 limit: int = CHUNK_LIMIT) -> None:
+        self.core, self.namespace, self.name, self.uid = core, namespace, name, uid
+        self.layout = Layout(limit)
+        self.results: dict[tuple[int, int], SampleResult] = {}
+
+    def load(self) -> list[SampleResult]:
+        """Read every stored chunk; returns the stored results (one per sample)."""
+        items = list_chunks(self.core, self.namespace, self.uid)
+        self.layout = Layout(self.layout.limit, (parse_chunk(cm) for cm in items))
+        self.results = {}
+        for line in self.layout.lines():
+            r = SampleResult.from_line(line)
+            self.results[r.key] = r
+        return list(self.results.values())
+
+    def add(self, result: SampleResult) -> bool:
+        """Buffer a result; False (and nothing stored) when the sample already has one."""
+        if result.key in self.results:
+            return False
+        self.results[result.key] = result
+        self.layout.append(result.line())
+        return True
+
+    @property
+    def pending(self) -> int:
+        return sum(len(c.lines) - max(c.written, 0) for c in self.layout.chunks)
+
+    def flush(self) -> None:
+        """Write every chunk with unwritten lines (and seal full ones)."""
+        for chunk in self.layout.dirty():
+            self._write(chunk)
+
+    def names(self) -> list[str]:
+        return [chunk_name(self.name, self.uid, c.index) for c in self.layout.chunks if c.written >= 0]
+
+    def _body(self, chunk: Chunk) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "name": chunk_name(self.name, self.uid, chunk.index),
+            "namespace": self.namespace,
+            "labels": {LABEL_NAME: "rollfleet", LABEL_COMPONENT: "results", LABEL_MANAGED_BY: "rollfleet-operator",
+                       LABEL_REQUEST: self.name, LABEL_REQUEST_UID: self.uid, LABEL_CHUNK: str(chunk.index)},
+            "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
+                                 "controller": True}],
+        }
+        if chunk.resource_version is not None:
+            meta["resourceVersion"] = chunk.resource_version
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+                                "data": {DATA_KEY: chunk.text()}}
+        if chunk.sealed:
+            body["immutable"] = True
+        return body
+
+    def _write(self, chunk: Chunk) -> None:
+        body = self._body(chunk)
+        if chunk.written < 0:
+            out = self.core.create_namespaced_config_map(self.namespace, body)
+        else:
+            # resourceVersion makes this conditional: a second writer (an operator that should have
+            # stopped) gets 409 instead of silently dropping lines; the runner then reloads.
+            out = self.core.replace_namespaced_config_map(body["metadata"]["name"], self.namespace, body)
+        chunk.written = len(chunk.lines)
+        chunk.sealed_written = chunk.sealed
+        chunk.resource_version = out.metadata.resource_version
+
+
+def list_chunks(core: kubernetes.client.CoreV1Api, namespace: str, uid: str) -> list[dict[str, Any]]:
+    """The stored chunks of the request with this uid, in order, as JSON."""
+    resp = core.list_namespaced_config_map(namespace, label_selector=f"{LABEL_REQUEST_UID}={uid}",
+                                           _preload_content=False)
+    items = json.loads(resp.data)["items"]
+    return sorted(items, key=lambda cm: int(cm["metadata"]["labels"][LABEL_CHUNK]))
+
+
+def read_lines(core: kubernetes.client.CoreV1Api, namespace: str, uid: str) -> list[str]:
+    """Every stored result line, ordered by prompt and sample."""
+    lines = [line for cm in list_chunks(core, namespace, uid) for line in parse_chunk(cm).lines]
+    return sorted(lines, key=lambda line: SampleResult.from_line(line).key)

@@ -1,0 +1,426 @@
+"""Runs one RolloutRequest: sends its samples through the fleet's gateway and records them.
+
+Owns the run loop of a request (one per request, inside the kopf daemon): observe the
+fleet (exists? paused? gateway reachable?), act on a new abort annotation or a passed
+deadline, send samples with bounded concurrency, store every finished sample in the
+results store, and patch status at a bounded rate. Decisions come from `plan` and
+`status` (pure); this module does the I/O.
+
+Talks to kube-apiserver (the fleet, its gateway Service and admin-token Secret, prompt
+ConfigMaps, result ConfigMaps, the request's status; synchronous client, from threads)
+and to the fleet's gateway (`<fleet>-gateway` Service: generation routes and
+`POST /v1/abort`, which stops an id on whatever engine runs it and says so truthfully).
+
+Restart safety: an id is re-sent only after the gateway said it no longer runs
+(aborted, finished or unknown, with the engine list synced). After an operator restart
+the samples an earlier run may have sent are stopped first (`plan.maybe_sent`); after
+a broken call (gateway restart) that sample is stopped first. Results are written
+before anything depends on them, so a sample is stored exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import kubernetes
+
+from rollfleet.api.common import GROUP, TOKEN_KEY, VERSION
+from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
+from rollfleet.api.request import (
+    ANNOTATION_ABORT,
+    PLURAL,
+    TERMINAL_PHASES,
+    AbortRecord,
+    Prompt,
+    ResultsRef,
+    RolloutRequest,
+)
+from rollfleet.controller.requests import plan
+from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
+from rollfleet.controller.requests.results import ResultStore
+from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
+from rollfleet.controller.status import parse_time
+
+GATEWAY_PORT = 8080
+STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
+FLUSH_INTERVAL_S = 0.5  # results wait at most this long before they are written
+MAX_UNFLUSHED = 256  # and no more samples are sent while this many results are unwritten
+FLEET_INTERVAL_S = 1.0  # how often the fleet and gateway are looked at
+TICK_S = 0.1  # the loop wakes at least this often (abort annotation, deadline)
+ABORT_WAIT_S = 10.0  # how long an abort waits for the aborted calls to come back with their partial output
+ABORT_BATCH = 4096  # ids per POST /v1/abort (the gateway's limit)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The fleet as one look at the API server found it."""
+
+    exists: bool
+    model: str | None = None
+    paused: str | None = None  # the pause mode, while paused
+    gateway: str | None = None  # base URL of the gateway Service
+    token: str | None = None
+    weight_version: str | None = None
+
+
+class Kube:
+    """The few API calls a run makes (synchronous client; the runner calls them from threads)."""
+
+    def __init__(self, api: kubernetes.client.ApiClient) -> None:
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+
+    def fleet(self, namespace: str, name: str) -> FleetView:
+        try:
+            fleet = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, FLEET_PLURAL, name)
+        except kubernetes.client.ApiException as err:
+            if err.status == 404:
+                return FleetView(exists=False)
+            raise
+        status = fleet.get("status") or {}
+        view = FleetView(exists=True, model=fleet["spec"]["model"]["servedName"],
+                         paused=(status.get("pause") or {}).get("mode"), weight_version=status.get("weightVersion"))
+        try:
+            svc = self.core.read_namespaced_service(f"{name}-gateway", namespace)
+            secret = self.core.read_namespaced_secret(f"{name}-admin-token", namespace)
+        except kubernetes.client.ApiException as err:
+            if err.status == 404:  # the operator has not created them yet
+                return view
+            raise
+        ip = svc.spec.cluster_ip
+        token = base64.b64decode((secret.data or {}).get(TOKEN_KEY, "")).decode() or None
+        gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
+        return FleetView(**{**view.__dict__, "gateway": gateway, "token": token})
+
+    def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            return self.core.read_namespaced_config_map(name, namespace).data or {}
+        except kubernetes.client.ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
+                                                          {"status": status})
+
+    def delete_request(self, namespace: str, name: str, uid: str) -> None:
+        with contextlib.suppress(kubernetes.client.ApiException):
+            self.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name,
+                body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"})
+
+
+def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[Prompt]:
+    if rr.spec.prompts is not None:
+        return list(rr.spec.prompts)
+    prompts: list[Prompt] = []
+    for src in rr.spec.prompts_from or []:
+        data = kube.config_map_data(namespace, src.name)
+        if data is None:
+            raise PromptError(f"ConfigMap {src.name!r} (spec.promptsFrom) does not exist")
+        if src.key not in data:
+            raise PromptError(f"ConfigMap {src.name!r} has no key {src.key!r} (spec.promptsFrom)")
+        prompts += plan.prompts_from_jsonl(data[src.key], f"ConfigMap {src.name}/{src.key}")
+    if not prompts:
+        raise PromptError("spec.promptsFrom holds no prompts")
+    return prompts
+
+
+class Run:
+    """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
+
+    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any],
+                 stopping: Callable[[], bool]) -> None:
+        self.kube, self.http = kube, http
+        self.body = body  # kopf's live view: annotations change under us
+        self.stopping = stopping
+        meta = body["metadata"]
+        self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
+        self.rr = RolloutRequest.model_validate(dict(body))
+        self.store = ResultStore(kube.core, self.ns, self.name, self.uid)
+        self.tally = Tally()
+        self.prompts: list[Prompt] = []
+        self.total = 0
+        self.digest: str | None = None
+        self.start: datetime | None = self.rr.status.start_time if self.rr.status else None
+        self.abort_record: AbortRecord | None = self.rr.status.abort if self.rr.status else None
+        self.fleet = FleetView(exists=True)
+        self.tasks: dict[asyncio.Task[tuple[Outcome, SampleResult | None]], SampleKey] = {}
+        self.unsure: set[SampleKey] = set()  # may still run somewhere: stop before sending again
+        self.aborting = False
+        self.abort_token: str | None = None  # the abort annotation value (or "deadline") being acted on
+        self.hold_until = 0.0
+        self.history: list[str] = []  # fleet weight versions seen, oldest first (staleness)
+        self.verdict = Verdict("Pending", "Starting", "starting")
+        self.status_rate = plan.RateLimit(STATUS_INTERVAL_S)
+        self.flush_rate = plan.RateLimit(FLUSH_INTERVAL_S)
+        self.fleet_rate = plan.RateLimit(FLEET_INTERVAL_S)
+        self.last_patched: Verdict | None = None
+
+    # --- the loop -------------------------------------------------------------------
+    async def run(self) -> Verdict:
+        verdict = await self._prepare()
+        if verdict is not None:
+            return await self._finish(verdict)
+        schedule = plan.Schedule(len(self.prompts), self.rr.spec.samples_per_prompt, self.store.results)
+        if self.start is not None:  # an earlier run sent samples: stop any that may still run
+            bound = len(self.store.results) + self.rr.spec.parallelism + MAX_UNFLUSHED
+            self.unsure = set(plan.maybe_sent(len(self.prompts), self.rr.spec.samples_per_prompt,
+                                              self.store.results, bound))
+        while True:
+            now = time.time()
+            if self.stopping():
+                await self._on_stop()
+                return self.verdict
+            if self.fleet_rate.due(now):
+                await self._observe_fleet()
+            final = self._final_verdict(schedule, now)
+            if final is not None:
+                if final.phase != "Succeeded" and final.reason != "SamplesFailed":
+                    await self._abort_in_flight(schedule, final)
+                return await self._finish(final)
+            if self.unsure and self.fleet.gateway and now >= self.hold_until:
+                await self._stop_unsure()
+            self._dispatch(schedule, now)
+            await self._collect(schedule)
+            await self._flush(urgent=False)
+            await self._patch_status(len(schedule.in_flight))
+
+    def _final_verdict(self, schedule: plan.Schedule, now: float) -> Verdict | None:
+        if schedule.idle and not self.unsure:
+            return finished_verdict(self.tally, self.total)
+        if not self.fleet.exists:
+            return Verdict("Failed", "FleetNotFound", f"RolloutFleet {self.rr.spec.fleet!r} does not exist in "
+                           f"namespace {self.ns!r}")
+        token = plan.new_abort_token(self.body["metadata"].get("annotations"),
+                                     self.abort_record.token if self.abort_record else None, ANNOTATION_ABORT)
+        if token is not None:
+            self.abort_token = token
+            return Verdict("Aborted", "AbortRequested", f"aborted by annotation {ANNOTATION_ABORT}={token}")
+        left = plan.deadline_left(self.start.timestamp() if self.start else None,
+                                  self.rr.spec.active_deadline_seconds, now)
+        if left is not None and left <= 0:
+            self.abort_token = "deadline"
+            return Verdict("Failed", "DeadlineExceeded", f"the request ran longer than activeDeadlineSeconds="
+                           f"{self.rr.spec.active_deadline_seconds}; in-flight samples were aborted")
+        return None
+
+    async def _prepare(self) -> Verdict | None:
+        """Load stored results and prompts; a verdict when the request cannot run at all."""
+        for r in await asyncio.to_thread(self.store.load):
+            self.tally.add(r)
+        try:
+            self.prompts = await asyncio.to_thread(load_prompts, self.kube, self.ns, self.rr)
+        except PromptError as err:
+            return Verdict("Failed", "InvalidPrompts", str(err))
+        self.total = len(self.prompts) * self.rr.spec.samples_per_prompt
+        self.digest = plan.prompts_digest(self.prompts)
+        recorded = self.rr.status.prompts_digest if self.rr.status else None
+        if recorded is not None and recorded != self.digest:
+            return Verdict("Failed", "PromptsChanged", "the prompt ConfigMaps changed after the run started; "
+                           "results would mix prompt sets (create a new RolloutRequest)")
+        return None
+
+    async def _observe_fleet(self) -> None:
+        try:
+            self.fleet = await asyncio.to_thread(self.kube.fleet, self.ns, self.rr.spec.fleet)
+        except kubernetes.client.ApiException as err:  # API hiccup: keep the last view
+            log.warning("reading fleet %s/%s: %s", self.ns, self.rr.spec.fleet, err)
+            return
+        v = self.fleet.weight_version
+        if v and (not self.history or self.history[-1] != v):
+            self.history.append(v)
+
+    # --- sending --------------------------------------------------------------------
+    def _dispatch(self, schedule: plan.Schedule, now: float) -> None:
+        f = self.fleet
+        if not f.gateway or not f.model:
+            self.verdict = Verdict("Pending", "WaitingForGateway", f"waiting for the gateway of fleet "
+                                   f"{self.rr.spec.fleet!r}")
+            return
+        if f.paused:
+            self.verdict = Verdict("Paused", "FleetPaused", f"fleet {self.rr.spec.fleet!r} is paused "
+                                   f"(mode {f.paused}); samples resume when it resumes")
+            return
+        if self.start is not None:
+            self.verdict = Verdict("Running", "Running", f"{len(schedule.in_flight)} samples in flight")
+        if self.unsure or now < self.hold_until or self.store.pending >= MAX_UNFLUSHED:
+            return
+        keys = schedule.take(self.rr.spec.parallelism)
+        if keys and self.start is None:
+            self.start = datetime.now(UTC)
+            self.verdict = Verdict("Running", "Running", f"{len(keys)} samples in flight")
+        for key in keys:
+            task = asyncio.create_task(self._sample(key, f.gateway, self.rr.spec.model or f.model))
+            self.tasks[task] = key
+
+    async def _sample(self, key: SampleKey, gateway: str, model: str) -> tuple[Outcome, SampleResult | None]:
+        left = plan.deadline_left(self.start.timestamp() if self.start else None,
+                                  self.rr.spec.active_deadline_seconds, time.time())
+        # The gateway stops the sample by itself a little after the deadline, should this operator be gone.
+        call = plan.build_call(self.rr.spec, model, self.uid, key, self.prompts[key[0]],
+                               timeout_s=None if left is None else left + 5)
+        started = time.time()
+        try:
+            resp = await self.http.post(gateway + call.path, json=call.body, headers=call.headers)
+        except httpx.HTTPError:
+            return Outcome.UNSURE, None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        return plan.interpret(resp.status_code, body, resp.headers, uid=self.uid, key=key, started_at=started,
+                              finished_at=time.time(), abort_wanted=self.aborting)
+
+    async def _collect(self, schedule: plan.Schedule, wait_s: float = TICK_S) -> None:
+        if not self.tasks:
+            await asyncio.sleep(wait_s)
+            return
+        done, _ = await asyncio.wait(self.tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            key = self.tasks.pop(task)
+            outcome, result = task.result()
+            self._record(schedule, key, outcome, result)
+
+    def _record(self, schedule: plan.Schedule, key: SampleKey, outcome: Outcome, result: SampleResult | None) -> None:
+        if result is not None and outcome is Outcome.COMPLETED \
+                and plan.is_stale(result, self.history, self.rr.spec.max_weight_staleness):
+            outcome, result = Outcome.RETRY, None  # the id finished: it is free to run again
+        if result is not None:
+            schedule.finished(key)
+            if self.store.add(result):
+                self.tally.add(result)
+            return
+        schedule.again(key)
+        if outcome is Outcome.UNSURE:
+            self.unsure.add(key)
+        # Back off a little: a broken or busy gateway is not helped by an immediate resend.
+        self.hold_until = max(self.hold_until, time.time() + 0.5)
+
+    # --- stopping -------------------------------------------------------------------
+    async def _gateway_abort(self, ids: list[str], timeout_s: float) -> dict[str, str] | None:
+        """POST /v1/abort; per id aborted|finished|unknown|pending, or None when the gateway cannot answer."""
+        f = self.fleet
+        if not f.gateway or not f.token:
+            return None
+        results: dict[str, str] = {}
+        try:
+            ready = await self.http.get(f.gateway + "/ready", timeout=5)
+            if ready.status_code != 200:  # its engine list is not synced: "unknown" would mean nothing
+                return None
+            for i in range(0, len(ids), ABORT_BATCH):
+                resp = await self.http.post(f.gateway + "/v1/abort", timeout=timeout_s + 10,
+                                            headers={"Authorization": f"Bearer {f.token}"},
+                                            json={"request_ids": ids[i:i + ABORT_BATCH], "timeout_s": timeout_s})
+                if resp.status_code != 200:
+                    log.warning("gateway abort answered %s: %s", resp.status_code, resp.text[:300])
+                    return None
+                results.update(resp.json()["results"])
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            log.info("gateway abort failed: %s", err)
+            return None
+        return results
+
+    async def _stop_unsure(self) -> None:
+        """Stop every id that may still run; those confirmed stopped may be sent again."""
+        keys = sorted(self.unsure)
+        answer = await self._gateway_abort([plan.sample_id(self.uid, k) for k in keys], timeout_s=10)
+        if answer is None:
+            self.hold_until = time.time() + 1.0
+            return
+        for key in keys:
+            if answer.get(plan.sample_id(self.uid, key)) != "pending":
+                self.unsure.discard(key)
+
+    async def _abort_in_flight(self, schedule: plan.Schedule, verdict: Verdict) -> None:
+        """Stop every in-flight sample on its engine, keep their partial outputs, record the abort."""
+        self.aborting = True
+        ids = [plan.sample_id(self.uid, k) for k in [*self.tasks.values(), *self.unsure]]
+        stopped = 0
+        if ids:
+            answer = await self._gateway_abort(ids, timeout_s=5) or {}
+            stopped = sum(1 for v in answer.values() if v == "aborted")
+        # The aborted calls come back with finish_reason abort and what they generated so far.
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while self.tasks and time.monotonic() < deadline:
+            await self._collect(schedule, wait_s=deadline - time.monotonic())
+        for task in self.tasks:  # closing the connection makes the gateway stop it too
+            task.cancel()
+        self.tasks.clear()
+        if self.abort_token is not None:
+            self.abort_record = AbortRecord(token=self.abort_token, time=datetime.now(UTC), stopped=stopped)
+
+    async def _on_stop(self) -> None:
+        """kopf stops the daemon: the request was deleted (stop its samples) or the operator exits."""
+        deleted = self.body["metadata"].get("deletionTimestamp") is not None
+        if deleted and self.tasks:
+            self.aborting = True
+            await self._gateway_abort([plan.sample_id(self.uid, k) for k in self.tasks.values()], timeout_s=5)
+        for task in self.tasks:
+            task.cancel()
+        if not deleted:
+            await self._flush(urgent=True)
+
+    # --- recording ------------------------------------------------------------------
+    async def _flush(self, urgent: bool) -> None:
+        if not self.store.pending or not (urgent or self.store.pending >= MAX_UNFLUSHED // 2
+                                          or self.flush_rate.due(time.time())):
+            return
+        try:
+            await asyncio.to_thread(self.store.flush)
+        except kubernetes.client.ApiException as err:
+            if urgent:
+                raise
+            log.warning("writing results of %s/%s: %s (will retry)", self.ns, self.name, err)
+
+    def _results_ref(self) -> ResultsRef:
+        return ResultsRef(config_maps=self.store.names(), samples=len(self.store.results) - self.store.pending,
+                          command=f"rollfleet results rr/{self.name} -n {self.ns}")
+
+    async def _patch_status(self, in_flight: int, urgent: bool = False) -> None:
+        changed = self.last_patched is None or self.last_patched.phase != self.verdict.phase
+        if not self.status_rate.due(time.time(), urgent=urgent or changed):
+            return
+        status = request_status(
+            self.rr.status, verdict=self.verdict, tally=self.tally, total=self.total,
+            in_flight=in_flight, generation=self.body["metadata"].get("generation"),
+            now=datetime.now(UTC), results=self._results_ref(), digest=self.digest, start_time=self.start,
+            abort=self.abort_record)
+        await asyncio.to_thread(self.kube.patch_status, self.ns, self.name, status)
+        self.last_patched = self.verdict
+
+    async def _finish(self, verdict: Verdict) -> Verdict:
+        self.verdict = verdict
+        await self._flush(urgent=True)
+        await self._patch_status(0, urgent=True)
+        log.info("RolloutRequest %s/%s: %s (%s)", self.ns, self.name, verdict.phase, verdict.message)
+        return verdict
+
+
+async def expire(kube: Kube, body: Mapping[str, Any], wait: Callable[[float], Any]) -> None:
+    """Delete a finished request once its ttlSecondsAfterFinished has passed (results go with it)."""
+    rr = RolloutRequest.model_validate(dict(body))
+    status = rr.status
+    if status is None or status.phase not in TERMINAL_PHASES:
+        return
+    done_at = status.completion_time or parse_time(body["metadata"].get("creationTimestamp"))
+    left = plan.ttl_left(done_at.timestamp() if done_at else None, rr.spec.ttl_seconds_after_finished, time.time())
+    if left is None:
+        return
+    if left > 0 and await wait(left):  # True: the daemon was asked to stop first
+        return
+    meta = body["metadata"]
+    await asyncio.to_thread(kube.delete_request, meta["namespace"], meta["name"], meta["uid"])
+

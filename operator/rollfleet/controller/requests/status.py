@@ -1,0 +1,124 @@
+"""From what a RolloutRequest's run observed to its status subresource.
+
+Pure. `Tally` counts stored results (the durable truth: counts are rebuilt from the
+results store after a restart); `finished_verdict` says how a run that has no sample
+left ends; `request_status` renders phase, counts, progress, tokens, versions, times,
+results location, abort record and conditions. Talks to nobody.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from rollfleet.api.request import (
+    TERMINAL_PHASES,
+    AbortRecord,
+    Counts,
+    RequestPhase,
+    ResultsRef,
+    RolloutRequestStatus,
+)
+from rollfleet.controller.requests.plan import Outcome, SampleResult
+from rollfleet.controller.status import _condition
+
+MAX_VERSIONS = 64  # status.weightVersions keeps the newest ones
+
+
+@dataclass
+class Tally:
+    """Counts over the stored results of one request."""
+
+    completed: int = 0
+    aborted: int = 0
+    failed: int = 0
+    tokens: int = 0
+    versions: list[str] = field(default_factory=list)
+    first_error: str | None = None
+
+    def add(self, result: SampleResult) -> None:
+        outcome = result.outcome
+        if outcome is Outcome.COMPLETED:
+            self.completed += 1
+        elif outcome is Outcome.ABORTED:
+            self.aborted += 1
+        else:
+            self.failed += 1
+            self.first_error = self.first_error or result.error
+        self.tokens += len(result.token_ids)
+        for v in result.weight_versions:
+            if v not in self.versions:
+                self.versions.append(v)
+        del self.versions[:-MAX_VERSIONS]
+
+    @property
+    def stored(self) -> int:
+        return self.completed + self.aborted + self.failed
+
+
+@dataclass(frozen=True)
+class Verdict:
+    phase: RequestPhase
+    reason: str
+    message: str
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+
+def finished_verdict(tally: Tally, total: int) -> Verdict:
+    """Every sample has a result: Succeeded, or Failed when some sample failed (their errors are stored)."""
+    if tally.failed:
+        return Verdict("Failed", "SamplesFailed", f"{tally.failed} of {total} samples failed; first: "
+                       f"{tally.first_error}")
+    return Verdict("Succeeded", "Completed", f"all {total} samples completed")
+
+
+def request_status(
+    previous: RolloutRequestStatus | None,
+    *,
+    verdict: Verdict,
+    tally: Tally,
+    total: int,
+    in_flight: int,
+    generation: int | None,
+    now: datetime,
+    results: ResultsRef,
+    digest: str | None = None,
+    start_time: datetime | None = None,
+    abort: AbortRecord | None = None,
+) -> dict[str, Any]:
+    """The status subresource (wire form) for one moment of the run."""
+    prev = previous or RolloutRequestStatus()
+    conditions = [
+        _condition(prev.conditions, "Running", verdict.phase == "Running",
+                   verdict.reason if verdict.phase == "Running" else "NotRunning",
+                   verdict.message if verdict.phase == "Running" else "", generation, now),
+        _condition(prev.conditions, "Paused", verdict.phase == "Paused",
+                   verdict.reason if verdict.phase == "Paused" else "NotPaused",
+                   verdict.message if verdict.phase == "Paused" else "", generation, now),
+    ]
+    for phase, ctype in (("Succeeded", "Complete"), ("Failed", "Failed"), ("Aborted", "Aborted")):
+        if verdict.phase == phase:
+            conditions.append(_condition(prev.conditions, ctype, True, verdict.reason, verdict.message,
+                                         generation, now))
+    status = RolloutRequestStatus(
+        observed_generation=generation,
+        phase=verdict.phase,
+        reason=verdict.reason,
+        message=verdict.message,
+        progress=f"{tally.stored}/{total}",
+        counts=Counts(total=total, completed=tally.completed, aborted=tally.aborted, failed=tally.failed,
+                      in_flight=in_flight),
+        tokens=tally.tokens,
+        weight_versions=list(tally.versions),
+        prompts_digest=digest or prev.prompts_digest,
+        start_time=start_time or prev.start_time,
+        completion_time=prev.completion_time or (now if verdict.terminal else None),
+        results=results,
+        abort=abort or prev.abort,
+        conditions=conditions,
+    )
+    return status.wire()
