@@ -8,6 +8,7 @@ Talks to: the processes it starts (health endpoints) and nothing else.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -266,7 +267,7 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
             with open(log, "ab") as out:
                 proc = _spawn(args[component], out, layout)
             layout.pid_file(component).write_text(str(proc.pid))
-            _wait(component, checks[component], 120, lambda c=component: running_pid(layout, c), log)
+            _wait(component, checks[component], 120, functools.partial(running_pid, layout, component), log)
             _log(f"{component} ready ({time.monotonic() - t0:.1f}s)")
     except BaseException:
         down(layout, purge=False)  # keep the logs that explain the failure
