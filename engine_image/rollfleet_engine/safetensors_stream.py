@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,13 @@ def _read_exact(read_into: ReadInto, n: int, what: str) -> bytearray:
     return buf
 
 
-def read_shard(read_into: ReadInto, shard: Shard) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, tensor)`` from a shard stream, each checked against the manifest."""
+def read_shard(read_into: ReadInto, shard: Shard) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` for every tensor of a shard stream, each checked against the manifest.
+
+    Hashing runs on a second thread while the next tensor is received (hashlib releases
+    the GIL), so verification costs little wall time. Nothing is returned unless every
+    tensor verified.
+    """
     torch = _torch()
     (n,) = _HEADER_LEN.unpack(_read_exact(read_into, 8, "header length"))
     if 8 + n > shard.size:
@@ -150,27 +156,33 @@ def read_shard(read_into: ReadInto, shard: Shard) -> Iterator[tuple[str, Any]]:
     expected = {e.name: e for e in shard.tensors}
     if set(header) != set(expected):
         raise TransferError(f"{shard.path}: tensors differ from the manifest")
+    received: list[tuple[TensorEntry, bytearray, Future[str]]] = []
     position = 0
-    for entry in sorted(shard.tensors, key=lambda e: e.data_offsets[0]):
-        meta = header[entry.name]
-        if (meta["dtype"], list(meta["shape"]), tuple(meta["data_offsets"])) != (
-            entry.dtype,
-            entry.shape,
-            tuple(entry.data_offsets),
-        ):
-            raise TransferError(f"{shard.path}: header of {entry.name} differs from the manifest")
-        begin, end = entry.data_offsets
-        if begin < position:
-            raise TransferError(f"{shard.path}: overlapping tensor {entry.name}")
-        if begin > position:
-            _read_exact(read_into, begin - position, "padding")
-        data = _read_exact(read_into, end - begin, entry.name)
-        if sha256_hex(data) != entry.sha256:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+        for entry in sorted(shard.tensors, key=lambda e: e.data_offsets[0]):
+            meta = header[entry.name]
+            if (meta["dtype"], list(meta["shape"]), tuple(meta["data_offsets"])) != (
+                entry.dtype,
+                entry.shape,
+                tuple(entry.data_offsets),
+            ):
+                raise TransferError(f"{shard.path}: header of {entry.name} differs from the manifest")
+            begin, end = entry.data_offsets
+            if begin < position:
+                raise TransferError(f"{shard.path}: overlapping tensor {entry.name}")
+            if begin > position:
+                _read_exact(read_into, begin - position, "padding")
+            data = _read_exact(read_into, end - begin, entry.name)
+            received.append((entry, data, hasher.submit(sha256_hex, data)))
+            position = end
+    tensors = []
+    for entry, data, digest in received:
+        if digest.result() != entry.sha256:
             raise TransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
-        position = end
         dtype = getattr(torch, _ST_TO_TORCH[entry.dtype])
         tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        yield entry.name, tensor.reshape(entry.shape)
+        tensors.append((entry.name, tensor.reshape(entry.shape)))
+    return tensors
 
 
 def _torch() -> Any:
