@@ -82,11 +82,26 @@ def _add_sync(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=server.main)
 
 
+def _add_results(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("results", help="print a RolloutRequest's stored samples as JSONL")
+    p.add_argument("target", help="rr/NAME")
+    p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+
+    def run(args: argparse.Namespace) -> int:
+        from rollfleet.controller.requests.results import print_results
+
+        return print_results(args.target, args.namespace, args.kubeconfig, sys.stdout)
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollfleet", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_cluster(sub)
     _add_sync(sub)
+    _add_results(sub)
     return parser
 
 

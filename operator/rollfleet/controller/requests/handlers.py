@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import kopf
-import kubernetes
 
 from rollfleet.api.common import GROUP, VERSION
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES
+from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests import runner
 
 # Each in-flight sample holds one connection to its gateway; parallelism is per request.
@@ -29,12 +29,8 @@ MAX_CONNECTIONS = 4096
 
 
 @functools.cache
-def _kube() -> runner.Kube:
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
-    return runner.Kube(kubernetes.client.ApiClient())
+def _kube() -> runner.RequestKube:
+    return runner.RequestKube(load_client())
 
 
 @functools.cache

@@ -12,20 +12,22 @@ its predecessor's chunks) and labelled with the request's name, uid and chunk in
 
 `Layout` is the pure part (which lines go in which chunk, which chunks need a write);
 `ResultStore` does the I/O with the CoreV1 API (synchronous client, called from
-threads by the runner); `read_lines` is what `rollfleet results` uses.
+threads by the runner); `print_results` is `rollfleet results`.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import kubernetes
 
-from rollfleet.api.common import API_VERSION, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME
-from rollfleet.api.request import KIND, LABEL_CHUNK, LABEL_REQUEST, LABEL_REQUEST_UID
+from rollfleet.api.common import API_VERSION, GROUP, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, VERSION
+from rollfleet.api.request import KIND, LABEL_CHUNK, LABEL_REQUEST, LABEL_REQUEST_UID, PLURAL
+from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests.plan import SampleResult
 
 DATA_KEY = "samples.jsonl"
@@ -172,3 +174,29 @@ def read_lines(core: kubernetes.client.CoreV1Api, namespace: str, uid: str) -> l
     """Every stored result line, ordered by prompt and sample."""
     lines = [line for cm in list_chunks(core, namespace, uid) for line in parse_chunk(cm).lines]
     return sorted(lines, key=lambda line: SampleResult.from_line(line).key)
+
+
+def print_results(target: str, namespace: str | None, kubeconfig: str | None, out: TextIO) -> int:
+    """`rollfleet results rr/NAME`: every stored sample of the request as JSONL on `out`."""
+    kind, _, name = target.rpartition("/")
+    if kind not in ("", "rr", "rolloutrequest", "rolloutrequests", f"{PLURAL}.{GROUP}"):
+        print(f"rollfleet results: want rr/NAME, not {target!r}", file=sys.stderr)
+        return 2
+    if namespace is None:
+        try:
+            namespace = kubernetes.config.list_kube_config_contexts(kubeconfig)[1]["context"].get("namespace")
+        except (kubernetes.config.ConfigException, OSError, KeyError):
+            namespace = None
+    namespace = namespace or "default"
+    client = load_client(kubeconfig)
+    try:
+        rr = kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name)
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            print(f"rollfleet results: RolloutRequest {namespace}/{name} not found", file=sys.stderr)
+            return 1
+        raise
+    for line in read_lines(kubernetes.client.CoreV1Api(client), namespace, rr["metadata"]["uid"]):
+        out.write(line + "\n")
+    return 0

@@ -7,7 +7,7 @@ results store, and patch status at a bounded rate. Decisions come from `plan` an
 `status` (pure); this module does the I/O.
 
 Talks to kube-apiserver (the fleet, its gateway Service and admin-token Secret, prompt
-ConfigMaps, result ConfigMaps, the request's status; synchronous client, from threads)
+ConfigMaps, result ConfigMaps, the request's status; through the operator's counted `Kube` layer)
 and to the fleet's gateway (`<fleet>-gateway` Service: generation routes and
 `POST /v1/abort`, which stops an id on whatever engine runs it and says so truthfully).
 
@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-import kubernetes
+from kubernetes.client.exceptions import ApiException
 
 from rollfleet.api.common import GROUP, TOKEN_KEY, VERSION
 from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
@@ -44,6 +43,7 @@ from rollfleet.api.request import (
     ResultsRef,
     RolloutRequest,
 )
+from rollfleet.controller.kube import MERGE, Kube
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
 from rollfleet.controller.requests.results import ResultStore
@@ -74,17 +74,14 @@ class FleetView:
     weight_version: str | None = None
 
 
-class Kube:
-    """The few API calls a run makes (synchronous client; the runner calls them from threads)."""
+class RequestKube(Kube):
+    """The operator's API layer (counted calls, threads) plus the reads and writes a run needs."""
 
-    def __init__(self, api: kubernetes.client.ApiClient) -> None:
-        self.core = kubernetes.client.CoreV1Api(api)
-        self.custom = kubernetes.client.CustomObjectsApi(api)
-
-    def fleet(self, namespace: str, name: str) -> FleetView:
+    async def fleet(self, namespace: str, name: str) -> FleetView:
         try:
-            fleet = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, FLEET_PLURAL, name)
-        except kubernetes.client.ApiException as err:
+            fleet = await self._call("read fleet", self.custom.get_namespaced_custom_object, GROUP, VERSION,
+                                     namespace, FLEET_PLURAL, name)
+        except ApiException as err:
             if err.status == 404:
                 return FleetView(exists=False)
             raise
@@ -92,42 +89,50 @@ class Kube:
         view = FleetView(exists=True, model=fleet["spec"]["model"]["servedName"],
                          paused=(status.get("pause") or {}).get("mode"), weight_version=status.get("weightVersion"))
         try:
-            svc = self.core.read_namespaced_service(f"{name}-gateway", namespace)
-            secret = self.core.read_namespaced_secret(f"{name}-admin-token", namespace)
-        except kubernetes.client.ApiException as err:
-            if err.status == 404:  # the operator has not created them yet
+            svc = await self._call("read service", self.core.read_namespaced_service, f"{name}-gateway", namespace)
+        except ApiException as err:
+            if err.status == 404:  # the fleet's operator has not created it yet
                 return view
             raise
+        secret = await self.read_secret_data(namespace, f"{name}-admin-token") or {}
+        token = base64.b64decode(secret.get(TOKEN_KEY, "")).decode() or None
         ip = svc.spec.cluster_ip
-        token = base64.b64decode((secret.data or {}).get(TOKEN_KEY, "")).decode() or None
         gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
-        return FleetView(**{**view.__dict__, "gateway": gateway, "token": token})
+        return replace(view, gateway=gateway, token=token)
 
-    def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
+    async def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
         try:
-            return self.core.read_namespaced_config_map(name, namespace).data or {}
-        except kubernetes.client.ApiException as err:
+            cm = await self._call("read configmap", self.core.read_namespaced_config_map, name, namespace)
+        except ApiException as err:
             if err.status == 404:
                 return None
             raise
+        return dict(cm.data or {})
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
-                                                          {"status": status})
+    async def patch_request_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self._call("patch request status", self.custom.patch_namespaced_custom_object_status, GROUP,
+                             VERSION, namespace, PLURAL, name, {"status": status}, _content_type=MERGE)
+        except ApiException as err:
+            if err.status != 404:  # deleted meanwhile
+                raise
 
-    def delete_request(self, namespace: str, name: str, uid: str) -> None:
-        with contextlib.suppress(kubernetes.client.ApiException):
-            self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name,
-                body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"})
+    async def delete_request(self, namespace: str, name: str, uid: str) -> None:
+        try:
+            await self._call("delete request", self.custom.delete_namespaced_custom_object, GROUP, VERSION,
+                             namespace, PLURAL, name, body={"preconditions": {"uid": uid},
+                                                            "propagationPolicy": "Background"})
+        except ApiException as err:
+            if err.status not in (404, 409):  # gone, or a new object of that name: not ours to delete
+                raise
 
 
-def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[Prompt]:
+async def load_prompts(kube: RequestKube, namespace: str, rr: RolloutRequest) -> list[Prompt]:
     if rr.spec.prompts is not None:
         return list(rr.spec.prompts)
     prompts: list[Prompt] = []
     for src in rr.spec.prompts_from or []:
-        data = kube.config_map_data(namespace, src.name)
+        data = await kube.config_map_data(namespace, src.name)
         if data is None:
             raise PromptError(f"ConfigMap {src.name!r} (spec.promptsFrom) does not exist")
         if src.key not in data:
@@ -141,7 +146,7 @@ def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[Prompt]
 class Run:
     """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
 
-    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any],
+    def __init__(self, kube: RequestKube, http: httpx.AsyncClient, body: Mapping[str, Any],
                  stopping: Callable[[], bool]) -> None:
         self.kube, self.http = kube, http
         self.body = body  # kopf's live view: annotations change under us
@@ -222,7 +227,7 @@ class Run:
         for r in await asyncio.to_thread(self.store.load):
             self.tally.add(r)
         try:
-            self.prompts = await asyncio.to_thread(load_prompts, self.kube, self.ns, self.rr)
+            self.prompts = await load_prompts(self.kube, self.ns, self.rr)
         except PromptError as err:
             return Verdict("Failed", "InvalidPrompts", str(err))
         self.total = len(self.prompts) * self.rr.spec.samples_per_prompt
@@ -235,8 +240,8 @@ class Run:
 
     async def _observe_fleet(self) -> None:
         try:
-            self.fleet = await asyncio.to_thread(self.kube.fleet, self.ns, self.rr.spec.fleet)
-        except kubernetes.client.ApiException as err:  # API hiccup: keep the last view
+            self.fleet = await self.kube.fleet(self.ns, self.rr.spec.fleet)
+        except ApiException as err:  # API hiccup: keep the last view
             log.warning("reading fleet %s/%s: %s", self.ns, self.rr.spec.fleet, err)
             return
         v = self.fleet.weight_version
@@ -380,7 +385,7 @@ class Run:
             return
         try:
             await asyncio.to_thread(self.store.flush)
-        except kubernetes.client.ApiException as err:
+        except ApiException as err:
             if urgent:
                 raise
             log.warning("writing results of %s/%s: %s (will retry)", self.ns, self.name, err)
@@ -398,7 +403,7 @@ class Run:
             in_flight=in_flight, generation=self.body["metadata"].get("generation"),
             now=datetime.now(UTC), results=self._results_ref(), digest=self.digest, start_time=self.start,
             abort=self.abort_record)
-        await asyncio.to_thread(self.kube.patch_status, self.ns, self.name, status)
+        await self.kube.patch_request_status(self.ns, self.name, status)
         self.last_patched = self.verdict
 
     async def _finish(self, verdict: Verdict) -> Verdict:
@@ -409,7 +414,7 @@ class Run:
         return verdict
 
 
-async def expire(kube: Kube, body: Mapping[str, Any], wait: Callable[[float], Any]) -> None:
+async def expire(kube: RequestKube, body: Mapping[str, Any], wait: Callable[[float], Any]) -> None:
     """Delete a finished request once its ttlSecondsAfterFinished has passed (results go with it)."""
     rr = RolloutRequest.model_validate(dict(body))
     status = rr.status
@@ -422,5 +427,5 @@ async def expire(kube: Kube, body: Mapping[str, Any], wait: Callable[[float], An
     if left > 0 and await wait(left):  # True: the daemon was asked to stop first
         return
     meta = body["metadata"]
-    await asyncio.to_thread(kube.delete_request, meta["namespace"], meta["name"], meta["uid"])
+    await kube.delete_request(meta["namespace"], meta["name"], meta["uid"])
 
