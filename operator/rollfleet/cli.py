@@ -82,6 +82,14 @@ def _add_sync(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=server.main)
 
 
+def _add_gateway(sub: argparse._SubParsersAction) -> None:
+    from rollfleet.gateway import server
+
+    p = sub.add_parser("gateway", help="the fleet's data plane: routing, abort by id, cancellation, failover")
+    server.add_arguments(p)
+    p.set_defaults(func=server.run)
+
+
 def _add_results(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("results", help="print a RolloutRequest's stored samples as JSONL")
     p.add_argument("target", help="rr/NAME")
@@ -101,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_cluster(sub)
     _add_sync(sub)
+    _add_gateway(sub)
     _add_results(sub)
     return parser
 

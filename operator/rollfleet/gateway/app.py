@@ -1,0 +1,215 @@
+"""The gateway's HTTP surface (Starlette on uvicorn with uvloop + httptools).
+
+Owns request admission: authentication, body size, JSON and field validation (clear
+4xx in OpenAI's error shape, before anything is routed), caller id, session key and
+deadline; then hands the request to the proxy. Also `/v1/models`, `/v1/abort`,
+`/health` (live), `/ready` (engine list synced), `/metrics` (Prometheus).
+
+Talks to the proxy, the abort module and the registry; engines only through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as HttpRoute
+from starlette.types import Receive, Scope, Send
+
+from rollfleet.gateway import abort as abort_mod
+from rollfleet.gateway.dialects import BadRequest, Route, validate
+from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable
+from rollfleet.gateway.metrics import Metrics
+from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body
+from rollfleet.gateway.registry import PodWatcher, Registry, static_registry
+from rollfleet.gateway.routing import Router, RoutingPolicy
+from rollfleet_engine.protocol import REQUEST_ID_HEADER
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+GROUP_HEADER = "x-group-id"  # GRPO: the n samples of one prompt share one engine (and its prefix cache)
+SESSION_END_HEADER = "x-session-end"
+TIMEOUT_HEADER = "x-rollfleet-timeout"
+_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+
+
+@dataclass
+class GatewayConfig:
+    token: str
+    engines: list[str] = field(default_factory=list)  # static mode when non-empty
+    fleet: str | None = None
+    namespace: str = "default"
+    kubeconfig: str | None = None
+    api_key: str | None = None  # when set, inference routes need it (or the admin token)
+    max_body_bytes: int = 8 * 1024 * 1024
+    eject_s: float = 5.0  # how long an engine that dropped a connection gets no new requests
+    request_timeout_s: float = 3600.0
+    max_timeout_s: float = 24 * 3600.0
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+
+
+def _bearer_ok(request: Request, *tokens: str | None) -> bool:
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    presented = value.strip().encode()
+    if scheme.lower() != "bearer" or not presented:
+        return False
+    # Constant-time: the comparison must not leak how much of a token matched.
+    return any(t is not None and hmac.compare_digest(presented, t.encode()) for t in tokens)
+
+
+def _error(status: int, message: str, metrics: Metrics, headers: dict[str, str] | None = None) -> Response:
+    metrics.rejected.labels(str(status)).inc()
+    return Response(orjson.dumps(error_body(message, status)), status, headers, media_type="application/json")
+
+
+class _ProxyResponse(Response):
+    """Hands the raw ASGI channel to the proxy: it decides status and body as the engine answers."""
+
+    def __init__(self, proxy: Proxy, req: ClientRequest, entry: InFlight) -> None:
+        self.proxy, self.req, self.entry = proxy, req, entry
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.proxy.serve(self.req, self.entry, send, receive)
+
+
+def build_app(config: GatewayConfig) -> Starlette:
+    metrics = Metrics()
+    registry = static_registry(config.engines, config.eject_s) if config.engines else Registry(config.eject_s)
+    router = Router(config.routing)
+    registry.on_removed.append(router.forget_engine)
+    inflight = InFlightTable()
+    proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics)
+    watcher = PodWatcher(registry, config.namespace, config.fleet, config.kubeconfig) if config.fleet else None
+    if not config.engines and watcher is None:
+        raise ValueError("the gateway needs --engines (static mode) or --fleet (Kubernetes mode)")
+
+    async def read_body(request: Request) -> bytes | Response:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            return _error(413, f"request body of {declared} bytes exceeds {config.max_body_bytes}", metrics)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                return _error(413, f"request body exceeds {config.max_body_bytes} bytes", metrics)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def generation(route: Route) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            if config.api_key is not None and not _bearer_ok(request, config.api_key, config.token):
+                return _error(401, "missing or wrong bearer token", metrics)
+            raw = await read_body(request)
+            if isinstance(raw, Response):
+                return raw
+            try:
+                body = validate(route, orjson.loads(raw))
+            except orjson.JSONDecodeError as err:
+                return _error(400, f"the request body is not valid JSON: {err}", metrics)
+            except BadRequest as err:
+                return _error(400, str(err), metrics)
+            request_id = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"gw-{uuid.uuid4().hex}"
+            if not isinstance(request_id, str) or not _ID_RE.match(request_id):
+                return _error(400, "request id must be 1-200 characters of [A-Za-z0-9._:@/+=-]", metrics)
+            timeout = config.request_timeout_s
+            if TIMEOUT_HEADER in request.headers:
+                try:
+                    timeout = float(request.headers[TIMEOUT_HEADER])
+                except ValueError:
+                    return _error(400, f"{TIMEOUT_HEADER} must be a number of seconds", metrics)
+                if not 0 < timeout <= config.max_timeout_s:
+                    return _error(400, f"{TIMEOUT_HEADER} must be in (0, {config.max_timeout_s:.0f}]", metrics)
+            try:
+                entry = inflight.open(request_id, route.value)
+            except IdInUse:
+                return _error(409, f"request id {request_id!r} is still in flight; ids must not be reused", metrics)
+            session = request.headers.get(GROUP_HEADER) or request.headers.get(SESSION_HEADER)
+            req = ClientRequest(
+                route=route,
+                body=body,
+                request_id=request_id,
+                session=session,
+                end_session=request.headers.get(SESSION_END_HEADER, "").lower() in ("1", "true", "yes"),
+                deadline=asyncio.get_running_loop().time() + timeout,
+            )
+            metrics.requests.labels(route.value, "accepted").inc()
+            return _ProxyResponse(proxy, req, entry)
+
+        return endpoint
+
+    async def models(request: Request) -> Response:
+        assert proxy.session is not None
+        for engine in registry.routable():
+            try:
+                async with proxy.session.get(f"{engine.url}/v1/models") as resp:
+                    if resp.status == 200:
+                        return Response(await resp.read(), 200, media_type="application/json")
+            except OSError:
+                continue
+        return _error(503, "no routable engine to list models from", metrics)
+
+    async def abort(request: Request) -> Response:
+        if not _bearer_ok(request, config.token):
+            return _error(401, "POST /v1/abort needs the fleet admin token (Authorization: Bearer ...)", metrics)
+        raw = await read_body(request)
+        if isinstance(raw, Response):
+            return raw
+        try:
+            parsed = abort_mod.GatewayAbortRequest.model_validate_json(raw)
+        except ValidationError as err:
+            return _error(400, f"bad abort request: {err.errors(include_url=False)}", metrics)
+        results = await abort_mod.abort(proxy, parsed.request_ids, parsed.timeout_s)
+        return JSONResponse({"results": {k: v.value for k, v in results.items()}})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        if not registry.synced:
+            return JSONResponse({"ready": False, "reason": "engine list not synced yet"}, 503)
+        return JSONResponse({"ready": True, "routable_engines": len(registry.routable())})
+
+    async def metrics_endpoint(request: Request) -> Response:
+        metrics.in_flight.set(len(inflight))
+        metrics.sessions.set(len(router.sessions))
+        metrics.routable.set(len(registry.routable()))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await proxy.open()
+        if watcher is not None:
+            watcher.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            await proxy.close()
+
+    routes = [HttpRoute(r.value, generation(r), methods=["POST"]) for r in Route]
+    routes += [
+        HttpRoute("/v1/models", models, methods=["GET"]),
+        HttpRoute("/v1/abort", abort, methods=["POST"]),
+        HttpRoute("/health", health, methods=["GET"]),
+        HttpRoute("/ready", ready, methods=["GET"]),
+        HttpRoute("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.proxy = proxy
+    return app

@@ -1,0 +1,120 @@
+"""Requests in flight at this gateway replica: which engine runs each caller id, and how far it got.
+
+Owns the per-request record the proxy writes and the abort route reads: the caller
+id, the engines tried so far (an id is never sent twice to one engine), the tokens
+generated so far (what a failover continues from), the weight versions seen, and why
+the request is being stopped (admin abort, client gone, deadline). Finished ids are
+remembered (bounded) so that a late abort can answer "finished" or "aborted".
+
+No I/O; the proxy owns the tasks and connections, this module only the facts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+ABORT = "abort"
+
+
+class StopReason(StrEnum):
+    ADMIN = "admin"  # POST /v1/abort
+    DISCONNECT = "disconnect"  # the client went away
+    DEADLINE = "deadline"  # the request passed its deadline
+
+
+class IdInUse(Exception):
+    """A request with this caller id is still in flight here; ids must not be reused while they may run."""
+
+
+@dataclass
+class Choice:
+    """One output sequence: what the client has been given so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text_chars: int = 0  # completions only: where the next logprob's text_offset starts
+    finish_reason: str | None = None
+
+
+@dataclass
+class InFlight:
+    request_id: str
+    route: str
+    started: float
+    engine: str | None = None  # the engine running the current attempt
+    engines: list[str] = field(default_factory=list)  # every engine that ran an attempt, in order
+    tried: set[str] = field(default_factory=set)  # their instances (pod uids): never send the id there again
+    prompt_token_ids: list[int] | None = None
+    choices: dict[int, Choice] = field(default_factory=dict)
+    versions: list[str] = field(default_factory=list)
+    stop: StopReason | None = None
+    finish_reason: str | None = None
+    # Set by the proxy: cancels the current attempt (closes the upstream connection).
+    cancel_attempt: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def choice(self, index: int) -> Choice:
+        return self.choices.setdefault(index, Choice())
+
+    @property
+    def generated(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    def add_versions(self, versions: list[str]) -> None:
+        for v in versions:
+            if v and v not in self.versions:
+                self.versions.append(v)
+
+    def request_stop(self, reason: StopReason) -> None:
+        """Stop after the current attempt (no failover); the first reason wins."""
+        if self.stop is None:
+            self.stop = reason
+
+
+@dataclass
+class Finished:
+    engines: list[str]
+    finish_reason: str | None
+
+
+class InFlightTable:
+    def __init__(self, keep_finished: int = 8192) -> None:
+        self._active: dict[str, InFlight] = {}
+        self._finished: OrderedDict[str, Finished] = OrderedDict()
+        self._keep_finished = keep_finished
+
+    def open(self, request_id: str, route: str) -> InFlight:
+        if request_id in self._active:
+            raise IdInUse(request_id)
+        self._finished.pop(request_id, None)
+        entry = InFlight(request_id, route, time.monotonic())
+        self._active[request_id] = entry
+        return entry
+
+    def close(self, entry: InFlight, finish_reason: str | None) -> None:
+        entry.finish_reason = finish_reason
+        entry.done.set()
+        if self._active.get(entry.request_id) is entry:
+            del self._active[entry.request_id]
+        self._finished[entry.request_id] = Finished(list(entry.engines), finish_reason)
+        while len(self._finished) > self._keep_finished:
+            self._finished.popitem(last=False)
+
+    def get(self, request_id: str) -> InFlight | None:
+        return self._active.get(request_id)
+
+    def finished(self, request_id: str) -> Finished | None:
+        return self._finished.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def by_engine(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for entry in self._active.values():
+            if entry.engine is not None:
+                counts[entry.engine] = counts.get(entry.engine, 0) + 1
+        return counts

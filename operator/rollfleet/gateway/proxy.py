@@ -1,0 +1,506 @@
+"""Forwarding one client request to engines: streaming, cancellation, deadline and failover.
+
+Owns the life of a request after it was accepted: pick an engine (routing), stream
+from it (always streamed upstream, so the gateway knows every generated token),
+answer the client in its dialect (SSE passthrough, or one JSON assembled from the
+chunks), and end it for real when asked:
+
+- stop (admin abort, client disconnect, deadline): the gateway calls the engine's
+  truthful abort for the caller id and lets the engine's own stream deliver the end
+  (`finish_reason: "abort"`), so the client gets its partial output; only if the
+  engine does not end it within a grace period is the connection closed (vLLM then
+  aborts on disconnect);
+- failover: when the engine fails mid-request (connection refused, reset, stream
+  cut, 5xx), the request continues on another engine through vLLM's token-in/token-out
+  route from prompt + tokens generated so far, at most `max_attempts` attempts, never
+  on an engine instance that already had this id;
+- every answer says the weight versions and engines that produced it.
+
+Talks to engines (HTTP, aiohttp) and to the client (raw ASGI send/receive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import aiohttp
+import orjson
+
+from rollfleet.gateway.dialects import (
+    Assembler,
+    ContinuationState,
+    Json,
+    Route,
+    Template,
+    choices_requested,
+    closing_chunk,
+    continuation_body,
+    continuation_chunk,
+    first_attempt_body,
+    prompt_token_ids,
+)
+from rollfleet.gateway.engine_api import abort_on_engine
+from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason
+from rollfleet.gateway.metrics import Metrics
+from rollfleet.gateway.registry import Engine, Registry
+from rollfleet.gateway.routing import Decision, NoEngine, Router
+from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER
+
+log = logging.getLogger(__name__)
+
+ENGINE_HEADER = "X-Rollfleet-Engine"
+Send = Any  # ASGI send/receive callables
+Receive = Any
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    max_attempts: int = 3
+    queue_timeout_s: float = 60.0  # how long a request waits for a routable engine before 503
+    stop_grace_s: float = 5.0  # after an abort on the engine, how long its stream may take to end
+    abort_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0
+
+
+@dataclass
+class ClientRequest:
+    route: Route
+    body: Json
+    request_id: str
+    session: str | None
+    end_session: bool
+    deadline: float  # event-loop time
+
+
+class Outcome(Enum):
+    FINISHED = "finished"  # every choice has a finish reason
+    FAILED = "failed"  # the engine failed; another may continue
+    REJECTED = "rejected"  # the engine refused the request (4xx): the client's answer
+    STOPPED = "stopped"  # stop requested and the stream was cut
+
+
+@dataclass
+class AttemptResult:
+    outcome: Outcome
+    detail: str = ""
+    status: int = 0
+    body: bytes = b""
+
+
+class StreamWriter:
+    """SSE to the client: upstream chunks pass through as bytes unless the gateway changed them."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+        self.sent_any = False
+        self.responded = False
+
+    async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self.send({"type": "http.response.start", "status": 200,
+                         "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                                     *headers]})
+
+    async def chunk(self, obj: Json, raw: bytes | None) -> None:
+        self.sent_any = True
+        data = raw if raw is not None else orjson.dumps(obj)
+        await self.send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
+
+    async def done(self, extra: Json, headers: list[tuple[bytes, bytes]]) -> None:
+        self.responded = True
+        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def error(self, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+        if not self.started:
+            await send_json(self.send, status, error_body(message, status), headers)
+            self.responded = True
+            return
+        await self.chunk(error_body(message, status), None)
+        await self.done({}, headers)
+
+
+class JsonWriter:
+    """One JSON answer for a non-streaming client, assembled from the upstream chunks."""
+
+    def __init__(self, send: Send, assembler: Assembler, route: Route, request: ClientRequest) -> None:
+        self.send = send
+        self.assembler = assembler
+        self.route = route
+        self.request = request
+        self.started = False  # nothing reaches the client before the end
+        self.sent_any = False
+        self.responded = False
+        self.tpl: Template | None = None
+        self.prompt_tokens: int | None = None
+
+    async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
+        return
+
+    async def chunk(self, obj: Json, raw: bytes | None) -> None:
+        self.assembler.add(obj)
+
+    async def done(self, extra: Json, headers: list[tuple[bytes, bytes]]) -> None:
+        assert self.tpl is not None
+        self.responded = True
+        await send_json(self.send, 200, self.assembler.response(self.tpl, self.prompt_tokens, extra), headers)
+
+    async def error(self, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+        self.responded = True
+        await send_json(self.send, status, error_body(message, status), headers)
+
+
+Writer = StreamWriter | JsonWriter
+
+
+def error_body(message: str, status: int) -> Json:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+async def send_json(send: Send, status: int, body: Json, headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+    data = orjson.dumps(body)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class Proxy:
+    def __init__(self, registry: Registry, router: Router, inflight: InFlightTable, token: str,
+                 config: ProxyConfig, metrics: Metrics) -> None:
+        self.registry = registry
+        self.router = router
+        self.inflight = inflight
+        self.token = token
+        self.config = config
+        self.metrics = metrics
+        self.session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        # No total/read timeout: a paused engine holds requests for as long as a weight sync
+        # takes; the request's own deadline bounds it instead.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def stop(self, entry: InFlight, reason: StopReason) -> None:
+        """End a request early: its current attempt is aborted on the engine, no further attempt starts."""
+        if entry.done.is_set() or entry.cancel_attempt.is_set():
+            return
+        entry.request_stop(reason)
+        entry.cancel_attempt.set()
+        self.metrics.stops.labels(reason.value).inc()
+
+    async def serve(self, req: ClientRequest, entry: InFlight, send: Send, receive: Receive) -> None:
+        loop = asyncio.get_running_loop()
+        exchange = _Exchange(self, req, entry, send)
+        watcher = asyncio.create_task(self._watch_disconnect(receive, exchange))
+        timer = loop.call_at(req.deadline, self.stop, entry, StopReason.DEADLINE)
+        finish: str | None = None
+        try:
+            finish = await exchange.run()
+        finally:
+            timer.cancel()
+            watcher.cancel()
+            self.inflight.close(entry, finish)
+
+    async def _watch_disconnect(self, receive: Receive, exchange: _Exchange) -> None:
+        # The body was read already; the next message is a disconnect (client gone, or our
+        # own response completed, which `responded` tells apart).
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not exchange.writer.responded:
+                    self.stop(exchange.entry, StopReason.DISCONNECT)
+                return
+
+
+class _Exchange:
+    """One client request across its attempts."""
+
+    def __init__(self, proxy: Proxy, req: ClientRequest, entry: InFlight, send: Send) -> None:
+        self.proxy = proxy
+        self.req = req
+        self.entry = entry
+        self.n = choices_requested(req.route, req.body)
+        self.fallback = Template.fallback(req.route, req.request_id, req.body)
+        self.tpl: Template | None = None
+        self.writer: Writer
+        if req.body.get("stream"):
+            self.writer = StreamWriter(send)
+        else:
+            self.writer = JsonWriter(send, Assembler(req.route, req.body.get("output_mode", "tokens")), req.route, req)
+        self.attempts = 0
+
+    # --- the attempt loop -----------------------------------------------------------
+    async def run(self) -> str | None:
+        entry, cfg = self.entry, self.proxy.config
+        last_failure = ""
+        while True:
+            if entry.stop is not None:
+                return await self._close_stopped()
+            if self.attempts >= cfg.max_attempts:
+                return await self._fail(502, f"gave up after {self.attempts} attempts: {last_failure}")
+            picked = await self._pick()
+            if picked is None:
+                if entry.stop is not None:
+                    continue
+                tried = f" other than {', '.join(entry.engines)} (failed)" if entry.engines else ""
+                return await self._fail(503, f"no routable engine{tried} within {cfg.queue_timeout_s:.0f}s "
+                                             "(engines starting, syncing or draining)")
+            engine, decision = picked
+            plan = self._plan()
+            if plan is None:
+                self.proxy.router.finish(decision, _now())
+                return await self._fail(502, f"engine failed after output was streamed: {last_failure}")
+            self.attempts += 1
+            if self.attempts > 1:
+                self.proxy.metrics.failovers.inc()
+            result = await self._attempt(engine, decision, *plan)
+            self.proxy.metrics.attempts.labels(engine.key, result.outcome.value).inc()
+            if result.outcome is Outcome.FINISHED:
+                return await self._close_finished()
+            if result.outcome is Outcome.STOPPED:
+                return await self._close_stopped()
+            if result.outcome is Outcome.REJECTED:
+                if self.attempts == 1 and not self.writer.started:
+                    await send_json(self.writer.send, result.status, _error_json(result.body, result.status),
+                                    self._headers())
+                    self.writer.responded = True
+                    return "rejected"
+                return await self._fail(502, f"engine refused the continuation: {result.detail}")
+            last_failure = f"{engine.key}: {result.detail}"
+            log.warning("request %s failed on %s (%s); %d/%d attempts used", self.req.request_id, engine.key,
+                        result.detail, self.attempts, cfg.max_attempts)
+
+    def _plan(self) -> tuple[str, Json, ContinuationState | None] | None:
+        """(path, body, continuation state) of the next attempt; None when it cannot be continued."""
+        entry, req = self.entry, self.req
+        if not self.writer.sent_any and entry.generated == 0:
+            # Nothing reached the client: (re)start from the client's own request.
+            if isinstance(self.writer, JsonWriter):
+                self.writer.assembler.reset()
+            entry.choices.clear()
+            return req.route.value, first_attempt_body(req.route, req.body), None
+        if self.n == 1 and entry.prompt_token_ids is not None:
+            choice = entry.choice(0)
+            body = continuation_body(req.route, req.body, entry.prompt_token_ids, choice.token_ids)
+            state = ContinuationState(tokens_before=len(choice.token_ids), text_offset=choice.text_chars)
+            return Route.GENERATE.value, body, state
+        if isinstance(self.writer, JsonWriter):
+            # Several sequences: nothing was sent yet, so start over rather than stitch n streams.
+            self.writer.assembler.reset()
+            entry.choices.clear()
+            return req.route.value, first_attempt_body(req.route, req.body), None
+        return None
+
+    async def _pick(self) -> tuple[Engine, Decision] | None:
+        """An engine this id has not run on; waits (bounded) while none is routable: no 503 storms."""
+        loop = asyncio.get_running_loop()
+        p, entry = self.proxy, self.entry
+        deadline = min(self.req.deadline, loop.time() + p.config.queue_timeout_s)
+        while entry.stop is None:
+            candidates = [e for e in p.registry.routable() if e.instance not in entry.tried]
+            try:
+                decision = p.router.choose([e.key for e in candidates], self.req.session, loop.time())
+            except NoEngine:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                await p.registry.wait_changed(min(remaining, 1.0))
+                continue
+            engine = p.registry.get(decision.engine)
+            assert engine is not None
+            return engine, decision
+        return None
+
+    async def _attempt(self, engine: Engine, decision: Decision, path: str, body: Json,
+                       cont: ContinuationState | None) -> AttemptResult:
+        p, entry = self.proxy, self.entry
+        entry.engine = engine.key
+        entry.engines.append(engine.key)
+        entry.tried.add(engine.instance)
+        task = asyncio.create_task(self._exchange(engine, path, body, cont))
+        stopper = asyncio.create_task(entry.cancel_attempt.wait())
+        try:
+            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await self._stop_on_engine(engine, task)
+            if task.cancelled():
+                return AttemptResult(Outcome.STOPPED, "stopped")
+            return task.result()
+        finally:
+            stopper.cancel()
+            if not task.done():
+                task.cancel()
+            p.router.finish(decision, _now(), end_session=self.req.end_session)
+
+    async def _stop_on_engine(self, engine: Engine, task: asyncio.Task[AttemptResult]) -> None:
+        """Abort the caller id on the engine, then give its stream `stop_grace_s` to deliver the end."""
+        p = self.proxy
+        assert p.session is not None and engine.url is not None
+        status = await abort_on_engine(p.session, engine.url, p.token, [self.req.request_id], p.config.abort_timeout_s)
+        log.info("request %s stopped (%s): engine %s says %s", self.req.request_id, self.entry.stop, engine.key,
+                 status[self.req.request_id].value)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), p.config.stop_grace_s)
+        if not task.done():
+            task.cancel()  # closes the connection: vLLM aborts a request whose client left
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _exchange(self, engine: Engine, path: str, body: Json, cont: ContinuationState | None) -> AttemptResult:
+        p, entry, req = self.proxy, self.entry, self.req
+        assert p.session is not None and engine.url is not None
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: req.request_id,
+                   "Authorization": f"Bearer {p.token}"}
+        try:
+            async with p.session.post(engine.url + path, data=orjson.dumps(body), headers=headers) as resp:
+                if resp.status != 200:
+                    data = await resp.read()
+                    detail = f"engine answered {resp.status}: {data[:300].decode(errors='replace')}"
+                    if resp.status >= 500:
+                        return AttemptResult(Outcome.FAILED, detail)
+                    return AttemptResult(Outcome.REJECTED, detail, resp.status, data)
+                version = resp.headers.get(WEIGHT_VERSION_HEADER)
+                if version:
+                    entry.add_versions(version.split(","))
+                if not self.writer.started:
+                    await self.writer.start(self._headers())
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    payload = line[6:].rstrip()
+                    if payload == b"[DONE]":
+                        break
+                    failure = await self._forward(payload, cont)
+                    if failure is not None:
+                        return failure
+        except (aiohttp.ClientError, OSError) as err:
+            p.registry.eject(engine.key)
+            return AttemptResult(Outcome.FAILED, f"{type(err).__name__}: {err}")
+        if self._all_finished():
+            return AttemptResult(Outcome.FINISHED)
+        p.registry.eject(engine.key)
+        return AttemptResult(Outcome.FAILED, "the engine's stream ended before the request finished")
+
+    async def _forward(self, payload: bytes, cont: ContinuationState | None) -> AttemptResult | None:
+        """Track one upstream chunk and pass it on in the client's dialect; a result if it was an error."""
+        obj = orjson.loads(payload)
+        error = obj.get("error")
+        if error is not None:
+            code = int(error.get("code") or 500) if isinstance(error, dict) else 500
+            if code >= 500:
+                return AttemptResult(Outcome.FAILED, f"engine error in stream: {str(error)[:300]}")
+            await self.writer.chunk(obj, payload)
+            return AttemptResult(Outcome.FINISHED)
+        raw: bytes | None = payload
+        if cont is not None:
+            obj = continuation_chunk(self.req.route, obj, self._template(obj), cont)
+            raw = None
+        else:
+            self._template(obj)
+        if self._track(obj):
+            obj["rollfleet"] = self._report()
+            raw = None
+        await self.writer.chunk(obj, raw)
+        return None
+
+    def _template(self, first: Json) -> Template:
+        if self.tpl is None:
+            self.tpl = Template.of(self.req.route, first, self.fallback)
+        return self.tpl
+
+    def _track(self, obj: Json) -> bool:
+        """Record tokens and finish reasons; True when this chunk finished the last open choice."""
+        entry, route = self.entry, self.req.route
+        if entry.prompt_token_ids is None:
+            entry.prompt_token_ids = prompt_token_ids(route, self.req.body, obj)
+        closed = False
+        for c in obj.get("choices") or []:
+            choice = entry.choice(int(c.get("index", 0)))
+            ids = c.get("token_ids")
+            if ids:
+                choice.token_ids.extend(ids)
+            if route is Route.COMPLETIONS:
+                choice.text_chars += len(c.get("text") or "")
+            for span in c.get("weight_versions") or []:
+                entry.add_versions([span["version"]])
+            if c.get("finish_reason") is not None and choice.finish_reason is None:
+                choice.finish_reason = c["finish_reason"]
+                closed = True
+        return closed and self._all_finished()
+
+    def _all_finished(self) -> bool:
+        done = [c for c in self.entry.choices.values() if c.finish_reason is not None]
+        return len(done) >= self.n
+
+    def _report(self) -> Json:
+        return {"weight_versions": list(self.entry.versions), "engines": list(self.entry.engines),
+                "attempts": self.attempts}
+
+    def _headers(self) -> list[tuple[bytes, bytes]]:
+        entry = self.entry
+        headers = [(REQUEST_ID_HEADER.lower().encode(), self.req.request_id.encode("latin-1"))]
+        if entry.engines:
+            headers.append((ENGINE_HEADER.lower().encode(), ",".join(entry.engines).encode("latin-1")))
+        if entry.versions:
+            headers.append((WEIGHT_VERSION_HEADER.lower().encode(), ",".join(entry.versions).encode("latin-1")))
+        return headers
+
+    def _finish_reason(self) -> str | None:
+        reasons = [c.finish_reason for c in self.entry.choices.values()]
+        if ABORT in reasons:
+            return ABORT
+        return next((r for r in reasons if r is not None), None)
+
+    async def _close_finished(self) -> str | None:
+        self._prepare_json()
+        await self.writer.done({"rollfleet": self._report()}, self._headers())
+        return self._finish_reason()
+
+    async def _close_stopped(self) -> str | None:
+        """End what is still open with finish_reason abort (the engine was told; it did not say it in time)."""
+        open_indexes = [i for i in range(self.n) if self.entry.choice(i).finish_reason is None]
+        tpl = self.tpl or self.fallback
+        if open_indexes:
+            if not self.writer.started:
+                await self.writer.start(self._headers())
+            chunk = closing_chunk(self.req.route, tpl, open_indexes, ABORT)
+            self._track(chunk)
+            chunk["rollfleet"] = self._report()
+            await self.writer.chunk(chunk, None)
+        return await self._close_finished()
+
+    def _prepare_json(self) -> None:
+        if isinstance(self.writer, JsonWriter):
+            self.writer.tpl = self.tpl or self.fallback
+            prompt = self.entry.prompt_token_ids
+            self.writer.prompt_tokens = len(prompt) if prompt is not None else None
+
+    async def _fail(self, status: int, message: str) -> str:
+        self.proxy.metrics.requests.labels(self.req.route.value, f"error_{status}").inc()
+        await self.writer.error(status, message, self._headers())
+        return "error"
+
+
+def _error_json(data: bytes, status: int) -> Json:
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return error_body(data.decode(errors="replace")[:1000], status)
+    return parsed if isinstance(parsed, dict) else error_body(str(parsed), status)
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()

@@ -1,0 +1,205 @@
+"""The fleet's engines as the gateway sees them: address, phase, and whether to route there.
+
+Owns the engine table. Fed either by a Kubernetes watch of the fleet's engine pods
+(list once, then watch from that resourceVersion, re-list on 410 Gone: no polling)
+or by a static list of URLs (`--engines`, for benchmarks and tests). The gateway
+routes only to pods that are Ready (pod condition) and whose `rollfleet.dev/phase`
+annotation is `Ready` or `Paused` (a paused engine holds requests; it does not fail
+them). Connection failures eject an engine for a few seconds (passive health), so a
+dead engine stops receiving traffic before its pod's readiness flips.
+
+Talks to kube-apiserver only (from a daemon thread: the official client is
+synchronous); updates are handed to the event loop with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PHASE_ANNOTATION = "rollfleet.dev/phase"
+ROUTABLE_PHASES = frozenset({"Ready", "Paused"})
+ENGINE_PORT = 8000
+
+
+@dataclass(frozen=True)
+class Engine:
+    key: str  # pod name, or the URL in static mode
+    url: str | None  # None while the pod has no IP
+    routable: bool
+    phase: str | None = None
+    # One life of the engine (pod uid): a replacement pod keeps the name but not this,
+    # so "never send an id twice to one engine" does not exclude the replacement.
+    instance: str = ""
+
+
+def engine_from_pod(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> Engine:
+    """The gateway's view of one engine pod (a pod as JSON, as the API serves it)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    phase = (meta.get("annotations") or {}).get(PHASE_ANNOTATION)
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    ip = status.get("podIP")
+    terminating = meta.get("deletionTimestamp") is not None
+    url = f"http://{ip}:{port}" if ip else None
+    routable = bool(url) and ready and not terminating and phase in ROUTABLE_PHASES
+    return Engine(key=meta["name"], url=url, routable=routable, phase=phase, instance=meta.get("uid") or meta["name"])
+
+
+class Registry:
+    """Engine table shared by routing, proxy and abort. All methods run on the event loop."""
+
+    def __init__(self, eject_s: float = 5.0) -> None:
+        self.eject_s = eject_s
+        self._engines: dict[str, Engine] = {}
+        self._ejected_until: dict[str, float] = {}
+        self._changed = asyncio.Event()
+        self.synced = False
+        self.on_removed: list[Callable[[str], None]] = []
+
+    # --- fed by a source ------------------------------------------------------------
+    def replace_all(self, engines: Iterable[Engine]) -> None:
+        fresh = {e.key: e for e in engines}
+        for key in set(self._engines) - set(fresh):
+            self._removed(key)
+        self._engines = fresh
+        self.synced = True
+        self._notify()
+
+    def upsert(self, engine: Engine) -> None:
+        self._engines[engine.key] = engine
+        self._notify()
+
+    def remove(self, key: str) -> None:
+        if self._engines.pop(key, None) is not None:
+            self._removed(key)
+            self._notify()
+
+    # --- fed by the proxy -----------------------------------------------------------
+    def eject(self, key: str) -> None:
+        """The engine refused or dropped a connection: no new traffic for `eject_s`."""
+        self._ejected_until[key] = time.monotonic() + self.eject_s
+        log.warning("engine %s ejected for %.0fs after a connection failure", key, self.eject_s)
+
+    # --- read side ------------------------------------------------------------------
+    def routable(self) -> list[Engine]:
+        now = time.monotonic()
+        return [
+            e for e in self._engines.values() if e.routable and e.url and self._ejected_until.get(e.key, 0.0) <= now
+        ]
+
+    def get(self, key: str) -> Engine | None:
+        return self._engines.get(key)
+
+    def engines(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    async def wait_changed(self, within_s: float) -> None:
+        """Return when the engine table changes, or after `within_s` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), within_s)
+
+    def _removed(self, key: str) -> None:
+        self._ejected_until.pop(key, None)
+        for callback in self.on_removed:
+            callback(key)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+def static_registry(urls: Iterable[str], eject_s: float = 5.0) -> Registry:
+    registry = Registry(eject_s)
+    clean = [u.rstrip("/") for u in urls]
+    registry.replace_all(Engine(key=u, url=u, routable=True, phase="Ready", instance=u) for u in clean)
+    return registry
+
+
+class PodWatcher:
+    """Keeps a Registry in step with the fleet's engine pods through a list+watch."""
+
+    def __init__(self, registry: Registry, namespace: str, fleet: str, kubeconfig: str | None = None) -> None:
+        self.registry = registry
+        self.namespace = namespace
+        self.selector = f"rollfleet.dev/fleet={fleet},app.kubernetes.io/component=engine"
+        self.kubeconfig = kubeconfig
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._response: Any = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._thread = threading.Thread(target=self._run, args=(loop,), name="engine-pod-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._response is not None:
+            self._response.close()
+
+    def _core(self) -> Any:
+        import kubernetes
+
+        if self.kubeconfig:
+            return kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(config_file=self.kubeconfig))
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        return kubernetes.client.CoreV1Api()
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        core = self._core()
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                listed = json.loads(
+                    core.list_namespaced_pod(self.namespace, label_selector=self.selector, _preload_content=False).data
+                )
+                engines = [engine_from_pod(p) for p in listed.get("items", [])]
+                loop.call_soon_threadsafe(self.registry.replace_all, engines)
+                self._watch(core, loop, listed["metadata"]["resourceVersion"])
+                backoff = 0.5
+            except Exception as err:
+                if self._stop.is_set():
+                    return
+                log.warning("engine pod watch failed (%s); re-listing in %.1fs", err, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _watch(self, core: Any, loop: asyncio.AbstractEventLoop, resource_version: str) -> None:
+        """Apply watch events until the watch expires (410: the caller re-lists) or stops."""
+        from kubernetes.watch.watch import iter_resp_lines
+
+        while not self._stop.is_set():
+            self._response = core.list_namespaced_pod(
+                self.namespace,
+                label_selector=self.selector,
+                watch=True,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=240,
+                _preload_content=False,
+            )
+            try:
+                for line in iter_resp_lines(self._response):
+                    event = json.loads(line)
+                    kind, obj = event["type"], event["object"]
+                    if kind == "ERROR":
+                        raise RuntimeError(f"watch error: {obj.get('message', obj)}")
+                    resource_version = obj["metadata"]["resourceVersion"]
+                    if kind == "DELETED":
+                        loop.call_soon_threadsafe(self.registry.remove, obj["metadata"]["name"])
+                    elif kind in ("ADDED", "MODIFIED"):
+                        loop.call_soon_threadsafe(self.registry.upsert, engine_from_pod(obj))
+            finally:
+                self._response.release_conn()

@@ -1,0 +1,94 @@
+"""A gateway in static mode in front of two simulated engines, on a background event loop.
+
+The simulator (bench/sim_engine.py) is a fake upstream: allowed here, for the
+gateway's own logic (failover bookkeeping, cancellation, admission). Acceptance on
+real vLLM engines lives in e2e/test_gateway.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+from aiohttp import web
+from bench.sim_engine import SimEngine
+
+from rollfleet.gateway.app import GatewayConfig, build_app
+from rollfleet.gateway.proxy import ProxyConfig
+
+TOKEN = "unit-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    url: str
+    sims: list[SimEngine]
+    sim_urls: list[str]
+    loop: asyncio.AbstractEventLoop
+
+    def reset(self) -> None:
+        for sim in self.sims:
+            sim.token_delay_ms = 0.0
+            sim.die_after = {}
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    loop = asyncio.new_event_loop()
+    sims = [SimEngine("sim-a"), SimEngine("sim-b")]
+    ports = [free_port() for _ in sims]
+    gw_port = free_port()
+    ready = threading.Event()
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        runners = []
+        for sim, port in zip(sims, ports, strict=True):
+            runner = web.AppRunner(sim.app(), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+        config = GatewayConfig(
+            token=TOKEN,
+            engines=[f"http://127.0.0.1:{p}" for p in ports],
+            max_body_bytes=64 * 1024,
+            eject_s=0.0,  # failover tests run back to back; exclusion per request is what they check
+            proxy=ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0),
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(build_app(config), host="127.0.0.1", port=gw_port, log_level="warning", lifespan="on")
+        )
+        serving = asyncio.create_task(server.serve())
+        while not server.started:  # noqa: ASYNC110 - uvicorn offers no event for this
+            await asyncio.sleep(0.01)
+        ready.set()
+        await stop.wait()
+        server.should_exit = True
+        await serving
+        for runner in runners:
+            await runner.cleanup()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert ready.wait(30), "gateway did not start"
+    yield Stack(f"http://127.0.0.1:{gw_port}", sims, [f"http://127.0.0.1:{p}" for p in ports], loop)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(30)
+
+
+@pytest.fixture
+def gw(stack: Stack) -> Iterator[Stack]:
+    stack.reset()
+    yield stack
+    stack.reset()

@@ -1,0 +1,142 @@
+"""Request shapes, failover continuation bodies and chunks, and non-streaming assembly."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollfleet.gateway.dialects import (
+    Assembler,
+    BadRequest,
+    ContinuationState,
+    Route,
+    Template,
+    choices_requested,
+    closing_chunk,
+    continuation_body,
+    continuation_chunk,
+    first_attempt_body,
+    prompt_token_ids,
+    validate,
+)
+
+TPL = Template("cmpl-r1", 100, "tiny")
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "reason"),
+    [
+        (Route.COMPLETIONS, [], "JSON object"),
+        (Route.COMPLETIONS, {"model": "m"}, "'prompt'"),
+        (Route.CHAT, {"messages": []}, "'messages'"),
+        (Route.GENERATE, {"token_ids": [1, -2]}, "'token_ids'"),
+        (Route.GENERATE, {"token_ids": [1], "sampling_params": 3}, "'sampling_params'"),
+        (Route.COMPLETIONS, {"prompt": "x", "n": 0}, "'n'"),
+        (Route.COMPLETIONS, {"prompt": "x", "stream": "yes"}, "'stream'"),
+    ],
+)
+def test_malformed_bodies_are_refused_with_the_reason(route: Route, body: object, reason: str) -> None:
+    with pytest.raises(BadRequest, match=reason):
+        validate(route, body)
+
+
+def test_choices_count_prompts_and_n() -> None:
+    assert choices_requested(Route.COMPLETIONS, {"prompt": ["a", "b"], "n": 2}) == 4
+    assert choices_requested(Route.COMPLETIONS, {"prompt": [1, 2, 3]}) == 1
+    assert choices_requested(Route.GENERATE, {"token_ids": [1], "sampling_params": {"n": 3}}) == 3
+
+
+def test_first_attempt_streams_with_token_ids_even_for_a_non_streaming_client() -> None:
+    body = {"prompt": "x", "stream_options": {"include_usage": True}}
+    up = first_attempt_body(Route.COMPLETIONS, body)
+    assert up["stream"] is True and up["return_token_ids"] is True and "stream_options" not in up
+    assert "stream" not in body  # the client's body is not changed
+
+
+def test_chat_continuation_carries_sampling_and_the_remaining_budget() -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,
+            "temperature": 0.5, "stop": ["\n"], "logprobs": True, "top_logprobs": 2, "min_tokens": 5}
+    out = continuation_body(Route.CHAT, body, [1, 2], [7, 8, 9])
+    assert out["token_ids"] == [1, 2, 7, 8, 9] and out["output_mode"] == "text" and out["model"] == "tiny"
+    assert out["sampling_params"] == {"temperature": 0.5, "stop": ["\n"], "max_tokens": 7, "logprobs": 2,
+                                      "min_tokens": 2, "n": 1}
+
+
+def test_completions_continuation_uses_vllms_default_budget_when_none_is_set() -> None:
+    out = continuation_body(Route.COMPLETIONS, {"prompt": "x"}, [1], [5, 6])
+    assert out["sampling_params"]["max_tokens"] == 14
+
+
+def test_generate_continuation_keeps_the_clients_sampling_params_and_output_mode() -> None:
+    body = {"token_ids": [3, 4], "sampling_params": {"max_tokens": 5, "top_k": 3}, "output_mode": "tokens"}
+    out = continuation_body(Route.GENERATE, body, [3, 4], [9])
+    assert out["token_ids"] == [3, 4, 9] and out["output_mode"] == "tokens"
+    assert out["sampling_params"] == {"max_tokens": 4, "top_k": 3, "n": 1}
+
+
+def test_prompt_ids_come_from_where_each_dialect_puts_them() -> None:
+    assert prompt_token_ids(Route.COMPLETIONS, {}, {"choices": [{"prompt_token_ids": [1, 2]}]}) == [1, 2]
+    assert prompt_token_ids(Route.CHAT, {}, {"prompt_token_ids": [3]}) == [3]
+    assert prompt_token_ids(Route.GENERATE, {"token_ids": [4]}, {}) == [4]
+    assert prompt_token_ids(Route.CHAT, {}, {"choices": []}) is None
+
+
+GEN_TEXT_CHUNK = {
+    "request_id": "generate-tokens-x",
+    "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [5, 6], "text": "ab",
+                 "weight_versions": [{"version": "v2", "start": 0, "end": 2}],
+                 "logprobs": {"content": [
+                     {"token": "a", "logprob": -1.0, "top_logprobs": [{"token": "a", "logprob": -1.0}]},
+                     {"token": "b", "logprob": -2.0, "top_logprobs": []}]}}],
+}
+
+
+def test_continuation_chunk_as_a_completions_chunk_with_completions_logprobs() -> None:
+    state = ContinuationState(tokens_before=3, text_offset=4)
+    out = continuation_chunk(Route.COMPLETIONS, GEN_TEXT_CHUNK, TPL, state)
+    assert out["id"] == "cmpl-r1" and out["object"] == "text_completion" and out["model"] == "tiny"
+    choice = out["choices"][0]
+    assert choice["text"] == "ab" and choice["token_ids"] == [5, 6] and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {"text_offset": [4, 5], "token_logprobs": [-1.0, -2.0], "tokens": ["a", "b"],
+                                  "top_logprobs": [{"a": -1.0}, {}]}
+    assert state.text_offset == 6
+
+
+def test_continuation_chunk_as_chat_and_as_generate() -> None:
+    chat = continuation_chunk(Route.CHAT, GEN_TEXT_CHUNK, TPL, ContinuationState(0))
+    assert chat["object"] == "chat.completion.chunk" and chat["choices"][0]["delta"] == {"content": "ab"}
+    gen = continuation_chunk(Route.GENERATE, GEN_TEXT_CHUNK, TPL, ContinuationState(tokens_before=3))
+    assert gen["request_id"] == "cmpl-r1"
+    # Weight-version spans count output tokens from the start of the client's response.
+    assert gen["choices"][0]["weight_versions"] == [{"version": "v2", "start": 3, "end": 5}]
+
+
+def test_assembled_chat_response_merges_content_tool_calls_and_logprobs() -> None:
+    asm = Assembler(Route.CHAT)
+    asm.add({"prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    asm.add({"choices": [{"index": 0, "delta": {"content": "he"}, "token_ids": [7],
+                          "logprobs": {"content": [{"token": "he", "logprob": -1}]}}]})
+    asm.add({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call1", "function": {"name": "f", "arguments": "{\"a\""}}]}, "token_ids": [8]}]})
+    asm.add({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                          "token_ids": [9], "finish_reason": "tool_calls",
+                          "logprobs": {"content": [{"token": "x", "logprob": -2}]}}]})
+    out = asm.response(Template("chatcmpl-r", 1, "tiny"), 2, {"rollfleet": {"attempts": 1}})
+    choice = out["choices"][0]
+    assert choice["message"]["content"] == "he" and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"] == [
+        {"id": "call1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]
+    assert choice["token_ids"] == [7, 8, 9] and [e["logprob"] for e in choice["logprobs"]["content"]] == [-1, -2]
+    assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert out["prompt_token_ids"] == [1, 2] and out["rollfleet"] == {"attempts": 1}
+
+
+def test_closing_chunk_ends_open_choices_in_each_dialect() -> None:
+    for route in Route:
+        chunk = closing_chunk(route, TPL, [0, 2], "abort")
+        assert [c["index"] for c in chunk["choices"]] == [0, 2]
+        assert all(c["finish_reason"] == "abort" for c in chunk["choices"])
+    asm = Assembler(Route.COMPLETIONS)
+    asm.add({"choices": [{"index": 0, "text": "ab", "token_ids": [1, 2]}]})
+    asm.add(closing_chunk(Route.COMPLETIONS, TPL, [0], "abort"))
+    choice = asm.response(TPL, 1, {})["choices"][0]
+    assert choice["text"] == "ab" and choice["finish_reason"] == "abort"

@@ -1,0 +1,180 @@
+"""The gateway's own logic against simulated engines: dialects, failover, stop, admission.
+
+Fake upstreams (bench/sim_engine.py); the same behaviours on real vLLM engines are the
+acceptance tests in e2e/test_gateway.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from tests.unit.gateway.conftest import TOKEN, Stack
+
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def sse_chunks(text: str) -> list[dict]:
+    lines = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_non_streaming_answer_is_assembled_with_token_ids_and_a_report(gw: Stack, path: str) -> None:
+    body = {"model": "m", "max_tokens": 5}
+    body |= {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(gw.url + path, json=body, headers={"X-Request-Id": f"whole-{path[-5:]}"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 5
+    assert out["usage"]["completion_tokens"] == 5
+    assert out["rollfleet"]["weight_versions"] == ["v1"] and out["rollfleet"]["attempts"] == 1
+    assert r.headers["x-rollfleet-weight-version"] == "v1" and r.headers["x-request-id"].startswith("whole-")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_dying_mid_stream_is_continued_on_the_other_from_its_tokens(gw: Stack, stream: bool) -> None:
+    for sim in gw.sims:
+        sim.die_after = {"/v1/completions": 4}  # first attempts die; continuations (generate route) do not
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10, "stream": stream},
+                   headers={"X-Request-Id": f"failover-{stream}"})
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = sse_chunks(r.text)
+        ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert {c["id"] for c in chunks} == {"cmpl-failover-True"}
+        report, finish = chunks[-1]["rollfleet"], chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = r.json()["choices"][0]
+        ids, report, finish = choice["token_ids"], r.json()["rollfleet"], choice["finish_reason"]
+    # Exactly the sequence one engine would have produced: 4 tokens, then 6 continued.
+    assert ids == [(3 + i) % 97 + 3 for i in range(10)]
+    assert finish == "length" and report["attempts"] == 2 and len(set(report["engines"])) == 2
+
+
+def test_failover_is_bounded_and_answers_a_clear_error(gw: Stack) -> None:
+    for sim in gw.sims:
+        sim.die_after = {"/v1/completions": 0, "/inference/v1/generate": 0}
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10}, timeout=10)
+    assert r.status_code == 503 and "no routable engine" in r.json()["error"]["message"]
+    r = httpx.get(gw.url + "/metrics")
+    assert "rollfleet_gateway_failovers_total" in r.text
+
+
+def _start_stream(gw: Stack, rid: str, out: dict) -> threading.Thread:
+    def run() -> None:
+        with httpx.stream("POST", gw.url + "/v1/completions", headers={"X-Request-Id": rid},
+                          json={"prompt": "x", "max_tokens": 2000, "stream": True}, timeout=30) as r:
+            out["text"] = r.read().decode()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_abort_by_id_ends_the_stream_with_abort_at_the_engine_and_answers_per_id(gw: Stack) -> None:
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+    out: dict = {}
+    thread = _start_stream(gw, "ab-1", out)
+    wait_until(lambda: any("ab-1" in s.running for s in gw.sims))
+    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1", "never-seen"]}, headers=ADMIN)
+    assert r.json() == {"results": {"ab-1": "aborted", "never-seen": "unknown"}}
+    thread.join(10)
+    chunks = sse_chunks(out["text"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    assert any(s.finished.get("ab-1") == "abort" for s in gw.sims)
+    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1"]}, headers=ADMIN)
+    assert r.json() == {"results": {"ab-1": "aborted"}}  # remembered after the end
+
+
+def test_abort_of_an_id_served_elsewhere_fans_out_to_the_engines(gw: Stack) -> None:
+    gw.sims[1].token_delay_ms = 5
+    out: dict = {}
+
+    def run() -> None:  # straight to an engine, as another gateway replica would have sent it
+        r = httpx.post(gw.sim_urls[1] + "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True},
+                       headers={"X-Request-Id": "elsewhere-1"}, timeout=30)
+        out["text"] = r.text
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: "elsewhere-1" in gw.sims[1].running)
+    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["elsewhere-1"]}, headers=ADMIN)
+    assert r.json() == {"results": {"elsewhere-1": "aborted"}}
+    thread.join(10)
+    assert sse_chunks(out["text"])[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+def test_a_non_streaming_client_that_disconnects_frees_the_engine_request(gw: Stack) -> None:
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2000},
+                   headers={"X-Request-Id": "gone-1"}, timeout=0.5)
+    wait_until(lambda: any(s.finished.get("gone-1") == "abort" for s in gw.sims))
+    assert not any("gone-1" in s.running for s in gw.sims)
+
+
+def test_a_request_past_its_deadline_returns_its_partial_output_with_abort(gw: Stack) -> None:
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2000},
+                   headers={"X-Request-Id": "late-1", "X-Rollfleet-Timeout": "0.3"}, timeout=10)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
+    assert any(s.finished.get("late-1") == "abort" for s in gw.sims)
+
+
+def test_an_id_still_in_flight_is_refused_not_resent(gw: Stack) -> None:
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+    out: dict = {}
+    thread = _start_stream(gw, "dup-1", out)
+    wait_until(lambda: any("dup-1" in s.running for s in gw.sims))
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "dup-1"})
+    assert r.status_code == 409 and "still in flight" in r.json()["error"]["message"]
+    httpx.post(gw.url + "/v1/abort", json={"request_ids": ["dup-1"]}, headers=ADMIN)
+    thread.join(10)
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "headers", "status", "needle"),
+    [
+        ("/v1/completions", b"{not json", {}, 400, "not valid JSON"),
+        ("/v1/completions", b'{"model": "m"}', {}, 400, "'prompt' is required"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', {}, 400, "'messages' is required"),
+        ("/v1/completions", b'{"prompt": "' + b"x" * 70000 + b'"}', {}, 413, "exceeds"),
+        ("/v1/completions", b'{"prompt": "x"}', {"X-Rollfleet-Timeout": "soon"}, 400, "number of seconds"),
+        ("/v1/completions", b'{"prompt": "x"}', {"X-Request-Id": "bad id!"}, 400, "request id"),
+        ("/v1/abort", b'{"request_ids": ["a"]}', {}, 401, "admin token"),
+        ("/v1/abort", b'{"request_ids": ["a"]}', {"Authorization": "Bearer wrong"}, 401, "admin token"),
+        ("/v1/abort", b'{"request_ids": []}', ADMIN, 400, "bad abort request"),
+    ],
+)
+def test_bad_requests_get_clear_4xx_and_the_gateway_keeps_serving(
+    gw: Stack, path: str, content: bytes, headers: dict, status: int, needle: str
+) -> None:
+    r = httpx.post(gw.url + path, content=content, headers={"Content-Type": "application/json", **headers})
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+    ok = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_health_ready_models_and_metrics(gw: Stack) -> None:
+    assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(gw.url + "/ready").json() == {"ready": True, "routable_engines": 2}
+    assert httpx.get(gw.url + "/v1/models").json()["data"][0]["id"].startswith("sim-")
+    assert "rollfleet_gateway_requests_total" in httpx.get(gw.url + "/metrics").text

@@ -1,0 +1,65 @@
+"""Which engine pods are routable, and how the engine table follows watch events."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from rollfleet.gateway.registry import Engine, Registry, engine_from_pod
+
+
+def pod(name: str = "f-engine-0", phase: str | None = "Ready", ready: bool = True, ip: str | None = "127.10.0.5",
+        deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}", "annotations": {}}
+    if phase is not None:
+        meta["annotations"]["rollfleet.dev/phase"] = phase
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta,
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "routable"),
+    [
+        ({}, True),
+        ({"phase": "Paused"}, True),  # a paused engine holds requests; it does not fail them
+        ({"phase": "PendingSync"}, False),
+        ({"phase": "Draining"}, False),
+        ({"phase": "Syncing"}, False),
+        ({"phase": None}, False),  # the operator has not said anything yet
+        ({"ready": False}, False),
+        ({"ip": None}, False),
+        ({"deleting": True}, False),
+    ],
+)
+def test_routable_only_when_ready_and_in_a_routable_phase(spec: dict[str, Any], routable: bool) -> None:
+    engine = engine_from_pod(pod(**spec))
+    assert engine.routable is routable
+    assert engine.instance == "uid-f-engine-0"
+
+
+def test_url_uses_the_pod_ip_and_engine_port() -> None:
+    assert engine_from_pod(pod()).url == "http://127.10.0.5:8000"
+
+
+def test_table_follows_events_and_ejection_is_temporary() -> None:
+    async def scenario() -> None:
+        registry = Registry(eject_s=0.05)
+        removed: list[str] = []
+        registry.on_removed.append(removed.append)
+        registry.replace_all([engine_from_pod(pod("a")), engine_from_pod(pod("b", phase="PendingSync"))])
+        assert registry.synced and [e.key for e in registry.routable()] == ["a"]
+        registry.upsert(engine_from_pod(pod("b")))
+        assert [e.key for e in registry.routable()] == ["a", "b"]
+        registry.eject("a")
+        assert [e.key for e in registry.routable()] == ["b"]
+        await asyncio.sleep(0.06)
+        assert [e.key for e in registry.routable()] == ["a", "b"]
+        registry.remove("a")
+        registry.replace_all([Engine("c", "http://c", True, "Ready", "c")])
+        assert removed == ["a", "b"] and [e.key for e in registry.engines()] == ["c"]
+
+    asyncio.run(scenario())

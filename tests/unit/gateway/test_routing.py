@@ -1,0 +1,105 @@
+"""Sticky-least-loaded routing: sessions stick, spread, move on imbalance or loss, expire."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollfleet.gateway.routing import NoEngine, Router, RoutingPolicy
+
+ENGINES = ["e0", "e1"]
+
+
+def test_sessionless_traffic_goes_to_the_least_outstanding_engine() -> None:
+    router = Router()
+    first = router.choose(ENGINES, None, now=0)
+    second = router.choose(ENGINES, None, now=0)
+    assert {first.engine, second.engine} == {"e0", "e1"}
+    router.finish(first, now=1)
+    assert router.choose(ENGINES, None, now=1).engine == first.engine
+
+
+def test_sequential_sessionless_traffic_alternates_instead_of_piling_on_one_engine() -> None:
+    router = Router()
+    counts = {"e0": 0, "e1": 0}
+    for i in range(100):
+        decision = router.choose(ENGINES, None, now=i)
+        counts[decision.engine] += 1
+        router.finish(decision, now=i)
+    assert counts == {"e0": 50, "e1": 50}
+
+
+def test_a_new_session_goes_to_the_least_loaded_engine_and_then_sticks() -> None:
+    router = Router()
+    busy = [router.choose(ENGINES, None, now=0) for _ in range(3)]
+    for d in busy[1:]:
+        router.finish(d, now=0)
+    loaded = busy[0].engine
+    other = "e1" if loaded == "e0" else "e0"
+    turn1 = router.choose(ENGINES, "s", now=1)
+    assert turn1.engine == other
+    router.finish(turn1, now=2)
+    # Even when its engine is now the busier one (below the threshold), the session stays.
+    for _ in range(3):
+        router.choose(ENGINES, None, now=2)
+    assert router.choose(ENGINES, "s", now=3).engine == other
+
+
+def test_grpo_group_members_share_one_engine() -> None:
+    router = Router()
+    engines = {router.choose(ENGINES, "group-7", now=0).engine for _ in range(8)}
+    assert len(engines) == 1
+
+
+def test_session_moves_when_its_engine_is_no_longer_routable() -> None:
+    router = Router()
+    d = router.choose(ENGINES, "s", now=0)
+    router.finish(d, now=0)
+    remaining = [e for e in ENGINES if e != d.engine]
+    moved = router.choose(remaining, "s", now=1)
+    assert moved.engine == remaining[0] and moved.moved_from == d.engine
+
+
+def test_session_moves_when_imbalance_passes_both_thresholds() -> None:
+    router = Router(RoutingPolicy(imbalance_abs=4, imbalance_rel=2.0))
+    d = router.choose(ENGINES, "s", now=0)
+    router.finish(d, now=0)
+    router.outstanding = {d.engine: 5, ("e1" if d.engine == "e0" else "e0"): 1}
+    assert router.choose(ENGINES, "s", now=1).moved_from is None  # gap 4 is not > 4
+    router.outstanding = {d.engine: 6, ("e1" if d.engine == "e0" else "e0"): 1}
+    assert router.choose(ENGINES, "s", now=2).moved_from == d.engine
+
+
+def test_idle_sessions_expire_after_the_ttl_but_active_ones_do_not() -> None:
+    router = Router(RoutingPolicy(session_ttl_s=10, sweep_interval_s=0))
+    idle = router.choose(ENGINES, "idle", now=0)
+    router.finish(idle, now=0)
+    router.choose(ENGINES, "busy", now=0)  # never finishes
+    router.choose(ENGINES, None, now=11)
+    assert "idle" not in router.sessions and "busy" in router.sessions
+
+
+def test_ending_a_session_releases_it_once_its_requests_are_done() -> None:
+    router = Router()
+    a = router.choose(ENGINES, "s", now=0)
+    b = router.choose(ENGINES, "s", now=0)
+    router.finish(a, now=1, end_session=True)
+    assert "s" in router.sessions
+    router.finish(b, now=1, end_session=True)
+    assert "s" not in router.sessions
+
+
+def test_exclusions_and_empty_fleets_raise_no_engine() -> None:
+    router = Router()
+    assert router.choose(ENGINES, None, now=0, exclude={"e0"}).engine == "e1"
+    with pytest.raises(NoEngine):
+        router.choose(ENGINES, None, now=0, exclude={"e0", "e1"})
+    with pytest.raises(NoEngine):
+        router.choose([], "s", now=0)
+
+
+def test_outstanding_counts_return_to_zero() -> None:
+    router = Router()
+    decisions = [router.choose(ENGINES, f"s{i % 3}", now=i) for i in range(9)]
+    for d in decisions:
+        router.finish(d, now=10)
+    assert all(v == 0 for v in router.outstanding.values())
