@@ -90,6 +90,14 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=server.run)
 
 
+def _add_operator(sub: argparse._SubParsersAction) -> None:
+    from rollfleet.controller import main as operator_main  # light: kopf is imported when it runs
+
+    p = sub.add_parser("operator", help="run the operator (RolloutFleet, RolloutRequest) with kopf, in-process")
+    operator_main.add_arguments(p)
+    p.set_defaults(func=operator_main.run)
+
+
 def _add_results(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("results", help="print a RolloutRequest's stored samples as JSONL")
     p.add_argument("target", help="rr/NAME")
@@ -110,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster(sub)
     _add_sync(sub)
     _add_gateway(sub)
+    _add_operator(sub)
     _add_results(sub)
     return parser
 

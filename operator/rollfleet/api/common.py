@@ -29,7 +29,7 @@ LABEL_INDEX = f"{GROUP}/engine-index"
 
 # Annotations: on the engine pod (written by the operator, read by the gateway) ...
 ANNOTATION_PHASE = f"{GROUP}/phase"
-ANNOTATION_DRAIN_DEADLINE = f"{GROUP}/drain-deadline"
+ANNOTATION_DRAINING_SINCE = f"{GROUP}/draining-since"
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 # ... and on the RolloutFleet (written by people and by the sync sidecar).
 ANNOTATION_PAUSE = f"{GROUP}/pause"

@@ -1,0 +1,331 @@
+"""What a RolloutFleet should own, as Kubernetes objects built from its spec.
+
+Pure: every function maps (fleet identity, spec) to manifests, so the operator's
+`reconcile` only decides when to apply them. Owns the object names, labels, the engine
+pod template (and its hash, which says whether a pod is up to date), the gateway
+Deployment and Service, the admin-token Secret, ServiceAccounts and the gateway's Role.
+Talks to nobody.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rollfleet.api.common import (
+    ANNOTATION_PHASE,
+    ANNOTATION_TEMPLATE_HASH,
+    API_VERSION,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_FLEET,
+    LABEL_INDEX,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    TOKEN_FILE,
+    TOKEN_KEY,
+    TOKEN_MOUNT_DIR,
+)
+from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
+
+Manifest = dict[str, Any]
+
+ENGINE_PORT = 8000
+GATEWAY_PORT = 8080
+MODEL_MOUNT = "/models"
+MANAGER = "rollfleet-operator"
+# A lost node's pods are evicted after this long (Kubernetes' default is 300 s); the
+# operator then replaces them, so a fleet heals in about a minute, not five.
+NODE_LOST_TOLERATION_SECONDS = 30
+
+
+@dataclass(frozen=True)
+class FleetRef:
+    """The identity of a RolloutFleet: enough to name and own what it creates."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> FleetRef:
+        meta = body["metadata"]
+        return cls(meta["name"], meta["namespace"], meta["uid"])
+
+    def owner_reference(self) -> Manifest:
+        # controller=True makes the fleet the one manager; the garbage collector deletes
+        # everything it owns when the fleet is deleted.
+        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+
+def engine_pod_name(fleet: str, index: int) -> str:
+    return f"{fleet}-engine-{index}"
+
+
+def engine_index(pod_name: str, fleet: str) -> int | None:
+    """The index in `<fleet>-engine-<index>`, or None for a name that is not an engine of this fleet."""
+    prefix = f"{fleet}-engine-"
+    rest = pod_name[len(prefix):] if pod_name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() and str(int(rest)) == rest else None
+
+
+def gateway_name(fleet: str) -> str:
+    return f"{fleet}-gateway"
+
+
+def engine_sa_name(fleet: str) -> str:
+    return f"{fleet}-engine"
+
+
+def secret_name(fleet: str) -> str:
+    return f"{fleet}-admin-token"
+
+
+def gateway_endpoint(ref: FleetRef) -> str:
+    return f"http://{gateway_name(ref.name)}.{ref.namespace}.svc:{GATEWAY_PORT}"
+
+
+def component_labels(fleet: str, component: str) -> dict[str, str]:
+    return {LABEL_NAME: "rollfleet", LABEL_COMPONENT: component, LABEL_FLEET: fleet}
+
+
+def engine_selector(fleet: str) -> str:
+    """The engine pods' label selector, as the scale subresource wants it."""
+    return ",".join(f"{k}={v}" for k, v in component_labels(fleet, "engine").items())
+
+
+def _meta(ref: FleetRef, name: str, component: str, **extra: Any) -> Manifest:
+    labels = component_labels(ref.name, component) | {LABEL_MANAGED_BY: MANAGER}
+    return {"name": name, "namespace": ref.namespace, "labels": labels,
+            "ownerReferences": [ref.owner_reference()], **extra}
+
+
+def template_hash(spec: RolloutFleetSpec) -> str:
+    """Hash of everything that shapes an engine pod; a pod with another hash is rolled.
+
+    Replicas, the gateway, the update strategy and the drain timeout are left out:
+    changing them must not restart engines.
+    """
+    shaping = spec.model_dump(mode="json", by_alias=True, exclude_none=True,
+                              include={"model", "engine", "placement", "weight_sync"})
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def engine_args(spec: RolloutFleetSpec) -> list[str]:
+    """Arguments of `python -m rollfleet_engine` (the engine image's entrypoint)."""
+    model, engine, sync = spec.model, spec.engine, spec.weight_sync
+    model_dir = model.image_path if model.image_path else MODEL_MOUNT
+    args = ["serve", "--model", model_dir, "--served-model-name", model.served_name,
+            "--host", "$(POD_IP)", "--port", str(ENGINE_PORT), "--token-file", TOKEN_FILE,
+            "--weight-backend", sync.backend]
+    if sync.initial_version:
+        args += ["--weight-version", sync.initial_version]
+    vllm: list[str] = []
+    if engine.tensor_parallel_size > 1:
+        vllm += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    if engine.max_model_len is not None:
+        vllm += ["--max-model-len", str(engine.max_model_len)]
+    vllm += engine.args
+    return args + (["--", *vllm] if vllm else [])
+
+
+def _token_volume(fleet: str) -> Manifest:
+    return {"name": "rollfleet-token", "secret": {"secretName": secret_name(fleet), "defaultMode": 0o440}}
+
+
+_TOKEN_MOUNT = {"name": "rollfleet-token", "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
+
+
+def _resources(requests: dict[str, Any] | None, limits: dict[str, Any] | None) -> Manifest:
+    # Quantities are strings on the wire ("1", "500m", "8Gi"); the client refuses numbers.
+    out: Manifest = {}
+    if requests:
+        out["requests"] = {k: str(v) for k, v in requests.items()}
+    if limits:
+        out["limits"] = {k: str(v) for k, v in limits.items()}
+    return out
+
+
+def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = "Starting") -> Manifest:
+    """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts."""
+    engine, placement = spec.engine, spec.placement
+    gpus = engine.gpus_per_engine
+    requests = dict(engine.resources.requests or {}) if engine.resources else {}
+    limits = dict(engine.resources.limits or {}) if engine.resources else {}
+    if gpus:
+        requests[engine.gpu_resource] = gpus
+        limits[engine.gpu_resource] = gpus
+
+    volumes = [_token_volume(ref.name)]
+    mounts = [dict(_TOKEN_MOUNT)]
+    if spec.model.host_path:
+        volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif spec.model.pvc:
+        pvc = spec.model.pvc
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name,
+                                                                  "readOnly": pvc.read_only}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": pvc.read_only}
+                      | ({"subPath": pvc.sub_path} if pvc.sub_path else {}))
+    if engine.tensor_parallel_size > 1:
+        # Tensor-parallel workers exchange tensors through shared memory; the default 64 MiB is too small.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        *(e.wire() for e in engine.env),
+    ]
+    container: Manifest = {
+        "name": "engine",
+        "image": engine.image,
+        "imagePullPolicy": engine.image_pull_policy,
+        "args": engine_args(spec),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "resources": _resources(requests, limits),
+        "volumeMounts": mounts,
+        # The engine only listens once the model is loaded, so startup allows the whole load time.
+        "startupProbe": _http_probe("/health", "http", 5, max(1, engine.startup_timeout_seconds // 5)),
+        "readinessProbe": _http_probe("/rollfleet/v1/ready", "http", 5, 3),
+        "livenessProbe": _http_probe("/health", "http", 10, 6),
+    }
+    if engine.command:
+        container["command"] = list(engine.command)
+
+    tolerations = [t.wire() for t in placement.tolerations]
+    if gpus:
+        # What the ExtendedResourceToleration admission plugin would add: GPU nodes are tainted.
+        tolerations.append({"key": engine.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
+    tolerations += [{"key": key, "operator": "Exists", "effect": "NoExecute",
+                     "tolerationSeconds": NODE_LOST_TOLERATION_SECONDS}
+                    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+
+    pod_spec: Manifest = {
+        # Never: a dead engine is replaced by the operator (a fresh pod, drained and
+        # re-synced), not restarted in place behind the fleet's back.
+        "restartPolicy": "Never",
+        "serviceAccountName": engine_sa_name(ref.name),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+        "tolerations": tolerations,
+    }
+    if placement.node_selector:
+        pod_spec["nodeSelector"] = dict(placement.node_selector)
+    if placement.affinity:
+        pod_spec["affinity"] = placement.affinity
+    if placement.priority_class_name:
+        pod_spec["priorityClassName"] = placement.priority_class_name
+    if placement.scheduler_name:
+        pod_spec["schedulerName"] = placement.scheduler_name
+
+    name = engine_pod_name(ref.name, index)
+    meta = _meta(ref, name, "engine",
+                 annotations={ANNOTATION_PHASE: phase, ANNOTATION_TEMPLATE_HASH: template_hash(spec)})
+    meta["labels"][LABEL_INDEX] = str(index)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def admin_secret(ref: FleetRef, token: str) -> Manifest:
+    """The fleet's admin token (engine control routes, gateway abort, sync sidecars)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(ref, secret_name(ref.name), "admin-token"),
+            "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+
+
+def engine_service_account(ref: FleetRef) -> Manifest:
+    # Engines never call the API server: no token is mounted.
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
+            "metadata": _meta(ref, engine_sa_name(ref.name), "engine")}
+
+
+def gateway_service_account(ref: FleetRef) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ref, gateway_name(ref.name), "gateway")}
+
+
+def gateway_role(ref: FleetRef) -> Manifest:
+    """The gateway reads engine pods (to route) and its fleet (for settings); nothing else."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": _meta(ref, gateway_name(ref.name), "gateway"),
+        "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch"],
+             "resourceNames": [ref.name]},
+        ],
+    }
+
+
+def gateway_role_binding(ref: FleetRef) -> Manifest:
+    name = gateway_name(ref.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": _meta(ref, name, "gateway"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ref.namespace}],
+    }
+
+
+def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
+    """`rollfleet gateway` behind a readiness gate (/ready: its engine watch has synced)."""
+    gw = spec.gateway
+    labels = component_labels(ref.name, "gateway")
+    container: Manifest = {
+        "name": "gateway",
+        "image": gw.image,
+        "imagePullPolicy": gw.image_pull_policy,
+        "args": ["gateway", "--fleet", ref.name, "--namespace", ref.namespace, "--port", str(GATEWAY_PORT),
+                 "--token-file", TOKEN_FILE, *gw.args],
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "readinessProbe": _http_probe("/ready", "http", 2, 3),
+        "livenessProbe": _http_probe("/health", "http", 10, 6),
+        "volumeMounts": [dict(_TOKEN_MOUNT)],
+    }
+    if gw.resources:
+        container["resources"] = _resources(gw.resources.requests, gw.resources.limits)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(ref, gateway_name(ref.name), "gateway"),
+        "spec": {
+            "replicas": gw.replicas,
+            "selector": {"matchLabels": labels},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"serviceAccountName": gateway_name(ref.name), "enableServiceLinks": False,
+                         "containers": [container], "volumes": [_token_volume(ref.name)]},
+            },
+        },
+    }
+
+
+def gateway_service(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(ref, gateway_name(ref.name), "gateway"),
+        "spec": {"type": spec.gateway.service_type, "selector": component_labels(ref.name, "gateway"),
+                 "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }
+
+
+def owned_objects(ref: FleetRef, spec: RolloutFleetSpec) -> list[Manifest]:
+    """Everything but the engine pods and the Secret, in the order they are applied."""
+    objects = [engine_service_account(ref)]
+    if spec.gateway.enabled:
+        objects += [gateway_service_account(ref), gateway_role(ref), gateway_role_binding(ref),
+                    gateway_service(ref, spec), gateway_deployment(ref, spec)]
+    return objects

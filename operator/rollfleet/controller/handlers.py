@@ -1,0 +1,48 @@
+"""kopf registration for RolloutFleet: watch events feed the fleet loops in `reconciler`.
+
+Event handlers only (no on.create/on.update progress, no daemon): kopf is the watch
+machinery here, and all decisions happen in the per-fleet loops. Without handlers that
+need finalizers, deleting a fleet never waits for the operator; the garbage collector
+removes what the fleet owns. The shared `Operator` lives in kopf's memo from startup
+to cleanup. Talks to nobody itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import kopf
+
+from rollfleet.api.common import GROUP, LABEL_COMPONENT, LABEL_NAME, VERSION
+from rollfleet.api.fleet import PLURAL
+from rollfleet.controller.kube import Kube, load_client
+from rollfleet.controller.reconciler import Operator
+
+
+@kopf.on.startup()
+async def start_fleets(memo: kopf.Memo, **_: Any) -> None:
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
+    memo.fleets = Operator(Kube(load_client()), session)
+    memo.fleet_http = session
+
+
+@kopf.on.cleanup()
+async def stop_fleets(memo: kopf.Memo, **_: Any) -> None:
+    await memo.fleets.stop()
+    await memo.fleet_http.close()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def fleet_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    memo.fleets.on_fleet(event.get("type"), event["object"])
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_NAME: "rollfleet", LABEL_COMPONENT: "engine"})
+async def engine_pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    memo.fleets.on_pod(event.get("type"), event["object"])
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={LABEL_NAME: "rollfleet", LABEL_COMPONENT: "gateway"})
+async def gateway_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    memo.fleets.on_gateway(event.get("type"), event["object"])

@@ -1,0 +1,208 @@
+"""What to do next, given what is observed: pod actions, pause decisions, phase updates.
+
+Pure. `plan_pods` scales up and down (scale-down drains first), replaces failed or
+lost engines, and rolls spec changes one engine at a time within maxUnavailable and
+maxSurge. Draining is explicit state on the pod (`rollfleet.dev/phase=Draining`,
+`rollfleet.dev/draining-since`), so a restarted operator continues where it was.
+`pause_request` and `pause_record` turn the fleet's annotations and its recorded pause
+into the pause to hold; `engine_pause_calls` and `phase_updates` say which engines need a call or a new
+phase annotation. Talks to nobody.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from rollfleet.api.common import ANNOTATION_PAUSE, ANNOTATION_RESUME
+from rollfleet.api.fleet import PAUSE_MODES, PauseMode, PauseStatus, UpdateStrategy
+from rollfleet.controller.status import Engine
+
+# After an engine is marked Draining, gateways need a moment to see it and stop
+# routing; an in-flight count of 0 before that could miss a request on its way.
+DRAIN_SETTLE_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Create:
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Delete:
+    name: str
+    reason: str
+    force: bool = False  # grace period 0: for pods on a lost node, whose kubelet will never confirm
+
+
+PodAction = Create | Drain | Delete
+
+
+def resolve(value: int | str, replicas: int, round_up: bool) -> int:
+    """An int-or-percent budget in engines (percentages of replicas, as Deployments round them)."""
+    if isinstance(value, int):
+        return value
+    exact = int(value.rstrip("%")) * replicas / 100
+    return math.ceil(exact) if round_up else math.floor(exact)
+
+
+def rollout_budget(strategy: UpdateStrategy, replicas: int) -> tuple[int, int]:
+    """(maxUnavailable, maxSurge) in engines; never both 0, or an update could not progress."""
+    surge = resolve(strategy.max_surge, replicas, round_up=True)
+    unavailable = resolve(strategy.max_unavailable, replicas, round_up=False)
+    return (1 if surge == 0 and unavailable == 0 else unavailable), surge
+
+
+def drain_finished(engine: Engine, drain_timeout: float, now: datetime) -> str | None:
+    """Why a draining engine may be deleted now, or None to keep waiting."""
+    obs = engine.obs
+    if obs.draining_since is None:
+        return "drain start unknown"
+    waited = (now - obs.draining_since).total_seconds()
+    if waited >= drain_timeout:
+        return f"drain timeout ({drain_timeout:.0f}s) reached with {obs.in_flight} in flight"
+    if obs.pod_phase != "Running" or not obs.ready:
+        return "engine not running: nothing to wait for"
+    if obs.in_flight == 0 and waited >= DRAIN_SETTLE_SECONDS:
+        return f"drained after {waited:.0f}s"
+    return None
+
+
+def plan_pods(engines: Sequence[Engine], *, replicas: int, current_hash: str, max_unavailable: int,
+              max_surge: int, drain_timeout: float, now: datetime) -> list[PodAction]:
+    """Pod actions that move the observed engines towards `replicas` up-to-date serving engines."""
+    actions: list[PodAction] = []
+    live: list[Engine] = []
+    occupying = 0  # pods that hold (or will hold) node resources: counted against replicas + surge
+    for e in sorted(engines, key=lambda e: e.obs.index):
+        obs = e.obs
+        if obs.node_lost:
+            actions.append(Delete(obs.name, e.message or "node lost", force=True))
+            continue
+        if obs.failed:
+            actions.append(Delete(obs.name, f"replacing failed engine: {e.message}"))
+            continue
+        occupying += 1
+        if obs.terminating:
+            continue
+        if obs.draining:
+            why = drain_finished(e, drain_timeout, now)
+            if why is not None:
+                actions.append(Delete(obs.name, why))
+            continue
+        live.append(e)
+
+    old = [e for e in live if e.obs.template_hash != current_hash]
+    limit = replicas + (max_surge if old else 0)
+
+    # Scale down: the fewest useful engines go first (not serving, then outdated, then highest index).
+    excess = len(live) - limit
+    if excess > 0:
+        victims = sorted(live, key=lambda e: (e.serving, e.obs.template_hash == current_hash, -e.obs.index))[:excess]
+        for e in victims:
+            actions.append(Drain(e.obs.name, "scale-down") if e.serving
+                           else Delete(e.obs.name, f"scale-down of a {e.phase} engine"))
+        live = [e for e in live if e not in victims]
+        old = [e for e in old if e not in victims]
+
+    # Create: lowest free indices below the limit, so names stay <fleet>-engine-0..N-1 and a
+    # replacement reuses the name of the engine it replaces (once that pod is gone).
+    updated = len(live) - len(old)
+    want = min(limit - occupying, replicas - updated, limit - len(live))
+    taken = {e.obs.index for e in engines}
+    free = [i for i in range(limit) if i not in taken]
+    actions += [Create(i, "scale-up" if i >= replicas or not old else "update") for i in free[:max(0, want)]]
+
+    # Roll: outdated engines that do not serve go at once; serving ones within maxUnavailable.
+    if old:
+        available = sum(e.serving for e in live)
+        budget = available - (replicas - max_unavailable)
+        for e in sorted(old, key=lambda e: (e.serving, -e.obs.index)):
+            if not e.serving:
+                actions.append(Delete(e.obs.name, f"update of a {e.phase} engine"))
+            elif budget > 0:
+                actions.append(Drain(e.obs.name, "update"))
+                budget -= 1
+    return actions
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    """The pause the fleet's annotations ask for."""
+
+    mode: PauseMode | None  # what engines should be: paused in this mode, or (None) running
+    invalid_value: str | None = None  # a rollfleet.dev/pause value that was ignored
+    remove_annotations: tuple[str, ...] = ()  # a one-shot resume consumes its annotation
+
+
+def pause_request(annotations: Mapping[str, str], recorded: PauseStatus | None) -> PauseRequest:
+    """`rollfleet.dev/pause=keep|wait|abort` pauses; removing it, or `rollfleet.dev/resume`, resumes."""
+    raw = annotations.get(ANNOTATION_PAUSE)
+    if ANNOTATION_RESUME in annotations:
+        return PauseRequest(None, remove_annotations=tuple(a for a in (ANNOTATION_RESUME, ANNOTATION_PAUSE)
+                                                           if a in annotations))
+    if raw is None:
+        return PauseRequest(None)
+    if raw in PAUSE_MODES:
+        return PauseRequest(raw)
+    # An invalid value changes nothing: the fleet keeps the pause it had (or had not).
+    return PauseRequest(recorded.mode if recorded else None, invalid_value=raw)
+
+
+def pause_record(request: PauseRequest, recorded: PauseStatus | None, engines: Sequence[Engine],
+                 now: datetime) -> PauseStatus | None:
+    """What status.pause becomes; while resuming, the record stays until no engine reports paused."""
+    if request.mode is not None:
+        return PauseStatus(mode=request.mode, since=recorded.since if recorded else now,
+                           paused_engines=recorded.paused_engines if recorded else 0)
+    if recorded is not None and any(e.obs.state and e.obs.state.paused for e in engines
+                                    if e.phase not in ("Draining", "Failed")):
+        return recorded
+    return None
+
+
+@dataclass(frozen=True)
+class PauseCall:
+    name: str
+    mode: PauseMode
+
+
+@dataclass(frozen=True)
+class ResumeCall:
+    name: str
+
+
+def engine_pause_calls(mode: PauseMode | None, record: PauseStatus | None,
+                       engines: Sequence[Engine]) -> list[PauseCall | ResumeCall]:
+    """Engine control calls that make every reachable engine match the fleet's pause.
+
+    Only a fleet pause is undone: an engine paused by the sync sidecar for a weight
+    update while the fleet runs is not the operator's to resume.
+    """
+    calls: list[PauseCall | ResumeCall] = []
+    for e in engines:
+        state = e.obs.state
+        if state is None or e.phase in ("Draining", "Failed"):
+            continue
+        if mode is not None and (not state.paused or state.pause_mode not in (None, mode)):
+            calls.append(PauseCall(e.obs.name, mode))
+        elif mode is None and record is not None and state.paused:
+            calls.append(ResumeCall(e.obs.name))
+    return calls
+
+
+def phase_updates(engines: Sequence[Engine], actions: Sequence[PodAction]) -> dict[str, str]:
+    """Engines whose `rollfleet.dev/phase` annotation must change (the gateway routes on it)."""
+    leaving = {a.name for a in actions if isinstance(a, Drain | Delete)}
+    return {e.obs.name: e.phase for e in engines
+            if e.phase != e.obs.annotated_phase and e.obs.name not in leaving
+            and not e.obs.terminating and e.phase != "Failed"}

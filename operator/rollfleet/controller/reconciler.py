@@ -1,0 +1,476 @@
+"""One reconcile loop per RolloutFleet: observe, decide (pure functions), act, report.
+
+Owns the operator's in-memory view, fed by kopf's watch events (fleets, engine pods,
+gateway Deployments), and one asyncio task per fleet that wakes on those events or a
+timer. Each pass reads the engines' state over HTTP, asks `plan` what to do, applies
+it, and writes status at most once per second (a pass coalesces everything that
+changed since the last write). Durable state lives in the cluster (pod names and
+annotations, the fleet's status), never only here, so a restarted operator resumes.
+Talks to kube-apiserver (through `kube`) and engines (through `engines`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+from pydantic import ValidationError
+
+from rollfleet.api.common import ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, LABEL_FLEET, TOKEN_KEY
+from rollfleet.api.fleet import PauseStatus, RolloutFleetSpec, RolloutFleetStatus
+from rollfleet.controller import desired, plan
+from rollfleet.controller.engines import EngineCallError, EngineClient
+from rollfleet.controller.kube import Kube
+from rollfleet.controller.status import (
+    Engine,
+    EngineObs,
+    GatewayObs,
+    PauseView,
+    WeightView,
+    classify,
+    fleet_status,
+    observe_pod,
+)
+from rollfleet.sync.fleetversion import fleet_weight_version
+from rollfleet_engine.protocol import EngineState
+
+log = logging.getLogger("rollfleet.operator")
+
+STATUS_MIN_INTERVAL_S = 1.0  # at most one status patch per fleet per second
+PASS_MIN_INTERVAL_S = 0.25  # bursts of watch events coalesce into one pass
+BUSY_RESYNC_S = 1.0  # while anything changes: engines starting, draining, pausing
+IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight versions)
+REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
+NODE_REFRESH_S = 5.0
+
+Key = tuple[str, str]  # (namespace, fleet name)
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+def _rfc3339(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class NodeHealth:
+    """Which nodes are lost (gone, or not Ready), refreshed only when an engine looks unwell."""
+
+    def __init__(self, kube: Kube) -> None:
+        self._kube = kube
+        self._ready: dict[str, bool] = {}
+        self._at = -1e9
+        self._lock = asyncio.Lock()
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            if time.monotonic() - self._at < NODE_REFRESH_S:
+                return
+            nodes = await self._kube.list_nodes()
+            self._ready = {
+                n["metadata"]["name"]: any(c.get("type") == "Ready" and c.get("status") == "True"
+                                           for c in (n.get("status") or {}).get("conditions") or [])
+                for n in nodes
+            }
+            self._at = time.monotonic()
+
+    def lost(self, node: str | None) -> bool:
+        # Before the first listing nothing is known to be lost.
+        return node is not None and self._at > 0 and not self._ready.get(node, False)
+
+
+@dataclass
+class Shared:
+    """What every fleet loop reads: the watch-fed caches and the clients."""
+
+    kube: Kube
+    engines: EngineClient
+    nodes: NodeHealth
+    pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    gateways: dict[Key, GatewayObs] = field(default_factory=dict)
+
+
+class FleetLoop:
+    def __init__(self, shared: Shared, body: Mapping[str, Any]) -> None:
+        self.shared = shared
+        self.body: Mapping[str, Any] = body
+        self.ref = desired.FleetRef.of(dict(body))
+        self.key: Key = (self.ref.namespace, self.ref.name)
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self._token: str | None = None
+        self._states: dict[str, tuple[float, EngineState | None]] = {}
+        self._calls: dict[str, asyncio.Task[None]] = {}
+        self._applied: dict[str, tuple[str, float]] = {}
+        self._last_status_at = -1e9
+        self._warned_pause: str | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._spec_error: str | None = None
+        self._written: RolloutFleetStatus | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"fleet {self.ref.namespace}/{self.ref.name}")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self.task, *self._calls.values(), *self._background) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def update(self, body: Mapping[str, Any]) -> None:
+        self.body = body
+        self.wake.set()
+
+    async def _run(self) -> None:
+        # Seed the pod cache with a LIST: the pod watch may not have delivered this fleet's
+        # pods yet, and deciding on a partial view would recreate engines that exist.
+        pods = await self.shared.kube.list_pods(self.ref.namespace, f"{LABEL_FLEET}={self.ref.name}")
+        cache = self.shared.pods.setdefault(self.key, {})
+        for p in pods:
+            cache.setdefault(p["metadata"]["name"], p)
+        interval = 0.0
+        failures = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout=interval)
+            self.wake.clear()
+            started = time.monotonic()
+            try:
+                interval = await self.reconcile()
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                failures += 1
+                interval = min(30.0, 2.0**failures)
+                log.exception("reconcile of %s/%s failed (retry in %.0fs)", *self.key, interval)
+            await asyncio.sleep(max(0.0, PASS_MIN_INTERVAL_S - (time.monotonic() - started)))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Post an Event in the background: a slow API server must not hold up the loop."""
+        log.info("%s/%s %s %s: %s", *self.key, type_, reason, message)
+        self._spawn(self._post_event(type_, reason, message))
+
+    async def _post_event(self, type_: str, reason: str, message: str) -> None:
+        try:
+            await self.shared.kube.event(self.ref, type_, reason, message)
+        except Exception as err:  # an Event is best effort; the status carries the truth
+            log.warning("event %s on %s/%s not posted: %s", reason, *self.key, err)
+
+    # ---- one pass --------------------------------------------------------------------------
+
+    async def reconcile(self) -> float:
+        """One pass; returns how long to sleep unless woken by a watch event."""
+        body = self.body
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            return IDLE_RESYNC_S  # the garbage collector removes what the fleet owns
+        try:
+            spec = RolloutFleetSpec.model_validate(body.get("spec") or {})
+        except ValidationError as err:
+            if str(err) != self._spec_error:
+                self._spec_error = str(err)
+                self.event("Warning", "InvalidSpec", f"spec not understood, nothing changed: {err}")
+            return IDLE_RESYNC_S
+        annotations: Mapping[str, str] = meta.get("annotations") or {}
+        # The status this operator last wrote is the reference; after a restart, the stored one.
+        previous = self._written or _parse_status(body.get("status"))
+        now = now_utc()
+        kube = self.shared.kube
+
+        token = await self._ensure_token()
+        await self._ensure_owned(spec)
+
+        pods = list(self.shared.pods.get(self.key, {}).values())
+        if any(_unwell(p) for p in pods):
+            await self.shared.nodes.refresh()
+        observed = [o for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None)
+                                for p in pods) if o is not None]
+        busy = len(observed) != spec.replicas or any(o.annotated_phase != "Ready" or not o.ready for o in observed)
+        states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else IDLE_RESYNC_S)
+        observed = [dataclasses.replace(o, state=states.get(o.name)) for o in observed]
+
+        # Engines whose state is unknown (still loading) do not make the fleet's version unknown.
+        versions: dict[str, str | None] = {o.name: o.state.weight_version for o in observed
+                                           if o.state is not None and not (o.terminating or o.draining)}
+        fv = fleet_weight_version(annotations, versions)
+        weights = WeightView(fv.version, frozenset(fv.pending_sync), fv.syncing_to is not None)
+        recorded = previous.pause if previous else None
+        request = plan.pause_request(annotations, recorded)
+        engines = [classify(o, weights, request.mode is not None, spec.weight_sync.require_sync) for o in observed]
+        record = plan.pause_record(request, recorded, engines, now)
+
+        current_hash = desired.template_hash(spec)
+        max_unavailable, max_surge = plan.rollout_budget(spec.update_strategy, spec.replicas)
+        actions = plan.plan_pods(engines, replicas=spec.replicas, current_hash=current_hash,
+                                 max_unavailable=max_unavailable, max_surge=max_surge,
+                                 drain_timeout=spec.drain_timeout_seconds, now=now)
+        by_name = {e.obs.name: e for e in engines}
+        await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
+        phase_changes = plan.phase_updates(engines, actions)
+        await asyncio.gather(*(kube.patch_pod_annotations(self.ref.namespace, name, {ANNOTATION_PHASE: phase})
+                               for name, phase in phase_changes.items()))
+        for call in plan.engine_pause_calls(request.mode, record, engines):
+            ip = by_name[call.name].obs.pod_ip
+            if call.name not in self._calls and ip is not None:
+                # One call per engine at a time: pause?mode=wait blocks until requests finish.
+                self._calls[call.name] = asyncio.create_task(self._control(call, ip, token))
+        await self._pause_bookkeeping(request, recorded, record)
+
+        status = fleet_status(
+            spec=spec, generation=meta.get("generation"), current_hash=current_hash,
+            selector=desired.engine_selector(self.ref.name), engines=engines, weights=weights,
+            pause=PauseView(record, request.invalid_value), gateway=self.shared.gateways.get(self.key),
+            gateway_endpoint=desired.gateway_endpoint(self.ref), gateway_enabled=spec.gateway.enabled,
+            previous=previous, now=now,
+        )
+        interval = BUSY_RESYNC_S if busy or actions or phase_changes or self._calls else IDLE_RESYNC_S
+        if status != previous:
+            wait = STATUS_MIN_INTERVAL_S - (time.monotonic() - self._last_status_at)
+            if wait > 0:  # rate limit: the next pass writes whatever is newest by then
+                return min(interval, wait)
+            await self._write_status(status, previous)
+            self._transition_events(previous, status)
+        return interval
+
+    # ---- owned objects ---------------------------------------------------------------------
+
+    async def _ensure_token(self) -> str:
+        if self._token is None:
+            kube, name = self.shared.kube, desired.secret_name(self.ref.name)
+            data = await kube.read_secret_data(self.ref.namespace, name)
+            if data is None:
+                # Created once and never rotated by the operator: engines and gateways hold it.
+                await kube.create_secret(desired.admin_secret(self.ref, secrets.token_urlsafe(32)))
+                data = await kube.read_secret_data(self.ref.namespace, name)
+            if not data or TOKEN_KEY not in data:
+                raise RuntimeError(f"secret {name} has no key {TOKEN_KEY!r}")
+            self._token = base64.b64decode(data[TOKEN_KEY]).decode()
+        return self._token
+
+    async def _ensure_owned(self, spec: RolloutFleetSpec) -> None:
+        """Apply ServiceAccounts, RBAC and the gateway when their manifest changed (or now and then)."""
+        for manifest in desired.owned_objects(self.ref, spec):
+            key = f"{manifest['kind']}/{manifest['metadata']['name']}"
+            digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+            last = self._applied.get(key)
+            if last is not None and last[0] == digest and time.monotonic() - last[1] < REAPPLY_S:
+                continue
+            await self.shared.kube.apply(manifest)
+            if last is None or last[0] != digest:
+                log.info("%s/%s applied %s", *self.key, key)
+            self._applied[key] = (digest, time.monotonic())
+
+    # ---- engines ---------------------------------------------------------------------------
+
+    async def _poll_states(self, obs: list[EngineObs], max_age: float) -> dict[str, EngineState | None]:
+        """Engine states, fetched again once older than `max_age` (draining engines every pass)."""
+        now = time.monotonic()
+        live = {o.name for o in obs}
+        for name in list(self._states):
+            if name not in live:
+                del self._states[name]
+
+        async def fetch(o: EngineObs) -> None:
+            assert o.pod_ip is not None  # only engines with an IP are due
+            try:
+                state: EngineState | None = await self.shared.engines.state(o.pod_ip)
+            except EngineCallError as err:
+                log.debug("%s: %s", o.name, err)
+                state = None
+            self._states[o.name] = (time.monotonic(), state)
+
+        due = [o for o in obs if o.pod_ip and o.ready and o.pod_phase == "Running" and not o.terminating
+               and (o.name not in self._states or o.draining or now - self._states[o.name][0] >= max_age
+                    or self._states[o.name][1] is None)]
+        await asyncio.gather(*(fetch(o) for o in due))
+        for o in obs:  # an engine that is not ready has no state worth keeping
+            if not o.ready:
+                self._states.pop(o.name, None)
+        return {name: st for name, (_, st) in self._states.items()}
+
+    async def _act(self, action: plan.PodAction, spec: RolloutFleetSpec, engines: Mapping[str, Engine],
+                   now: datetime) -> None:
+        kube, ns = self.shared.kube, self.ref.namespace
+        if isinstance(action, plan.Create):
+            pod = desired.engine_pod(self.ref, spec, action.index)
+            if await kube.create_pod(pod):
+                self.event("Normal", "EngineCreated", f"{pod['metadata']['name']} created ({action.reason})")
+        elif isinstance(action, plan.Drain):
+            await kube.patch_pod_annotations(ns, action.name, {ANNOTATION_PHASE: "Draining",
+                                                               ANNOTATION_DRAINING_SINCE: _rfc3339(now)})
+            e = engines[action.name]
+            self.event("Normal", "EngineDraining",
+                       f"{action.name} draining ({action.reason}): {e.obs.in_flight} requests in flight, up to "
+                       f"{spec.drain_timeout_seconds}s")
+        else:
+            await kube.delete_pod(ns, action.name, force=action.force)
+            failed = engines[action.name].phase == "Failed"
+            self.event("Warning" if failed else "Normal", "EngineReplaced" if failed else "EngineDeleted",
+                       f"{action.name} deleted: {action.reason}")
+            self._states.pop(action.name, None)
+
+    async def _control(self, call: plan.PauseCall | plan.ResumeCall, ip: str, token: str) -> None:
+        try:
+            if isinstance(call, plan.PauseCall):
+                await self.shared.engines.pause(ip, call.mode, token)
+            else:
+                await self.shared.engines.resume(ip, token)
+        except EngineCallError as err:
+            self.event("Warning", "EngineControlFailed", f"{call.name}: {err}")
+        finally:
+            self._calls.pop(call.name, None)
+            self._states.pop(call.name, None)  # read the new state on the next pass
+            self.wake.set()
+
+    async def _pause_bookkeeping(self, request: plan.PauseRequest, recorded: PauseStatus | None,
+                                 record: PauseStatus | None) -> None:
+        if request.invalid_value is not None and request.invalid_value != self._warned_pause:
+            self.event("Warning", "InvalidPauseAnnotation",
+                       f"rollfleet.dev/pause={request.invalid_value!r} is not keep, wait or abort: ignored, "
+                       "nothing changed")
+        self._warned_pause = request.invalid_value
+        if request.remove_annotations:
+            await self.shared.kube.patch_fleet(
+                self.ref, {"metadata": {"annotations": dict.fromkeys(request.remove_annotations)}})
+        if recorded is None and record is not None:
+            self.event("Normal", "Pausing", f"pausing every engine (mode {record.mode})")
+        elif recorded is not None and record is not None and recorded.mode != record.mode:
+            self.event("Normal", "PauseModeChanged", f"pause mode {recorded.mode} -> {record.mode}")
+        elif recorded is not None and record is None:
+            self.event("Normal", "Resumed", "every engine resumed")
+
+    # ---- status ----------------------------------------------------------------------------
+
+    async def _write_status(self, status: RolloutFleetStatus, previous: RolloutFleetStatus | None) -> None:
+        wire = status.wire()
+        old = previous.wire() if previous else {}
+        patch = {"status": {**dict.fromkeys(set(old) - set(wire)), **wire}}  # null deletes what is gone
+        await self.shared.kube.patch_fleet(self.ref, patch, status=True)
+        self._last_status_at = time.monotonic()
+        self._written = status
+
+    def _transition_events(self, previous: RolloutFleetStatus | None, status: RolloutFleetStatus) -> None:
+        if previous is None:
+            return
+        old_conds = {c.type: c for c in previous.conditions}
+        for c in status.conditions:
+            o = old_conds.get(c.type)
+            if o is None or (o.status, o.reason) != (c.status, c.reason):
+                warn = (c.type == "Degraded" and c.status == "True") or c.reason == "InvalidPauseAnnotation"
+                self.event("Warning" if warn else "Normal", f"{c.type}{c.status}", f"{c.reason}: {c.message}")
+        old_phases = {e.name: e.phase for e in previous.engines}
+        for e in status.engines:
+            if old_phases.get(e.name) not in (None, e.phase):
+                self.event("Warning" if e.phase == "Failed" else "Normal", f"Engine{e.phase}",
+                           f"{e.name}: {old_phases[e.name]} -> {e.phase}" + (f" ({e.message})" if e.message else ""))
+
+
+def _parse_status(raw: Any) -> RolloutFleetStatus | None:
+    if not raw:
+        return None
+    try:
+        return RolloutFleetStatus.model_validate(raw)
+    except ValidationError:
+        return None  # written by something else, or by an older operator: rebuild it
+
+
+def _node_of(pod: Mapping[str, Any]) -> str | None:
+    return (pod.get("spec") or {}).get("nodeName")
+
+
+def _unwell(pod: Mapping[str, Any]) -> bool:
+    """A pod whose node might be lost: running but not ready, stuck terminating, or of unknown phase."""
+    status = pod.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return (status.get("phase") == "Running" and not ready) or status.get("phase") == "Unknown" \
+        or (pod.get("metadata") or {}).get("deletionTimestamp") is not None
+
+
+class Operator:
+    """The fleet loops and the caches they share; kopf's handlers call the `on_*` methods."""
+
+    def __init__(self, kube: Kube, session: aiohttp.ClientSession) -> None:
+        self.shared = Shared(kube=kube, engines=EngineClient(session), nodes=NodeHealth(kube))
+        self.fleets: dict[Key, FleetLoop] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    def on_fleet(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        loop = self.fleets.get(key)
+        if event_type == "DELETED":
+            if loop is not None:
+                del self.fleets[key]
+                self._stop_later(loop)
+            self.shared.pods.pop(key, None)
+            self.shared.gateways.pop(key, None)
+            return
+        if loop is not None and loop.ref.uid != body["metadata"]["uid"]:
+            # Deleted and recreated under the same name before we saw the deletion.
+            self._stop_later(loop)
+            loop = None
+        if loop is None:
+            loop = self.fleets[key] = FleetLoop(self.shared, body)
+            loop.start()
+        else:
+            loop.update(body)
+
+    def on_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        fleet = (meta.get("labels") or {}).get(LABEL_FLEET)
+        if fleet is None:
+            return
+        key = (meta["namespace"], fleet)
+        cache = self.shared.pods.setdefault(key, {})
+        if event_type == "DELETED":
+            cache.pop(meta["name"], None)
+        else:
+            cache[meta["name"]] = dict(body)
+        self._wake(key)
+
+    def on_gateway(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        meta = body["metadata"]
+        fleet = (meta.get("labels") or {}).get(LABEL_FLEET)
+        if fleet is None:
+            return
+        key = (meta["namespace"], fleet)
+        if event_type == "DELETED":
+            self.shared.gateways.pop(key, None)
+        else:
+            st = body.get("status") or {}
+            self.shared.gateways[key] = GatewayObs(int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0))
+        self._wake(key)
+
+    def _stop_later(self, loop: FleetLoop) -> None:
+        task = asyncio.ensure_future(loop.stop())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    def _wake(self, key: Key) -> None:
+        loop = self.fleets.get(key)
+        if loop is not None:
+            loop.wake.set()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(loop.stop() for loop in self.fleets.values()))
+        self.fleets.clear()

@@ -1,0 +1,284 @@
+"""From observations to facts: each engine's phase, and the fleet's status and conditions.
+
+Pure. `observe_pod` reads an engine pod (as the API server serves it) plus what the
+operator knows about its node and last polled engine state; `classify` gives the
+engine its phase (the one the gateway routes on, via the pod's `rollfleet.dev/phase`);
+`fleet_status` builds the status subresource, conditions included. Talks to nobody.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from rollfleet.api.common import (
+    ANNOTATION_DRAINING_SINCE,
+    ANNOTATION_PHASE,
+    ANNOTATION_TEMPLATE_HASH,
+    Condition,
+    ConditionStatus,
+)
+from rollfleet.api.fleet import (
+    EnginePhase,
+    EngineStatus,
+    GatewayStatus,
+    PauseStatus,
+    RolloutFleetSpec,
+    RolloutFleetStatus,
+)
+from rollfleet.controller.desired import engine_index
+from rollfleet_engine.protocol import EngineState
+
+# Phases in which an engine serves requests (or holds them, while paused).
+SERVING: frozenset[str] = frozenset({"Ready", "Paused"})
+
+
+def parse_time(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+@dataclass(frozen=True)
+class EngineObs:
+    """One engine pod as observed: the pod's facts, its node's, and the engine's own state."""
+
+    name: str
+    index: int
+    template_hash: str | None
+    pod_phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    ready: bool  # the pod's Ready condition (the engine's readiness probe passes)
+    terminating: bool  # the pod has a deletionTimestamp
+    annotated_phase: str | None  # rollfleet.dev/phase as last written
+    draining_since: datetime | None
+    node: str | None
+    node_lost: bool  # its node is gone or not Ready
+    pod_ip: str | None
+    reason: str | None  # why it is not running (terminated container, unschedulable, ...)
+    state: EngineState | None = None  # last GET /rollfleet/v1/state; None: not (yet) reachable
+
+    @property
+    def failed(self) -> bool:
+        return self.pod_phase in ("Failed", "Succeeded")
+
+    @property
+    def draining(self) -> bool:
+        return self.annotated_phase == "Draining"
+
+    @property
+    def in_flight(self) -> int | None:
+        return None if self.state is None else self.state.running + self.state.waiting
+
+
+def observe_pod(pod: Mapping[str, Any], fleet: str, node_lost: bool, state: EngineState | None) -> EngineObs | None:
+    """The observation of an engine pod of `fleet`; None for a pod that is not one."""
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    index = engine_index(meta.get("name", ""), fleet)
+    if index is None:
+        return None
+    annotations = meta.get("annotations") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    return EngineObs(
+        name=meta["name"],
+        index=index,
+        template_hash=annotations.get(ANNOTATION_TEMPLATE_HASH),
+        pod_phase=status.get("phase") or "Pending",
+        ready=conditions.get("Ready", {}).get("status") == "True",
+        terminating=meta.get("deletionTimestamp") is not None,
+        annotated_phase=annotations.get(ANNOTATION_PHASE),
+        draining_since=parse_time(annotations.get(ANNOTATION_DRAINING_SINCE)),
+        node=(pod.get("spec") or {}).get("nodeName"),
+        node_lost=node_lost,
+        pod_ip=status.get("podIP"),
+        reason=_not_running_reason(status, conditions),
+        state=state,
+    )
+
+
+def _not_running_reason(status: Mapping[str, Any], conditions: Mapping[str, Any]) -> str | None:
+    for cs in status.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        if "terminated" in state:
+            t = state["terminated"]
+            return f"engine exited with code {t.get('exitCode')} ({t.get('reason') or 'no reason'})"
+        if "waiting" in state and state["waiting"].get("reason") not in (None, "ContainerCreating"):
+            w = state["waiting"]
+            return f"{w.get('reason')}: {w.get('message') or ''}".strip(": ")
+    scheduled = conditions.get("PodScheduled")
+    if scheduled and scheduled.get("status") == "False":
+        return f"{scheduled.get('reason')}: {scheduled.get('message') or ''}".strip(": ")
+    return status.get("reason") and f"{status.get('reason')}: {status.get('message') or ''}"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An observed engine and the phase it is in."""
+
+    obs: EngineObs
+    phase: EnginePhase
+    message: str | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.phase in SERVING
+
+
+@dataclass(frozen=True)
+class WeightView:
+    """What the sync protocol says about weights (rollfleet.sync.fleetversion), reduced to what phases need."""
+
+    version: str | None
+    pending_sync: frozenset[str]
+    syncing: bool  # a push is under way
+
+
+def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sync: bool) -> Engine:
+    """The engine's phase, with a message saying why when it does not serve."""
+    if obs.node_lost:
+        return Engine(obs, "Failed", f"node {obs.node} is lost")
+    if obs.failed:
+        return Engine(obs, "Failed", obs.reason or f"pod {obs.pod_phase}")
+    if obs.terminating:
+        return Engine(obs, "Draining", "pod is being deleted")
+    if obs.draining:
+        return Engine(obs, "Draining", f"draining, {obs.in_flight if obs.in_flight is not None else '?'} in flight")
+    if obs.pod_phase != "Running":
+        return Engine(obs, "Starting", obs.reason or "pod is being scheduled and started")
+    if not obs.ready:
+        return Engine(obs, "Starting", "loading the model" if obs.annotated_phase in (None, "Starting")
+                      else "readiness probe failing")
+    if obs.state is None:
+        return Engine(obs, "Starting", "waiting for the engine's state")
+    if obs.state.paused:
+        return Engine(obs, "Syncing" if weights.syncing and not fleet_paused else "Paused")
+    if fleet_paused and obs.annotated_phase in (None, "Starting"):
+        # A new engine in a paused fleet gets no traffic until it is paused too.
+        return Engine(obs, "Starting", "pausing to join the paused fleet")
+    if require_sync and obs.name in weights.pending_sync:
+        return Engine(obs, "PendingSync",
+                      f"weights {obs.state.weight_version} are not the fleet's {weights.version}")
+    return Engine(obs, "Ready")
+
+
+@dataclass(frozen=True)
+class GatewayObs:
+    replicas: int
+    ready_replicas: int
+
+
+def _condition(previous: Sequence[Condition], type_: str, status: bool, reason: str, message: str,
+               generation: int | None, now: datetime) -> Condition:
+    value: ConditionStatus = "True" if status else "False"
+    old = next((c for c in previous if c.type == type_), None)
+    since = old.last_transition_time if old is not None and old.status == value else now
+    return Condition(type=type_, status=value, reason=reason, message=message, last_transition_time=since,
+                     observed_generation=generation)
+
+
+@dataclass(frozen=True)
+class PauseView:
+    """The fleet's pause as the operator tracks it: recorded state plus any refused annotation value."""
+
+    status: PauseStatus | None
+    invalid_value: str | None = None
+
+
+def fleet_status(
+    *,
+    spec: RolloutFleetSpec,
+    generation: int | None,
+    current_hash: str,
+    selector: str,
+    engines: Sequence[Engine],
+    weights: WeightView,
+    pause: PauseView,
+    gateway: GatewayObs | None,
+    gateway_endpoint: str,
+    gateway_enabled: bool,
+    previous: RolloutFleetStatus | None,
+    now: datetime,
+) -> RolloutFleetStatus:
+    """The status subresource: counts, per-engine entries, pause, gateway and conditions."""
+    desired = spec.replicas
+    existing = [e for e in engines if not e.obs.terminating]
+    leaving = [e for e in existing if e.phase == "Draining"]
+    staying = [e for e in existing if e.phase != "Draining"]
+    ready = sum(e.serving for e in staying)
+    updated = sum(e.obs.template_hash == current_hash for e in staying)
+    failed = [e for e in engines if e.phase == "Failed"]
+
+    entries = [
+        EngineStatus(name=e.obs.name, index=e.obs.index, phase=e.phase, node=e.obs.node, pod_ip=e.obs.pod_ip,
+                     updated=e.obs.template_hash == current_hash,
+                     weight_version=e.obs.state.weight_version if e.obs.state else None,
+                     in_flight=e.obs.in_flight, message=e.message)
+        for e in sorted(engines, key=lambda e: e.obs.index)
+    ]
+    pause_status = pause.status.model_copy(
+        update={"paused_engines": sum(e.phase == "Paused" for e in staying)}) if pause.status else None
+
+    prev_conditions = previous.conditions if previous else []
+    engines_ready = ready >= desired
+    # Ready is about engines only: the gateway is reported beside it (status.gateway and the
+    # message), because until the gateway image runs on every cluster it must not hold a fleet back.
+    gateway_note = (f"; gateway {gateway.ready_replicas if gateway else 0}/{gateway.replicas if gateway else 0} ready"
+                    if gateway_enabled else "")
+    ready_cond = (engines_ready, "AllEnginesReady" if engines_ready else "EnginesNotReady",
+                  f"{ready}/{desired} engines serve{gateway_note}")
+
+    if len(staying) < desired:
+        progress = (True, "ScalingUp", f"{len(staying)}/{desired} engines exist")
+    elif len(staying) > desired:
+        progress = (True, "ScalingDown", f"{len(staying)}/{desired} engines exist")
+    elif updated < len(staying):
+        progress = (True, "RollingUpdate", f"{updated}/{desired} engines updated")
+    elif leaving:
+        progress = (True, "Draining", f"{len(leaving)} engines finish their requests before deletion")
+    elif ready < desired:
+        progress = (True, "EnginesStarting", f"{ready}/{desired} engines serve")
+    else:
+        progress = (False, "Complete", f"{desired} engines, all up to date")
+
+    # Degraded: an engine failed, or the fleet served fully for this spec and no longer does.
+    # It stays set (status is the memory, across operator restarts) until every engine serves.
+    was_degraded = any(c.type == "Degraded" and c.status == "True" for c in prev_conditions)
+    converged_before = (previous is not None and previous.observed_generation == generation
+                        and previous.ready_replicas >= desired)
+    if failed:
+        degraded = (True, "EngineFailed", "; ".join(f"{e.obs.name}: {e.message}" for e in failed))
+    elif not engines_ready and (was_degraded or converged_before):
+        lost = ", ".join(f"{e.obs.name} ({e.phase}: {e.message})" for e in staying if not e.serving) or "pods missing"
+        degraded = (True, "EnginesLost", f"{ready}/{desired} engines serve; replacing {lost}")
+    else:
+        degraded = (False, "AsExpected", "no engine failed")
+
+    if pause.status is not None:
+        paused_n = pause_status.paused_engines if pause_status else 0
+        all_paused = paused_n >= len(staying)
+        pause_cond = (True, "Paused" if all_paused else "Pausing",
+                      f"mode {pause.status.mode}: {paused_n}/{len(staying)} engines paused")
+    else:
+        pause_cond = (False, "Running", "not paused")
+    if pause.invalid_value is not None:
+        pause_cond = (pause_cond[0], "InvalidPauseAnnotation",
+                      f"rollfleet.dev/pause={pause.invalid_value!r} is not keep, wait or abort; ignored ("
+                      + ("fleet stays paused)" if pause.status else "fleet keeps running)"))
+
+    conditions = [
+        _condition(prev_conditions, t, *c, generation=generation, now=now)
+        for t, c in (("Ready", ready_cond), ("Progressing", progress), ("Degraded", degraded), ("Paused", pause_cond))
+    ]
+    return RolloutFleetStatus(
+        observed_generation=generation,
+        replicas=len(existing),
+        ready_replicas=ready,
+        updated_replicas=updated,
+        ready=f"{ready}/{desired}",
+        selector=selector,
+        weight_version=weights.version,
+        engines=entries,
+        pause=pause_status,
+        gateway=GatewayStatus(endpoint=gateway_endpoint, replicas=gateway.replicas if gateway else 0,
+                              ready_replicas=gateway.ready_replicas if gateway else 0) if gateway_enabled else None,
+        conditions=conditions,
+    )

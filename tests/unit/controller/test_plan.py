@@ -1,0 +1,142 @@
+"""Pod actions: scale up and down with drains, replacement, rolling updates, pause decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from tests.unit.controller.fleet_fixtures import HASH, NOW, draining, engine, state
+
+from rollfleet.api.common import ANNOTATION_PAUSE, ANNOTATION_RESUME
+from rollfleet.api.fleet import PauseStatus, UpdateStrategy
+from rollfleet.controller import plan
+from rollfleet.controller.plan import Create, Delete, Drain, PauseCall, ResumeCall
+from rollfleet.controller.status import Engine
+
+OLD = "h-old"
+
+
+def run(engines: Sequence[Engine], replicas: int, max_unavailable: int = 1, max_surge: int = 0,
+        drain_timeout: float = 60) -> list[plan.PodAction]:
+    return plan.plan_pods(engines, replicas=replicas, current_hash=HASH, max_unavailable=max_unavailable,
+                          max_surge=max_surge, drain_timeout=drain_timeout, now=NOW)
+
+
+def test_new_fleet_creates_every_engine_by_index() -> None:
+    assert run([], 3) == [Create(0, "scale-up"), Create(1, "scale-up"), Create(2, "scale-up")]
+
+
+def test_converged_fleet_does_nothing() -> None:
+    assert run([engine(0), engine(1)], 2) == []
+
+
+def test_scale_up_fills_the_lowest_free_index() -> None:
+    assert run([engine(0), engine(2)], 3) == [Create(1, "scale-up")]
+
+
+def test_scale_down_drains_highest_indices_and_deletes_unready_ones_at_once() -> None:
+    assert run([engine(0), engine(1), engine(2)], 1) == [Drain("f-engine-2", "scale-down"),
+                                                           Drain("f-engine-1", "scale-down")]
+    starting = engine(1, ready=False, annotated="Starting")
+    assert run([engine(0), starting, engine(2)], 2) == [Delete("f-engine-1", "scale-down of a Starting engine")]
+
+
+def test_draining_engine_is_deleted_once_idle_or_timed_out_and_never_replaced_meanwhile() -> None:
+    assert run([engine(0), draining(1, seconds_ago=5, in_flight=1)], 1) == []
+    assert run([engine(0), draining(1, seconds_ago=5, in_flight=0)], 1) == [Delete("f-engine-1", "drained after 5s")]
+    # Within the settle time, an idle engine may still receive a request a gateway already routed.
+    assert run([engine(0), draining(1, seconds_ago=0.5, in_flight=0)], 1) == []
+    [timeout] = run([engine(0), draining(1, seconds_ago=61, in_flight=3)], 1)
+    assert isinstance(timeout, Delete) and "timeout" in timeout.reason
+
+
+def test_failed_engine_is_deleted_then_recreated_under_the_same_name() -> None:
+    failed = engine(1, phase="Failed", ready=False, reason="engine exited with code 137 (Error)")
+    [delete] = run([engine(0), failed], 2)
+    assert isinstance(delete, Delete) and delete.name == "f-engine-1" and "137" in delete.reason
+    # While the failed pod still exists its name is taken: no engine-2 is created instead.
+    assert not any(isinstance(a, Create) for a in run([engine(0), failed], 2))
+    assert run([engine(0)], 2) == [Create(1, "scale-up")]
+
+
+def test_engine_on_a_lost_node_is_force_deleted() -> None:
+    lost = engine(1, node_lost=True, node="gpu-1")
+    assert run([engine(0), lost], 2) == [Delete("f-engine-1", "node gpu-1 is lost", force=True)]
+
+
+def test_terminating_pod_keeps_its_slot_until_gone() -> None:
+    assert run([engine(0), engine(1, terminating=True)], 2) == []
+
+
+def test_rolling_update_with_max_surge_0_goes_one_engine_at_a_time() -> None:
+    # Both old and serving: drain one (the highest index).
+    assert run([engine(0, template_hash=OLD), engine(1, template_hash=OLD)], 2) == [Drain("f-engine-1", "update")]
+    # One draining: no new pod (no spare GPU), no second drain.
+    assert run([engine(0, template_hash=OLD), draining(1, 5, 2, template_hash=OLD)], 2) == []
+    # The drained pod is gone: recreate it with the new template.
+    assert run([engine(0, template_hash=OLD)], 2) == [Create(1, "update")]
+    # The new one is still starting: maxUnavailable 1 is used up.
+    assert run([engine(0, template_hash=OLD), engine(1, ready=False, annotated="Starting")], 2) == []
+    # It serves: the last old one goes.
+    assert run([engine(0, template_hash=OLD), engine(1)], 2) == [Drain("f-engine-0", "update")]
+
+
+def test_rolling_update_with_surge_creates_first() -> None:
+    olds = [engine(0, template_hash=OLD), engine(1, template_hash=OLD)]
+    assert run(olds, 2, max_unavailable=0, max_surge=1) == [Create(2, "scale-up")]
+    assert run([*olds, engine(2)], 2, max_unavailable=0, max_surge=1) == [Drain("f-engine-1", "update")]
+
+
+def test_outdated_engines_that_do_not_serve_are_replaced_without_budget() -> None:
+    old_starting = engine(1, template_hash="h-old", ready=False, annotated="Starting")
+    assert run([engine(0), old_starting], 2) == [Delete("f-engine-1", "update of a Starting engine")]
+
+
+@pytest.mark.parametrize(("strategy", "replicas", "expected"), [
+    ({}, 4, (1, 0)),
+    ({"maxUnavailable": "25%", "maxSurge": "25%"}, 10, (2, 3)),
+    ({"maxUnavailable": "10%", "maxSurge": 0}, 4, (1, 0)),  # both would be 0: one may be unavailable
+    ({"maxUnavailable": 0, "maxSurge": 2}, 4, (0, 2)),
+])
+def test_rollout_budget(strategy: dict[str, Any], replicas: int, expected: tuple[int, int]) -> None:
+    assert plan.rollout_budget(UpdateStrategy.model_validate(strategy), replicas) == expected
+
+
+def test_pause_request_from_annotations() -> None:
+    assert plan.pause_request({ANNOTATION_PAUSE: "keep"}, None) == plan.PauseRequest("keep")
+    assert plan.pause_request({}, None) == plan.PauseRequest(None)
+    recorded = PauseStatus(mode="wait", since=NOW)
+    invalid = plan.pause_request({ANNOTATION_PAUSE: "sometimes"}, recorded)
+    assert invalid == plan.PauseRequest("wait", invalid_value="sometimes")  # nothing changes
+    assert plan.pause_request({ANNOTATION_PAUSE: "soon"}, None).mode is None
+    resume = plan.pause_request({ANNOTATION_PAUSE: "keep", ANNOTATION_RESUME: ""}, recorded)
+    assert resume == plan.PauseRequest(None, remove_annotations=(ANNOTATION_RESUME, ANNOTATION_PAUSE))
+
+
+def test_pause_record_keeps_since_and_lasts_until_engines_resumed() -> None:
+    recorded = PauseStatus(mode="keep", since=NOW.replace(hour=1))
+    assert plan.pause_record(plan.PauseRequest("keep"), None, [], NOW) == PauseStatus(mode="keep", since=NOW)
+    assert plan.pause_record(plan.PauseRequest("abort"), recorded, [], NOW).since == recorded.since  # type: ignore[union-attr]
+    paused = engine(0, engine=state(paused=True, mode="keep"), fleet_paused=True)
+    assert plan.pause_record(plan.PauseRequest(None), recorded, [paused], NOW) == recorded
+    assert plan.pause_record(plan.PauseRequest(None), recorded, [engine(0)], NOW) is None
+
+
+def test_pause_calls_are_idempotent_and_resume_only_what_the_fleet_paused() -> None:
+    running, paused = engine(0), engine(1, engine=state(paused=True, mode="keep"), fleet_paused=True)
+    record = PauseStatus(mode="keep", since=NOW)
+    assert plan.engine_pause_calls("keep", record, [running, paused]) == [PauseCall("f-engine-0", "keep")]
+    assert plan.engine_pause_calls("abort", record, [paused]) == [PauseCall("f-engine-1", "abort")]
+    assert plan.engine_pause_calls(None, record, [running, paused]) == [ResumeCall("f-engine-1")]
+    # An engine the sync sidecar paused while the fleet runs is not the operator's to resume.
+    assert plan.engine_pause_calls(None, None, [paused]) == []
+    # Engines without a known state or on their way out are left alone.
+    starting = engine(2, ready=False, annotated="Starting")
+    assert plan.engine_pause_calls("keep", record, [starting, draining(3, 1, 0)]) == []
+
+
+def test_phase_updates_skip_engines_that_are_leaving() -> None:
+    new = engine(0, annotated="Starting")
+    gone = engine(1, annotated="Starting")
+    assert plan.phase_updates([new, gone], [Drain("f-engine-1", "scale-down")]) == {"f-engine-0": "Ready"}
