@@ -38,9 +38,10 @@ RequestPhase = Literal["Pending", "Running", "Paused", "Succeeded", "Failed", "A
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed", "Aborted"})
 Stickiness = Literal["Prompt", "Request", "None"]
 
-# Inline prompts are stored in etcd with the object (1.5 MiB per object in all), so they
-# are bounded: characters of text and message content plus token ids, summed over prompts.
-INLINE_PROMPT_BUDGET = 262_144
+# Inline prompts are bounded: characters of text and message content plus token ids, summed
+# over prompts. Not by etcd's 1.5 MiB but by `kubectl apply`, which copies the whole object
+# into an annotation of at most 256 KiB (and then fails with a message about annotations).
+INLINE_PROMPT_BUDGET = 131_072
 MAX_INLINE_PROMPTS = 1024
 MAX_SAMPLES = 1_000_000
 
