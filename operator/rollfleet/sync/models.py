@@ -62,7 +62,7 @@ class PushStatus(BaseModel):
     engines: list[EngineProgress] = Field(default_factory=list)
     bytes: int = Field(default=0, description="Size of the weights (one copy).")
     staging_s: float | None = Field(default=None, description="Receiving and hashing the weights, before any pause.")
-    transfer_s: float | None = Field(default=None, description="First start_weight_update to last verified engine.")
+    transfer_s: float | None = Field(default=None, description="First pause sent to last engine verified.")
     pause_window_s: float | None = Field(default=None, description="First pause sent to last resume answered.")
     total_s: float | None = None
     throughput_bytes_per_s: float | None = Field(default=None, description="bytes x verified engines / transfer_s.")

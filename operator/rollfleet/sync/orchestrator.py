@@ -234,12 +234,10 @@ class Orchestrator:
         status.aborted_stale = sum(await _gather([self._abort_stale(e, record, target, bound) for e in engines]))
 
         t_pause = self.clock()
-        paused = await _gather([self._pause(e, progress[e.name]) for e in engines])
-        t_transfer = self.clock()
-        candidates = [e for e, p in zip(engines, paused, strict=True) if p]
-        ok = await _gather([self._sync_engine(e, target, progress[e.name]) for e in candidates])
-        status.transfer_s = self.clock() - t_transfer
-        succeeded = [e.name for e, good in zip(candidates, ok, strict=True) if good]
+        # Each engine pulls as soon as it is paused: a slow or hung engine delays only the commit.
+        ok = await _gather([self._pause_and_sync(e, target, progress[e.name]) for e in engines])
+        status.transfer_s = self.clock() - t_pause
+        succeeded = [e.name for e, good in zip(engines, ok, strict=True) if good]
         failed = sorted({e.name for e in engines} - set(succeeded))
         transferred = sum(1 for p in progress.values() if p.transfer_s is not None)
         if status.transfer_s > 0 and transferred:
@@ -282,6 +280,9 @@ class Orchestrator:
             return False
         progress.step = EngineStep.PAUSED
         return True
+
+    async def _pause_and_sync(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
+        return await self._pause(engine, progress) and await self._sync_engine(engine, ref, progress)
 
     async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
         """Bring one paused engine to ``ref``; True once it reports that version."""
@@ -411,9 +412,7 @@ class Orchestrator:
         ref = replace(record.committed, url=self.publisher.url)
         progress = EngineProgress(name=engine.name)
         await self.discovery.set_phase(engine, PHASE_PENDING_SYNC)
-        if not await self._pause(engine, progress):
-            return
-        if await self._sync_engine(engine, ref, progress):
+        if await self._pause_and_sync(engine, ref, progress):
             await self._settle(record, [engine], {engine.name: progress})
             log.info("caught %s up to %s in %.2fs", engine.name, ref.version, progress.transfer_s or 0.0)
         else:

@@ -1,0 +1,207 @@
+"""Two real engines (vLLM on CPU, tiny model, weight set A labelled "A") and a sync sidecar in static mode.
+
+The engines are local subprocesses started once per session (30-60 s each on a 2-core
+host) and shared by every test; a test that kills one restarts it. The sidecar is a
+subprocess too (``rollfleet sync --engines ...``), so a test can kill it mid-push and
+start it again on the same record file and spool, as Kubernetes restarts a container.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.engine.conftest import START_TIMEOUT_S, Engine, free_loopback_address, wait_ready
+
+from rollfleet.sync.client import SyncClient
+from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+
+TOKEN = "sync-test-token"
+INITIAL_VERSION = "A"
+
+
+@dataclass
+class EngineProcess:
+    """One engine subprocess that a test may freeze, kill and start again at the same address."""
+
+    engine: Engine
+    cmd: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.engine.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None
+        wait_ready(self.engine.url, self.proc, self.engine.log, START_TIMEOUT_S)
+
+    def signal_server(self, sig: signal.Signals) -> None:
+        """Signal the HTTP server process only (SIGSTOP: it stops answering, the engine core lives on)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """The whole engine (server, engine core, worker) dies at once, as when its pod is killed."""
+        if self.proc is None:
+            return
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+
+@dataclass
+class Sidecar:
+    cmd: list[str]
+    url: str
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    clients: list[SyncClient] = field(default_factory=list)
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        with httpx.Client(timeout=2) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+                try:
+                    if http.get(self.url + "/healthz").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    time.sleep(0.1)  # polling a condition: the API is not bound yet
+        raise TimeoutError(f"sidecar did not start:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as when the container is OOM-killed mid-push."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def client(self) -> SyncClient:
+        c = SyncClient(self.url)
+        self.clients.append(c)
+        return c
+
+
+def _engine_cmd(engine: Engine, token_file: Path) -> list[str]:
+    host, port = engine.url.removeprefix("http://").split(":")
+    return [
+        sys.executable,
+        "-m",
+        "rollfleet_engine",
+        "serve",
+        "--model",
+        str(engine.model_dir),
+        "--served-model-name",
+        engine.model,
+        "--host",
+        host,
+        "--port",
+        port,
+        "--token-file",
+        str(token_file),
+        "--weight-version",
+        INITIAL_VERSION,
+        "--",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--disable-uvicorn-access-log",
+    ]
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sync-token") / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[list[EngineProcess]]:
+    model_dir = ensure_tiny_model()
+    tmp = tmp_path_factory.mktemp("sync-engines")
+    fleet = []
+    for i in range(2):
+        host, port = free_loopback_address()
+        engine = Engine(
+            url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=tmp / f"e{i}.log"
+        )
+        fleet.append(EngineProcess(engine, _engine_cmd(engine, token_file)))
+    try:
+        for e in fleet:  # both load at once: the start time is shared
+            e.start()
+        for e in fleet:
+            e.wait_ready()
+        yield fleet
+    finally:
+        for e in fleet:
+            e.kill()
+
+
+@pytest.fixture(scope="session")
+def sidecar(
+    tmp_path_factory: pytest.TempPathFactory, engines: list[EngineProcess], token_file: Path
+) -> Iterator[Sidecar]:
+    tmp = tmp_path_factory.mktemp("sync-sidecar")
+    host, port = free_loopback_address()
+    with socket.socket() as s:  # the weights server binds the same loopback address, on its own port
+        s.bind((host, 0))
+        weights_port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollfleet.cli",
+        "sync",
+        "--fleet",
+        "test",
+        "--engines",
+        ",".join(e.engine.url for e in engines),
+        "--token-file",
+        str(token_file),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--weights-host",
+        host,
+        "--weights-port",
+        str(weights_port),
+        "--spool-dir",
+        str(tmp / "spool"),
+        "--reconcile-interval",
+        "0.5",
+        "--transfer-timeout",
+        "120",
+    ]
+    car = Sidecar(cmd=cmd, url=f"http://{host}:{port}", log=tmp / "sidecar.log")
+    car.start()
+    try:
+        yield car
+    finally:
+        for c in car.clients:
+            c.close()
+        if car.proc is not None:
+            car.proc.terminate()
+            car.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def weights_dirs() -> dict[str, Path]:
+    root = ensure_tiny_model()
+    return {"A": root, "B": root / WEIGHTS_B_DIR}

@@ -1,0 +1,202 @@
+"""Weight sync acceptance on real vLLM CPU engines: pushes during rollouts, a dying engine, a dying sidecar.
+
+Every test pushes the weight set the engines do not serve yet (A or B of the tiny
+model) under a new version label, and checks the engines' greedy output against
+transformers with that set: the proof that the new weights, not only the label, arrived.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+from tests.engine.conftest import Engine
+from tests.engine.test_engine_live import Stream, _reference_greedy, complete
+
+from rollfleet.sync.client import SyncClient
+from rollfleet.sync.models import EngineStep, PushState, PushStatus
+
+from .conftest import EngineProcess, Sidecar
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
+GREEDY_TOKENS = 12
+ROLLOUT_TOKENS = 1800  # long enough that every rollout is still decoding when the push lands
+
+
+@pytest.fixture(scope="session")
+def references(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
+    refs = {name: _reference_greedy(str(d), PROMPTS, GREEDY_TOKENS) for name, d in weights_dirs.items()}
+    assert refs["A"] != refs["B"]
+    return refs
+
+
+def greedy(engine: Engine) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        resp = complete(engine, prompt, GREEDY_TOKENS, ignore_eos=True)
+        assert resp.status_code == 200, resp.text
+        out.append(resp.json()["choices"][0]["token_ids"])
+    return out
+
+
+def serving(engine: Engine, references: dict[str, list[list[int]]]) -> str:
+    """Which weight set the engine computes with, by its outputs."""
+    out = greedy(engine)
+    matches = [name for name, ref in references.items() if ref == out]
+    assert len(matches) == 1, f"{engine.url} serves neither A nor B"
+    return matches[0]
+
+
+def state(engine: Engine) -> dict[str, object]:
+    return httpx.get(engine.url + "/rollfleet/v1/state", timeout=10).raise_for_status().json()
+
+
+def tracked_versions(engine: Engine, request_id: str) -> list[str]:
+    resp = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}", timeout=10).raise_for_status()
+    return resp.json()["weight_versions"]
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)  # polling a condition
+
+
+def wait_engine_step(client: SyncClient, generation: int, engine: Engine, step: EngineStep) -> PushStatus:
+    status: PushStatus | None = None
+
+    def reached() -> bool:
+        nonlocal status
+        status = client.progress(generation)
+        assert status.state is PushState.RUNNING, status
+        return any(e.name == engine.url and e.step is step for e in status.engines)
+
+    wait_until(f"{engine.url} {step.value}", reached)
+    assert status is not None
+    return status
+
+
+def fresh_version(weights: str) -> str:
+    return f"{weights.lower()}-{uuid.uuid4().hex[:6]}"
+
+
+def other(weights: str) -> str:
+    return "B" if weights == "A" else "A"
+
+
+def test_push_during_streaming_rollouts_keeps_them_and_moves_every_engine(
+    engines: list[EngineProcess],
+    sidecar: Sidecar,
+    weights_dirs: dict[str, Path],
+    references: dict[str, list[list[int]]],
+) -> None:
+    client = sidecar.client()
+    wait_until("the sidecar adopts the engines' version", lambda: client.fleet_version().version is not None)
+    old = serving(engines[0].engine, references)
+    assert serving(engines[1].engine, references) == old  # also warms both up: rollouts start together
+    new, version = other(old), fresh_version(other(old))
+    rollouts = [
+        Stream(e.engine, f"rollout-{i}-{uuid.uuid4().hex[:6]}", ROLLOUT_TOKENS) for i, e in enumerate(engines * 2)
+    ]
+    for r in rollouts:
+        r.wait_tokens(5)
+    old_label = str(state(engines[0].engine)["weight_version"])
+    assert not any(r.finish_reason for r in rollouts), [(r.finish_reason, len(r.tokens), r.error) for r in rollouts]
+
+    status = client.push_dir(weights_dirs[new], version)
+
+    assert status.state is PushState.DONE
+    assert status.pause_window_s is not None and 0 < status.pause_window_s < status.total_s + 1e-9
+    assert [e.step for e in status.engines] == [EngineStep.RESUMED] * 2
+    for r, e in zip(rollouts, engines * 2, strict=True):
+        r.join(timeout=300)
+        assert r.finish_reason == "length" and len(r.tokens) == ROLLOUT_TOKENS, (r.request_id, r.finish_reason)
+        # Held through the pause, then finished on the new weights: the versions say so.
+        assert tracked_versions(e.engine, r.request_id) == [old_label, version]
+    for e in engines:
+        s = state(e.engine)
+        assert (s["weight_version"], s["paused"]) == (version, False)
+        assert greedy(e.engine) == references[new]
+    fv = client.fleet_version()
+    assert (fv.version, fv.pending_sync) == (version, [])
+    assert sorted(fv.routable) == sorted(e.engine.url for e in engines)
+
+
+def test_engine_killed_during_a_push_is_left_out_then_joins_on_the_new_version(
+    engines: list[EngineProcess],
+    sidecar: Sidecar,
+    references: dict[str, list[list[int]]],
+    weights_dirs: dict[str, Path],
+) -> None:
+    client = sidecar.client()
+    survivor, victim = engines
+    old = serving(survivor.engine, references)
+    new, version = other(old), fresh_version(other(old))
+    victim.signal_server(signal.SIGSTOP)  # it stops answering: the push waits on it
+    try:
+        started = client.push_dir(weights_dirs[new], version, wait=False)
+        wait_engine_step(client, started.generation, survivor.engine, EngineStep.VERIFIED)
+    finally:
+        victim.kill()  # mid-push: the survivor holds the new weights, paused, waiting for the commit
+    status = client.wait(started.generation, timeout_s=120)
+
+    steps = {e.name: e.step for e in status.engines}
+    assert steps == {survivor.engine.url: EngineStep.RESUMED, victim.engine.url: EngineStep.PENDING_SYNC}
+    fv = client.fleet_version()
+    assert (fv.version, fv.routable, fv.pending_sync) == (version, [survivor.engine.url], [victim.engine.url])
+    assert greedy(survivor.engine) == references[new]
+
+    victim.start()  # the replacement starts on its image's weights (A, labelled "A")
+    victim.wait_ready()
+    wait_until(
+        "the replacement is caught up",
+        lambda: state(victim.engine)["weight_version"] == version and not state(victim.engine)["paused"],
+    )
+    assert greedy(victim.engine) == references[new]
+    fv = client.fleet_version()
+    assert (fv.version, fv.pending_sync) == (version, [])
+
+
+def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
+    engines: list[EngineProcess],
+    sidecar: Sidecar,
+    references: dict[str, list[list[int]]],
+    weights_dirs: dict[str, Path],
+) -> None:
+    client = sidecar.client()
+    first, second = engines
+    old_label = str(state(first.engine)["weight_version"])
+    old = serving(first.engine, references)
+    new, version = other(old), fresh_version(other(old))
+    state_dict = load_file(weights_dirs[new] / "model.safetensors")
+    second.signal_server(signal.SIGSTOP)
+    try:
+        started = client.push(state_dict, version, wait=False)  # streamed into the sidecar's spool
+        wait_engine_step(client, started.generation, first.engine, EngineStep.VERIFIED)
+        sidecar.kill()
+    finally:
+        second.signal_server(signal.SIGCONT)
+
+    # No sidecar: the engine that has the new weights is paused; nothing serves them yet.
+    s = state(first.engine)
+    assert (s["weight_version"], s["paused"]) == (version, True)
+    assert state(second.engine)["weight_version"] == old_label
+
+    sidecar.start()  # same record file and spool: it finds the push InProgress and rolls it forward
+    client = sidecar.client()
+    wait_until("the fleet converges", lambda: client.fleet_version().version == version, timeout_s=120)
+    wait_until("every engine is resumed", lambda: not any(state(e.engine)["paused"] for e in engines))
+    for e in engines:
+        assert state(e.engine)["weight_version"] == version
+        assert greedy(e.engine) == references[new]
+    fv = client.fleet_version()
+    assert fv.pending_sync == [] and len(fv.routable) == 2
