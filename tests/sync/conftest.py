@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.engine.conftest import START_TIMEOUT_S, Engine, free_loopback_address, wait_ready
 
 from rollfleet.sync.client import SyncClient
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+from tests.engine.conftest import START_TIMEOUT_S, Engine, free_loopback_address, wait_ready
 
 TOKEN = "sync-test-token"
 INITIAL_VERSION = "A"

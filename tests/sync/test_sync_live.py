@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 from safetensors.torch import load_file
-from tests.engine.conftest import Engine
-from tests.engine.test_engine_live import Stream, _reference_greedy, complete
 
 from rollfleet.sync.client import SyncClient
 from rollfleet.sync.models import EngineStep, PushState, PushStatus
+from tests.engine.conftest import Engine
+from tests.engine.test_engine_live import Stream, _reference_greedy, complete
 
 from .conftest import EngineProcess, Sidecar
 
