@@ -11,6 +11,7 @@ Talks to engines (HTTP) and kube-apiserver (pods).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +28,8 @@ from rollfleet_engine.protocol import (
     PauseMode,
     RequestsView,
 )
+
+log = logging.getLogger(__name__)
 
 ENGINE_PORT = 8000
 PHASE_PENDING_SYNC = "PendingSync"
@@ -141,7 +144,11 @@ class PodDiscovery:
     async def set_phase(self, engine: EngineRef, phase: str, only_if: str | None = None) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        pod = await asyncio.to_thread(self._core.read_namespaced_pod, engine.name, self.namespace)
+        try:
+            pod = await asyncio.to_thread(self._core.read_namespaced_pod, engine.name, self.namespace)
+        except ApiException as err:
+            log.warning("could not read %s to set its phase: %s %s", engine.name, err.status, err.reason)
+            return
         current = (pod.metadata.annotations or {}).get(ANNOTATION_PHASE)
         if current == phase or (only_if is not None and current != only_if):
             return
@@ -152,5 +159,7 @@ class PodDiscovery:
         try:
             await asyncio.to_thread(self._core.patch_namespaced_pod, engine.name, self.namespace, body)
         except ApiException as err:
+            # Best effort: the operator derives the same phase from the fleet's record
+            # (fleet_weight_version), so a lost write delays the gateway, never a commit.
             if err.status not in (404, 409):
-                raise
+                log.warning("could not set %s to %s: %s %s", engine.name, phase, err.status, err.reason)

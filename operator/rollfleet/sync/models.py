@@ -61,7 +61,8 @@ class PushStatus(BaseModel):
     state: PushState = PushState.STAGING
     engines: list[EngineProgress] = Field(default_factory=list)
     bytes: int = Field(default=0, description="Size of the weights (one copy).")
-    staging_s: float | None = Field(default=None, description="Receiving and hashing the weights, before any pause.")
+    receive_s: float | None = Field(default=None, description="Streamed pushes: writing the tensors into the spool.")
+    staging_s: float | None = Field(default=None, description="Hashing and serving the weights, before any pause.")
     transfer_s: float | None = Field(default=None, description="First pause sent to last engine verified.")
     pause_window_s: float | None = Field(default=None, description="First pause sent to last resume answered.")
     total_s: float | None = None

@@ -149,7 +149,9 @@ class Orchestrator:
         partial.rename(final)
         return final
 
-    async def submit(self, version: str, source: Path, expected_sha256: str | None = None) -> PushStatus:
+    async def submit(
+        self, version: str, source: Path, expected_sha256: str | None = None, receive_s: float | None = None
+    ) -> PushStatus:
         """Stage ``source`` and record the push; the fleet is then driven in the background."""
         self._refuse_if_running()
         if not _has_weights(str(source)):
@@ -159,7 +161,7 @@ class Orchestrator:
             record, _ = await read_record(self.store)
             generation = record.generation + 1
             begin_push(record, WeightsRef(version, generation), time.time())  # refuse early, before hashing
-            status = PushStatus(generation=generation, version=version)
+            status = PushStatus(generation=generation, version=version, receive_s=receive_s)
             self._remember(status)
             url, sha, nbytes = await self.publisher.serve(source)
             if expected_sha256 is not None and sha != expected_sha256:

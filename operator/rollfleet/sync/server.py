@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -95,8 +96,10 @@ def build_app(orch: Orchestrator) -> web.Application:
         except ValidationError as err:
             return web.json_response({"error": str(err)}, status=400)
         try:
+            t0 = time.monotonic()
             source = await orch.stage_stream(version, request.content.iter_chunked(_CHUNK))
-            status = await orch.submit(version, source, request.headers.get(MANIFEST_SHA_HEADER))
+            received = time.monotonic() - t0
+            status = await orch.submit(version, source, request.headers.get(MANIFEST_SHA_HEADER), received)
         except PushRefused as err:
             return refused(err)
         return web.json_response(status.model_dump(mode="json"), status=202)
