@@ -382,7 +382,9 @@ class _Exchange:
                         continue
                     payload = line[6:].rstrip()
                     if payload == b"[DONE]":
-                        break
+                        # Read on to the end of the body: a response left unread closes its
+                        # connection instead of returning it to the keep-alive pool.
+                        continue
                     failure = await self._forward(payload, cont)
                     if failure is not None:
                         return failure

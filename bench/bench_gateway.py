@@ -1,0 +1,283 @@
+"""Gateway benchmark: added latency (p50/p99) and max throughput next to vllm-router and sglang-router.
+
+All routers run in one run, on the same upstreams: two fast vLLM-compatible simulators
+(bench/sim_engine.py, 16 output tokens per request, no delay), so the numbers measure
+the routers, not the engines. Each router uses a policy of the same cost class as the
+gateway's default for sessionless traffic (vllm-router: power_of_two; sglang-router:
+power_of_two; the gateway: least outstanding requests) and logs at warning level.
+
+Measured per router and mode (non-streaming, streaming):
+- latency: sequential requests (one in flight), p50/p99 in ms; "added" is the router's
+  p50/p99 minus the direct-to-engine p50/p99 measured in the same run;
+- throughput: closed loop with `--concurrency` clients for `--duration` s, requests/s.
+Also the upstream-client choice: aiohttp vs httpx against one simulator.
+
+Everything shares this host's cores (load generator, router, simulators), so the
+absolute numbers are small-host numbers; the ratios are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+BODY = {"model": "sim", "prompt": "benchmark prompt", "max_tokens": 16}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Result:
+    name: str
+    latency_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (p50, p99)
+    rps: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> None:
+    async with session.post(url + "/v1/completions", json={**BODY, "stream": stream}) as resp:
+        data = await resp.read()
+        if resp.status != 200 or (stream and not data.rstrip().endswith(b"[DONE]")):
+            raise RuntimeError(f"{url}: {resp.status} {data[:200]!r}")
+
+
+async def latency(url: str, stream: bool, n: int) -> tuple[float, float]:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):  # warm-up: connections, caches
+            await one(session, url, stream)
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await one(session, url, stream)
+            samples.append((time.perf_counter() - t0) * 1000)
+    return percentile(samples, 0.5), percentile(samples, 0.99)
+
+
+async def throughput(url: str, stream: bool, concurrency: int, duration: float) -> float:
+    done = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        end = time.perf_counter() + duration
+
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                await one(session, url, stream)
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+
+async def client_choice(url: str, n: int, concurrency: int) -> dict[str, dict[str, float]]:
+    """The gateway's upstream client: aiohttp vs httpx, same requests to one simulator."""
+
+    async def run_aiohttp() -> Callable[[], Awaitable[None]]:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+        async def call() -> None:
+            async with session.post(url + "/v1/completions", json=BODY) as resp:
+                await resp.read()
+
+        call.close = session.close  # type: ignore[attr-defined]
+        return call
+
+    async def run_httpx() -> Callable[[], Awaitable[None]]:
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+        async def call() -> None:
+            (await client.post(url + "/v1/completions", json=BODY)).read()
+
+        call.close = client.aclose  # type: ignore[attr-defined]
+        return call
+
+    out = {}
+    for name, make in (("aiohttp", run_aiohttp), ("httpx", run_httpx)):
+        call = await make()
+        for _ in range(50):
+            await call()
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await call()
+            samples.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        per_worker = max(1, (n * 2) // concurrency)
+
+        async def worker(call: Callable[[], Awaitable[None]] = call, per_worker: int = per_worker) -> None:
+            for _ in range(per_worker):
+                await call()
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        rps = per_worker * concurrency / (time.perf_counter() - t0)
+        await call.close()  # type: ignore[attr-defined]
+        out[name] = {"p50_ms": percentile(samples, 0.5), "p99_ms": percentile(samples, 0.99), "rps": rps}
+    return out
+
+
+def wait_serving(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.post(url + "/v1/completions", json=BODY, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)  # polling a condition: the router is starting
+    raise TimeoutError(f"{url} did not serve within {timeout}s: {log.read_text()[-2000:]}")
+
+
+def router_commands(engines: list[str], token_file: Path) -> dict[str, Callable[[int], list[str]]]:
+    prom = [free_port(), free_port()]  # the Rust routers' Prometheus listeners (they cannot be turned off)
+    return {
+        "rollfleet-gateway": lambda port: [str(BIN / "rollfleet"), "gateway", "--engines", ",".join(engines),
+                                           "--host", "127.0.0.1", "--port", str(port), "--token-file",
+                                           str(token_file), "--log-level", "warning"],
+        "vllm-router": lambda port: [str(BIN / "vllm-router"), "--worker-urls", *engines, "--host", "127.0.0.1",
+                                     "--port", str(port), "--policy", "power_of_two", "--log-level", "warning",
+                                     "--prometheus-port", str(prom[0])],
+        "sglang-router": lambda port: [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
+                                       *engines, "--host", "127.0.0.1", "--port", str(port), "--policy",
+                                       "power_of_two", "--log-level", "warn", "--prometheus-port", str(prom[1])],
+    }
+
+
+def measure(name: str, url: str, args: argparse.Namespace) -> Result:
+    result = Result(name)
+    for mode, stream in (("json", False), ("stream", True)):
+        result.latency_ms[mode] = asyncio.run(latency(url, stream, args.requests))
+        result.rps[mode] = asyncio.run(throughput(url, stream, args.concurrency, args.duration))
+    print(f"  {name:<18} " + "  ".join(
+        f"{m}: p50 {p50:.2f} ms p99 {p99:.2f} ms {result.rps[m]:.0f} req/s"
+        for m, (p50, p99) in result.latency_ms.items()), flush=True)
+    return result
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=400, help="sequential requests per latency measurement")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per throughput measurement")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    import uvloop
+
+    uvloop.install()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    token = tmp / "token"
+    token.write_text("bench-token\n")
+    procs: list[subprocess.Popen[bytes]] = []
+    results: list[Result] = []
+    try:
+        engines = []
+        for i in range(2):
+            port = free_port()
+            log = tmp / f"sim-{i}.log"
+            with log.open("wb") as out:
+                procs.append(subprocess.Popen([sys.executable, str(ROOT / "bench" / "sim_engine.py"), "--port",
+                                               str(port)], stdout=out, stderr=subprocess.STDOUT))
+            engines.append(f"http://127.0.0.1:{port}")
+            wait_serving(engines[-1], procs[-1], log)
+        print(f"upstreams: {engines} (simulated, 16 tokens per request)")
+        print("upstream client for the gateway (one simulator, non-streaming):")
+        choice = asyncio.run(client_choice(engines[0], args.requests, args.concurrency))
+        for name, c in choice.items():
+            print(f"  {name:<8} p50 {c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms {c['rps']:.0f} req/s")
+        print("routers:")
+        results.append(measure("direct (engine)", engines[0], args))
+        for name, command in router_commands(engines, token).items():
+            port = free_port()
+            log = tmp / f"{name}.log"
+            url = f"http://127.0.0.1:{port}"
+            with log.open("wb") as out:
+                proc = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT)
+            try:
+                wait_serving(url, proc, log)
+                results.append(measure(name, url, args))
+            except (RuntimeError, TimeoutError, aiohttp.ClientError) as err:
+                results.append(Result(name, note=f"could not run: {str(err)[-300:]}"))
+                print(f"  {name:<18} could not run: {str(err)[-300:]}")
+            finally:
+                stop(proc)
+    finally:
+        for p in procs:
+            stop(p)
+    report = summarize(results)
+    if args.json:
+        args.json.write_text(json.dumps({"client_choice": choice, "routers": report}, indent=2) + "\n")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
+    direct = results[0]
+    ours = next((r for r in results if r.name == "rollfleet-gateway"), None)
+    report: dict[str, dict[str, float | str]] = {}
+    print("\nadded latency over direct (ms) and max throughput (req/s); ratios are gateway / other")
+    for r in results[1:]:
+        row: dict[str, float | str] = {}
+        if r.note:
+            row["note"] = r.note
+            report[r.name] = row
+            continue
+        for mode in ("json", "stream"):
+            (p50, p99), (d50, d99) = r.latency_ms[mode], direct.latency_ms[mode]
+            row[f"{mode}_added_p50_ms"] = round(p50 - d50, 3)
+            row[f"{mode}_added_p99_ms"] = round(p99 - d99, 3)
+            row[f"{mode}_rps"] = round(r.rps[mode], 1)
+        report[r.name] = row
+    if ours is not None and not ours.note:
+        for r in results[1:]:
+            if r is ours or r.note:
+                continue
+            o, t = report[ours.name], report[r.name]
+            for mode in ("json", "stream"):
+                o[f"{mode}_rps_ratio_vs_{r.name}"] = round(float(o[f"{mode}_rps"]) / float(t[f"{mode}_rps"]), 3)
+                o[f"{mode}_added_p50_ratio_vs_{r.name}"] = round(
+                    float(o[f"{mode}_added_p50_ms"]) / max(float(t[f"{mode}_added_p50_ms"]), 1e-3), 2)
+    for name, row in report.items():
+        print(f"  {name:<18} " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    return report
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
