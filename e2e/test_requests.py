@@ -33,7 +33,7 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def ns(cluster: Cluster, core: kubernetes.client.CoreV1Api) -> Iterator[str]:
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    cluster.kubectl("apply", *(f"-f={p}" for p in sorted((ROOT / "crds").glob("rollout*.yaml"))))
     name = f"rr-e2e-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": name}})
     yield name
@@ -45,14 +45,25 @@ def operator(cluster: Cluster, ns: str, tmp_path_factory: pytest.TempPathFactory
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(BIN / "rollfleet"), "operator", "-n", ns, "--liveness", "", "--metrics-port",
-                                 "0"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([str(BIN / "rollfleet"), "operator", "-n", ns, "--health-port", "0",
+                                 "--metrics-port", "0"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc.log = log  # type: ignore[attr-defined]
     yield proc
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def status_in(cluster: Cluster, ns: str, name: str, phase: str,
+              operator: subprocess.Popen[bytes]) -> dict[str, Any] | None:
+    """The request's status once it is in `phase`; fails at once, with its log, if the operator exited."""
+    if operator.poll() is not None:
+        log = operator.log.read_text()[-3000:]  # type: ignore[attr-defined]
+        raise AssertionError(f"the operator exited ({operator.returncode}):\n{log}")
+    status = get_rr(cluster, ns, name).get("status") or {}
+    return status if status.get("phase") == phase else None
 
 
 def custom(cluster: Cluster) -> kubernetes.client.CustomObjectsApi:
@@ -106,8 +117,8 @@ def test_requests_that_cannot_run_fail_with_the_reason(cluster: Cluster, ns: str
         "badcm": ("InvalidPrompts", "ConfigMap badprompts/prompts.jsonl line 1: not a prompt"),
     }
     for name, (reason, message) in expected.items():
-        status = wait_for(lambda n=name: get_rr(cluster, ns, n).get("status", {}).get("phase") == "Failed"
-                          and get_rr(cluster, ns, n)["status"], timeout=60, what=f"{name} Failed")
+        status = wait_for(lambda n=name: status_in(cluster, ns, n, "Failed", operator), timeout=60,
+                          what=f"{name} Failed")
         assert status["reason"] == reason and message in status["message"], status
         failed = [c for c in status["conditions"] if c["type"] == "Failed"]
         assert failed and failed[0]["status"] == "True" and status["completionTime"]
@@ -164,8 +175,7 @@ def test_finished_requests_are_deleted_after_their_ttl(cluster: Cluster, ns: str
                                                        operator: subprocess.Popen[bytes]) -> None:
     assert apply(cluster, ns, "ttl", {"fleet": "nosuch", "prompts": [{"text": "hi"}],
                                       "ttlSecondsAfterFinished": 2}).returncode == 0
-    wait_for(lambda: get_rr(cluster, ns, "ttl").get("status", {}).get("phase") == "Failed", timeout=60,
-             what="ttl request Failed")
+    wait_for(lambda: status_in(cluster, ns, "ttl", "Failed", operator), timeout=60, what="ttl request Failed")
     finished = time.monotonic()
     wait_for(lambda: "NotFound" in cluster.kubectl("-n", ns, "get", "rr", "ttl", check=False).stderr, timeout=60,
              what="request deleted after its TTL")

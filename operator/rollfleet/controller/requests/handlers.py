@@ -3,8 +3,8 @@
 A daemon (not on.create/on.update handlers) because a run is long-lived and must
 react within a fraction of a second to annotations on its object: kopf hands the
 daemon a live view of the body, which the run loop reads every tick. The daemon
-returns once the request is terminal (after its TTL when one is set), so finished
-requests cost nothing; after an operator restart every request gets a daemon again
+returns once the request is terminal (after its TTL when one is set), and finished
+requests without a TTL get no daemon at all; after an operator restart every request gets a daemon again
 and a running one is adopted (see `runner`).
 
 Shared clients (API client, HTTP client to gateways) are created on first use in the
@@ -14,6 +14,7 @@ operator's event loop. Talks to nobody itself; `runner` does the I/O.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import httpx
@@ -40,12 +41,20 @@ def _http() -> httpx.AsyncClient:
                              limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256))
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=30.0)
+def _needs_daemon(body: kopf.Body, **_: Any) -> bool:
+    """Running requests, and finished ones still waiting for their TTL: others cost no task."""
+    status = body.get("status") or {}
+    return status.get("phase") not in TERMINAL_PHASES or body["spec"].get("ttlSecondsAfterFinished") is not None
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=30.0, when=_needs_daemon)
 async def run_request(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
     kube = _kube()
     phase = (body.get("status") or {}).get("phase")
+    finished_at = None
     if phase not in TERMINAL_PHASES:
         verdict = await runner.Run(kube, _http(), body, stopping=lambda: bool(stopped)).run()
         if not verdict.terminal or stopped:
             return
-    await runner.expire(kube, body, stopped.wait)
+        finished_at = time.time()
+    await runner.expire(kube, body, stopped.wait, finished_at)

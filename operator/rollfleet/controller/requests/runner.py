@@ -414,18 +414,24 @@ class Run:
         return verdict
 
 
-async def expire(kube: RequestKube, body: Mapping[str, Any], wait: Callable[[float], Any]) -> None:
-    """Delete a finished request once its ttlSecondsAfterFinished has passed (results go with it)."""
+async def expire(kube: RequestKube, body: Mapping[str, Any], wait: Callable[[float], Any],
+                 finished_at: float | None = None) -> None:
+    """Delete a finished request once its ttlSecondsAfterFinished has passed (results go with it).
+
+    `finished_at` comes from a run that just ended: kopf's view of the body may not show
+    the terminal status yet, and a daemon that returns is not started again.
+    """
     rr = RolloutRequest.model_validate(dict(body))
-    status = rr.status
-    if status is None or status.phase not in TERMINAL_PHASES:
-        return
-    done_at = status.completion_time or parse_time(body["metadata"].get("creationTimestamp"))
-    left = plan.ttl_left(done_at.timestamp() if done_at else None, rr.spec.ttl_seconds_after_finished, time.time())
+    if finished_at is None:
+        status = rr.status
+        if status is None or status.phase not in TERMINAL_PHASES:
+            return
+        done_at = status.completion_time or parse_time(body["metadata"].get("creationTimestamp"))
+        finished_at = done_at.timestamp() if done_at else None
+    left = plan.ttl_left(finished_at, rr.spec.ttl_seconds_after_finished, time.time())
     if left is None:
         return
     if left > 0 and await wait(left):  # True: the daemon was asked to stop first
         return
     meta = body["metadata"]
     await kube.delete_request(meta["namespace"], meta["name"], meta["uid"])
-
