@@ -9,6 +9,7 @@ to cleanup. Talks to nobody itself.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aiohttp
@@ -21,7 +22,11 @@ from rollfleet.controller.reconciler import Operator
 
 
 @kopf.on.startup()
-async def start_fleets(memo: kopf.Memo, **_: Any) -> None:
+async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
+    # kopf would log, and post as a Kubernetes Event, "Handler succeeded" for every watch
+    # event of every pod; our own Events say what changed.
+    settings.posting.level = logging.WARNING
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
     memo.fleets = Operator(Kube(load_client()), session)
     memo.fleet_http = session

@@ -10,15 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--namespace", action="append", default=[],
                    help="serve this namespace (repeatable; glob patterns allowed); default: all namespaces")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig when not in a pod (default: $KUBECONFIG)")
-    p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
-                   help="kopf liveness endpoint (default: %(default)s; '' disables)")
-    p.add_argument("--metrics-port", type=int, default=8082, help="Prometheus metrics port (0 disables)")
+    p.add_argument("--listen", default="0.0.0.0",
+                   help="address of the health and metrics endpoints (in a pod: its IP; default: %(default)s)")
+    p.add_argument("--health-port", type=int, default=8081, help="kopf liveness endpoint /healthz (0 disables)")
+    p.add_argument("--metrics-port", type=int, default=8082, help="Prometheus metrics /metrics (0 disables)")
     p.add_argument("--no-requests", action="store_true", help="serve RolloutFleets only, not RolloutRequests")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -36,16 +38,18 @@ def run(args: argparse.Namespace) -> int:
 
     kopf.configure(verbose=args.verbose)  # also configures the root logger our modules log to
     if args.metrics_port:
-        prometheus_client.start_http_server(args.metrics_port)
+        prometheus_client.start_http_server(args.metrics_port, addr=args.listen)
 
     @kopf.on.login()
-    def login(**kwargs: object) -> kopf.ConnectionInfo | None:
-        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # Through the official client, like `kube.load_client`: in a pod it honours
+        # KUBERNETES_SERVICE_HOST (kopf's own service-account login assumes cluster DNS).
+        return kopf.login_via_client(**kwargs)
 
     asyncio.run(kopf.operator(
         standalone=True,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
-        liveness_endpoint=args.liveness or None,
+        liveness_endpoint=f"http://{args.listen}:{args.health_port}/healthz" if args.health_port else None,
     ))
     return 0

@@ -120,7 +120,8 @@ def plan_pods(engines: Sequence[Engine], *, replicas: int, current_hash: str, ma
     want = min(limit - occupying, replicas - updated, limit - len(live))
     taken = {e.obs.index for e in engines}
     free = [i for i in range(limit) if i not in taken]
-    actions += [Create(i, "scale-up" if i >= replicas or not old else "update") for i in free[:max(0, want)]]
+    reason = "update" if old else f"{replicas} engines wanted, {len(live)} exist"
+    actions += [Create(i, reason) for i in free[:max(0, want)]]
 
     # Roll: outdated engines that do not serve go at once; serving ones within maxUnavailable.
     if old:

@@ -29,7 +29,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from rollfleet.api.common import ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, LABEL_FLEET, TOKEN_KEY
-from rollfleet.api.fleet import PauseStatus, RolloutFleetSpec, RolloutFleetStatus
+from rollfleet.api.fleet import RolloutFleetSpec, RolloutFleetStatus
 from rollfleet.controller import desired, plan
 from rollfleet.controller.engines import EngineCallError, EngineClient
 from rollfleet.controller.kube import Kube
@@ -235,7 +235,7 @@ class FleetLoop:
             if call.name not in self._calls and ip is not None:
                 # One call per engine at a time: pause?mode=wait blocks until requests finish.
                 self._calls[call.name] = asyncio.create_task(self._control(call, ip, token))
-        await self._pause_bookkeeping(request, recorded, record)
+        await self._pause_bookkeeping(request)
 
         status = fleet_status(
             spec=spec, generation=meta.get("generation"), current_hash=current_hash,
@@ -343,8 +343,7 @@ class FleetLoop:
             self._states.pop(call.name, None)  # read the new state on the next pass
             self.wake.set()
 
-    async def _pause_bookkeeping(self, request: plan.PauseRequest, recorded: PauseStatus | None,
-                                 record: PauseStatus | None) -> None:
+    async def _pause_bookkeeping(self, request: plan.PauseRequest) -> None:
         if request.invalid_value is not None and request.invalid_value != self._warned_pause:
             self.event("Warning", "InvalidPauseAnnotation",
                        f"rollfleet.dev/pause={request.invalid_value!r} is not keep, wait or abort: ignored, "
@@ -353,12 +352,6 @@ class FleetLoop:
         if request.remove_annotations:
             await self.shared.kube.patch_fleet(
                 self.ref, {"metadata": {"annotations": dict.fromkeys(request.remove_annotations)}})
-        if recorded is None and record is not None:
-            self.event("Normal", "Pausing", f"pausing every engine (mode {record.mode})")
-        elif recorded is not None and record is not None and recorded.mode != record.mode:
-            self.event("Normal", "PauseModeChanged", f"pause mode {recorded.mode} -> {record.mode}")
-        elif recorded is not None and record is None:
-            self.event("Normal", "Resumed", "every engine resumed")
 
     # ---- status ----------------------------------------------------------------------------
 
@@ -371,6 +364,7 @@ class FleetLoop:
         self._written = status
 
     def _transition_events(self, previous: RolloutFleetStatus | None, status: RolloutFleetStatus) -> None:
+        """Events for what changed between two written statuses: conditions, pause mode, engine phases."""
         if previous is None:
             return
         old_conds = {c.type: c for c in previous.conditions}
@@ -379,6 +373,8 @@ class FleetLoop:
             if o is None or (o.status, o.reason) != (c.status, c.reason):
                 warn = (c.type == "Degraded" and c.status == "True") or c.reason == "InvalidPauseAnnotation"
                 self.event("Warning" if warn else "Normal", f"{c.type}{c.status}", f"{c.reason}: {c.message}")
+        if previous.pause and status.pause and previous.pause.mode != status.pause.mode:
+            self.event("Normal", "PauseModeChanged", f"pause mode {previous.pause.mode} -> {status.pause.mode}")
         old_phases = {e.name: e.phase for e in previous.engines}
         for e in status.engines:
             if old_phases.get(e.name) not in (None, e.phase):

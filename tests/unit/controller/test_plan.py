@@ -24,7 +24,8 @@ def run(engines: Sequence[Engine], replicas: int, max_unavailable: int = 1, max_
 
 
 def test_new_fleet_creates_every_engine_by_index() -> None:
-    assert run([], 3) == [Create(0, "scale-up"), Create(1, "scale-up"), Create(2, "scale-up")]
+    up = "3 engines wanted, 0 exist"
+    assert run([], 3) == [Create(0, up), Create(1, up), Create(2, up)]
 
 
 def test_converged_fleet_does_nothing() -> None:
@@ -32,7 +33,7 @@ def test_converged_fleet_does_nothing() -> None:
 
 
 def test_scale_up_fills_the_lowest_free_index() -> None:
-    assert run([engine(0), engine(2)], 3) == [Create(1, "scale-up")]
+    assert run([engine(0), engine(2)], 3) == [Create(1, "3 engines wanted, 2 exist")]
 
 
 def test_scale_down_drains_highest_indices_and_deletes_unready_ones_at_once() -> None:
@@ -57,7 +58,7 @@ def test_failed_engine_is_deleted_then_recreated_under_the_same_name() -> None:
     assert isinstance(delete, Delete) and delete.name == "f-engine-1" and "137" in delete.reason
     # While the failed pod still exists its name is taken: no engine-2 is created instead.
     assert not any(isinstance(a, Create) for a in run([engine(0), failed], 2))
-    assert run([engine(0)], 2) == [Create(1, "scale-up")]
+    assert run([engine(0)], 2) == [Create(1, "2 engines wanted, 1 exist")]
 
 
 def test_engine_on_a_lost_node_is_force_deleted() -> None:
@@ -84,7 +85,7 @@ def test_rolling_update_with_max_surge_0_goes_one_engine_at_a_time() -> None:
 
 def test_rolling_update_with_surge_creates_first() -> None:
     olds = [engine(0, template_hash=OLD), engine(1, template_hash=OLD)]
-    assert run(olds, 2, max_unavailable=0, max_surge=1) == [Create(2, "scale-up")]
+    assert run(olds, 2, max_unavailable=0, max_surge=1) == [Create(2, "update")]
     assert run([*olds, engine(2)], 2, max_unavailable=0, max_surge=1) == [Drain("f-engine-1", "update")]
 
 
