@@ -44,8 +44,7 @@ class EngineProgress(BaseModel):
 
 
 class PushState(StrEnum):
-    STAGING = "staging"  # receiving / hashing the weights (the fleet is untouched)
-    RUNNING = "running"
+    RUNNING = "running"  # recorded on the fleet; engines are being paused, updated, resumed
     DONE = "done"  # the fleet is on the target (engines in pending_sync excepted)
     ROLLED_BACK = "rolled-back"  # the fleet stayed on its previous version
     FAILED = "failed"  # refused or broken before the fleet was touched, or left paused on an error
@@ -58,7 +57,7 @@ class PushState(StrEnum):
 class PushStatus(BaseModel):
     generation: int
     version: str
-    state: PushState = PushState.STAGING
+    state: PushState = PushState.RUNNING
     engines: list[EngineProgress] = Field(default_factory=list)
     bytes: int = Field(default=0, description="Size of the weights (one copy).")
     receive_s: float | None = Field(default=None, description="Streamed pushes: writing the tensors into the spool.")

@@ -119,6 +119,7 @@ class Orchestrator:
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
         self.spool = spool
+        self._pushes_dir = spool / "pushes"  # streamed weights, one directory per version
         self.pause_mode: PauseMode = pause_mode
         self.default_max_staleness = default_max_staleness
         self.clock = clock
@@ -136,8 +137,8 @@ class Orchestrator:
         record, _ = await read_record(self.store)
         if record.generation_of(version) is not None:
             raise PushRefused(f"version {version!r} was already pushed; every push needs a new version label")
-        final = self.spool / version
-        partial = self.spool / f".{version}.partial"
+        final = self._pushes_dir / version
+        partial = self._pushes_dir / f".{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         # No fsync: the spool's job is to survive a restart of this container, and the
@@ -161,8 +162,6 @@ class Orchestrator:
             record, _ = await read_record(self.store)
             generation = record.generation + 1
             begin_push(record, WeightsRef(version, generation), time.time())  # refuse early, before hashing
-            status = PushStatus(generation=generation, version=version, receive_s=receive_s)
-            self._remember(status)
             url, sha, nbytes = await self.publisher.serve(source)
             if expected_sha256 is not None and sha != expected_sha256:
                 await self._serve_committed(record)
@@ -173,7 +172,9 @@ class Orchestrator:
             except PushRefused:
                 await self._serve_committed(record)
                 raise
-            status.bytes, status.staging_s, status.state = nbytes, self.clock() - t0, PushState.RUNNING
+            status = PushStatus(generation=generation, version=version, bytes=nbytes)
+            status.receive_s, status.staging_s = receive_s, self.clock() - t0
+            self._remember(status)
         self._push_task = asyncio.create_task(self._run(status, record, t0))
         return status
 
@@ -373,7 +374,7 @@ class Orchestrator:
         action = plan_recovery(record, by_name, target_ok, previous_ok)
         log.warning("recovering push %s (generation %d): %s", push.target.version, push.target.generation, action)
         status = self._pushes.get(push.target.generation) or PushStatus(
-            generation=push.target.generation, version=push.target.version, state=PushState.RUNNING
+            generation=push.target.generation, version=push.target.version
         )
         status.state, status.message = PushState.RUNNING, f"recovering after an interrupted push: {action.value}"
         self._remember(status)
@@ -443,11 +444,11 @@ class Orchestrator:
 
     def _collect_spool(self, record: FleetRecord) -> None:
         """Delete spooled weights other than the fleet's version (kept for late engines)."""
-        if not self.spool.is_dir():
+        if not self._pushes_dir.is_dir():
             return
         sources = [record.committed.source if record.committed else None, self.publisher.source]
         keep = {Path(s).resolve() for s in sources if s is not None}
-        for entry in self.spool.iterdir():
+        for entry in self._pushes_dir.iterdir():
             if entry.is_dir() and entry.resolve() not in keep:
                 shutil.rmtree(entry, ignore_errors=True)
 
