@@ -107,10 +107,10 @@ class StreamWriter:
                          "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                                      *headers]})
 
-    async def chunk(self, obj: Json, raw: bytes | None) -> None:
+    async def chunks(self, batch: list[tuple[Json, bytes | None]]) -> None:
         self.sent_any = True
-        data = raw if raw is not None else orjson.dumps(obj)
-        await self.send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
+        body = b"".join(b"data: " + (raw if raw is not None else orjson.dumps(obj)) + b"\n\n" for obj, raw in batch)
+        await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def done(self, extra: Json, headers: list[tuple[bytes, bytes]]) -> None:
         self.responded = True
@@ -121,7 +121,7 @@ class StreamWriter:
             await send_json(self.send, status, error_body(message, status), headers)
             self.responded = True
             return
-        await self.chunk(error_body(message, status), None)
+        await self.chunks([(error_body(message, status), None)])
         await self.done({}, headers)
 
 
@@ -142,8 +142,9 @@ class JsonWriter:
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         return
 
-    async def chunk(self, obj: Json, raw: bytes | None) -> None:
-        self.assembler.add(obj)
+    async def chunks(self, batch: list[tuple[Json, bytes | None]]) -> None:
+        for obj, _ in batch:
+            self.assembler.add(obj)
 
     async def done(self, extra: Json, headers: list[tuple[bytes, bytes]]) -> None:
         assert self.tpl is not None
@@ -377,15 +378,23 @@ class _Exchange:
                     entry.add_versions(version.split(","))
                 if not self.writer.started:
                     await self.writer.start(self._headers())
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].rstrip()
-                    if payload == b"[DONE]":
-                        # Read on to the end of the body: a response left unread closes its
-                        # connection instead of returning it to the keep-alive pool.
-                        continue
-                    failure = await self._forward(payload, cont)
+                # Whatever bytes arrived together are forwarded together: one write to the
+                # client per read, not one per token.
+                pending = b""
+                async for data in resp.content.iter_any():
+                    *events, pending = (pending + data).split(b"\n\n")
+                    batch: list[tuple[Json, bytes | None]] = []
+                    failure = None
+                    for event in events:
+                        payload = event[6:].strip() if event.startswith(b"data: ") else b""
+                        # [DONE] is read past, to the end of the body: a response left unread
+                        # closes its connection instead of returning it to the keep-alive pool.
+                        if payload and payload != b"[DONE]":
+                            failure = self._forward(payload, cont, batch)
+                            if failure is not None:
+                                break
+                    if batch:
+                        await self.writer.chunks(batch)
                     if failure is not None:
                         return failure
         except (aiohttp.ClientError, OSError) as err:
@@ -396,15 +405,16 @@ class _Exchange:
         p.registry.eject(engine.key)
         return AttemptResult(Outcome.FAILED, "the engine's stream ended before the request finished")
 
-    async def _forward(self, payload: bytes, cont: ContinuationState | None) -> AttemptResult | None:
-        """Track one upstream chunk and pass it on in the client's dialect; a result if it was an error."""
+    def _forward(self, payload: bytes, cont: ContinuationState | None,
+                 batch: list[tuple[Json, bytes | None]]) -> AttemptResult | None:
+        """Track one upstream chunk and queue it in the client's dialect; a result if it was an error."""
         obj = orjson.loads(payload)
         error = obj.get("error")
         if error is not None:
             code = int(error.get("code") or 500) if isinstance(error, dict) else 500
             if code >= 500:
                 return AttemptResult(Outcome.FAILED, f"engine error in stream: {str(error)[:300]}")
-            await self.writer.chunk(obj, payload)
+            batch.append((obj, payload))
             return AttemptResult(Outcome.FINISHED)
         raw: bytes | None = payload
         if cont is not None:
@@ -415,7 +425,7 @@ class _Exchange:
         if self._track(obj):
             obj["rollfleet"] = self._report()
             raw = None
-        await self.writer.chunk(obj, raw)
+        batch.append((obj, raw))
         return None
 
     def _template(self, first: Json) -> Template:
@@ -481,7 +491,7 @@ class _Exchange:
             chunk = closing_chunk(self.req.route, tpl, open_indexes, ABORT)
             self._track(chunk)
             chunk["rollfleet"] = self._report()
-            await self.writer.chunk(chunk, None)
+            await self.writer.chunks([(chunk, None)])
         return await self._close_finished()
 
     def _prepare_json(self) -> None:
