@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from rollfleet.gateway.app import GatewayConfig, build_app
@@ -23,7 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="default", help="namespace of the fleet (default: %(default)s)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
     p.add_argument("--engines", help="comma-separated engine base URLs: static mode, no Kubernetes")
-    p.add_argument("--host", default="0.0.0.0")
+    # The pod IP (downward API) when there is one: on the local cluster pods share the
+    # host's network, so 0.0.0.0 would collide with every other gateway.
+    p.add_argument("--host", default=os.environ.get("POD_IP") or "0.0.0.0",
+                   help="address to bind (default: $POD_IP, else all addresses)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--token-file", default=DEFAULT_TOKEN_FILE, help="fleet admin token (default: %(default)s)")
     p.add_argument("--api-key-file", help="if given, inference routes need this bearer token (or the admin token)")
