@@ -8,7 +8,7 @@ from rollfleet.sync.protocol import FleetRecord, WeightsRef, adopt_initial, begi
 B = WeightsRef("B", 1, url="http://10.0.0.5:8472", manifest_sha256="abc", source="/spool/B")
 
 
-def annotations(record: FleetRecord) -> dict[str, str]:
+def as_annotations(record: FleetRecord) -> dict[str, str]:
     return {k: v for k, v in encode_record(record).items() if v is not None}
 
 
@@ -21,7 +21,7 @@ def test_no_record_the_version_is_the_one_all_engines_agree_on() -> None:
 
 def test_during_a_push_the_version_stays_until_commit() -> None:
     pushing = begin_push(adopt_initial(FleetRecord(), ["A"]), B, now=0.0)
-    fv = fleet_weight_version(annotations(pushing), {"e0": "A", "e1": "B", "e2": None})
+    fv = fleet_weight_version(as_annotations(pushing), {"e0": "A", "e1": "B", "e2": None})
     assert (fv.version, fv.generation, fv.syncing_to) == ("A", 0, "B")
     assert fv.routable == ("e0", "e1")  # both paused by the sidecar: they hold requests
     assert fv.pending_sync == ("e2",)
@@ -29,7 +29,7 @@ def test_during_a_push_the_version_stays_until_commit() -> None:
 
 def test_after_commit_only_engines_on_the_new_version_serve() -> None:
     done = complete(commit(begin_push(adopt_initial(FleetRecord(), ["A"]), B, now=0.0), failed=["e0"]))
-    fv = fleet_weight_version(annotations(done), {"e0": "A", "e1": "B", "e9": "B"})
+    fv = fleet_weight_version(as_annotations(done), {"e0": "A", "e1": "B", "e9": "B"})
     assert (fv.version, fv.generation, fv.syncing_to) == ("B", 1, None)
     assert fv.routable == ("e1", "e9") and fv.pending_sync == ("e0",)
     assert (fv.weights_url, fv.manifest_sha256) == ("http://10.0.0.5:8472", "abc")
