@@ -25,6 +25,10 @@ build: env ## build the local control plane from Go modules (once, cached by ver
 up: build ## start the local cluster (GPU node pools, no Docker)
 	rollfleet cluster up
 
+.PHONY: demo
+demo: build ## the main job: local cluster + operator + a 2-engine fleet, and the whole walkthrough
+	rollfleet demo
+
 .PHONY: down
 down: ## stop the local cluster and free its ports
 	@if [ -x $(BIN)/rollfleet ]; then rollfleet cluster down; fi

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import kubernetes
 
+from rollfleet.kubectl import Kubectl
+
 
 @dataclass
 class Cluster:
@@ -53,11 +55,7 @@ class Cluster:
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(["kubectl", f"--kubeconfig={self.kubeconfig}", *args], input=input,
-                              capture_output=True, text=True, timeout=timeout)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
-        return proc
+        return Kubectl(self.kubeconfig).run(*args, input=input, check=check, timeout=timeout)
 
     @contextlib.contextmanager
     def reach(self, namespace: str, pod: str, port: int) -> Iterator[str]:

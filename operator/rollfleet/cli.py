@@ -55,7 +55,7 @@ def _cluster_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_cluster(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_cluster(sub: argparse._SubParsersAction) -> None:
     from rollfleet.localcluster.controlplane import DEFAULT_POOLS
 
     cluster = sub.add_parser("cluster", help="a real local Kubernetes cluster with GPU node pools (no Docker)")
@@ -112,6 +112,16 @@ def _add_results(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    def run(args: argparse.Namespace) -> int:
+        from rollfleet import demo
+
+        return demo.main()
+
+    sub.add_parser("demo", help="the walkthrough (`make demo`): local cluster, operator, a fleet, every feature"
+                   ).set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollfleet", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway(sub)
     _add_operator(sub)
     _add_results(sub)
+    _add_demo(sub)
     return parser
 
 

@@ -1,0 +1,287 @@
+"""`rollfleet demo` (`make demo`): the whole product on one machine, step by step.
+
+Brings up the local cluster, deploys the operator from `manifests/`, applies a
+2-engine CPU fleet with the tiny model, and walks through what the README shows:
+rollouts, abort by annotation, pause keep and resume, scale, a weight push and the
+results. Every step prints the kubectl command it runs and what it showed, with
+timings. It leaves the cluster up. Talks to: the local cluster (kubectl, HTTP to the
+gateway and engines by their loopback addresses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+
+from rollfleet.kubectl import Kubectl
+
+REPO = Path(__file__).resolve().parents[2]
+NS = "rollfleet-demo"
+FLEET = "tiny"
+T = TypeVar("T")
+
+
+class DemoFailed(RuntimeError):
+    """A step did not show what it should; the message says what was seen."""
+
+
+class Walkthrough:
+    """Numbered steps with timings; each prints the commands it runs and their output."""
+
+    def __init__(self, kubectl: Kubectl, total: int) -> None:
+        self.k = kubectl
+        self.total = total
+        self.n = 0
+
+    @contextlib.contextmanager
+    def step(self, title: str) -> Iterator[None]:
+        self.n += 1
+        t0 = time.monotonic()
+        print(f"\n\033[1m[{self.n}/{self.total}] {title}\033[0m", flush=True)
+        yield
+        print(f"    done in {time.monotonic() - t0:.1f}s", flush=True)
+
+    def say(self, text: str) -> None:
+        print(f"    {text}", flush=True)
+
+    def sh(self, *args: str, input: str | None = None, show: bool = True) -> str:
+        """Run `kubectl args` the way a person would, printing the command and its output."""
+        print(f"    $ kubectl {' '.join(args)}", flush=True)
+        out = self.k.run(*args, input=input, timeout=300).stdout
+        if show:
+            for line in out.rstrip().splitlines():
+                print(f"      {line}")
+        return out
+
+    def wait(self, what: str, probe: Callable[[], T | None], timeout: float, every: float = 1.0) -> T:
+        """Poll until `probe` returns something truthy, printing how long it has waited."""
+        t0 = time.monotonic()
+        while True:
+            result = probe()
+            if result:
+                print(f"\r    ✓ {what} ({time.monotonic() - t0:.0f}s)   ", flush=True)
+                return result
+            waited = time.monotonic() - t0
+            if waited > timeout:
+                raise DemoFailed(f"timed out after {timeout:.0f}s waiting for {what}")
+            print(f"\r    … waiting for {what} ({waited:.0f}s)", end="", flush=True)
+            time.sleep(every)
+
+    def get(self, *args: str) -> Any:
+        return self.k.json("-n", NS, "get", *args)
+
+
+def fleet_manifest(model_dir: Path, replicas: int) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "rollfleet.dev/v1alpha1",
+        "kind": "RolloutFleet",
+        "metadata": {"name": FLEET, "namespace": NS},
+        "spec": {
+            "replicas": replicas,
+            "model": {"servedName": "tiny", "hostPath": str(model_dir)},
+            "engine": {"gpusPerEngine": 1, "args": ["--dtype", "float32", "--max-num-seqs", "8"]},
+            "drainTimeoutSeconds": 60,
+        },
+    }, sort_keys=False)
+
+
+def request_manifest(name: str, prompts: int, samples: int, max_tokens: int, ignore_eos: bool = False) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "rollfleet.dev/v1alpha1",
+        "kind": "RolloutRequest",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "fleet": FLEET,
+            "prompts": [{"text": f"def f{i}(x):"} for i in range(prompts)],
+            "samplesPerPrompt": samples,
+            "sampling": {"maxTokens": max_tokens, "temperature": 1.0, "ignoreEos": ignore_eos},
+        },
+    }, sort_keys=False)
+
+
+def _gateway_url(w: Walkthrough) -> str:
+    svc = w.get("service", f"{FLEET}-gateway")
+    return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
+
+
+def _engine_urls(w: Walkthrough) -> dict[str, str]:
+    pods = w.get("pods", "-l", f"rollfleet.dev/fleet={FLEET},app.kubernetes.io/component=engine")["items"]
+    return {p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000" for p in pods if p["status"].get("podIP")}
+
+
+def _engines_running(w: Walkthrough) -> dict[str, int]:
+    """Requests each engine itself says are running or waiting (its own view, not the operator's)."""
+    out = {}
+    for name, url in _engine_urls(w).items():
+        state = httpx.get(url + "/rollfleet/v1/state", timeout=5).json()
+        out[name] = int(state["running"]) + int(state["waiting"])
+    return out
+
+
+class _Stream:
+    """A streaming completion through the gateway, counting tokens as they arrive."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        body = {"model": "tiny", "prompt": "def main():", "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600,
+                              headers={"X-Request-Id": f"demo-stream-{time.time_ns()}"}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        choice = json.loads(line[6:])["choices"][0]
+                        self.tokens += 1 if choice.get("text") is not None else 0
+                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        except httpx.HTTPError as e:
+            self.error = str(e)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def _results(k: Kubectl, name: str) -> list[dict[str, Any]]:
+    out = subprocess.run([sys.executable, "-m", "rollfleet.cli", "results", f"rr/{name}", "-n", NS,
+                          "--kubeconfig", str(k.kubeconfig)], capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def _push_weights(w: Walkthrough, weights_dir: Path) -> None:
+    from rollfleet.localcluster.nodeagent.logs import find_log, nodes_state_dir
+
+    trainer = (REPO / "manifests" / "samples" / "demo-trainer.yaml").read_text()
+    w.sh("-n", NS, "apply", "-k", str(REPO / "manifests" / "sync"), show=False)
+    w.sh("-n", NS, "apply", "-f", "-", input=trainer.replace("WEIGHTS_DIR", str(weights_dir)))
+
+    def trainer_exit() -> dict[str, Any] | None:
+        for c in w.get("pod", "demo-trainer").get("status", {}).get("containerStatuses", []):
+            if c["name"] == "trainer" and "terminated" in c.get("state", {}):
+                return dict(c["state"]["terminated"])
+        return None
+
+    ended = w.wait("the trainer's push to finish", trainer_exit, timeout=600)
+    log = find_log(nodes_state_dir() / "pods", NS, "demo-trainer", "trainer", previous=False)
+    w.say("trainer log:")
+    for line in log.read_text().splitlines()[-6:]:
+        w.say("  " + line[:200])
+    if ended.get("exitCode") != 0:
+        raise DemoFailed("the trainer's push failed (see its log above)")
+    w.wait("the fleet status to show weights step-1",
+           lambda: w.get("rf", FLEET)["status"].get("weightVersion") == "step-1", timeout=120)
+
+
+def run() -> None:
+    from rollfleet.localcluster import controlplane
+    from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+
+    t_all = time.monotonic()
+    print("\033[1m[0] the local cluster (built once, then seconds)\033[0m", flush=True)
+    layout = controlplane.up()
+    k = Kubectl(layout.kubeconfig)
+    w = Walkthrough(k, total=9)
+
+    with w.step("the nodes: GPU node pools, run by the node agent"):
+        w.sh("get", "nodes", "-L", "rollfleet.dev/pool", "-L", "nvidia.com/gpu.product")
+
+    with w.step("the tiny model (random weights, local tokenizer; a second weight set for the push)"):
+        model_dir = ensure_tiny_model()
+        w.say(f"model: {model_dir}  (weights B: {model_dir / WEIGHTS_B_DIR})")
+
+    with w.step("deploy the operator from manifests/ (CRDs, RBAC, Deployment)"):
+        w.sh("apply", "-k", str(REPO / "manifests" / "overlays" / "local"), show=False)
+        w.sh("-n", "rollfleet-system", "rollout", "status", "deploy/rollfleet-operator", "--timeout=300s")
+        w.sh("get", "crd", "rolloutfleets.rollfleet.dev", "rolloutrequests.rollfleet.dev")
+
+    with w.step("apply a 2-engine fleet and watch it become Ready (vLLM on CPU: about a minute)"):
+        k.run("create", "namespace", NS, check=False)
+        w.sh("apply", "-f", "-", input=fleet_manifest(model_dir, 2))
+        w.wait("2/2 engines and the gateway", lambda: (s := w.get("rf", FLEET).get("status", {}))
+               .get("readyReplicas") == 2 and (s.get("gateway") or {}).get("readyReplicas", 0) >= 1, timeout=900)
+        w.sh("-n", NS, "get", "rf")
+        w.sh("-n", NS, "get", "pods", "-o", "wide")
+
+    with w.step("rollouts as a RolloutRequest: 16 prompts x 4 samples (a GRPO-style batch)"):
+        w.sh("apply", "-f", "-", input=request_manifest("batch-1", 16, 4, 32))
+        done = w.wait("batch-1 to finish", lambda: (s := w.get("rr", "batch-1").get("status", {}))
+                      .get("phase") in {"Succeeded", "Failed", "Aborted"} and s, timeout=600)
+        if done["phase"] != "Succeeded":
+            raise DemoFailed(f"batch-1 ended {done['phase']}: {json.dumps(done)[:2000]}")
+        w.sh("-n", NS, "get", "rr")
+        lines = _results(k, "batch-1")
+        w.say(f"$ rollfleet results rr/batch-1 -n {NS}   → {len(lines)} samples; the first:")
+        w.say("  " + json.dumps(lines[0])[:300])
+
+    with w.step("abort by annotation: every in-flight sample stops on the engines"):
+        w.sh("apply", "-f", "-", input=request_manifest("long", 8, 2, 4000, ignore_eos=True))
+        w.wait("samples running on the engines", lambda: sum(_engines_running(w).values()) > 0, timeout=300)
+        w.say(f"engines report running requests: {_engines_running(w)}")
+        w.sh("-n", NS, "annotate", "rr/long", "rollfleet.dev/abort=demo-1")
+        st = w.wait("phase Aborted", lambda: (s := w.get("rr", "long").get("status", {})).get("phase") == "Aborted"
+                    and s, timeout=60)
+        running = w.wait("engines to show nothing running",
+                         lambda: (r := _engines_running(w)) and sum(r.values()) == 0 and r, timeout=30)
+        w.say(f"status.abort: {json.dumps(st.get('abort'))}")
+        w.say(f"engines report running requests: {running}")
+
+    with w.step("pause keep during a stream: zero tokens while paused, every token after resume"):
+        stream = _Stream(_gateway_url(w), max_tokens=600)
+        w.wait("the stream to produce tokens", lambda: stream.tokens > 5, timeout=120)
+        w.sh("-n", NS, "annotate", "rf", FLEET, "rollfleet.dev/pause=keep")
+        w.wait("every engine paused", lambda: (w.get("rf", FLEET)["status"].get("pause") or {})
+               .get("pausedEngines") == 2, timeout=60)
+        w.sh("-n", NS, "get", "rf")
+        before = stream.tokens
+        time.sleep(2)  # the observation window itself: no token may arrive while paused
+        during = stream.tokens - before
+        w.say(f"tokens received during 2 s of pause: {during}")
+        w.sh("-n", NS, "annotate", "rf", FLEET, "rollfleet.dev/pause-")
+        stream.join(300)
+        w.say(f"after resume the stream finished: {stream.tokens} tokens, finish_reason={stream.finish_reason}")
+        if during != 0 or stream.tokens != 600 or stream.error:
+            raise DemoFailed(f"pause keep: {during} tokens while paused, {stream.tokens}/600 in all, {stream.error}")
+
+    with w.step("kubectl scale: 2 → 3 → 2 (scale-down drains the engine first)"):
+        def converged(n: int) -> bool:
+            st = w.get("rf", FLEET)["status"]
+            return bool(st.get("readyReplicas") == n and st.get("replicas") == n)
+
+        for n in (3, 2):
+            w.sh("-n", NS, "scale", f"rf/{FLEET}", f"--replicas={n}")
+            w.wait(f"{n}/{n} ready", functools.partial(converged, n), timeout=600)
+            w.sh("-n", NS, "get", "rf")
+
+    with w.step("push weights B from a trainer pod through the sync sidecar"):
+        _push_weights(w, model_dir / WEIGHTS_B_DIR)
+        w.sh("-n", NS, "get", "rf")
+
+    print(f"\n\033[1mDemo finished in {time.monotonic() - t_all:.0f}s.\033[0m The cluster is still up:\n"
+          f"    export KUBECONFIG={layout.kubeconfig}\n    export PATH={REPO}/.venv/bin:$PATH\n"
+          f"    kubectl -n {NS} get rf,rr,pods\n"
+          f"    rollfleet results rr/batch-1 -n {NS} | head\n"
+          "Stop it with: make down")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run()
+    except DemoFailed as e:
+        print(f"\ndemo failed: {e}", file=sys.stderr)
+        return 1
+    return 0
