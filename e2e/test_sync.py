@@ -1,0 +1,199 @@
+"""Weight sync end to end: operator from manifests/, real vLLM engines, a trainer pod with the sync sidecar.
+
+The sidecar runs as a container of a trainer pod, in Kubernetes mode: it finds the
+engine pods by label, keeps the push record on the RolloutFleet, and the operator turns
+that record into `status.weightVersion` and engine phases (`kubectl get rf`). Weights
+are checked by output: every engine's greedy tokens must equal transformers' with the
+pushed set. One fleet for the module; tests run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from tests.engine.test_engine_live import _reference_greedy
+
+from e2e.fleet_helpers import (
+    REPO,
+    Fleet,
+    Stream,
+    deploy_operator,
+    fleet_manifest,
+    kill_engine_process,
+    tiny_model_dir,
+)
+from e2e.provider import Cluster, wait_for
+from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
+from rollfleet.sync.client import SyncClient
+from rollfleet.sync.models import EngineStep, PushState
+from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+
+NS = f"sync-e2e-{uuid.uuid4().hex[:6]}"  # fresh per run: nothing left from an earlier one
+NAME = "sync"
+TRAINER = "trainer"
+MODELS = "/models/tiny"  # the tiny model's directory, mounted into the trainer pod (push_dir reads it)
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
+GREEDY_TOKENS = 12
+ROLLOUT_TOKENS = 1500
+ENGINES = [f"{NAME}-engine-0", f"{NAME}-engine-1"]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[None]:
+    deploy_operator(cluster, [NS])
+    cluster.kubectl("create", "namespace", NS)
+    cluster.kubectl("-n", NS, "apply", "-k", str(REPO / "manifests" / "sync"))
+    yield
+    cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster: Cluster, operator: None) -> Fleet:
+    manifest = fleet_manifest(NAME, NS, replicas=2, weightSync={"initialVersion": "A"})
+    manifest["spec"]["engine"]["maxModelLen"] = 2048
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    fleet = Fleet(cluster, NAME, NS)
+    fleet.wait_ready(2)
+    return fleet
+
+
+def trainer_pod() -> dict[str, Any]:
+    """The documented sidecar (manifests/sync/trainer-job.yaml) in a plain pod, its API on the pod IP for the test."""
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    args = ["sync", f"--fleet={NAME}", "--namespace=$(POD_NAMESPACE)", "--weights-host=$(POD_IP)"]
+    args += ["--host=$(POD_IP)", "--spool-dir=/var/lib/rollfleet-sync", "--reconcile-interval=0.5"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": TRAINER, "namespace": NS, "labels": {"rollfleet.dev/fleet": NAME}},
+        "spec": {
+            "serviceAccountName": "rollfleet-trainer",
+            "containers": [
+                {
+                    "name": "rollfleet-sync",
+                    "image": DEFAULT_ROLLFLEET_IMAGE,
+                    "args": args,
+                    "env": env,
+                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8471}, "periodSeconds": 1},
+                    "volumeMounts": [
+                        {"name": "fleet-token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True},
+                        {"name": "sync-spool", "mountPath": "/var/lib/rollfleet-sync"},
+                        {"name": "models", "mountPath": MODELS, "readOnly": True},
+                    ],
+                },
+                {"name": "trainer", "image": "busybox", "command": ["sleep", "86400"]},
+            ],
+            "volumes": [
+                {"name": "fleet-token", "secret": {"secretName": f"{NAME}-admin-token"}},
+                {"name": "sync-spool", "emptyDir": {}},
+                {"name": "models", "hostPath": {"path": tiny_model_dir(), "type": "Directory"}},
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(trainer_pod()))
+    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
+    with cluster.reach(NS, TRAINER, 8471) as url, SyncClient(url) as client:
+        wait_for(lambda: client.fleet_version().version == "A", timeout=60, what="the sidecar sees version A")
+        yield client
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[list[int]]]:
+    root = tiny_model_dir()
+    return {
+        "A": _reference_greedy(root, PROMPTS, GREEDY_TOKENS),
+        "B": _reference_greedy(f"{root}/{WEIGHTS_B_DIR}", PROMPTS, GREEDY_TOKENS),
+    }
+
+
+def greedy(url: str) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": GREEDY_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+        out.append(resp.json()["choices"][0]["token_ids"])
+    return out
+
+
+def all_ready_on(version: str) -> Any:
+    def check(st: dict[str, Any]) -> bool:
+        engines = st.get("engines", [])
+        return (
+            st.get("weightVersion") == version
+            and len(engines) == 2
+            and all(e["phase"] == "Ready" and e.get("weightVersion") == version for e in engines)
+        )
+
+    return check
+
+
+def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
+    cluster: Cluster, fleet: Fleet, sync: SyncClient, references: dict[str, list[list[int]]]
+) -> None:
+    with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
+        assert greedy(e0) == greedy(e1) == references["A"]
+        rollouts = [Stream(url, max_tokens=ROLLOUT_TOKENS).start() for url in (e0, e1, e0, e1)]
+        wait_for(lambda: all(r.tokens() >= 5 for r in rollouts), timeout=120, what="rollouts decoding")
+        assert not any(r.done.is_set() for r in rollouts)
+
+        status = sync.push_dir(f"{MODELS}/{WEIGHTS_B_DIR}", "b-1")
+
+        assert status.state is PushState.DONE
+        assert status.pause_window_s is not None and status.pause_window_s > 0
+        assert sorted(e.name for e in status.engines if e.step is EngineStep.RESUMED) == ENGINES
+        for r in rollouts:
+            r.wait(timeout=300)
+            assert r.finish == {0: "length"} and r.completion_tokens == ROLLOUT_TOKENS
+        assert greedy(e0) == greedy(e1) == references["B"]
+    fleet.wait(all_ready_on("b-1"), "status shows b-1 on every engine", timeout=60)
+    header, row = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()[:2]
+    assert row[header.index("WEIGHTS") :].split()[0] == "b-1"  # by position: the PAUSED column is empty
+    annotations = fleet.get()["metadata"]["annotations"]
+    assert annotations["rollfleet.dev/weight-version"] == "b-1"
+    assert annotations["rollfleet.dev/weight-generation"] == "1"
+
+
+def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the_new_version(
+    cluster: Cluster, fleet: Fleet, sync: SyncClient, references: dict[str, list[list[int]]]
+) -> None:
+    started = sync.push_dir(MODELS, "a-2", wait=False)
+    kill_engine_process(cluster, NS, ENGINES[1])  # its container restarts on the image's weights (A, label "A")
+    status = sync.wait(started.generation, timeout_s=120)
+    assert status.state is PushState.DONE
+
+    def consistent(st: dict[str, Any]) -> bool:
+        # Whatever the timing of the kill, no engine serves (Ready) other weights than the fleet's.
+        stale = [
+            e["name"]
+            for e in st.get("engines", [])
+            if e["phase"] == "Ready" and e.get("weightVersion") != st.get("weightVersion")
+        ]
+        assert not stale, f"routable on old weights: {stale} ({st})"
+        return all_ready_on("a-2")(st)
+
+    fleet.wait(consistent, "the restarted engine caught up to a-2", timeout=600)
+    with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
+        assert greedy(e0) == greedy(e1) == references["A"]
+    version = sync.fleet_version()
+    assert (version.version, version.pending_sync) == ("a-2", [])
