@@ -219,12 +219,15 @@ def fleet_status(
 
     prev_conditions = previous.conditions if previous else []
     engines_ready = ready >= desired
-    # Ready is about engines only: the gateway is reported beside it (status.gateway and the
-    # message), because until the gateway image runs on every cluster it must not hold a fleet back.
+    gateway_ready = not gateway_enabled or (gateway is not None and gateway.ready_replicas > 0)
     gateway_note = (f"; gateway {gateway.ready_replicas if gateway else 0}/{gateway.replicas if gateway else 0} ready"
                     if gateway_enabled else "")
-    ready_cond = (engines_ready, "AllEnginesReady" if engines_ready else "EnginesNotReady",
-                  f"{ready}/{desired} engines serve{gateway_note}")
+    if not engines_ready:
+        ready_cond = (False, "EnginesNotReady", f"{ready}/{desired} engines serve{gateway_note}")
+    elif not gateway_ready:
+        ready_cond = (False, "GatewayNotReady", f"{ready}/{desired} engines serve{gateway_note}")
+    else:
+        ready_cond = (True, "AllEnginesReady", f"{ready}/{desired} engines serve{gateway_note}")
 
     if len(staying) < desired:
         progress = (True, "ScalingUp", f"{len(staying)}/{desired} engines exist")

@@ -136,9 +136,22 @@ def test_losing_an_engine_degrades_until_its_replacement_serves() -> None:
 def test_condition_transition_time_changes_only_with_status() -> None:
     first = status([engine(0), engine(1)])
     later = fleet_status(spec=SPEC, generation=1, current_hash=HASH, selector="sel", engines=[engine(0), engine(1)],
-                         weights=NO_WEIGHTS, pause=PauseView(None), gateway=GatewayObs(1, 0),
+                         weights=NO_WEIGHTS, pause=PauseView(None), gateway=GatewayObs(2, 1),
                          gateway_endpoint="e", gateway_enabled=True, previous=first, now=NOW + timedelta(hours=1))
     assert [c.last_transition_time for c in later.conditions] == [c.last_transition_time for c in first.conditions]
+    assert first.conditions[0].message != later.conditions[0].message  # the gateway count changed
+
+
+def test_ready_needs_a_ready_gateway_when_one_is_enabled() -> None:
+    engines = [engine(0), engine(1)]
+    no_gateway = fleet_status(spec=SPEC, generation=1, current_hash=HASH, selector="sel", engines=engines,
+                              weights=NO_WEIGHTS, pause=NOT_PAUSED, gateway=GatewayObs(1, 0), gateway_endpoint="e",
+                              gateway_enabled=True, previous=None, now=NOW)
+    assert conditions(no_gateway)["Ready"] == ("False", "GatewayNotReady")
+    disabled = fleet_status(spec=SPEC, generation=1, current_hash=HASH, selector="sel", engines=engines,
+                            weights=NO_WEIGHTS, pause=NOT_PAUSED, gateway=None, gateway_endpoint="e",
+                            gateway_enabled=False, previous=None, now=NOW)
+    assert conditions(disabled)["Ready"] == ("True", "AllEnginesReady") and disabled.gateway is None
 
 
 def test_pause_shows_mode_count_and_invalid_values() -> None:
