@@ -135,16 +135,16 @@ class PodWatcher:
         self.kubeconfig = kubeconfig
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._response: Any = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._thread = threading.Thread(target=self._run, args=(loop,), name="engine-pod-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        # Only a flag: closing the TLS socket from this thread while the watch thread is
+        # blocked reading it deadlocks in ssl. The watch thread is a daemon and its watch
+        # requests end by themselves (timeout_seconds), so it never holds the process.
         self._stop.set()
-        if self._response is not None:
-            self._response.close()
 
     def _core(self) -> Any:
         import kubernetes
@@ -181,7 +181,7 @@ class PodWatcher:
         from kubernetes.watch.watch import iter_resp_lines
 
         while not self._stop.is_set():
-            self._response = core.list_namespaced_pod(
+            response = core.list_namespaced_pod(
                 self.namespace,
                 label_selector=self.selector,
                 watch=True,
@@ -191,7 +191,7 @@ class PodWatcher:
                 _preload_content=False,
             )
             try:
-                for line in iter_resp_lines(self._response):
+                for line in iter_resp_lines(response):
                     event = json.loads(line)
                     kind, obj = event["type"], event["object"]
                     if kind == "ERROR":
@@ -202,4 +202,4 @@ class PodWatcher:
                     elif kind in ("ADDED", "MODIFIED"):
                         loop.call_soon_threadsafe(self.registry.upsert, engine_from_pod(obj))
             finally:
-                self._response.release_conn()
+                response.release_conn()
