@@ -32,6 +32,7 @@ class SimEngine:
         self.weight_version = weight_version
         self.running: dict[str, asyncio.Event] = {}  # caller id -> abort flag
         self.finished: dict[str, str] = {}  # caller id -> finish reason
+        self.versions: dict[str, list[str]] = {}  # caller id -> weight versions that produced its tokens
         self.served = 0
 
     def app(self) -> web.Application:
@@ -39,6 +40,7 @@ class SimEngine:
         for path in ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate"):
             app.router.add_post(path, self.generate)
         app.router.add_post("/rollfleet/v1/abort", self.abort)
+        app.router.add_get("/rollfleet/v1/requests/{rid}", self.tracked)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         return app
@@ -48,6 +50,17 @@ class SimEngine:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.name, "object": "model"}]})
+
+    async def tracked(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        if rid not in self.versions:
+            return web.json_response({"detail": "unknown"}, status=404)
+        return web.json_response({"request_id": rid, "weight_versions": self.versions[rid]})
+
+    def _produced(self, rid: str) -> None:
+        seen = self.versions.setdefault(rid, [])
+        if self.weight_version not in seen:
+            seen.append(self.weight_version)
 
     async def abort(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -104,6 +117,7 @@ class SimEngine:
             if delay:
                 await asyncio.sleep(delay)
             tokens.append((len(prompt) + i) % 97 + 3)
+            self._produced(rid)
         reason = "abort" if flag.is_set() else "length"
         self.finished[rid] = reason
         text = "".join(f"t{t} " for t in tokens)
@@ -140,6 +154,7 @@ class SimEngine:
             elif last:
                 reason = "length"
             token = (len(prompt) + i) % 97 + 3
+            self._produced(rid)
             chunk = self._chunk(path, body, rid, created, [] if reason == "abort" else [token],
                                 prompt if i == 0 else None, reason, output_mode=body.get("output_mode", "tokens"))
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")

@@ -14,7 +14,9 @@ chunks), and end it for real when asked:
   cut, 5xx), the request continues on another engine through vLLM's token-in/token-out
   route from prompt + tokens generated so far, at most `max_attempts` attempts, never
   on an engine instance that already had this id;
-- every answer says the weight versions and engines that produced it.
+- every answer says the weight versions and engines that produced it: each engine's
+  response header, plus, for an attempt that may have spanned a weight update, what the
+  engine's request tracker recorded for the caller id.
 
 Talks to engines (HTTP, aiohttp) and to the client (raw ASGI send/receive).
 """
@@ -49,7 +51,7 @@ from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReaso
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry
 from rollfleet.gateway.routing import Decision, NoEngine, Router
-from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER
+from rollfleet_engine.protocol import REQUEST_ID_HEADER, REQUESTS_PATH, WEIGHT_VERSION_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,10 @@ class ProxyConfig:
     stop_grace_s: float = 5.0  # after an abort on the engine, how long its stream may take to end
     abort_timeout_s: float = 5.0
     connect_timeout_s: float = 5.0
+    # An attempt this long (or one during which its engine was seen changing weights) asks
+    # the engine which versions produced its tokens: a weight sync pauses the engine, so a
+    # request spanning one takes at least that long.
+    version_check_after_s: float = 2.0
 
 
 @dataclass
@@ -242,6 +248,7 @@ class _Exchange:
         else:
             self.writer = JsonWriter(send, Assembler(req.route, req.body.get("output_mode", "tokens")), req.route, req)
         self.attempts = 0
+        self._closing: int | None = None  # index in the current batch of the chunk that ends the request
 
     # --- the attempt loop -----------------------------------------------------------
     async def run(self) -> str | None:
@@ -376,6 +383,8 @@ class _Exchange:
                 version = resp.headers.get(WEIGHT_VERSION_HEADER)
                 if version:
                     entry.add_versions(version.split(","))
+                    p.registry.observe_version(engine.key, version.split(",")[-1])
+                since = (asyncio.get_running_loop().time(), p.registry.version_epoch(engine.key))
                 if not self.writer.started:
                     await self.writer.start(self._headers())
                 # Whatever bytes arrived together are forwarded together: one write to the
@@ -393,6 +402,12 @@ class _Exchange:
                             failure = self._forward(payload, cont, batch)
                             if failure is not None:
                                 break
+                    if self._closing is not None:
+                        await self._confirm_versions(engine, *since)
+                        obj, _ = batch[self._closing]
+                        obj["rollfleet"] = self._report()
+                        batch[self._closing] = (obj, None)
+                        self._closing = None
                     if batch:
                         await self.writer.chunks(batch)
                     if failure is not None:
@@ -423,10 +438,24 @@ class _Exchange:
         else:
             self._template(obj)
         if self._track(obj):
-            obj["rollfleet"] = self._report()
-            raw = None
+            self._closing = len(batch)  # gets the report once the batch is complete
         batch.append((obj, raw))
         return None
+
+    async def _confirm_versions(self, engine: Engine, started: float, epoch: int) -> None:
+        """Ask the engine which weight versions produced the tokens, if they may be more than one."""
+        p = self.proxy
+        assert p.session is not None
+        recent = asyncio.get_running_loop().time() - started < p.config.version_check_after_s
+        if recent and p.registry.version_epoch(engine.key) == epoch:
+            return
+        try:
+            async with p.session.get(f"{engine.url}{REQUESTS_PATH}/{self.req.request_id}",
+                                     timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status == 200:
+                    self.entry.add_versions((await resp.json()).get("weight_versions") or [])
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            log.info("weight versions of %s not confirmed by %s: %s", self.req.request_id, engine.key, err)
 
     def _template(self, first: Json) -> Template:
         if self.tpl is None:

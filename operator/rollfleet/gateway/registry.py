@@ -65,6 +65,9 @@ class Registry:
         self._changed = asyncio.Event()
         self.synced = False
         self.on_removed: list[Callable[[str], None]] = []
+        # Weight version each engine last stated (response headers) and how often it changed.
+        self._versions: dict[str, str] = {}
+        self._version_epochs: dict[str, int] = {}
 
     # --- fed by a source ------------------------------------------------------------
     def replace_all(self, engines: Iterable[Engine]) -> None:
@@ -90,6 +93,19 @@ class Registry:
         self._ejected_until[key] = time.monotonic() + self.eject_s
         log.warning("engine %s ejected for %.0fs after a connection failure", key, self.eject_s)
 
+    def observe_version(self, key: str, version: str) -> None:
+        """An engine stated its current weight version (on a response)."""
+        previous = self._versions.get(key)
+        if previous != version:
+            if previous is not None:
+                self._version_epochs[key] = self._version_epochs.get(key, 0) + 1
+            self._versions[key] = version
+
+    def version_epoch(self, key: str) -> int:
+        """Changes to the engine's weight version seen so far: a request that saw this number
+        change while it ran may have been produced by more than one version."""
+        return self._version_epochs.get(key, 0)
+
     # --- read side ------------------------------------------------------------------
     def routable(self) -> list[Engine]:
         now = time.monotonic()
@@ -110,6 +126,8 @@ class Registry:
 
     def _removed(self, key: str) -> None:
         self._ejected_until.pop(key, None)
+        self._versions.pop(key, None)
+        self._version_epochs.pop(key, None)
         for callback in self.on_removed:
             callback(key)
 

@@ -41,6 +41,7 @@ class Stack:
         for sim in self.sims:
             sim.token_delay_ms = 0.0
             sim.die_after = {}
+            sim.weight_version = "v1"
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +65,7 @@ def stack() -> Iterator[Stack]:
             engines=[f"http://127.0.0.1:{p}" for p in ports],
             max_body_bytes=64 * 1024,
             eject_s=0.0,  # failover tests run back to back; exclusion per request is what they check
-            proxy=ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0),
+            proxy=ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0, version_check_after_s=0.3),
         )
         server = uvicorn.Server(
             uvicorn.Config(build_app(config), host="127.0.0.1", port=gw_port, log_level="warning", lifespan="on")

@@ -73,6 +73,32 @@ def test_failover_is_bounded_and_answers_a_clear_error(gw: Stack) -> None:
     assert "rollfleet_gateway_failovers_total" in r.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_spanning_a_weight_update_reports_both_versions(gw: Stack, stream: bool) -> None:
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+    out: dict = {}
+
+    def run() -> None:
+        out["r"] = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 120, "stream": stream},
+                              headers={"X-Request-Id": f"span-{stream}"}, timeout=30)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: any(f"span-{stream}" in s.running for s in gw.sims))
+    for sim in gw.sims:
+        sim.weight_version = "v2"
+    thread.join(30)
+    r = out["r"]
+    report = sse_chunks(r.text)[-1]["rollfleet"] if stream else r.json()["rollfleet"]
+    assert report["weight_versions"] == ["v1", "v2"]
+
+
+def test_short_requests_trust_the_engines_header(gw: Stack) -> None:
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.json()["rollfleet"]["weight_versions"] == ["v1"]
+
+
 def _start_stream(gw: Stack, rid: str, out: dict) -> threading.Thread:
     def run() -> None:
         with httpx.stream("POST", gw.url + "/v1/completions", headers={"X-Request-Id": rid},
