@@ -6,8 +6,8 @@ schema; `reference_markdown` renders the same schema for people. `CRDS` lists th
 adding a kind is adding its `CrdInfo` there.
 
 Run `python -m rollfleet.api.crdgen` to rewrite `crds/*.yaml` (with the
-`crds/kustomization.yaml` that manifests/base includes) and `docs/crds.md`; `--check` fails when they are stale. Pure apart from
-reading and writing those files.
+`crds/kustomization.yaml` that manifests/base includes) and `docs/crds.md`; `--check`
+fails when they are stale. Pure apart from reading and writing those files.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ BUSY_RESYNC_S = 1.0  # while anything changes: engines starting, draining, pausi
 IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight versions)
 REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
 NODE_REFRESH_S = 5.0
+SETTLED = frozenset({"Ready", "Paused", "PendingSync"})  # phases that change only by outside action
 
 Key = tuple[str, str]  # (namespace, fleet name)
 
@@ -206,7 +207,9 @@ class FleetLoop:
             await self.shared.nodes.refresh()
         observed = [o for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None)
                                 for p in pods) if o is not None]
-        busy = len(observed) != spec.replicas or any(o.annotated_phase != "Ready" or not o.ready for o in observed)
+        # Busy (1 s passes) while engines come and go; settled engines are re-read every 10 s.
+        busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready
+                                                     for o in observed)
         states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else IDLE_RESYNC_S)
         observed = [dataclasses.replace(o, state=states.get(o.name)) for o in observed]
 
