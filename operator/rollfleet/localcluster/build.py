@@ -132,7 +132,8 @@ def _build_with_progress(workdir: Path, packages: Sequence[str], outdir: Path, l
     tmp_out = outdir.with_name(outdir.name + ".partial")
     shutil.rmtree(tmp_out, ignore_errors=True)
     tmp_out.mkdir(parents=True)
-    cmd = ["go", "build", "-v", "-trimpath", "-tags", "selinux,notest", "-ldflags", ldflags, "-o", str(tmp_out) + "/", *packages]
+    cmd = ["go", "build", "-v", "-trimpath", "-tags", "selinux,notest", "-ldflags", ldflags,
+           "-o", str(tmp_out) + "/", *packages]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=workdir, env=_go_env(), stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
@@ -164,7 +165,8 @@ def build_kubernetes(version: str = KUBERNETES_VERSION) -> None:
     (workdir / "go.mod").write_text(kubernetes_gomod(version, upstream))
     pkgs = [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS]
     _go(["mod", "download"], workdir)
-    _build_with_progress(workdir, pkgs, binaries().kube_apiserver.parent, _version_ldflags(version), f"kubernetes {version}")
+    _build_with_progress(workdir, pkgs, binaries().kube_apiserver.parent, _version_ldflags(version),
+                         f"kubernetes {version}")
 
 
 def build_etcd(version: str = ETCD_VERSION) -> None:
