@@ -6,6 +6,8 @@ the routers, not the engines. Each router uses a policy of the same cost class a
 gateway's default for sessionless traffic (vllm-router: power_of_two; sglang-router:
 power_of_two; the gateway: least outstanding requests) and logs at warning level.
 
+All routers run at once; the measurements are interleaved over `--rounds` rounds and
+the report takes the median of each metric (the host's other load drifts during a run).
 Measured per router and mode (non-streaming, streaming):
 - latency: sequential requests (one in flight), p50/p99 in ms; "added" is the router's
   p50/p99 minus the direct-to-engine p50/p99 measured in the same run;
@@ -24,6 +26,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -170,7 +173,7 @@ def router_commands(engines: list[str], token_file: Path) -> dict[str, Callable[
     }
 
 
-def measure(name: str, url: str, args: argparse.Namespace) -> Result:
+def measure(results: dict[str, list[Result]], name: str, url: str, args: argparse.Namespace) -> None:
     result = Result(name)
     for mode, stream in (("json", False), ("stream", True)):
         result.latency_ms[mode] = asyncio.run(latency(url, stream, args.requests))
@@ -178,7 +181,17 @@ def measure(name: str, url: str, args: argparse.Namespace) -> Result:
     print(f"  {name:<18} " + "  ".join(
         f"{m}: p50 {p50:.2f} ms p99 {p99:.2f} ms {result.rps[m]:.0f} req/s"
         for m, (p50, p99) in result.latency_ms.items()), flush=True)
-    return result
+    results.setdefault(name, []).append(result)
+
+
+def median_result(rounds: list[Result]) -> Result:
+    """Per metric, the median over rounds: the host's other load drifts during a run."""
+    out = Result(rounds[0].name)
+    for mode in rounds[0].rps:
+        out.latency_ms[mode] = (statistics.median(r.latency_ms[mode][0] for r in rounds),
+                                statistics.median(r.latency_ms[mode][1] for r in rounds))
+        out.rps[mode] = statistics.median(r.rps[mode] for r in rounds)
+    return out
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -192,9 +205,10 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--requests", type=int, default=400, help="sequential requests per latency measurement")
+    parser.add_argument("--requests", type=int, default=300, help="sequential requests per latency measurement")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds per throughput measurement")
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds per throughput measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the report takes medians")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     import uvloop
@@ -204,7 +218,6 @@ def main() -> int:
     token = tmp / "token"
     token.write_text("bench-token\n")
     procs: list[subprocess.Popen[bytes]] = []
-    results: list[Result] = []
     try:
         engines = []
         for i in range(2):
@@ -220,25 +233,30 @@ def main() -> int:
         choice = asyncio.run(client_choice(engines[0], args.requests, args.concurrency))
         for name, c in choice.items():
             print(f"  {name:<8} p50 {c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms {c['rps']:.0f} req/s")
-        print("routers:")
-        results.append(measure("direct (engine)", engines[0], args))
+        targets = {"direct (engine)": engines[0]}
+        failed: list[Result] = []
         for name, command in router_commands(engines, token).items():
             port = free_port()
             log = tmp / f"{name}.log"
             url = f"http://127.0.0.1:{port}"
             with log.open("wb") as out:
-                proc = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT)
+                procs.append(subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT))
             try:
-                wait_serving(url, proc, log)
-                results.append(measure(name, url, args))
-            except (RuntimeError, TimeoutError, aiohttp.ClientError) as err:
-                results.append(Result(name, note=f"could not run: {str(err)[-300:]}"))
-                print(f"  {name:<18} could not run: {str(err)[-300:]}")
-            finally:
-                stop(proc)
+                wait_serving(url, procs[-1], log)
+                targets[name] = url
+            except (RuntimeError, TimeoutError) as err:
+                failed.append(Result(name, note=f"could not run: {str(err)[-300:]}"))
+                print(f"{name} could not run: {str(err)[-300:]}")
+        # Interleaved rounds, medians: every router sees the same drift of the host's load.
+        rounds: dict[str, list[Result]] = {}
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds}:")
+            for name, url in targets.items():
+                measure(rounds, name, url, args)
     finally:
         for p in procs:
             stop(p)
+    results = [median_result(rounds[name]) for name in targets] + failed
     report = summarize(results)
     if args.json:
         args.json.write_text(json.dumps({"client_choice": choice, "routers": report}, indent=2) + "\n")
@@ -270,8 +288,10 @@ def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
             o, t = report[ours.name], report[r.name]
             for mode in ("json", "stream"):
                 o[f"{mode}_rps_ratio_vs_{r.name}"] = round(float(o[f"{mode}_rps"]) / float(t[f"{mode}_rps"]), 3)
-                o[f"{mode}_added_p50_ratio_vs_{r.name}"] = round(
-                    float(o[f"{mode}_added_p50_ms"]) / max(float(t[f"{mode}_added_p50_ms"]), 1e-3), 2)
+                theirs = float(t[f"{mode}_added_p50_ms"])
+                # An added latency within the noise of the direct measurement has no meaningful ratio.
+                o[f"{mode}_added_p50_ratio_vs_{r.name}"] = (
+                    round(float(o[f"{mode}_added_p50_ms"]) / theirs, 2) if theirs >= 0.05 else "n/a")
     for name, row in report.items():
         print(f"  {name:<18} " + ", ".join(f"{k}={v}" for k, v in row.items()))
     return report
