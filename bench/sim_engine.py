@@ -29,6 +29,7 @@ class SimEngine:
         self.name = name
         self.token_delay_ms = token_delay_ms
         self.die_after = die_after or {}
+        self.refuse: set[str] = set()  # routes answered 404, like vLLM without --enable-scale-out
         self.weight_version = weight_version
         self.running: dict[str, asyncio.Event] = {}  # caller id -> abort flag
         self.finished: dict[str, str] = {}  # caller id -> finish reason
@@ -79,6 +80,8 @@ class SimEngine:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         path = request.path
+        if path in self.refuse:
+            return web.json_response({"detail": "Not Found"}, status=404)
         rid = request.headers.get("X-Request-Id") or f"sim-{self.served}"
         if rid in self.running:
             return web.json_response({"error": f"request id {rid!r} is still in flight"}, status=409)

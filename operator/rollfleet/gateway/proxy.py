@@ -249,6 +249,7 @@ class _Exchange:
             self.writer = JsonWriter(send, Assembler(req.route, req.body.get("output_mode", "tokens")), req.route, req)
         self.attempts = 0
         self._closing: int | None = None  # index in the current batch of the chunk that ends the request
+        self.continuation_refused = False
 
     # --- the attempt loop -----------------------------------------------------------
     async def run(self) -> str | None:
@@ -281,11 +282,20 @@ class _Exchange:
             if result.outcome is Outcome.STOPPED:
                 return await self._close_stopped()
             if result.outcome is Outcome.REJECTED:
-                if self.attempts == 1 and not self.writer.started:
+                continuing = plan[2] is not None
+                if not continuing and not self.writer.started:
                     await send_json(self.writer.send, result.status, _error_json(result.body, result.status),
                                     self._headers())
                     self.writer.responded = True
                     return "rejected"
+                if continuing and result.status == 404 and not self.continuation_refused:
+                    # The engine does not serve the token-in/token-out route (vLLM without
+                    # --enable-scale-out): start over, where nothing reached the client yet.
+                    # The id ended there with that 404, so that engine may have it again.
+                    self.continuation_refused = True
+                    entry.tried.discard(engine.instance)
+                    last_failure = f"{engine.key}: {result.detail}"
+                    continue
                 return await self._fail(502, f"engine refused the continuation: {result.detail}")
             last_failure = f"{engine.key}: {result.detail}"
             log.warning("request %s failed on %s (%s); %d/%d attempts used", self.req.request_id, engine.key,
@@ -300,13 +310,14 @@ class _Exchange:
                 self.writer.assembler.reset()
             entry.choices.clear()
             return req.route.value, first_attempt_body(req.route, req.body), None
-        if self.n == 1 and entry.prompt_token_ids is not None:
+        if self.n == 1 and entry.prompt_token_ids is not None and not self.continuation_refused:
             choice = entry.choice(0)
             body = continuation_body(req.route, req.body, entry.prompt_token_ids, choice.token_ids)
             state = ContinuationState(tokens_before=len(choice.token_ids), text_offset=choice.text_chars)
             return Route.GENERATE.value, body, state
         if isinstance(self.writer, JsonWriter):
-            # Several sequences: nothing was sent yet, so start over rather than stitch n streams.
+            # Nothing was sent yet: start over (several sequences are not stitched, and an
+            # engine without the generate route cannot continue one).
             self.writer.assembler.reset()
             entry.choices.clear()
             return req.route.value, first_attempt_body(req.route, req.body), None

@@ -41,6 +41,7 @@ class Stack:
         for sim in self.sims:
             sim.token_delay_ms = 0.0
             sim.die_after = {}
+            sim.refuse = set()
             sim.weight_version = "v1"
 
 

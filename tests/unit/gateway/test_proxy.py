@@ -64,6 +64,21 @@ def test_an_engine_dying_mid_stream_is_continued_on_the_other_from_its_tokens(gw
     assert finish == "length" and report["attempts"] == 2 and len(set(report["engines"])) == 2
 
 
+def test_without_the_generate_route_a_non_streaming_request_starts_over_on_the_other_engine(gw: Stack) -> None:
+    probe = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
+    # Sequential requests alternate between idle engines: the next one goes to the other.
+    victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u != probe["rollfleet"]["engines"][0])
+    victim.die_after = {"/v1/completions": 4}
+    for sim in gw.sims:
+        sim.refuse = {"/inference/v1/generate"}
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10},
+                   headers={"X-Request-Id": "no-generate-route"})
+    assert r.status_code == 200, r.text
+    choice, report = r.json()["choices"][0], r.json()["rollfleet"]
+    assert choice["token_ids"] == [(3 + i) % 97 + 3 for i in range(10)] and choice["finish_reason"] == "length"
+    assert report["attempts"] == 3 and len(set(report["engines"])) == 2
+
+
 def test_failover_is_bounded_and_answers_a_clear_error(gw: Stack) -> None:
     for sim in gw.sims:
         sim.die_after = {"/v1/completions": 0, "/inference/v1/generate": 0}
