@@ -52,8 +52,9 @@ class InFlight:
     versions: list[str] = field(default_factory=list)
     stop: StopReason | None = None
     finish_reason: str | None = None
-    # Set by the proxy: cancels the current attempt (closes the upstream connection).
-    cancel_attempt: asyncio.Event = field(default_factory=asyncio.Event)
+    # Resolved when the request must stop: the proxy's attempt waits on it next to its
+    # upstream exchange (a future, not an Event, so waiting costs no extra task).
+    stopping: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def choice(self, index: int) -> Choice:

@@ -202,10 +202,10 @@ class Proxy:
 
     def stop(self, entry: InFlight, reason: StopReason) -> None:
         """End a request early: its current attempt is aborted on the engine, no further attempt starts."""
-        if entry.done.is_set() or entry.cancel_attempt.is_set():
+        if entry.done.is_set() or entry.stopping.done():
             return
         entry.request_stop(reason)
-        entry.cancel_attempt.set()
+        entry.stopping.set_result(None)
         self.metrics.stops.labels(reason.value).inc()
 
     async def serve(self, req: ClientRequest, entry: InFlight, send: Send, receive: Receive) -> None:
@@ -350,16 +350,15 @@ class _Exchange:
         entry.engines.append(engine.key)
         entry.tried.add(engine.instance)
         task = asyncio.create_task(self._exchange(engine, path, body, cont))
-        stopper = asyncio.create_task(entry.cancel_attempt.wait())
         try:
-            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            waiting: set[asyncio.Future[Any]] = {task, entry.stopping}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 await self._stop_on_engine(engine, task)
             if task.cancelled():
                 return AttemptResult(Outcome.STOPPED, "stopped")
             return task.result()
         finally:
-            stopper.cancel()
             if not task.done():
                 task.cancel()
             p.router.finish(decision, _now(), end_session=self.req.end_session)
