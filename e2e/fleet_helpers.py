@@ -1,0 +1,209 @@
+"""Helpers of the RolloutFleet end-to-end tests: deploy the operator, write fleets, watch them.
+
+Cluster-agnostic like the rest of `e2e/`: everything goes through `Cluster` (kubectl,
+the API client, `reach` for pod ports); only killing an engine's process differs
+between the local cluster (a local process) and kind (`kubectl exec`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from e2e.provider import Cluster, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+OPERATOR_NS = "rollfleet-system"
+# Engines load a model in 30-60 s on an idle 2-core machine; much longer when it is shared.
+ENGINE_START_S = 600.0
+
+
+def overlay() -> Path:
+    name = os.environ.get("ROLLFLEET_E2E_OVERLAY") or ("local" if os.environ.get(
+        "ROLLFLEET_E2E_PROVIDER", "local") == "local" else "kind")
+    return REPO / "manifests" / "overlays" / name
+
+
+def deploy_operator(cluster: Cluster, namespaces: list[str]) -> None:
+    """The operator from manifests/ (CRDs, RBAC, Deployment), rolled out and running.
+
+    It serves only `namespaces`: other suites on the same cluster run operators of their own.
+    """
+    docs = list(yaml.safe_load_all(cluster.kubectl("kustomize", str(overlay())).stdout))
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "rollfleet-operator":
+            doc["spec"]["template"]["spec"]["containers"][0]["args"] += [f"--namespace={n}" for n in namespaces]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs),
+                    timeout=180)
+    cluster.kubectl("-n", OPERATOR_NS, "rollout", "status", "deployment/rollfleet-operator", "--timeout=300s",
+                    timeout=320)
+
+
+def stop_operator(cluster: Cluster) -> None:
+    cluster.kubectl("-n", OPERATOR_NS, "scale", "deployment/rollfleet-operator", "--replicas=0")
+
+
+def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    out = cluster.kubectl("-n", OPERATOR_NS, "get", "pods", "-l", "app.kubernetes.io/component=operator",
+                          "-o", "json")
+    return [p for p in json.loads(out.stdout)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def tiny_model_dir() -> str:
+    from rollfleet_engine.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutFleet",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "model": {"servedName": "tiny", "hostPath": tiny_model_dir()},
+            # The tiny model is float32; a small batch keeps engines light on a shared CPU; its
+            # whole context lets a test's stream last long enough to act on it.
+            "engine": {"args": ["--dtype", "float32", "--max-num-seqs", "8"], "maxModelLen": 2048},
+            "drainTimeoutSeconds": 120,
+            **spec,
+        },
+    }
+
+
+@dataclass
+class Fleet:
+    cluster: Cluster
+    name: str
+    namespace: str
+
+    def get(self) -> dict[str, Any]:
+        return dict(json.loads(self.cluster.kubectl("-n", self.namespace, "get", "rf", self.name,
+                                                    "-o", "json").stdout))
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.get().get("status") or {})
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        return next((c for c in self.status().get("conditions", []) if c["type"] == type_), {})
+
+    def wait(self, predicate: Any, what: str, timeout: float = ENGINE_START_S) -> dict[str, Any]:
+        """Wait until `predicate(status)` holds; returns that status."""
+        def check() -> dict[str, Any] | None:
+            st = self.status()
+            return st if predicate(st) else None
+        return dict(wait_for(check, timeout=timeout, interval=0.5, what=f"{self.name}: {what}"))
+
+    def wait_ready(self, replicas: int, timeout: float = ENGINE_START_S) -> dict[str, Any]:
+        def ready(st: dict[str, Any]) -> bool:
+            conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
+            return (st.get("readyReplicas") == replicas and st.get("replicas") == replicas
+                    and st.get("observedGeneration") == self.get()["metadata"]["generation"]
+                    and conds.get("Ready") == "True" and conds.get("Progressing") == "False")
+        return self.wait(ready, f"Ready with {replicas} engines", timeout)
+
+    def pods(self) -> list[dict[str, Any]]:
+        out = self.cluster.kubectl("-n", self.namespace, "get", "pods", "-l",
+                                   f"rollfleet.dev/fleet={self.name},app.kubernetes.io/component=engine",
+                                   "-o", "json")
+        return list(json.loads(out.stdout)["items"])
+
+    def engine(self, name: str) -> dict[str, Any]:
+        return next((e for e in self.status().get("engines", []) if e["name"] == name), {})
+
+    def events(self) -> list[dict[str, Any]]:
+        out = self.cluster.kubectl("-n", self.namespace, "get", "events", "--field-selector",
+                                   f"involvedObject.kind=RolloutFleet,involvedObject.name={self.name}", "-o", "json")
+        return list(json.loads(out.stdout)["items"])
+
+    def engine_state(self, pod: str) -> dict[str, Any]:
+        with self.cluster.reach(self.namespace, pod, 8000) as url:
+            return dict(httpx.get(f"{url}/rollfleet/v1/state", timeout=10).json())
+
+
+@dataclass
+class Stream:
+    """A streamed completion read in a thread, with the arrival time of every token chunk."""
+
+    url: str
+    max_tokens: int
+    n: int = 1
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, choice index)
+    finish: dict[int, str] = field(default_factory=dict)
+    completion_tokens: int | None = None  # from the final usage chunk
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> Stream:
+        threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": self.max_tokens, "n": self.n,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=httpx.Timeout(600)) as r:
+                r.raise_for_status()
+                # Split on "\n" only: generated text may hold U+2028 and the like, which
+                # str.splitlines-style line readers would cut a JSON event at.
+                buffer = b""
+                for data in r.iter_bytes():
+                    buffer += data
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        self._event(line.decode())
+        except BaseException as err:  # the test thread reports it
+            self.error = err
+        finally:
+            self.done.set()
+
+    def _event(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            self.completion_tokens = chunk["usage"]["completion_tokens"]
+        for choice in chunk.get("choices", []):
+            # One chunk per decoded token; its text may be empty (a partial UTF-8 sequence).
+            self.chunks.append((time.monotonic(), choice["index"]))
+            if choice.get("finish_reason"):
+                self.finish[choice["index"]] = choice["finish_reason"]
+
+    def tokens(self) -> int:
+        return len(self.chunks)
+
+    def wait(self, timeout: float) -> None:
+        assert self.done.wait(timeout), f"stream not finished after {timeout:.0f}s ({self.tokens()} chunks)"
+        assert self.error is None, f"stream failed after {self.tokens()} chunks: {self.error!r}"
+
+
+def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
+    """SIGKILL the engine's main process, as an OOM kill or a crash would."""
+    if cluster.provider != "local":
+        cluster.kubectl("-n", namespace, "exec", pod, "-c", "engine", "--", "python3", "-c",
+                        "import os, signal; os.kill(1, signal.SIGKILL)")
+        return
+    import kubernetes
+
+    ip = kubernetes.client.CoreV1Api(cluster.api_client()).read_namespaced_pod(pod, namespace).status.pod_ip
+    # On the local cluster the engine is a local process started with `--host <pod IP>`.
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rollfleet_engine" in argv and b"serve" in argv and ip.encode() in argv:
+            os.kill(int(proc.name), signal.SIGKILL)
+            return
+    raise AssertionError(f"no engine process of {namespace}/{pod} ({ip}) found")

@@ -1,0 +1,243 @@
+"""RolloutFleet end to end: the operator deployed from manifests/, real vLLM engines.
+
+One fleet is shared by the module (engines take a minute to start on this machine);
+the tests run in file order and each leaves the fleet converged for the next. Every
+wait is on an observable condition (status, pods, token streams), never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from e2e.fleet_helpers import (
+    OPERATOR_NS,
+    Fleet,
+    Stream,
+    deploy_operator,
+    fleet_manifest,
+    kill_engine_process,
+    operator_pods,
+    stop_operator,
+)
+from e2e.provider import Cluster, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+
+NS = "rf-e2e"
+NAME = "e2e"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster) -> Iterator[None]:
+    cluster.kubectl("create", "namespace", NS, check=False)
+    deploy_operator(cluster, [NS])
+    yield
+    cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
+    stop_operator(cluster)
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster: Cluster, operator: None) -> Fleet:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(NAME, NS, replicas=2)))
+    return Fleet(cluster, NAME, NS)
+
+
+def _create(cluster: Cluster, manifest: dict[str, Any]) -> str:
+    proc = cluster.kubectl("create", "-f", "-", input=json.dumps(manifest), check=False)
+    assert proc.returncode != 0, f"accepted: {json.dumps(manifest['spec'])}"
+    return proc.stderr
+
+
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("tp-multiple", {"engine": {"gpusPerEngine": 3, "tensorParallelSize": 2}}, "must be a multiple of"),
+    ("tp-without-gpu", {"engine": {"gpusPerEngine": 0, "tensorParallelSize": 2}}, "needs GPUs"),
+    ("no-surge-no-unavailable", {"updateStrategy": {"maxUnavailable": 0, "maxSurge": 0}},
+     "maxUnavailable must be at least 1 when maxSurge is 0"),
+    ("percent-zero", {"updateStrategy": {"maxUnavailable": "0%"}}, "maxUnavailable must be at least 1"),
+    ("bad-percent", {"updateStrategy": {"maxSurge": "lots"}}, "should match"),
+    ("reserved-flag", {"engine": {"args": ["--port=9000"]}}, "engine.args must not set"),
+    ("gpu-in-resources", {"engine": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "set engine.gpusPerEngine"),
+    ("negative-replicas", {"replicas": -1}, "greater than or equal to 0"),
+    ("too-many-replicas", {"replicas": 5000}, "less than or equal to 1000"),
+    ("bad-pull-policy", {"engine": {"imagePullPolicy": "Sometimes"}}, "Unsupported value"),
+    ("toleration-exists-value", {"placement": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+     "leave value empty"),
+    ("drain-timeout", {"drainTimeoutSeconds": -5}, "greater than or equal to 0"),
+    ("bad-backend", {"weightSync": {"backend": "carrier-pigeon"}}, "Unsupported value"),
+]
+
+
+def test_invalid_fleets_are_refused_with_a_clear_message(cluster: Cluster, operator: None) -> None:
+    for name, spec, message in INVALID:
+        manifest = fleet_manifest(f"bad-{name}", NS, replicas=1)
+        manifest["spec"].update(spec)
+        err = _create(cluster, manifest)
+        assert message in err, f"{name}: {err}"
+    two_sources = fleet_manifest("bad-sources", NS, replicas=1)
+    two_sources["spec"]["model"]["imagePath"] = "/opt/model"
+    assert "set exactly one of hostPath, pvc or imagePath" in _create(cluster, two_sources)
+    no_model = fleet_manifest("bad-no-model", NS, replicas=1)
+    del no_model["spec"]["model"]
+    assert "spec.model: Required value" in _create(cluster, no_model)
+    assert "at most 40 characters" in _create(cluster, fleet_manifest("x" * 45, NS, replicas=1))
+    assert "must start with a letter" in _create(cluster, fleet_manifest("1fleet", NS, replicas=1))
+    listed = cluster.kubectl("-n", NS, "get", "rf", "-o", "name").stdout
+    assert "bad-" not in listed
+
+
+def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> None:
+    fleet.wait_ready(2)
+    table = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()
+    header = table[0].split()
+    assert header[:7] == ["NAME", "READY", "DESIRED", "UP-TO-DATE", "PAUSED", "WEIGHTS", "AGE"]
+    assert table[1].split()[1:3] == ["2/2", "2"]
+    pods = fleet.pods()
+    assert sorted(p["metadata"]["name"] for p in pods) == ["e2e-engine-0", "e2e-engine-1"]
+    for p in pods:
+        assert p["spec"]["nodeName"].startswith("gpu-"), p["spec"]["nodeName"]
+        limits = p["spec"]["containers"][0]["resources"]["limits"]
+        assert limits == {"nvidia.com/gpu": "1"}
+        assert p["metadata"]["ownerReferences"][0]["kind"] == "RolloutFleet"
+    st = fleet.status()
+    assert st["selector"] == ("app.kubernetes.io/name=rollfleet,app.kubernetes.io/component=engine,"
+                              "rollfleet.dev/fleet=e2e")
+    assert {e["phase"] for e in st["engines"]} == {"Ready"}
+    assert st["gateway"]["endpoint"] == f"http://e2e-gateway.{NS}.svc:8080"
+    reasons = {e["reason"] for e in fleet.events()}
+    assert {"EngineCreated", "EngineReady", "ReadyTrue"} <= reasons
+    for kind, name in (("deployment", "e2e-gateway"), ("service", "e2e-gateway"), ("secret", "e2e-admin-token"),
+                       ("serviceaccount", "e2e-engine"), ("role", "e2e-gateway"), ("rolebinding", "e2e-gateway")):
+        cluster.kubectl("-n", NS, "get", kind, name)
+
+
+def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Fleet) -> None:
+    fleet.wait_ready(2)
+    with cluster.reach(NS, "e2e-engine-0", 8000) as url:
+        # 8 sequences of 2,000 tokens: long enough to outlast the pause on an idle machine.
+        stream = Stream(url, max_tokens=2000, n=8).start()
+        wait_for(lambda: stream.tokens() >= 5 or stream.done.is_set(), timeout=120, what="first tokens")
+        cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=keep")
+        st = fleet.wait(lambda s: (s.get("pause") or {}).get("pausedEngines") == 2, "both engines paused", 120)
+        paused_at = time.monotonic()
+        tokens_when_paused = stream.tokens()
+        assert st["pause"]["mode"] == "keep"
+        assert fleet.condition("Paused")["status"] == "True"
+        assert cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()[1].split()[4] == "keep"
+        # Re-applying the same value changes nothing; an invalid one warns and changes nothing.
+        cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=keep", "--overwrite")
+        cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=sometimes", "--overwrite")
+        fleet.wait(lambda s: any(c["reason"] == "InvalidPauseAnnotation" for c in s.get("conditions", [])),
+                   "the invalid value reported", 60)
+        assert fleet.status()["pause"] == st["pause"]
+        assert any(e["reason"] == "InvalidPauseAnnotation" and e["type"] == "Warning" for e in fleet.events())
+        assert not stream.done.is_set(), "the stream finished while the fleet was paused"
+        resumed_at = time.monotonic()
+        cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause-")
+        fleet.wait(lambda s: "pause" not in s and all(e["phase"] == "Ready" for e in s["engines"]), "resumed", 120)
+        stream.wait(timeout=300)
+    assert stream.finish == dict.fromkeys(range(8), "length")
+    assert stream.completion_tokens == 8 * 2000, f"{stream.completion_tokens} of {8 * 2000} tokens"
+    # No token was produced while the fleet was paused (chunks already in flight aside).
+    during = [t for t, _ in stream.chunks if paused_at + 0.5 < t < resumed_at]
+    assert during == [], f"{len(during)} chunks arrived while paused ({tokens_when_paused} before)"
+    # Annotating keep twice paused once: one "Pausing" and one "Paused" transition.
+    paused = [e["message"].split(":")[0] for e in fleet.events() if e["reason"] == "PausedTrue"]
+    assert paused.count("Pausing") == 1 and paused.count("Paused") == 1, paused
+
+
+def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: Fleet) -> None:
+    cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=3")
+    fleet.wait_ready(3)
+    with cluster.reach(NS, "e2e-engine-2", 8000) as url:
+        # Enough work to still run when the drain starts: 16 sequences on an 8-sequence batch.
+        streams = [Stream(url, max_tokens=1000, n=8).start() for _ in range(2)]
+        wait_for(lambda: fleet.engine_state("e2e-engine-2")["running"] >= 1, timeout=60, what="requests running")
+        cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=1")
+
+        def draining(st: dict[str, Any]) -> bool:
+            e: dict[str, Any] = next((e for e in st["engines"] if e["name"] == "e2e-engine-2"), {})
+            return bool(e.get("phase") == "Draining" and (e.get("inFlight") or 0) >= 1)
+
+        fleet.wait(draining, "e2e-engine-2 draining with requests in flight", 60)
+        assert not all(s.done.is_set() for s in streams)
+        for s in streams:
+            s.wait(timeout=300)
+    # Every sequence ran to the end: the engine was deleted only after its requests finished.
+    for s in streams:
+        assert s.finish == dict.fromkeys(range(8), "length")
+        assert s.completion_tokens == 8 * 1000
+    fleet.wait_ready(1)
+    wait_for(lambda: [p["metadata"]["name"] for p in fleet.pods()] == ["e2e-engine-0"], timeout=120,
+             what="only e2e-engine-0 left")
+    reasons = [e["reason"] for e in fleet.events()]
+    assert reasons.count("EngineDraining") >= 2
+    drained = [e["message"] for e in fleet.events() if e["reason"] == "EngineDeleted" and "e2e-engine-2" in
+               e["message"]]
+    assert drained and "drained" in drained[-1], drained
+
+
+def _replaced(fleet: Fleet, name: str, old_uid: str) -> bool:
+    return any(p["metadata"]["name"] == name and p["metadata"]["uid"] != old_uid for p in fleet.pods())
+
+
+def test_killed_engine_process_is_replaced_and_degraded_meanwhile(cluster: Cluster, fleet: Fleet) -> None:
+    fleet.wait_ready(1)
+    old = fleet.pods()[0]
+    kill_engine_process(cluster, NS, "e2e-engine-0")
+    degraded = fleet.wait(lambda s: any(c["type"] == "Degraded" and c["status"] == "True"
+                                        for c in s.get("conditions", [])), "Degraded", 120)
+    assert degraded["readyReplicas"] == 0
+    assert next(c for c in degraded["conditions"] if c["type"] == "Ready")["status"] == "False"
+    wait_for(lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=120,
+             what="a new e2e-engine-0 pod")
+    fleet.wait_ready(1)
+    assert fleet.condition("Degraded")["status"] == "False"
+    assert any(e["reason"] in ("EngineReplaced", "EngineFailed") for e in fleet.events())
+
+
+def test_deleted_engine_pod_is_replaced_and_degraded_meanwhile(cluster: Cluster, fleet: Fleet) -> None:
+    fleet.wait_ready(1)
+    old = fleet.pods()[0]
+    cluster.kubectl("-n", NS, "delete", "pod", "e2e-engine-0", "--wait=false")
+    fleet.wait(lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
+               "Degraded", 120)
+    wait_for(lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=180,
+             what="a new e2e-engine-0 pod")
+    fleet.wait_ready(1)
+    assert fleet.condition("Degraded")["status"] == "False"
+
+
+def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluster, fleet: Fleet) -> None:
+    fleet.wait_ready(1)
+    [before] = operator_pods(cluster)
+    cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=3")
+    wait_for(lambda: len(fleet.pods()) >= 2, timeout=60, what="the scale-up under way")
+    cluster.kubectl("-n", OPERATOR_NS, "delete", "pod", before["metadata"]["name"], "--wait=false")
+    wait_for(lambda: any(p["metadata"]["uid"] != before["metadata"]["uid"]
+                         and p.get("status", {}).get("phase") == "Running" for p in operator_pods(cluster)),
+             timeout=300, what="a new operator pod running")
+    fleet.wait_ready(3)
+    pods = fleet.pods()
+    assert sorted(p["metadata"]["name"] for p in pods) == ["e2e-engine-0", "e2e-engine-1", "e2e-engine-2"]
+    # No orphans: every engine pod in the namespace belongs to the fleet.
+    everything = json.loads(cluster.kubectl("-n", NS, "get", "pods", "-l", "app.kubernetes.io/component=engine",
+                                            "-o", "json").stdout)["items"]
+    assert len(everything) == 3
+    uid = fleet.get()["metadata"]["uid"]
+    assert all(p["metadata"]["ownerReferences"][0]["uid"] == uid for p in everything)
+
+
+def test_deleting_the_fleet_removes_everything_it_created(cluster: Cluster, fleet: Fleet) -> None:
+    cluster.kubectl("-n", NS, "delete", "rf", NAME, "--wait=true", "--timeout=120s", timeout=150)
+    selector = f"rollfleet.dev/fleet={NAME}"
+    kinds = "pods,deployments,replicasets,services,secrets,serviceaccounts,roles,rolebindings"
+
+    def gone() -> bool:
+        out = cluster.kubectl("-n", NS, "get", kinds, "-l", selector, "-o", "name").stdout.strip()
+        return out == ""
+    wait_for(gone, timeout=300, what=f"everything labelled {selector} deleted")
