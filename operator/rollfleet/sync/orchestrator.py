@@ -179,7 +179,7 @@ class Orchestrator:
         return status
 
     def _refuse_if_running(self) -> None:
-        if self._push_task is not None and not self._push_task.done():
+        if self._push_running():
             raise PushRefused("a push is running; wait for it (GET /v1/pushes/<generation>?wait=...)")
 
     def status(self, generation: int) -> PushStatus | None:
@@ -246,21 +246,19 @@ class Orchestrator:
         if status.transfer_s > 0 and transferred:
             status.throughput_bytes_per_s = status.bytes * transferred / status.transfer_s
 
-        if should_commit(succeeded):
-            message = f"left out of routing: {', '.join(failed)}" if failed else ""
-            record = await update(self.store, lambda r: commit(_ours(r, target), failed, message))
+        committing = should_commit(succeeded)
+        if committing:
+            status.message = f"left out of routing: {', '.join(failed)}" if failed else ""
+            record = await update(self.store, lambda r: commit(_ours(r, target), failed, status.message))
         else:
-            record = await update(
-                self.store, lambda r: roll_back(_ours(r, target), "no engine verified the new weights")
-            )
+            status.message = "no engine verified the new weights"
+            record = await update(self.store, lambda r: roll_back(_ours(r, target), status.message))
             await self._serve_committed(record)
         await self._settle(record, engines, progress)
         status.pause_window_s = self.clock() - t_pause
-        if should_commit(succeeded):
+        if committing:
             await update(self.store, lambda r: complete(_ours(r, target)))
-            status.state, status.message = PushState.DONE, record.push.message if record.push else ""
-        else:
-            status.state, status.message = PushState.ROLLED_BACK, "no engine verified the new weights"
+        status.state = PushState.DONE if committing else PushState.ROLLED_BACK
         self._collect_spool(record)
 
     async def _abort_stale(self, engine: EngineRef, record: FleetRecord, target: WeightsRef, bound: int | None) -> int:
@@ -348,20 +346,29 @@ class Orchestrator:
 
     async def reconcile_once(self) -> None:
         """Finish or undo an interrupted push; adopt a new fleet's version; catch late engines up."""
-        if self._lock.locked() or (self._push_task is not None and not self._push_task.done()):
+        if self._push_running() or self._lock.locked():
+            return
+        # Observe without the lock (busy engines answer slowly): a push must not wait on it.
+        record, _ = await read_record(self.store)
+        engines = await self.discovery.engines()
+        observed = dict(zip(engines, await _gather([self.api.observe(e) for e in engines]), strict=True))
+        active = record.push is not None and record.push.phase.active
+        behind = [e for e, o in observed.items() if needs_catch_up(o, record)]
+        if not (active or behind or record.committed is None):
             return
         async with self._lock:
-            record, _ = await read_record(self.store)
-            engines = await self.discovery.engines()
-            observed = dict(zip(engines, await _gather([self.api.observe(e) for e in engines]), strict=True))
-            if record.push is not None and record.push.phase.active:
+            if self._push_running() or (await read_record(self.store))[0] != record:
+                return  # a push started meanwhile: look again next round
+            if active:
                 await self._recover(record, engines, observed)
             elif record.committed is None:
                 await update(self.store, lambda r: adopt_initial(r, [o.version for o in observed.values()]))
             else:
-                for engine, obs in observed.items():
-                    if needs_catch_up(obs, record):
-                        await self._catch_up(engine, record)
+                for engine in behind:
+                    await self._catch_up(engine, record)
+
+    def _push_running(self) -> bool:
+        return self._push_task is not None and not self._push_task.done()
 
     async def _recover(
         self, record: FleetRecord, engines: list[EngineRef], observed: dict[EngineRef, EngineObservation]
