@@ -50,6 +50,8 @@ RESERVED_ENGINE_FLAGS = (
 _RESERVED_LIST = "[" + ", ".join(f"'{f}'" for f in RESERVED_ENGINE_FLAGS) + "]"
 # Bounded so that CEL rules over argument lists stay within the API server's cost budget.
 Arg = Annotated[str, StringConstraints(max_length=1024)]
+# No CEL rule reads the command: an inline script (`python3 -c ...`, `sh -c ...`) may be longer.
+CommandPart = Annotated[str, StringConstraints(max_length=16384)]
 
 
 class PvcSource(ApiModel):
@@ -101,7 +103,7 @@ class EngineSpec(ApiModel):
     image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512,
                        description="Engine image (vLLM plus the rollfleet_engine package).")
     image_pull_policy: PullPolicy = Field(default="IfNotPresent", description="When to pull the image.")
-    command: list[Arg] | None = Field(
+    command: list[CommandPart] | None = Field(
         default=None, max_length=16,
         description="Replaces the image's entrypoint, for stand-in engines in tests and benchmarks. The operator's "
         "arguments (serve --model ... --host ... --port ...) are still passed.",
