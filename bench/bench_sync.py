@@ -137,7 +137,12 @@ def tiny_part(repeats: int, tmp: Path) -> tuple[list[Row], dict[str, float]]:
     model = ensure_tiny_model()
     dirs = [model / WEIGHTS_B_DIR, model]
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(engine_process()) for _ in range(2)]
+        urls = []
+        for i in range(2):
+            # One core per engine: vLLM's CPU backend binds every engine to core 0 by default.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))
+            urls.append(stack.enter_context(engine_process()))
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
         stop = threading.Event()
         streams = [threading.Thread(target=stream_forever, args=(u, stop), daemon=True) for u in urls for _ in range(4)]
         for t in streams:
