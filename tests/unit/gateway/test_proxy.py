@@ -18,7 +18,7 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def sse_chunks(text: str) -> list[dict]:
-    lines = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    lines = [ln[6:] for ln in text.split("\n") if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]", lines[-3:]
     return [json.loads(ln) for ln in lines[:-1]]
 
