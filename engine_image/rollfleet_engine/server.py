@@ -22,7 +22,12 @@ from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND
 # Defaults that let a small model run on a CPU-only host; any of them can be
 # overridden by the extra vLLM arguments after "--" (argparse keeps the last value).
 CPU_VLLM_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--enforce-eager", "--max-model-len", "512"]
-CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+CPU_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # "auto" pins every engine of a host to the same first cores (it cannot know about the
+    # others); the CPU image runs several small engines per host, which must share them.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
 
 
 @dataclass(frozen=True)
