@@ -135,7 +135,7 @@ def build_app(config: GatewayConfig) -> Starlette:
                 if not 0 < timeout <= config.max_timeout_s:
                     return _error(400, f"{TIMEOUT_HEADER} must be in (0, {config.max_timeout_s:.0f}]", metrics)
             try:
-                entry = inflight.open(request_id, route.value)
+                entry = inflight.open(request_id)
             except IdInUse:
                 return _error(409, f"request id {request_id!r} is still in flight; ids must not be reused", metrics)
             session = request.headers.get(GROUP_HEADER) or request.headers.get(SESSION_HEADER)

@@ -12,7 +12,6 @@ No I/O; the proxy owns the tasks and connections, this module only the facts.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -42,8 +41,6 @@ class Choice:
 @dataclass
 class InFlight:
     request_id: str
-    route: str
-    started: float
     engine: str | None = None  # the engine running the current attempt
     engines: list[str] = field(default_factory=list)  # every engine that ran an attempt, in order
     tried: set[str] = field(default_factory=set)  # their instances (pod uids): never send the id there again
@@ -77,7 +74,6 @@ class InFlight:
 
 @dataclass
 class Finished:
-    engines: list[str]
     finish_reason: str | None
 
 
@@ -87,11 +83,11 @@ class InFlightTable:
         self._finished: OrderedDict[str, Finished] = OrderedDict()
         self._keep_finished = keep_finished
 
-    def open(self, request_id: str, route: str) -> InFlight:
+    def open(self, request_id: str) -> InFlight:
         if request_id in self._active:
             raise IdInUse(request_id)
         self._finished.pop(request_id, None)
-        entry = InFlight(request_id, route, time.monotonic())
+        entry = InFlight(request_id)
         self._active[request_id] = entry
         return entry
 
@@ -100,7 +96,7 @@ class InFlightTable:
         entry.done.set()
         if self._active.get(entry.request_id) is entry:
             del self._active[entry.request_id]
-        self._finished[entry.request_id] = Finished(list(entry.engines), finish_reason)
+        self._finished[entry.request_id] = Finished(finish_reason)
         while len(self._finished) > self._keep_finished:
             self._finished.popitem(last=False)
 
@@ -112,10 +108,3 @@ class InFlightTable:
 
     def __len__(self) -> int:
         return len(self._active)
-
-    def by_engine(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for entry in self._active.values():
-            if entry.engine is not None:
-                counts[entry.engine] = counts.get(entry.engine, 0) + 1
-        return counts

@@ -33,6 +33,9 @@ class Metrics:
             "rollfleet_gateway_abort_results", "Per-id answers of POST /v1/abort", ["result"], registry=r
         )
         self.in_flight = Gauge("rollfleet_gateway_in_flight", "Requests in flight at this replica", registry=r)
+        self.session_moves = Counter(
+            "rollfleet_gateway_session_moves", "Sticky sessions moved (engine unroutable or overloaded)", registry=r
+        )
         self.sessions = Gauge("rollfleet_gateway_sessions", "Sticky sessions in the table", registry=r)
         self.routable = Gauge("rollfleet_gateway_routable_engines", "Engines the gateway routes to", registry=r)
         self.rejected = Counter(

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -134,11 +135,9 @@ class StreamWriter:
 class JsonWriter:
     """One JSON answer for a non-streaming client, assembled from the upstream chunks."""
 
-    def __init__(self, send: Send, assembler: Assembler, route: Route, request: ClientRequest) -> None:
+    def __init__(self, send: Send, assembler: Assembler) -> None:
         self.send = send
         self.assembler = assembler
-        self.route = route
-        self.request = request
         self.started = False  # nothing reaches the client before the end
         self.sent_any = False
         self.responded = False
@@ -170,7 +169,7 @@ def error_body(message: str, status: int) -> Json:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-async def send_json(send: Send, status: int, body: Json, headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+async def send_json(send: Send, status: int, body: Json, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = orjson.dumps(body)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -246,7 +245,7 @@ class _Exchange:
         if req.body.get("stream"):
             self.writer = StreamWriter(send)
         else:
-            self.writer = JsonWriter(send, Assembler(req.route, req.body.get("output_mode", "tokens")), req.route, req)
+            self.writer = JsonWriter(send, Assembler(req.route, req.body.get("output_mode", "tokens")))
         self.attempts = 0
         self._closing: int | None = None  # index in the current batch of the chunk that ends the request
         self.continuation_refused = False
@@ -338,6 +337,8 @@ class _Exchange:
                     return None
                 await p.registry.wait_changed(min(remaining, 1.0))
                 continue
+            if decision.moved_from is not None:
+                p.metrics.session_moves.inc()
             engine = p.registry.get(decision.engine)
             assert engine is not None
             return engine, decision

@@ -1,0 +1,33 @@
+"""The in-flight table: ids are not reused while in flight; finished ids are remembered, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollfleet.gateway.inflight import IdInUse, InFlightTable, StopReason
+
+
+def test_ids_in_flight_are_refused_and_finished_ones_remembered_within_bounds() -> None:
+    async def scenario() -> None:
+        table = InFlightTable(keep_finished=2)
+        entry = table.open("a")
+        with pytest.raises(IdInUse):
+            table.open("a")
+        entry.choice(0).token_ids += [1, 2]
+        entry.choice(1).token_ids += [3]
+        entry.add_versions(["v1", "v1", "v2"])
+        entry.request_stop(StopReason.ADMIN)
+        entry.request_stop(StopReason.DEADLINE)  # the first reason wins
+        assert entry.generated == 3 and entry.versions == ["v1", "v2"] and entry.stop is StopReason.ADMIN
+        table.close(entry, "abort")
+        assert entry.done.is_set() and table.get("a") is None and len(table) == 0
+        finished = table.finished("a")
+        assert finished is not None and finished.finish_reason == "abort"
+        for rid in ("b", "c"):
+            table.close(table.open(rid), "length")
+        assert table.finished("a") is None and table.finished("c") is not None
+        assert table.open("a").request_id == "a"  # an id may be used again once it ended
+
+    asyncio.run(scenario())
