@@ -147,7 +147,6 @@ def build_app(config: GatewayConfig) -> Starlette:
                 end_session=request.headers.get(SESSION_END_HEADER, "").lower() in ("1", "true", "yes"),
                 deadline=asyncio.get_running_loop().time() + timeout,
             )
-            metrics.requests.labels(route.value, "accepted").inc()
             return _ProxyResponse(proxy, req, entry)
 
         return endpoint

@@ -10,7 +10,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "rollfleet_gateway_requests", "Client requests by route and outcome", ["route", "outcome"], registry=r
+            "rollfleet_gateway_requests", "Routed requests by route and outcome (finish reason, error, rejected)",
+            ["route", "outcome"], registry=r
         )
         self.latency = Histogram(
             "rollfleet_gateway_request_seconds",

@@ -213,12 +213,15 @@ class Proxy:
         watcher = asyncio.create_task(self._watch_disconnect(receive, exchange))
         timer = loop.call_at(req.deadline, self.stop, entry, StopReason.DEADLINE)
         finish: str | None = None
+        started = loop.time()
         try:
             finish = await exchange.run()
         finally:
             timer.cancel()
             watcher.cancel()
             self.inflight.close(entry, finish)
+            self.metrics.requests.labels(req.route.value, finish or "none").inc()
+            self.metrics.latency.labels(req.route.value).observe(loop.time() - started)
 
     async def _watch_disconnect(self, receive: Receive, exchange: _Exchange) -> None:
         # The body was read already; the next message is a disconnect (client gone, or our
@@ -541,7 +544,6 @@ class _Exchange:
             self.writer.prompt_tokens = len(prompt) if prompt is not None else None
 
     async def _fail(self, status: int, message: str) -> str:
-        self.proxy.metrics.requests.labels(self.req.route.value, f"error_{status}").inc()
         await self.writer.error(status, message, self._headers())
         return "error"
 
