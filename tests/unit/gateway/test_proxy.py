@@ -218,6 +218,8 @@ def test_health_ready_models_and_metrics(gw: Stack) -> None:
     assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
     assert httpx.get(gw.url + "/ready").json() == {"ready": True, "routable_engines": 2}
     assert httpx.get(gw.url + "/v1/models").json()["data"][0]["id"].startswith("sim-")
+    httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    httpx.post(gw.url + "/v1/completions", content=b"x" * 70000)
     text = httpx.get(gw.url + "/metrics").text
     assert 'rollfleet_gateway_requests_total{outcome="length",route="/v1/completions"}' in text
     assert 'rollfleet_gateway_request_seconds_count{route="/v1/completions"}' in text
