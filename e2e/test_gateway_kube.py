@@ -5,8 +5,10 @@ Engine pods here are labelled like the operator's (`rollfleet.dev/fleet`,
 (bench/sim_engine.py) as their process: what is under test is discovery and
 routability (pod Ready + `rollfleet.dev/phase`), which does not need a real model. The
 test flips the phase annotation as the operator would and checks, through requests,
-that the gateway follows within seconds (watch, not poll). Real engines behind the
-gateway are e2e/test_gateway.py.
+that the gateway follows within seconds (watch, not poll). The gateway runs as a
+local process with the admin kubeconfig, and as a pod the way the operator deploys it
+(in-cluster config, a ServiceAccount allowed only to read pods, the token Secret
+mounted). Real engines behind the gateway are e2e/test_gateway.py.
 """
 
 from __future__ import annotations
@@ -131,3 +133,47 @@ def test_the_gateway_routes_only_to_ready_engine_pods_and_follows_phase_changes(
     core.delete_namespaced_pod("f-engine-1", ns)
     wait_for(lambda: routable(gateway) == 1, 15, what="the deleted engine to leave the routing set")
     assert served_by(gateway, 4) == {"f-engine-0"}
+
+
+def test_the_gateway_as_deployed_reads_pods_with_its_own_service_account(
+    cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str
+) -> None:
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
+    core.create_namespaced_service_account(ns, {"metadata": {"name": "g-gateway"}})
+    rbac.create_namespaced_role(ns, {"metadata": {"name": "g-gateway"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]})
+    rbac.create_namespaced_role_binding(ns, {
+        "metadata": {"name": "g-gateway"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "g-gateway"},
+        "subjects": [{"kind": "ServiceAccount", "name": "g-gateway", "namespace": ns}]})
+    core.create_namespaced_secret(ns, {"metadata": {"name": "g-admin-token"}, "stringData": {"token": TOKEN}})
+    core.create_namespaced_pod(ns, engine_pod("g", 0, "Ready"))
+    core.create_namespaced_pod(ns, {
+        "metadata": {"name": "g-gateway", "labels": {"app.kubernetes.io/component": "gateway"}},
+        "spec": {
+            "serviceAccountName": "g-gateway",
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{
+                "name": "gateway",
+                "image": "rollfleet/gateway:dev",  # the node agent runs `rollfleet gateway` for it
+                "args": ["--fleet", "g", "--namespace", ns, "--port", "8080",
+                         "--token-file", "/var/run/secrets/rollfleet/token"],
+                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1},
+                "volumeMounts": [{"name": "token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True}],
+            }],
+            "volumes": [{"name": "token", "secret": {"secretName": "g-admin-token"}}],
+        },
+    })
+
+    def gateway_url() -> str | None:
+        pod = core.read_namespaced_pod("g-gateway", ns)
+        ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+        return f"http://{pod.status.pod_ip}:8080" if ready else None
+
+    url = wait_for(gateway_url, 90, what="the gateway pod to be ready")
+    wait_for(lambda: routable(url) == 1, 90, what="the engine pod to be routable through the pod watch")
+    assert served_by(url, 2) == {"g-engine-0"}
+    r = httpx.post(url + "/v1/abort", json={"request_ids": ["nothing-here"]},
+                   headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.json() == {"results": {"nothing-here": "unknown"}}  # the mounted token is the admin token
