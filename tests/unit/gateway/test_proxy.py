@@ -224,3 +224,22 @@ def test_health_ready_models_and_metrics(gw: Stack) -> None:
     assert 'rollfleet_gateway_requests_total{outcome="length",route="/v1/completions"}' in text
     assert 'rollfleet_gateway_request_seconds_count{route="/v1/completions"}' in text
     assert 'rollfleet_gateway_rejected_total{status="413"}' in text
+
+
+def test_an_api_key_guards_inference_routes_and_the_admin_token_passes_too() -> None:
+    from starlette.testclient import TestClient
+
+    from rollfleet.gateway.app import GatewayConfig, build_app
+
+    app = build_app(GatewayConfig(token=TOKEN, api_key="inference-key", engines=["http://127.0.0.1:9"]))
+    with TestClient(app) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic inference-key"}):
+            r = client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+            assert r.status_code == 401 and "bearer token" in r.json()["error"]["message"]
+        # Past authentication, a malformed body is judged: both tokens are accepted.
+        for token in ("inference-key", TOKEN):
+            r = client.post("/v1/completions", json={}, headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 400
+        # The inference key is not the admin token.
+        r = client.post("/v1/abort", json={"request_ids": ["a"]}, headers={"Authorization": "Bearer inference-key"})
+        assert r.status_code == 401
