@@ -10,10 +10,12 @@ Talks to kube-apiserver only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import socket
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -51,13 +53,14 @@ class Kube:
         self.apps = kubernetes.client.AppsV1Api(client)
         self.rbac = kubernetes.client.RbacAuthorizationV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
-        self._limit = asyncio.Semaphore(concurrency)
+        # A pool of its own: the default executor has cpu_count + 4 threads (6 on two cores),
+        # which would cap a 200-pod scale-up at 6 requests in flight.
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kube")
         self._instance = socket.gethostname()
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         API_CALLS.labels(what).inc()
-        async with self._limit:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     async def create_pod(self, manifest: Manifest) -> bool:
         """Create a pod; False when one of that name exists already (names are stable: no duplicates)."""
