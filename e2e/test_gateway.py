@@ -60,6 +60,7 @@ class Proc:
 class Fleet:
     gateway: str
     engines: list[Proc]
+    replica: str  # a second gateway replica in front of the same engines
 
 
 def _address() -> tuple[str, int]:
@@ -103,21 +104,24 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                "--", "--enable-scale-out", "--dtype", "float32", "--max-model-len", "2048",
                "--disable-uvicorn-access-log"]
         engines.append(Proc(f"http://{host}:{port}", _spawn(cmd, log), log))
-    host, port = _address()
-    gw_log = tmp / "gateway.log"
-    gateway = Proc(f"http://{host}:{port}", _spawn(
-        [sys.executable, "-m", "rollfleet.gateway", "--engines", ",".join(e.url for e in engines), "--host", host,
-         "--port", str(port), "--token-file", str(token_file), "--log-level", "warning"], gw_log), gw_log)
+    gateways = []
+    for i in range(2):
+        host, port = _address()
+        gw_log = tmp / f"gateway-{i}.log"
+        gateways.append(Proc(f"http://{host}:{port}", _spawn(
+            [sys.executable, "-m", "rollfleet.gateway", "--engines", ",".join(e.url for e in engines), "--host",
+             host, "--port", str(port), "--token-file", str(token_file), "--log-level", "warning"], gw_log), gw_log))
     try:
         for e in engines:
             _wait_ok(e, "/rollfleet/v1/ready")
             # The first generation of an engine is slow (warm-up); take it here, not inside a timed test.
             httpx.post(e.url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 4},
                        timeout=120).raise_for_status()
-        _wait_ok(gateway, "/ready")
-        yield Fleet(gateway.url, engines)
+        for g in gateways:
+            _wait_ok(g, "/ready")
+        yield Fleet(gateways[0].url, engines, gateways[1].url)
     finally:
-        for p in [gateway, *engines]:
+        for p in [*gateways, *engines]:
             p.stop()
 
 
@@ -192,6 +196,18 @@ def test_abort_one_of_two_streams_by_id(fleet: Fleet) -> None:
     assert 0 < len(tokens_of(ca)) < 2000  # the partial output reached the client
     cb = sb.chunks()
     assert cb[-1]["choices"][0]["finish_reason"] == "length" and len(tokens_of(cb)) == 200
+
+
+def test_abort_through_another_gateway_replica(fleet: Fleet) -> None:
+    rid = f"other-replica-{uuid.uuid4().hex[:6]}"
+    stream = Stream(fleet, rid, 2000)  # through the first replica
+    assert stream.first.wait(60)
+    r = httpx.post(fleet.replica + "/v1/abort", json={"request_ids": [rid]}, headers=ADMIN, timeout=30)
+    assert r.json() == {"results": {rid: "aborted"}}
+    chunks = stream.chunks()
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and 0 < len(tokens_of(chunks)) < 2000
+    seen = tracked(engine_of(fleet, chunks[-1]["rollfleet"]["engines"][-1]), rid)
+    assert seen is not None and seen["finish_reason"] == "abort"
 
 
 def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Fleet) -> None:
