@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -187,6 +187,16 @@ class Proxy:
         self.config = config
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
+    async def abort_quietly(self, engine: Engine, request_id: str) -> None:
+        if self.session is not None and engine.url is not None:
+            await abort_on_engine(self.session, engine.url, self.token, [request_id], self.config.abort_timeout_s)
 
     async def open(self) -> None:
         # No total/read timeout: a paused engine holds requests for as long as a weight sync
@@ -196,6 +206,8 @@ class Proxy:
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self.session is not None:
             await self.session.close()
 
@@ -302,6 +314,9 @@ class _Exchange:
             last_failure = f"{engine.key}: {result.detail}"
             log.warning("request %s failed on %s (%s); %d/%d attempts used", self.req.request_id, engine.key,
                         result.detail, self.attempts, cfg.max_attempts)
+            # An engine that only looked dead (a cut connection) aborts the request when it
+            # notices the disconnect; tell it now, without holding up the continuation.
+            self.proxy.background(self.proxy.abort_quietly(engine, self.req.request_id))
 
     def _plan(self) -> tuple[str, Json, ContinuationState | None] | None:
         """(path, body, continuation state) of the next attempt; None when it cannot be continued."""
