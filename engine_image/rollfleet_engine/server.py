@@ -21,7 +21,9 @@ from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND
 
 # Defaults that let a small model run on a CPU-only host; any of them can be
 # overridden by the extra vLLM arguments after "--" (argparse keeps the last value).
-CPU_VLLM_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--enforce-eager", "--max-model-len", "512"]
+# float32: vLLM's bf16 CPU kernels crash on CPUs without AVX512-BF16 (these test hosts).
+CPU_VLLM_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--enforce-eager", "--max-model-len", "512",
+                     "--dtype", "float32"]
 CPU_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # "auto" pins every engine of a host to the same first cores (it cannot know about the
@@ -101,6 +103,9 @@ def vllm_argv(opts: ServeOptions, on_cpu: bool) -> list[str]:
         opts.host,
         "--port",
         str(opts.port),
+        # The token-in/token-out generate route: the gateway's failover continues a request
+        # on another engine from the tokens already generated through it.
+        "--enable-scale-out",
     ]
     if opts.weight_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": opts.weight_backend})]

@@ -24,4 +24,5 @@ def test_serve_argv_split_and_defaults() -> None:
     argv = vllm_argv(opts, on_cpu=True)
     assert argv[-2:] == ["--dtype", "float32"]  # user arguments come last, so they win
     assert "--weight-transfer-config" in argv and "--enforce-eager" in argv
+    assert "--enable-scale-out" in argv  # the generate route that failover continues through
     assert "--enforce-eager" not in vllm_argv(opts, on_cpu=False)
