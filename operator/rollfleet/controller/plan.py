@@ -88,12 +88,13 @@ def plan_pods(engines: Sequence[Engine], *, replicas: int, current_hash: str, ma
         if obs.node_lost:
             actions.append(Delete(obs.name, e.message or "node lost", force=True))
             continue
+        if obs.terminating:  # on its way out (an engine that exits on SIGTERM is not a failure)
+            occupying += 1
+            continue
         if obs.failed:
             actions.append(Delete(obs.name, f"replacing failed engine: {e.message}"))
             continue
         occupying += 1
-        if obs.terminating:
-            continue
         if obs.draining:
             why = drain_finished(e, drain_timeout, now)
             if why is not None:

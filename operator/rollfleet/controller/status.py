@@ -136,10 +136,10 @@ def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sy
     """The engine's phase, with a message saying why when it does not serve."""
     if obs.node_lost:
         return Engine(obs, "Failed", f"node {obs.node} is lost")
-    if obs.failed:
-        return Engine(obs, "Failed", obs.reason or f"pod {obs.pod_phase}")
     if obs.terminating:
         return Engine(obs, "Draining", "pod is being deleted")
+    if obs.failed:
+        return Engine(obs, "Failed", obs.reason or f"pod {obs.pod_phase}")
     if obs.draining:
         return Engine(obs, "Draining", f"draining, {obs.in_flight if obs.in_flight is not None else '?'} in flight")
     if obs.pod_phase != "Running":

@@ -68,6 +68,10 @@ def test_engine_on_a_lost_node_is_force_deleted() -> None:
 
 def test_terminating_pod_keeps_its_slot_until_gone() -> None:
     assert run([engine(0), engine(1, terminating=True)], 2) == []
+    # An engine that exits on SIGTERM while its pod is deleted is not a failure to replace.
+    exited = engine(1, terminating=True, phase="Succeeded", ready=False)
+    assert exited.phase == "Draining"
+    assert run([engine(0), exited], 2) == []
 
 
 def test_rolling_update_with_max_surge_0_goes_one_engine_at_a_time() -> None:
