@@ -74,7 +74,8 @@ def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dic
             # The tiny model is float32; a small batch keeps engines light on a shared CPU; its
             # whole context lets a test's stream last long enough to act on it.
             "engine": {"args": ["--dtype", "float32", "--max-num-seqs", "8"], "maxModelLen": 2048},
-            "drainTimeoutSeconds": 120,
+            # Long enough for a test's in-flight requests on a slow shared machine.
+            "drainTimeoutSeconds": 600,
             **spec,
         },
     }

@@ -155,7 +155,7 @@ def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: F
     fleet.wait_ready(3)
     with cluster.reach(NS, "e2e-engine-2", 8000) as url:
         # Enough work to still run when the drain starts: 16 sequences on an 8-sequence batch.
-        streams = [Stream(url, max_tokens=1000, n=8).start() for _ in range(2)]
+        streams = [Stream(url, max_tokens=600, n=8).start() for _ in range(2)]
         wait_for(lambda: fleet.engine_state("e2e-engine-2")["running"] >= 1, timeout=60, what="requests running")
         cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=1")
 
@@ -170,7 +170,7 @@ def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: F
     # Every sequence ran to the end: the engine was deleted only after its requests finished.
     for s in streams:
         assert s.finish == dict.fromkeys(range(8), "length")
-        assert s.completion_tokens == 8 * 1000
+        assert s.completion_tokens == 8 * 600
     fleet.wait_ready(1)
     wait_for(lambda: [p["metadata"]["name"] for p in fleet.pods()] == ["e2e-engine-0"], timeout=120,
              what="only e2e-engine-0 left")
