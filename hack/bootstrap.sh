@@ -39,10 +39,17 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$wheels"
   touch "$venv/.complete"
 fi
-echo "[bootstrap] rollfleet (editable) and its dev tools"
-log=$(mktemp)
-"${pip[@]}" install -q --progress-bar off -e ".[dev,engine]" >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
-rm -f "$log"
+# The cached environment is shared by every checkout on this machine: (re)install the
+# project when it points at another checkout or pyproject.toml changed since.
+stamp="$venv/.project-$(sha256sum pyproject.toml | cut -c1-16)"
+here=$("$venv/bin/python" -c 'import rollfleet, pathlib; print(pathlib.Path(rollfleet.__file__).parents[2])' 2>/dev/null || true)
+if [ "$here" != "$PWD" ] || [ ! -f "$stamp" ]; then
+  echo "[bootstrap] rollfleet (editable, from $PWD) and its dev tools"
+  log=$(mktemp)
+  "${pip[@]}" install -q --progress-bar off -e ".[dev,engine]" >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
+  rm -f "$log" "$venv"/.project-*
+  touch "$stamp"
+fi
 "$venv/bin/python" -c "import vllm, torch, kopf, kubernetes, rollfleet" \
   || { echo "[bootstrap] the environment is broken: remove $venv and run again" >&2; exit 1; }
 ln -sfn "$venv" .venv

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import httpx
 import yaml
 
-from rollfleet.kubectl import Kubectl
+from rollfleet.kubectl import Kubectl, KubectlError
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "rollfleet-demo"
@@ -70,12 +70,16 @@ class Walkthrough:
         while True:
             result = probe()
             if result:
-                print(f"\r    ✓ {what} ({time.monotonic() - t0:.0f}s)   ", flush=True)
+                back = "\r" if sys.stdout.isatty() else ""
+                print(f"{back}    ✓ {what} ({time.monotonic() - t0:.0f}s)   ", flush=True)
                 return result
             waited = time.monotonic() - t0
             if waited > timeout:
                 raise DemoFailed(f"timed out after {timeout:.0f}s waiting for {what}")
-            print(f"\r    … waiting for {what} ({waited:.0f}s)", end="", flush=True)
+            if sys.stdout.isatty():
+                print(f"\r    … waiting for {what} ({waited:.0f}s)", end="", flush=True)
+            elif int(waited) // 15 != int(waited - every) // 15:  # a log file: a line every 15 s
+                print(f"    … waiting for {what} ({waited:.0f}s)", flush=True)
             time.sleep(every)
 
     def get(self, *args: str) -> Any:
@@ -90,7 +94,8 @@ def fleet_manifest(model_dir: Path, replicas: int) -> str:
         "spec": {
             "replicas": replicas,
             "model": {"servedName": "tiny", "hostPath": str(model_dir)},
-            "engine": {"gpusPerEngine": 1, "args": ["--dtype", "float32", "--max-num-seqs", "8"]},
+            # Room for the long generations of the abort and pause steps.
+            "engine": {"gpusPerEngine": 1, "maxModelLen": 4096, "args": ["--max-num-seqs", "8"]},
             "drainTimeoutSeconds": 60,
         },
     }, sort_keys=False)
@@ -210,7 +215,9 @@ def run() -> None:
         w.sh("get", "crd", "rolloutfleets.rollfleet.dev", "rolloutrequests.rollfleet.dev")
 
     with w.step("apply a 2-engine fleet and watch it become Ready (vLLM on CPU: about a minute)"):
-        k.run("create", "namespace", NS, check=False)
+        # A fresh namespace, so a second run walks through the same steps (builds stay cached).
+        k.run("delete", "namespace", NS, "--ignore-not-found", "--wait=true", "--timeout=180s")
+        k.run("create", "namespace", NS)
         w.sh("apply", "-f", "-", input=fleet_manifest(model_dir, 2))
         w.wait("2/2 engines and the gateway", lambda: (s := w.get("rf", FLEET).get("status", {}))
                .get("readyReplicas") == 2 and (s.get("gateway") or {}).get("readyReplicas", 0) >= 1, timeout=900)
@@ -281,7 +288,7 @@ def run() -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         run()
-    except DemoFailed as e:
+    except (DemoFailed, KubectlError) as e:
         print(f"\ndemo failed: {e}", file=sys.stderr)
         return 1
     return 0
