@@ -95,7 +95,7 @@ def fleet_manifest(model_dir: Path, replicas: int) -> str:
             "replicas": replicas,
             "model": {"servedName": "tiny", "hostPath": str(model_dir)},
             # Room for the long generations of the abort and pause steps.
-            "engine": {"gpusPerEngine": 1, "maxModelLen": 4096, "args": ["--max-num-seqs", "8"]},
+            "engine": {"gpusPerEngine": 1, "maxModelLen": 2048, "args": ["--max-num-seqs", "8"]},
             "drainTimeoutSeconds": 60,
         },
     }, sort_keys=False)
@@ -138,11 +138,12 @@ class _Stream:
     """A streaming completion through the gateway, counting tokens as they arrive."""
 
     def __init__(self, url: str, max_tokens: int) -> None:
-        self.tokens = 0
+        self.chunks = 0  # content chunks received so far: moves whenever tokens arrive
+        self.completion_tokens: int | None = None  # the final usage report
         self.finish_reason: str | None = None
         self.error: str | None = None
         body = {"model": "tiny", "prompt": "def main():", "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
         self._thread.start()
 
@@ -151,9 +152,13 @@ class _Stream:
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600,
                               headers={"X-Request-Id": f"demo-stream-{time.time_ns()}"}) as r:
                 for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        choice = json.loads(line[6:])["choices"][0]
-                        self.tokens += 1 if choice.get("text") is not None else 0
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        self.completion_tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices", []):
+                        self.chunks += 1 if choice.get("text") else 0
                         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         except httpx.HTTPError as e:
             self.error = str(e)
@@ -188,8 +193,8 @@ def _push_weights(w: Walkthrough, weights_dir: Path) -> None:
         w.say("  " + line[:200])
     if ended.get("exitCode") != 0:
         raise DemoFailed("the trainer's push failed (see its log above)")
-    w.wait("the fleet status to show weights step-1",
-           lambda: w.get("rf", FLEET)["status"].get("weightVersion") == "step-1", timeout=120)
+    w.wait("every engine serving weights step-1", lambda: (st := w.get("rf", FLEET)["status"])
+           .get("weightVersion") == "step-1" and st.get("readyReplicas") == 2, timeout=120)
 
 
 def run() -> None:
@@ -236,7 +241,7 @@ def run() -> None:
         w.say("  " + json.dumps(lines[0])[:300])
 
     with w.step("abort by annotation: every in-flight sample stops on the engines"):
-        w.sh("apply", "-f", "-", input=request_manifest("long", 8, 2, 4000, ignore_eos=True))
+        w.sh("apply", "-f", "-", input=request_manifest("long", 8, 2, 1500, ignore_eos=True))
         w.wait("samples running on the engines", lambda: sum(_engines_running(w).values()) > 0, timeout=300)
         w.say(f"engines report running requests: {_engines_running(w)}")
         w.sh("-n", NS, "annotate", "rr/long", "rollfleet.dev/abort=demo-1")
@@ -249,20 +254,21 @@ def run() -> None:
 
     with w.step("pause keep during a stream: zero tokens while paused, every token after resume"):
         stream = _Stream(_gateway_url(w), max_tokens=600)
-        w.wait("the stream to produce tokens", lambda: stream.tokens > 5, timeout=120)
+        w.wait("the stream to produce tokens", lambda: stream.chunks > 5, timeout=120)
         w.sh("-n", NS, "annotate", "rf", FLEET, "rollfleet.dev/pause=keep")
         w.wait("every engine paused", lambda: (w.get("rf", FLEET)["status"].get("pause") or {})
                .get("pausedEngines") == 2, timeout=60)
         w.sh("-n", NS, "get", "rf")
-        before = stream.tokens
+        before = stream.chunks
         time.sleep(2)  # the observation window itself: no token may arrive while paused
-        during = stream.tokens - before
+        during = stream.chunks - before
         w.say(f"tokens received during 2 s of pause: {during}")
         w.sh("-n", NS, "annotate", "rf", FLEET, "rollfleet.dev/pause-")
         stream.join(300)
-        w.say(f"after resume the stream finished: {stream.tokens} tokens, finish_reason={stream.finish_reason}")
-        if during != 0 or stream.tokens != 600 or stream.error:
-            raise DemoFailed(f"pause keep: {during} tokens while paused, {stream.tokens}/600 in all, {stream.error}")
+        total = stream.completion_tokens
+        w.say(f"after resume the stream finished: {total} tokens, finish_reason={stream.finish_reason}")
+        if during != 0 or total != 600 or stream.error:
+            raise DemoFailed(f"pause keep: {during} token chunks while paused, {total}/600 in all, {stream.error}")
 
     with w.step("kubectl scale: 2 → 3 → 2 (scale-down drains the engine first)"):
         def converged(n: int) -> bool:
