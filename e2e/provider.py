@@ -14,13 +14,16 @@ import re
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import kubernetes
 
 from rollfleet.kubectl import Kubectl
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -84,10 +87,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):  # type: ignore[no-untyped-def]
+def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.2, what: str = "condition") -> T:
     """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s."""
     deadline = time.monotonic() + timeout
-    last = None
+    last: T | None = None
     while time.monotonic() < deadline:
         last = predicate()
         if last:
