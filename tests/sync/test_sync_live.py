@@ -118,11 +118,15 @@ def test_push_during_streaming_rollouts_keeps_them_and_moves_every_engine(
     assert status.pause_window_s is not None and status.total_s is not None
     assert 0 < status.pause_window_s <= status.total_s
     assert [e.step for e in status.engines] == [EngineStep.RESUMED] * 2
+    spans = []
     for r, e in zip(rollouts, engines * 2, strict=True):
         r.join(timeout=300)
         assert r.finish_reason == "length" and len(r.tokens) == ROLLOUT_TOKENS, (r.request_id, r.finish_reason)
-        # Held through the pause, then finished on the new weights: the versions say so.
-        assert tracked_versions(e.engine, r.request_id) == [old_label, version]
+        spans.append(tracked_versions(e.engine, r.request_id))
+    # A rollout held through the pause finished on the new weights, and its versions say so; on a
+    # quiet machine one may finish decoding just before the pause lands (then only the old version).
+    assert all(v in ([old_label], [old_label, version]) for v in spans), spans
+    assert [old_label, version] in spans, spans
     for e in engines:
         s = state(e.engine)
         assert (s["weight_version"], s["paused"]) == (version, False)
