@@ -33,23 +33,31 @@ def overlay() -> Path:
     return REPO / "manifests" / "overlays" / name
 
 
+def served_namespaces(cluster: Cluster) -> set[str]:
+    """The namespaces the deployed operator serves now (none when it is not deployed)."""
+    out = cluster.kubectl("-n", OPERATOR_NS, "get", "deployment/rollfleet-operator", "-o",
+                          "jsonpath={.spec.template.spec.containers[0].args}", check=False)
+    if out.returncode != 0 or not out.stdout.strip():
+        return set()
+    prefix = "--namespace="
+    return {a[len(prefix):] for a in json.loads(out.stdout) if a.startswith(prefix)}
+
+
 def deploy_operator(cluster: Cluster, namespaces: list[str]) -> None:
     """The operator from manifests/ (CRDs, RBAC, Deployment), rolled out and running.
 
-    It serves only `namespaces`: other suites on the same cluster run operators of their own.
+    It serves `namespaces` and those it already served (modules share the one operator;
+    other suites on the same cluster run operators of their own, scoped elsewhere).
     """
+    served = sorted(served_namespaces(cluster) | set(namespaces))
     docs = list(yaml.safe_load_all(cluster.kubectl("kustomize", str(overlay())).stdout))
     for doc in docs:
         if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "rollfleet-operator":
-            doc["spec"]["template"]["spec"]["containers"][0]["args"] += [f"--namespace={n}" for n in namespaces]
+            doc["spec"]["template"]["spec"]["containers"][0]["args"] += [f"--namespace={n}" for n in served]
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs),
                     timeout=180)
     cluster.kubectl("-n", OPERATOR_NS, "rollout", "status", "deployment/rollfleet-operator", "--timeout=300s",
                     timeout=320)
-
-
-def stop_operator(cluster: Cluster) -> None:
-    cluster.kubectl("-n", OPERATOR_NS, "scale", "deployment/rollfleet-operator", "--replicas=0")
 
 
 def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:

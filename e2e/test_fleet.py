@@ -22,7 +22,6 @@ from e2e.fleet_helpers import (
     fleet_manifest,
     kill_engine_process,
     operator_pods,
-    stop_operator,
 )
 from e2e.provider import Cluster, wait_for
 
@@ -38,7 +37,6 @@ def operator(cluster: Cluster) -> Iterator[None]:
     deploy_operator(cluster, [NS])
     yield
     cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
-    stop_operator(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -104,13 +104,12 @@ def test_push_during_streaming_rollouts_keeps_them_and_moves_every_engine(
     old = serving(engines[0].engine, references)
     assert serving(engines[1].engine, references) == old  # also warms both up: rollouts start together
     new, version = other(old), fresh_version(other(old))
+    old_label = str(state(engines[0].engine)["weight_version"])
     rollouts = [
         Stream(e.engine, f"rollout-{i}-{uuid.uuid4().hex[:6]}", ROLLOUT_TOKENS) for i, e in enumerate(engines * 2)
     ]
     for r in rollouts:
         r.wait_tokens(5)
-    old_label = str(state(engines[0].engine)["weight_version"])
-    assert not any(r.finish_reason for r in rollouts), [(r.finish_reason, len(r.tokens), r.error) for r in rollouts]
 
     status = client.push_dir(weights_dirs[new], version)
 
@@ -123,8 +122,9 @@ def test_push_during_streaming_rollouts_keeps_them_and_moves_every_engine(
         r.join(timeout=300)
         assert r.finish_reason == "length" and len(r.tokens) == ROLLOUT_TOKENS, (r.request_id, r.finish_reason)
         spans.append(tracked_versions(e.engine, r.request_id))
-    # A rollout held through the pause finished on the new weights, and its versions say so; on a
-    # quiet machine one may finish decoding just before the pause lands (then only the old version).
+    # A rollout held through the pause finished on the new weights, and its versions say so. Engines
+    # decode at uneven speeds on a loaded machine, so some may finish just before the pause lands
+    # (then only the old version); with 1,800 tokens each, not all of them can.
     assert all(v in ([old_label], [old_label, version]) for v in spans), spans
     assert [old_label, version] in spans, spans
     for e in engines:
