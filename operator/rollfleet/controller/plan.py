@@ -188,7 +188,8 @@ def engine_pause_calls(mode: PauseMode | None, record: PauseStatus | None,
     """Engine control calls that make every reachable engine match the fleet's pause.
 
     Only a fleet pause is undone: an engine paused by the sync sidecar for a weight
-    update while the fleet runs is not the operator's to resume.
+    update while the fleet runs is not the operator's to resume, nor is one waiting
+    for the fleet's weights (PendingSync): the sidecar resumes it once it catches up.
     """
     calls: list[PauseCall | ResumeCall] = []
     for e in engines:
@@ -197,7 +198,7 @@ def engine_pause_calls(mode: PauseMode | None, record: PauseStatus | None,
             continue
         if mode is not None and (not state.paused or state.pause_mode not in (None, mode)):
             calls.append(PauseCall(e.obs.name, mode))
-        elif mode is None and record is not None and state.paused:
+        elif mode is None and record is not None and state.paused and e.phase != "PendingSync":
             calls.append(ResumeCall(e.obs.name))
     return calls
 

@@ -149,14 +149,15 @@ def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sy
                       else "readiness probe failing")
     if obs.state is None:
         return Engine(obs, "Starting", "waiting for the engine's state")
+    # Before Paused: a paused engine is routable (it holds requests), one on other weights must not be.
+    if require_sync and obs.name in weights.pending_sync:
+        return Engine(obs, "PendingSync",
+                      f"weights {obs.state.weight_version} are not the fleet's {weights.version}")
     if obs.state.paused:
         return Engine(obs, "Syncing" if weights.syncing and not fleet_paused else "Paused")
     if fleet_paused and obs.annotated_phase in (None, "Starting"):
         # A new engine in a paused fleet gets no traffic until it is paused too.
         return Engine(obs, "Starting", "pausing to join the paused fleet")
-    if require_sync and obs.name in weights.pending_sync:
-        return Engine(obs, "PendingSync",
-                      f"weights {obs.state.weight_version} are not the fleet's {weights.version}")
     return Engine(obs, "Ready")
 
 

@@ -12,7 +12,7 @@ from rollfleet.api.common import ANNOTATION_PAUSE, ANNOTATION_RESUME
 from rollfleet.api.fleet import PauseStatus, UpdateStrategy
 from rollfleet.controller import plan
 from rollfleet.controller.plan import Create, Delete, Drain, PauseCall, ResumeCall
-from rollfleet.controller.status import Engine
+from rollfleet.controller.status import Engine, WeightView
 
 OLD = "h-old"
 
@@ -136,6 +136,10 @@ def test_pause_calls_are_idempotent_and_resume_only_what_the_fleet_paused() -> N
     assert plan.engine_pause_calls(None, record, [running, paused]) == [ResumeCall("f-engine-1")]
     # An engine the sync sidecar paused while the fleet runs is not the operator's to resume.
     assert plan.engine_pause_calls(None, None, [paused]) == []
+    # Nor one behind the fleet's weights: the sidecar resumes it after catching it up.
+    behind = WeightView(version="step-3", pending_sync=frozenset({"f-engine-1"}), syncing=False)
+    stale = engine(1, engine=state(paused=True, mode="keep"), weights=behind)
+    assert plan.engine_pause_calls(None, record, [stale]) == []
     # Engines without a known state or on their way out are left alone.
     starting = engine(2, ready=False, annotated="Starting")
     assert plan.engine_pause_calls("keep", record, [starting, draining(3, 1, 0)]) == []

@@ -72,6 +72,9 @@ def test_weights_behind_the_fleet_mean_pending_sync_unless_sync_is_not_required(
     assert classify(obs(0), weights, False, require_sync=False).phase == "Ready"
     syncing = WeightView(version="step-3", pending_sync=frozenset(), syncing=True)
     assert engine(0, weights=syncing, engine=state(paused=True)).phase == "Syncing"
+    # Paused engines are routable (they hold requests): one on stale weights must not look Paused.
+    assert engine(0, weights=weights, engine=state(paused=True)).phase == "PendingSync"
+    assert engine(0, weights=weights, engine=state(paused=True), fleet_paused=True).phase == "PendingSync"
 
 
 def test_a_new_engine_in_a_paused_fleet_gets_no_traffic_until_paused() -> None:
