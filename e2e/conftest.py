@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from e2e.live_fleet import LiveFleet, live_fleet
 from e2e.provider import Cluster
 
 
@@ -20,6 +21,13 @@ def cluster() -> Iterator[Cluster]:
     c = Cluster.start()
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def live(cluster: Cluster) -> Iterator[LiveFleet]:
+    """A 2-engine fleet with 2 gateway replicas, shared by the gateway and RolloutRequest acceptance tests."""
+    with live_fleet(cluster) as fleet:
+        yield fleet
 
 
 @pytest.fixture(scope="session")

@@ -195,16 +195,20 @@ class Stream:
         assert self.error is None, f"stream failed after {self.tokens()} chunks: {self.error!r}"
 
 
-def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
-    """SIGKILL the engine's main process, as an OOM kill or a crash would."""
+def signal_container(cluster: Cluster, namespace: str, pod: str, container: str, markers: list[bytes],
+                     sig: signal.Signals = signal.SIGKILL) -> None:
+    """Signal a container's main process: SIGKILL as an OOM kill or a crash would, SIGSTOP as a hang.
+
+    On the local cluster containers are local processes: the one whose argv holds all of
+    `markers` and the pod's IP (every Rollfleet container binds it); on kind, PID 1 of the container.
+    """
     if cluster.provider != "local":
-        cluster.kubectl("-n", namespace, "exec", pod, "-c", "engine", "--", "python3", "-c",
-                        "import os, signal; os.kill(1, signal.SIGKILL)")
+        cluster.kubectl("-n", namespace, "exec", pod, "-c", container, "--", "python3", "-c",
+                        f"import os; os.kill(1, {int(sig)})")
         return
     import kubernetes
 
-    ip = kubernetes.client.CoreV1Api(cluster.api_client()).read_namespaced_pod(pod, namespace).status.pod_ip
-    # On the local cluster the engine is a local process started with `--host <pod IP>`.
+    ip = kubernetes.client.CoreV1Api(cluster.api_client()).read_namespaced_pod(pod, namespace).status.pod_ip.encode()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -212,7 +216,11 @@ def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"rollfleet_engine" in argv and b"serve" in argv and ip.encode() in argv:
-            os.kill(int(proc.name), signal.SIGKILL)
+        if all(m in argv for m in markers) and any(a == ip or a.endswith(b"=" + ip) for a in argv):
+            os.kill(int(proc.name), sig)
             return
-    raise AssertionError(f"no engine process of {namespace}/{pod} ({ip}) found")
+    raise AssertionError(f"no process of {namespace}/{pod} container {container} found")
+
+
+def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
+    signal_container(cluster, namespace, pod, "engine", [b"rollfleet_engine", b"serve"])

@@ -1,142 +1,50 @@
-"""The gateway in front of two REAL vLLM CPU engines: the acceptance tests of issue 5.
+"""The gateway in front of two REAL vLLM CPU engines on the cluster: the acceptance tests of issue 5.
 
-Engines are local subprocesses started with the engine package's launcher
-(`python -m rollfleet_engine serve`, tiny model, loopback addresses), shared by the
-whole module (engine start is the expensive part); the gateway runs as a subprocess in
-static mode (`rollfleet gateway --engines ...`). Nothing here is simulated: aborts,
-disconnects, prefix-cache hits and the killed engine are checked at the engines.
-The test that kills an engine runs last in this module.
+The fleet is the session's live fleet (`e2e/live_fleet.py`): deployed by the operator
+from manifests/, 2 engine pods on the GPU pool, 2 gateway replicas (`rollfleet
+gateway`, discovering engines by watching pods). Tests talk to gateway replica 0
+unless they need the other one (session tables are per replica; the Service spreads
+connections across replicas). Nothing is simulated: aborts, disconnects, prefix-cache
+hits and the killed engine are checked at the engines. The test that kills an engine
+runs last in this module; the fleet heals before the next user (`LiveFleet.ready`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from e2e.live_fleet import Endpoint, LiveFleet
 from e2e.provider import wait_for
-from rollfleet_engine.tiny_model import ensure_tiny_model
+from rollfleet.api.common import ANNOTATION_PAUSE
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
-TOKEN = "gateway-e2e-token"
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-START_TIMEOUT_S = 300
 CPU_BLOCK = 128  # vLLM's KV-cache block on CPU: prefix-cache hits come in whole blocks
 
 
-@dataclass
-class Proc:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)  # the engine's own children (vLLM's engine core) too
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-@dataclass
-class Fleet:
-    gateway: str
-    engines: list[Proc]
-    replica: str  # a second gateway replica in front of the same engines
-
-
-def _address() -> tuple[str, int]:
-    host = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}.{random.randint(1, 254)}"
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return host, int(s.getsockname()[1])
-
-
-def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_ok(p: Proc, path: str) -> None:
-    def ok() -> bool:
-        if p.proc.poll() is not None:
-            raise AssertionError(f"{p.url} exited with {p.proc.returncode}:\n{p.log.read_text()[-3000:]}")
-        try:
-            return httpx.get(p.url + path, timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_for(ok, START_TIMEOUT_S, interval=0.5, what=f"{p.url}{path}")
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("gateway")
-    token_file = tmp / "token"
-    token_file.write_text(TOKEN + "\n")
-    model = ensure_tiny_model()
-    engines = []
-    for i in range(2):
-        host, port = _address()
-        log = tmp / f"engine-{i}.log"
-        cmd = [sys.executable, "-m", "rollfleet_engine", "serve", "--model", str(model), "--served-model-name",
-               "tiny", "--host", host, "--port", str(port), "--token-file", str(token_file),
-               "--weight-version", "w-0",
-               # the generate route carries failover continuations; float32: see docs/gateway.md
-               "--", "--enable-scale-out", "--dtype", "float32", "--max-model-len", "2048",
-               "--disable-uvicorn-access-log"]
-        engines.append(Proc(f"http://{host}:{port}", _spawn(cmd, log), log))
-    gateways = []
-    for i in range(2):
-        host, port = _address()
-        gw_log = tmp / f"gateway-{i}.log"
-        gateways.append(Proc(f"http://{host}:{port}", _spawn(
-            [sys.executable, "-m", "rollfleet.gateway", "--engines", ",".join(e.url for e in engines), "--host",
-             host, "--port", str(port), "--token-file", str(token_file), "--log-level", "warning"], gw_log), gw_log))
-    try:
-        for e in engines:
-            _wait_ok(e, "/rollfleet/v1/ready")
-            # The first generation of an engine is slow (warm-up); take it here, not inside a timed test.
-            httpx.post(e.url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 4},
-                       timeout=120).raise_for_status()
-        for g in gateways:
-            _wait_ok(g, "/ready")
-        yield Fleet(gateways[0].url, engines, gateways[1].url)
-    finally:
-        for p in [*gateways, *engines]:
-            p.stop()
+@pytest.fixture
+def fleet(live: LiveFleet) -> LiveFleet:
+    live.ready()
+    return live
 
 
 # --- helpers ------------------------------------------------------------------------
 
-def engine_of(fleet: Fleet, key: str) -> Proc:
-    return next(e for e in fleet.engines if e.url == key)
-
-
-def tracked(engine: Proc, request_id: str) -> dict[str, Any] | None:
+def tracked(engine: Endpoint, request_id: str) -> dict[str, Any] | None:
     r = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}")
     return r.json() if r.status_code == 200 else None
 
 
-def metric(engine: Proc, name: str) -> float:
+def metric(engine: Endpoint, name: str) -> float:
     text = httpx.get(engine.url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
@@ -157,15 +65,15 @@ def tokens_of(chunks: list[dict[str, Any]]) -> list[int]:
 class Stream:
     """A streaming completion read on a thread; `first` is set once a token arrived."""
 
-    def __init__(self, fleet: Fleet, request_id: str, max_tokens: int) -> None:
+    def __init__(self, fleet: LiveFleet, request_id: str, max_tokens: int) -> None:
         self.first = threading.Event()
         self.text = ""
         self.thread = threading.Thread(target=self._run, args=(fleet, request_id, max_tokens))
         self.thread.start()
 
-    def _run(self, fleet: Fleet, request_id: str, max_tokens: int) -> None:
+    def _run(self, fleet: LiveFleet, request_id: str, max_tokens: int) -> None:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", fleet.gateway + "/v1/completions", json=body, timeout=120,
+        with httpx.stream("POST", fleet.gateways[0].url + "/v1/completions", json=body, timeout=120,
                           headers={"X-Request-Id": request_id}) as r:
             for piece in r.iter_text():  # not iter_lines(): see sse()
                 self.text += piece
@@ -180,15 +88,16 @@ class Stream:
 
 # --- acceptance -----------------------------------------------------------------------
 
-def test_abort_one_of_two_streams_by_id(fleet: Fleet) -> None:
+def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
     a, b = f"abort-a-{uuid.uuid4().hex[:6]}", f"abort-b-{uuid.uuid4().hex[:6]}"
     sa, sb = Stream(fleet, a, 2000), Stream(fleet, b, 200)
     assert sa.first.wait(60)
-    r = httpx.post(fleet.gateway + "/v1/abort", json={"request_ids": [a, "never-sent-xyz"]}, headers=ADMIN, timeout=30)
+    r = httpx.post(fleet.gateways[0].url + "/v1/abort", json={"request_ids": [a, "never-sent-xyz"]},
+                  headers=fleet.admin, timeout=30)
     assert r.json() == {"results": {a: "aborted", "never-sent-xyz": "unknown"}}
     ca = sa.chunks()
     assert ca[-1]["choices"][0]["finish_reason"] == "abort"
-    engine = engine_of(fleet, ca[-1]["rollfleet"]["engines"][-1])
+    engine = fleet.engine(ca[-1]["rollfleet"]["engines"][-1])
     seen = tracked(engine, a)
     assert seen is not None and seen["phase"] == "finished" and seen["finish_reason"] == "abort"
     in_flight = {t["request_id"] for t in httpx.get(engine.url + "/rollfleet/v1/requests").json()["in_flight"]}
@@ -198,23 +107,23 @@ def test_abort_one_of_two_streams_by_id(fleet: Fleet) -> None:
     assert cb[-1]["choices"][0]["finish_reason"] == "length" and len(tokens_of(cb)) == 200
 
 
-def test_abort_through_another_gateway_replica(fleet: Fleet) -> None:
+def test_abort_through_another_gateway_replica(fleet: LiveFleet) -> None:
     rid = f"other-replica-{uuid.uuid4().hex[:6]}"
     stream = Stream(fleet, rid, 2000)  # through the first replica
     assert stream.first.wait(60)
-    r = httpx.post(fleet.replica + "/v1/abort", json={"request_ids": [rid]}, headers=ADMIN, timeout=30)
+    r = httpx.post(fleet.gateways[1].url + "/v1/abort", json={"request_ids": [rid]}, headers=fleet.admin, timeout=30)
     assert r.json() == {"results": {rid: "aborted"}}
     chunks = stream.chunks()
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and 0 < len(tokens_of(chunks)) < 2000
-    seen = tracked(engine_of(fleet, chunks[-1]["rollfleet"]["engines"][-1]), rid)
+    seen = tracked(fleet.engine(chunks[-1]["rollfleet"]["engines"][-1]), rid)
     assert seen is not None and seen["finish_reason"] == "abort"
 
 
-def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Fleet) -> None:
+def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: LiveFleet) -> None:
     rid = f"gone-{uuid.uuid4().hex[:6]}"
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(fleet.gateway + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=1.5)
+        httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=1.5)
 
     def freed() -> bool:
         seen = [tracked(e, rid) for e in fleet.engines]
@@ -227,16 +136,16 @@ def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Fle
     assert ended["finish_reason"] == "abort" and ended["output_tokens"] < 2000
 
 
-def _chat(fleet: Fleet, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    r = httpx.post(fleet.gateway + "/v1/chat/completions", timeout=120, headers={"X-Session-Id": session},
+def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    r = httpx.post(fleet.gateways[0].url + "/v1/chat/completions", timeout=120, headers={"X-Session-Id": session},
                    json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: Fleet) -> None:
+def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: LiveFleet) -> None:
     turns, sessions = 3, 20
-    before = {e.url: metric(e, "vllm:prefix_cache_hits_total") for e in fleet.engines}
+    before = {e.key: metric(e, "vllm:prefix_cache_hits_total") for e in fleet.engines}
 
     def converse(i: int) -> tuple[list[str], list[int]]:
         session = f"sess-{i}-{uuid.uuid4().hex[:6]}"
@@ -254,7 +163,7 @@ def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: 
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(converse, range(sessions)))
-    per_engine_expected = {e.url: 0.0 for e in fleet.engines}
+    per_engine_expected = {e.key: 0.0 for e in fleet.engines}
     for engines, prompt_lens in results:
         assert len(set(engines)) == 1, f"a session moved between engines: {engines}"
         # From turn 2 on, the previous prompt is a prefix of this one: its full cache blocks hit
@@ -263,7 +172,7 @@ def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: 
     assert all(v > 0 for v in per_engine_expected.values()), "sessions did not spread over both engines"
 
     def hits() -> dict[str, float]:
-        return {e.url: metric(e, "vllm:prefix_cache_hits_total") - before[e.url] for e in fleet.engines}
+        return {e.key: metric(e, "vllm:prefix_cache_hits_total") - before[e.key] for e in fleet.engines}
 
     def covered() -> bool:
         got = hits()
@@ -274,7 +183,7 @@ def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: 
     assert covered(), (hits(), per_engine_expected)
 
 
-def test_sessionless_load_spreads_within_20_percent(fleet: Fleet) -> None:
+def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
     """Waves of 8 concurrent requests: least-outstanding puts 4 on each engine whatever their speed.
 
     (With a steady stream instead, a slower engine rightly gets fewer requests: on this shared
@@ -283,7 +192,7 @@ def test_sessionless_load_spreads_within_20_percent(fleet: Fleet) -> None:
     before = [metric(e, "vllm:request_success_total") for e in fleet.engines]
 
     def one(i: int) -> str:
-        r = httpx.post(fleet.gateway + "/v1/completions", timeout=120,
+        r = httpx.post(fleet.gateways[0].url + "/v1/completions", timeout=120,
                        json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 16, "ignore_eos": True})
         assert r.status_code == 200, r.text
         return str(r.json()["rollfleet"]["engines"][0])
@@ -292,7 +201,7 @@ def test_sessionless_load_spreads_within_20_percent(fleet: Fleet) -> None:
     with ThreadPoolExecutor(8) as pool:
         for wave in range(8):
             served += pool.map(one, range(wave * 8, wave * 8 + 8))
-    counts = [served.count(e.url) for e in fleet.engines]
+    counts = [served.count(e.key) for e in fleet.engines]
     assert abs(counts[0] - counts[1]) <= 0.2 * len(served), counts
 
     # The engines saw the same split (the gateway's report is not taken on trust); their
@@ -317,23 +226,30 @@ def test_sessionless_load_spreads_within_20_percent(fleet: Fleet) -> None:
     ],
 )
 def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
-    fleet: Fleet, path: str, content: bytes, headers: dict[str, str], status: int
+    fleet: LiveFleet, path: str, content: bytes, headers: dict[str, str], status: int
 ) -> None:
-    r = httpx.post(fleet.gateway + path, content=content, timeout=60,
+    gateway = fleet.gateways[0].url
+    r = httpx.post(gateway + path, content=content, timeout=60,
                    headers={"Content-Type": "application/json", **headers})
     assert r.status_code == status
     assert r.json()["error"]["message"]
-    ok = httpx.post(fleet.gateway + "/v1/completions", json={"model": "tiny", "prompt": "still there?",
-                                                            "max_tokens": 2}, timeout=60)
+    ok = httpx.post(gateway + "/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 2},
+                    timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: Fleet) -> None:
-    for e in fleet.engines:
-        httpx.post(e.url + "/pause", params={"mode": "keep"}, headers=ADMIN, timeout=30).raise_for_status()
+def engine_paused(engine: Endpoint) -> bool:
+    return bool(httpx.get(engine.url + "/rollfleet/v1/state", timeout=10).raise_for_status().json()["paused"])
+
+
+def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveFleet) -> None:
+    """`kubectl annotate rf ... rollfleet.dev/pause=keep`: the gateway keeps routing, the engines hold."""
+    kubectl = fleet.cluster.kubectl
+    kubectl("-n", fleet.namespace, "annotate", "rf", fleet.fleet.name, f"{ANNOTATION_PAUSE}=keep")
     try:
+        wait_for(lambda: all(engine_paused(e) for e in fleet.engines), 30, what="the operator to pause the engines")
         with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(httpx.post, fleet.gateway + "/v1/completions", timeout=120,
+            futures = [pool.submit(httpx.post, fleet.gateways[0].url + "/v1/completions", timeout=120,
                                    json={"model": "tiny", "prompt": f"held {i}", "max_tokens": 20, "ignore_eos": True})
                        for i in range(4)]
 
@@ -343,20 +259,20 @@ def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: Fleet
 
             wait_for(lambda: held() == 4, 30, what="the engines to hold the 4 requests")
             assert not any(f.done() for f in futures), "a request was answered while the fleet was paused"
-            for e in fleet.engines:
-                httpx.post(e.url + "/resume", headers=ADMIN, timeout=30).raise_for_status()
+            assert fleet.fleet.status()["pause"]["mode"] == "keep"
+            kubectl("-n", fleet.namespace, "annotate", "rf", fleet.fleet.name, f"{ANNOTATION_PAUSE}-")
             answers = [f.result(timeout=120) for f in futures]
     finally:
-        for e in fleet.engines:
-            httpx.post(e.url + "/resume", headers=ADMIN, timeout=30)
+        kubectl("-n", fleet.namespace, "annotate", "rf", fleet.fleet.name, f"{ANNOTATION_PAUSE}-", check=False)
     for r in answers:
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 20
+    fleet.fleet.wait(lambda st: not st.get("pause"), "the pause record cleared", timeout=60)
 
 
-def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_response(fleet: Fleet) -> None:
-    """Runs last in this module: one engine stays dead afterwards."""
+def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_response(fleet: LiveFleet) -> None:
+    """Runs last in this module: the killed engine's container restarts; the next user waits for it."""
     max_tokens = 300
     started = threading.Barrier(17)
 
@@ -364,7 +280,7 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
         body = {"model": "tiny", "prompt": f"long generation {i}", "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": i % 2 == 0}
         started.wait()
-        r = httpx.post(fleet.gateway + "/v1/completions", json=body, timeout=300,
+        r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, timeout=300,
                        headers={"X-Request-Id": f"long-{i}-{uuid.uuid4().hex[:6]}"})
         assert r.status_code == 200, r.text
         if body["stream"]:
@@ -381,10 +297,10 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
         started.wait()
         victim = fleet.engines[0]
         wait_for(lambda: metric(victim, "vllm:num_requests_running") > 0, 60, what="the victim to be generating")
-        victim.stop(signal.SIGKILL)
+        fleet.kill_engine(victim.key)
         results = [f.result(timeout=300)() for f in futures]
     for token_ids, finish, report in results:
         assert finish == "length" and len(token_ids) == max_tokens, (finish, len(token_ids), report)
     moved = [r for _, _, r in results if r["attempts"] > 1]
     assert moved, "no request was running on the killed engine"
-    assert all(r["engines"][-1] == fleet.engines[1].url for r in moved)
+    assert all(r["engines"][-1] == fleet.engines[1].key for r in moved)

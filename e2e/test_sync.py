@@ -10,6 +10,7 @@ pushed set. One fleet for the module; tests run in file order.
 from __future__ import annotations
 
 import json
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from e2e.fleet_helpers import (
     deploy_operator,
     fleet_manifest,
     kill_engine_process,
+    signal_container,
     tiny_model_dir,
 )
 from e2e.provider import Cluster, wait_for
@@ -43,6 +45,7 @@ PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
 ROLLOUT_TOKENS = 1500
 ENGINES = [f"{NAME}-engine-0", f"{NAME}-engine-1"]
+ENGINE_MARKERS = [b"rollfleet_engine", b"serve"]
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +201,31 @@ def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the
         assert greedy(e0) == greedy(e1) == references["A"]
     version = sync.fleet_version()
     assert (version.version, version.pending_sync) == ("a-2", [])
+
+
+def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
+    cluster: Cluster, fleet: Fleet, sync: SyncClient, references: dict[str, list[list[int]]]
+) -> None:
+    weights_of = {"a-2": "A", "b-3": "B"}  # the fleet serves a-2 (set A) after the previous test
+    signal_container(cluster, NS, ENGINES[1], "engine", ENGINE_MARKERS, signal.SIGSTOP)  # the push waits on it
+    try:
+        started = sync.push_dir(f"{MODELS}/{WEIGHTS_B_DIR}", "b-3", wait=False)
+        wait_for(lambda: any(e.name == ENGINES[0] and e.step is EngineStep.VERIFIED
+                             for e in sync.progress(started.generation).engines),
+                 timeout=120, what=f"{ENGINES[0]} holding b-3, paused")
+        signal_container(cluster, NS, TRAINER, "rollfleet-sync", [b"sync"])  # its container restarts
+    finally:
+        signal_container(cluster, NS, ENGINES[1], "engine", ENGINE_MARKERS, signal.SIGCONT)
+
+    def settled(st: dict[str, Any]) -> bool:
+        # Whatever the sidecar decides on restart, no engine is ever routable on other weights than the fleet's.
+        mixed = [e["name"] for e in st.get("engines", [])
+                 if e["phase"] in ("Ready", "Paused") and e.get("weightVersion") != st.get("weightVersion")]
+        assert not mixed, f"routable on other weights than {st.get('weightVersion')}: {mixed} ({st})"
+        return st.get("weightVersion") in weights_of and all_ready_on(st["weightVersion"])(st)
+
+    final = fleet.wait(settled, "one version on every engine", timeout=600)["weightVersion"]
+    with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
+        assert greedy(e0) == greedy(e1) == references[weights_of[final]]
+    wait_for(lambda: sync.fleet_version().version == final, timeout=120, what="the restarted sidecar agrees")
+    assert sync.fleet_version().pending_sync == []

@@ -1,0 +1,129 @@
+"""The session's shared live fleet: the operator from manifests/, 2 real vLLM engines, 2 gateway replicas.
+
+Engine start is the expensive part of the suite (30-90 s each on a shared 2-core
+machine), so the acceptance tests of the gateway and of RolloutRequests share one
+fleet, created on first use and deleted at the end of the session. Tests that break
+it (a killed engine) leave it to heal; every user starts with `ready()`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from e2e.fleet_helpers import ENGINE_START_S, Fleet, deploy_operator, fleet_manifest, kill_engine_process
+from e2e.provider import Cluster, wait_for
+
+NAME = "live"
+GATEWAY_PORT = 8080
+ENGINE_PORT = 8000
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A pod of the fleet: its name (the gateway reports engines by pod name) and a URL this process reaches."""
+
+    key: str
+    url: str
+
+
+@dataclass
+class LiveFleet:
+    cluster: Cluster
+    namespace: str
+    fleet: Fleet
+    token: str
+    stack: contextlib.ExitStack  # holds the ways in to pods (port-forwards on kind)
+    gateways: list[Endpoint] = field(default_factory=list)  # one per replica (session tables are per replica)
+    engines: list[Endpoint] = field(default_factory=list)
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def engine(self, key: str) -> Endpoint:
+        return next(e for e in self.engines if e.key == key)
+
+    def ready(self) -> None:
+        """Both engines Ready and warm, both gateway replicas serving: wait for a healed fleet."""
+        self.fleet.wait_ready(2)
+        self.fleet.wait(lambda st: (st.get("gateway") or {}).get("readyReplicas") == 2, "2 gateway replicas ready")
+        # Replaced gateway pods have new names and addresses.
+        self.gateways, self.engines = self._reach("gateway", GATEWAY_PORT), self._reach("engine", ENGINE_PORT)
+        assert len(self.gateways) == 2 and len(self.engines) == 2, (self.gateways, self.engines)
+        for e in self.engines:
+            # The first generation of a (re)started engine is slow: take it here, not inside a test.
+            wait_for(lambda e=e: _warm(e.url), timeout=ENGINE_START_S, interval=1, what=f"engine {e.key} serving")
+        for g in self.gateways:
+            wait_for(lambda g=g: _ok(g.url + "/ready"), timeout=120, what=f"gateway {g.key} ready")
+        # The warm-ups may have raced a status that had not yet seen an engine restart.
+        self.fleet.wait_ready(2)
+
+    def _reach(self, component: str, port: int) -> list[Endpoint]:
+        out = self.cluster.kubectl("-n", self.namespace, "get", "pods", "-l",
+                                   f"rollfleet.dev/fleet={NAME},app.kubernetes.io/component={component}",
+                                   "-o", "json")
+        pods = sorted(p["metadata"]["name"] for p in json.loads(out.stdout)["items"]
+                      if not p["metadata"].get("deletionTimestamp"))
+        return [Endpoint(pod, self.stack.enter_context(self.cluster.reach(self.namespace, pod, port)))
+                for pod in pods]
+
+    def kill_engine(self, key: str) -> None:
+        kill_engine_process(self.cluster, self.namespace, key)
+
+    def in_flight(self, prefix: str = "") -> dict[str, list[str]]:
+        """Request ids each engine is running now (its own tracker), those starting with `prefix`."""
+        out = {}
+        for e in self.engines:
+            tracked = httpx.get(e.url + "/rollfleet/v1/requests", timeout=10).raise_for_status().json()
+            out[e.key] = [t["request_id"] for t in tracked["in_flight"] if t["request_id"].startswith(prefix)]
+        return out
+
+    def tracked(self, request_id: str) -> dict[str, object] | None:
+        """The engine's record of a request (it ended or runs there), from whichever engine ran it."""
+        for e in self.engines:
+            r = httpx.get(f"{e.url}/rollfleet/v1/requests/{request_id}", timeout=10)
+            if r.status_code == 200:
+                return dict(r.json())
+        return None
+
+
+def _warm(url: str) -> bool:
+    try:
+        return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 2},
+                          timeout=300).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextlib.contextmanager
+def live_fleet(cluster: Cluster) -> Iterator[LiveFleet]:
+    namespace = f"live-e2e-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    deploy_operator(cluster, [namespace])
+    manifest = fleet_manifest(NAME, namespace, replicas=2, gateway={"replicas": 2})
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    fleet = Fleet(cluster, NAME, namespace)
+    try:
+        fleet.wait_ready(2)
+        secret = json.loads(cluster.kubectl("-n", namespace, "get", "secret", f"{NAME}-admin-token",
+                                            "-o", "json").stdout)
+        with contextlib.ExitStack() as stack:
+            live = LiveFleet(cluster, namespace, fleet, base64.b64decode(secret["data"]["token"]).decode(), stack)
+            live.ready()
+            yield live
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

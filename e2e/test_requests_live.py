@@ -1,0 +1,188 @@
+"""RolloutRequests run by the deployed operator on REAL vLLM engines: the acceptance tests of issue 6.
+
+The fleet is the session's live fleet (`e2e/live_fleet.py`: operator from manifests/,
+2 engine pods, 2 gateway replicas). Requests are created with kubectl, watched with
+`kubectl get rr`, aborted with `kubectl annotate`, and read back with `rollfleet
+results`. Every stop is checked at the engines: their trackers list what is still in
+flight (`GET /rollfleet/v1/requests`), by the sample ids `<rr uid>-<prompt>-<sample>`.
+The test that kills the operator and the gateway runs last in this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.fleet_helpers import OPERATOR_NS, operator_pods
+from e2e.live_fleet import LiveFleet
+from e2e.provider import wait_for
+from rollfleet.api.request import ANNOTATION_ABORT
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+
+ROLLFLEET = str(Path(sys.executable).parent / "rollfleet")
+ABORT_BOUND_S = 2.0  # the issue's bound: annotation to no sample running on any engine
+
+
+@pytest.fixture
+def fleet(live: LiveFleet) -> LiveFleet:
+    live.ready()
+    return live
+
+
+def create(fleet: LiveFleet, prompts: int, samples: int, **spec: Any) -> tuple[str, str]:
+    """A RolloutRequest on the live fleet; its name and uid."""
+    name = f"rr-{uuid.uuid4().hex[:6]}"
+    doc = {"apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutRequest",
+           "metadata": {"name": name, "namespace": fleet.namespace},
+           "spec": {"fleet": fleet.fleet.name, "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)],
+                    "samplesPerPrompt": samples, **spec}}
+    fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    return name, get(fleet, name)["metadata"]["uid"]
+
+
+def get(fleet: LiveFleet, name: str) -> dict[str, Any]:
+    return dict(json.loads(fleet.cluster.kubectl("-n", fleet.namespace, "get", "rr", name, "-o", "json").stdout))
+
+
+def status(fleet: LiveFleet, name: str) -> dict[str, Any]:
+    return dict(get(fleet, name).get("status") or {})
+
+
+def wait_phase(fleet: LiveFleet, name: str, phase: str, timeout: float = 600) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        st = status(fleet, name)
+        if st.get("phase") in ("Succeeded", "Failed", "Aborted") and st["phase"] != phase:
+            raise AssertionError(f"{name} ended {st['phase']}, not {phase}: {st.get('message')}")
+        return st if st.get("phase") == phase else None
+    return dict(wait_for(reached, timeout, interval=0.5, what=f"{name} {phase}"))
+
+
+def results(fleet: LiveFleet, name: str) -> list[dict[str, Any]]:
+    """`rollfleet results rr/<name>`: one JSON object per line."""
+    out = subprocess.run([ROLLFLEET, "results", f"rr/{name}", "-n", fleet.namespace], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "KUBECONFIG": str(fleet.cluster.kubeconfig)})
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def running(fleet: LiveFleet, uid: str) -> list[str]:
+    """The request's samples that some engine is running now."""
+    return [rid for ids in fleet.in_flight(f"{uid}-").values() for rid in ids]
+
+
+def test_a_64x4_request_completes_showing_progress_and_keeps_256_results(fleet: LiveFleet) -> None:
+    tokens = 24
+    name, _ = create(fleet, 64, 4, sampling={"maxTokens": tokens, "ignoreEos": True, "seed": 7})
+    seen: list[str] = []
+
+    def progress() -> bool:  # as a person watching `kubectl get rr` sees it
+        header, row = fleet.cluster.kubectl("-n", fleet.namespace, "get", "rr", name).stdout.splitlines()[:2]
+        cells = dict(zip(header.split(), row.split(), strict=False))
+        seen.append(cells.get("PROGRESS", ""))
+        return cells.get("PHASE") == "Succeeded"
+
+    wait_for(progress, 600, interval=0.3, what=f"{name} Succeeded")
+    assert seen[-1] == "256/256"
+    partial = [p for p in seen if p.endswith("/256") and 0 < int(p.split("/")[0]) < 256]
+    assert partial, f"no progress shown between 0 and 256: {seen}"
+
+    st = status(fleet, name)
+    assert st["counts"] == {"total": 256, "completed": 256, "aborted": 0, "failed": 0, "inFlight": 0}
+    assert st["tokens"] == 256 * tokens and st["completionTime"] and st["startTime"]
+    rows = results(fleet, name)
+    assert len(rows) == 256 and st["results"]["samples"] == 256
+    assert sorted((r["prompt"], r["sample"]) for r in rows) == [(p, s) for p in range(64) for s in range(4)]
+    for r in rows:
+        assert r["finish_reason"] == "length" and len(r["token_ids"]) == tokens and r["error"] is None, r
+        assert isinstance(r["text"], str) and r["finished_at"] >= r["started_at"] > 0
+    # Samples of a prompt use seed + sample: they differ.
+    by_prompt: dict[int, set[tuple[int, ...]]] = {}
+    for r in rows:
+        by_prompt.setdefault(r["prompt"], set()).add(tuple(r["token_ids"]))
+    assert sum(len(v) for v in by_prompt.values()) > 64 * 3
+
+
+def test_abort_by_annotation_stops_every_in_flight_sample_on_the_engines_within_2s(fleet: LiveFleet) -> None:
+    tokens = 300
+    name, uid = create(fleet, 16, 4, parallelism=16, sampling={"maxTokens": tokens, "ignoreEos": True})
+    # Mid-run: a first wave completed, the next one decoding on the engines.
+    wait_for(lambda: status(fleet, name).get("counts", {}).get("completed", 0) >= 1 and running(fleet, uid),
+             300, interval=0.2, what="completed samples and samples in flight")
+    annotated = time.monotonic()
+    fleet.cluster.kubectl("-n", fleet.namespace, "annotate", "rr", name, f"{ANNOTATION_ABORT}=stop-1")
+    wait_for(lambda: not running(fleet, uid), ABORT_BOUND_S * 5, interval=0.05, what="engines to drop the samples")
+    took = time.monotonic() - annotated
+    assert took <= ABORT_BOUND_S, f"samples ran on the engines {took:.2f}s after the annotation"
+
+    st = wait_phase(fleet, name, "Aborted", timeout=60)
+    assert st["reason"] == "AbortRequested" and st["abort"]["token"] == "stop-1"
+    assert st["abort"]["stopped"] >= 1
+    rows = results(fleet, name)
+    completed = [r for r in rows if r["finish_reason"] == "length"]
+    aborted = [r for r in rows if r["finish_reason"] == "abort"]
+    assert len(completed) == st["counts"]["completed"] >= 1 and len(aborted) == st["counts"]["aborted"] >= 1
+    assert len(rows) == len(completed) + len(aborted) < 64  # samples never sent are not invented
+    assert all(len(r["token_ids"]) == tokens for r in completed)
+    for r in aborted:  # partial outputs kept, and the engine says it aborted them
+        assert len(r["token_ids"]) < tokens
+        assert (fleet.tracked(r["request_id"]) or {}).get("finish_reason") == "abort", r["request_id"]
+
+    # The same value again (removed and put back): nothing more happens.
+    fleet.cluster.kubectl("-n", fleet.namespace, "annotate", "rr", name, f"{ANNOTATION_ABORT}-")
+    fleet.cluster.kubectl("-n", fleet.namespace, "annotate", "rr", name, f"{ANNOTATION_ABORT}=stop-1")
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:  # observing that nothing changes takes a while by nature
+        assert status(fleet, name) == st
+        time.sleep(0.5)
+    assert len(results(fleet, name)) == len(rows)
+
+
+def test_a_deadline_shorter_than_the_work_fails_the_request_and_frees_the_engines(fleet: LiveFleet) -> None:
+    name, uid = create(fleet, 8, 2, activeDeadlineSeconds=4, sampling={"maxTokens": 1800, "ignoreEos": True})
+    wait_for(lambda: running(fleet, uid), 120, interval=0.2, what="samples on the engines")
+    st = wait_phase(fleet, name, "Failed", timeout=120)
+    assert st["reason"] == "DeadlineExceeded" and "activeDeadlineSeconds=4" in st["message"]
+    assert st["abort"]["token"] == "deadline"
+    assert not running(fleet, uid), "samples still run on the engines after the deadline"
+    rows = results(fleet, name)
+    assert rows and all(r["finish_reason"] == "abort" and len(r["token_ids"]) < 1800 for r in rows)
+
+
+def test_operator_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:
+    """Runs last in this module: it replaces the operator pod and both gateway pods."""
+    prompts, samples, tokens = 32, 4, 120
+    name, uid = create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True})
+    kubectl = fleet.cluster.kubectl
+
+    def completed() -> int:
+        return int(status(fleet, name).get("counts", {}).get("completed", 0))
+
+    wait_for(lambda: completed() >= 8 and running(fleet, uid), 300, interval=0.2, what="the run under way")
+    [op] = operator_pods(fleet.cluster)
+    kubectl("-n", OPERATOR_NS, "delete", "pod", op["metadata"]["name"], "--grace-period=0", "--force")
+    wait_for(lambda: any(p["metadata"]["uid"] != op["metadata"]["uid"] and p["status"].get("phase") == "Running"
+                         for p in operator_pods(fleet.cluster)), 300, what="a new operator pod")
+    before_gateway_kill = completed()
+    wait_for(lambda: completed() > before_gateway_kill, 300, what="the new operator to carry the run on")
+    assert status(fleet, name)["phase"] == "Running"
+
+    kubectl("-n", fleet.namespace, "delete", "pod", "-l", f"rollfleet.dev/fleet={fleet.fleet.name},"
+            "app.kubernetes.io/component=gateway", "--grace-period=0", "--force")
+    st = wait_phase(fleet, name, "Succeeded", timeout=600)
+
+    total = prompts * samples
+    assert st["counts"]["completed"] == total and st["counts"]["aborted"] == st["counts"]["failed"] == 0
+    rows = results(fleet, name)
+    keys = [(r["prompt"], r["sample"]) for r in rows]
+    assert len(keys) == total and sorted(keys) == [(p, s) for p in range(prompts) for s in range(samples)]
+    assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == tokens for r in rows)
+    assert not running(fleet, uid)
