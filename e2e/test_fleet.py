@@ -67,6 +67,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "leave value empty"),
     ("drain-timeout", {"drainTimeoutSeconds": -5}, "greater than or equal to 0"),
     ("bad-backend", {"weightSync": {"backend": "carrier-pigeon"}}, "Unsupported value"),
+    ("peer-ip-and-pods", {"networkPolicy": {"extraIngressFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                                                  "podSelector": {}}]}}, "set ipBlock alone"),
 ]
 
 
@@ -111,6 +113,22 @@ def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> Non
     for kind, name in (("deployment", "e2e-gateway"), ("service", "e2e-gateway"), ("secret", "e2e-admin-token"),
                        ("serviceaccount", "e2e-engine"), ("role", "e2e-gateway"), ("rolebinding", "e2e-gateway")):
         cluster.kubectl("-n", NS, "get", kind, name)
+    policy = json.loads(cluster.kubectl("-n", NS, "get", "networkpolicy", "e2e-engine", "-o", "json").stdout)
+    assert policy["spec"]["podSelector"] == {"matchLabels": {
+        "app.kubernetes.io/name": "rollfleet", "app.kubernetes.io/component": "engine", "rollfleet.dev/fleet": "e2e"}}
+    # The operator in the cluster knows its namespace (POD_NAMESPACE from the downward API).
+    assert {"kubernetes.io/metadata.name": OPERATOR_NS} in [
+        (peer.get("namespaceSelector") or {}).get("matchLabels") for peer in policy["spec"]["ingress"][0]["from"]]
+
+    def switch_policy(enabled: bool) -> None:
+        cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p",
+                        json.dumps({"spec": {"networkPolicy": {"enabled": enabled}}}))
+        wait_for(lambda: (cluster.kubectl("-n", NS, "get", "networkpolicy", "e2e-engine", check=False).returncode
+                          == 0) == enabled, timeout=60, what=f"the NetworkPolicy {'back' if enabled else 'deleted'}")
+
+    # Switched off, the operator deletes it; switched on again, it is back (no engine restarts either way).
+    switch_policy(False)
+    switch_policy(True)
 
 
 def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Fleet) -> None:
@@ -233,7 +251,7 @@ def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluste
 def test_deleting_the_fleet_removes_everything_it_created(cluster: Cluster, fleet: Fleet) -> None:
     cluster.kubectl("-n", NS, "delete", "rf", NAME, "--wait=true", "--timeout=120s", timeout=150)
     selector = f"rollfleet.dev/fleet={NAME}"
-    kinds = "pods,deployments,replicasets,services,secrets,serviceaccounts,roles,rolebindings"
+    kinds = "pods,deployments,replicasets,services,secrets,serviceaccounts,roles,rolebindings,networkpolicies"
 
     def gone() -> bool:
         out = cluster.kubectl("-n", NS, "get", kinds, "-l", selector, "-o", "name").stdout.strip()

@@ -203,6 +203,74 @@ class WeightSyncSpec(ApiModel):
         "traffic until the sync sidecar updates them.")
 
 
+# Label values as Kubernetes accepts them: refused here rather than when the operator applies the policy.
+LabelValue = Annotated[str, StringConstraints(max_length=63, pattern=r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")]
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=317)]
+Cidr = Annotated[str, StringConstraints(max_length=64, pattern=r"^[0-9A-Fa-f:.]+/[0-9]{1,3}$")]
+
+
+class LabelSelectorRequirement(ApiModel):
+    """One expression of a label selector, as in Kubernetes."""
+
+    model_config = ApiModel.model_config | {"json_schema_extra": validations(
+        cel("(self.operator == 'In' || self.operator == 'NotIn') == (has(self.values) && size(self.values) > 0)",
+            "matchExpressions: In and NotIn need values; Exists and DoesNotExist take none"),
+    )}
+
+    key: LabelKey = Field(description="Label key.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="In, NotIn, Exists or DoesNotExist.")
+    values: list[LabelValue] | None = Field(default=None, max_length=64, description="Values for In and NotIn.")
+
+
+class LabelSelector(ApiModel):
+    """A label selector, as in Kubernetes: every term must match; an empty selector matches everything."""
+
+    match_labels: dict[str, LabelValue] | None = Field(default=None, description="Labels that must all match.")
+    match_expressions: list[LabelSelectorRequirement] | None = Field(
+        default=None, max_length=16, description="Expressions that must all match.")
+
+
+class IPBlock(ApiModel):
+    """A CIDR range, as in a NetworkPolicy peer (for sources that are not pods, or pods seen by address)."""
+
+    cidr: Cidr = Field(description="The range admitted, for example 10.0.0.0/16.")
+    # `except` is a Python keyword: the field is `except_` in Python, `except` on the wire.
+    except_: list[Cidr] | None = Field(
+        default=None, max_length=32, serialization_alias="except", validation_alias=AliasChoices("except", "except_"),
+        description="Ranges inside cidr that are not admitted.")
+
+
+class NetworkPolicyPeer(ApiModel):
+    """A source admitted to the engine port, as in a NetworkPolicy rule's `from`."""
+
+    model_config = ApiModel.model_config | {"json_schema_extra": validations(
+        cel("has(self.ipBlock) != (has(self.podSelector) || has(self.namespaceSelector))",
+            "networkPolicy.extraIngressFrom: set ipBlock alone, or podSelector and/or namespaceSelector"),
+    )}
+
+    pod_selector: LabelSelector | None = Field(
+        default=None, description="Pods admitted (in the fleet's namespace, or in those namespaceSelector selects).")
+    namespace_selector: LabelSelector | None = Field(
+        default=None, description="Namespaces whose pods are admitted (all of them, or those podSelector selects).")
+    ip_block: IPBlock | None = Field(default=None, description="Addresses admitted.")
+
+
+class NetworkPolicySpec(ApiModel):
+    """The NetworkPolicy `<fleet>-engine`: who may open connections to the engine pods.
+
+    Only the fleet's gateway pods, the operator's pods and the fleet's trainer pods (labelled
+    `app.kubernetes.io/component=trainer` and `rollfleet.dev/fleet=<fleet>`, where the sync
+    sidecar runs) reach the engine port; engine egress stays open. It takes effect only on a
+    cluster whose network plugin enforces NetworkPolicies.
+    """
+
+    enabled: bool = Field(default=True, description="Create the NetworkPolicy; false deletes it.")
+    extra_ingress_from: list[NetworkPolicyPeer] = Field(
+        default_factory=list, max_length=16,
+        description="More sources admitted to the engine port (for example a Prometheus namespace, or a trainer "
+        "outside the cluster as an ipBlock).")
+
+
 class RolloutFleetSpec(ApiModel):
     """The desired fleet: how many engines, serving what, where, and how changes roll out."""
 
@@ -216,6 +284,8 @@ class RolloutFleetSpec(ApiModel):
         default=300, ge=0, le=86400,
         description="On scale-down and update, how long an engine may finish its in-flight requests before deletion.")
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="Weight update settings.")
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Which pods may connect to the engines.")
 
 
 class EngineStatus(ApiModel):

@@ -3,8 +3,8 @@
 Pure: every function maps (fleet identity, spec) to manifests, so the operator's
 `reconcile` only decides when to apply them. Owns the object names, labels, the engine
 pod template (and its hash, which says whether a pod is up to date), the gateway
-Deployment and Service, the admin-token Secret, ServiceAccounts and the gateway's Role.
-Talks to nobody.
+Deployment and Service, the admin-token Secret, ServiceAccounts, the gateway's Role and
+the engines' NetworkPolicy. Talks to nobody.
 """
 
 from __future__ import annotations
@@ -32,11 +32,17 @@ from rollfleet.api.common import (
 from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
 
 Manifest = dict[str, Any]
+ObjectKey = tuple[str, str]  # (kind, name) of an object in the fleet's namespace
 
 ENGINE_PORT = 8000
+# The component label of the pods that run the sync sidecar (manifests/sync/trainer-job.yaml):
+# with the fleet label, what the engines' NetworkPolicy admits as the fleet's trainers.
+TRAINER_COMPONENT = "trainer"
 GATEWAY_PORT = 8080
 MODEL_MOUNT = "/models"
 MANAGER = "rollfleet-operator"
+# Set by the API server on every namespace (Kubernetes 1.22+): how a policy names one namespace.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 # A lost node's pods are evicted after this long (Kubernetes' default is 300 s); the
 # operator then replaces them, so a fleet heals in about a minute, not five.
 NODE_LOST_TOLERATION_SECONDS = 30
@@ -83,6 +89,10 @@ def engine_sa_name(fleet: str) -> str:
 
 def secret_name(fleet: str) -> str:
     return f"{fleet}-admin-token"
+
+
+def network_policy_name(fleet: str) -> str:
+    return f"{fleet}-engine"
 
 
 def gateway_endpoint(ref: FleetRef) -> str:
@@ -322,10 +332,50 @@ def gateway_service(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
     }
 
 
-def owned_objects(ref: FleetRef, spec: RolloutFleetSpec) -> list[Manifest]:
+def _pods(labels: dict[str, str]) -> Manifest:
+    return {"podSelector": {"matchLabels": labels}}
+
+
+def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namespace: str | None) -> Manifest:
+    """Ingress to the engine pods: the engine port from the gateway, the operator and the trainers, nothing else.
+
+    The fleet's gateway pods route requests; the operator's pods (in `operator_namespace`,
+    unknown when the operator does not run in a pod: then no pod can be named for it) read
+    engine state and pause, resume and drain; the fleet's trainer pods (component `trainer`,
+    the sync sidecar) pause engines and push weights. `extraIngressFrom` peers get the same
+    port. With the nccl backend the trainer (rank 0) and the engines also open connections
+    to each other on ports NCCL picks at run time, so those two may reach every port.
+    Egress stays open: engines pull weights from the trainer pod's weights server. The
+    kubelet's probes come from the node, which a NetworkPolicy cannot block.
+    """
+    trainers = _pods({LABEL_COMPONENT: TRAINER_COMPONENT, LABEL_FLEET: ref.name})
+    sources = [_pods(component_labels(ref.name, "gateway")), trainers]
+    if operator_namespace:
+        sources.append({"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
+                        **_pods({LABEL_NAME: "rollfleet", LABEL_COMPONENT: "operator"})})
+    sources += [peer.wire() for peer in spec.network_policy.extra_ingress_from]
+    ingress: list[Manifest] = [{"from": sources, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}]
+    if spec.weight_sync.backend == "nccl":
+        ingress.append({"from": [trainers, _pods(component_labels(ref.name, "engine"))]})
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(ref, network_policy_name(ref.name), "engine"),
+        "spec": {"podSelector": {"matchLabels": component_labels(ref.name, "engine")},
+                 "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def owned_objects(ref: FleetRef, spec: RolloutFleetSpec, operator_namespace: str | None) -> list[Manifest]:
     """Everything but the engine pods and the Secret, in the order they are applied."""
     objects = [engine_service_account(ref)]
+    if spec.network_policy.enabled:
+        objects.append(engine_network_policy(ref, spec, operator_namespace))
     if spec.gateway.enabled:
         objects += [gateway_service_account(ref), gateway_role(ref), gateway_role_binding(ref),
                     gateway_service(ref, spec), gateway_deployment(ref, spec)]
     return objects
+
+
+def absent_objects(ref: FleetRef, spec: RolloutFleetSpec) -> list[ObjectKey]:
+    """Objects the spec switched off that an earlier spec may have created: the operator deletes them."""
+    return [] if spec.network_policy.enabled else [("NetworkPolicy", network_policy_name(ref.name))]

@@ -10,6 +10,7 @@ to cleanup. Talks to nobody itself.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import aiohttp
@@ -20,6 +21,8 @@ from rollfleet.api.fleet import PLURAL
 from rollfleet.controller.kube import Kube, load_client
 from rollfleet.controller.reconciler import Operator
 
+log = logging.getLogger("rollfleet.operator")
+
 
 @kopf.on.startup()
 async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -28,7 +31,13 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
     settings.posting.level = logging.WARNING
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
-    memo.fleets = Operator(Kube(load_client()), session)
+    # The downward API's namespace (manifests/base/operator.yaml): fleets' NetworkPolicies
+    # admit this operator's pods to the engines by it.
+    namespace = os.environ.get("POD_NAMESPACE") or None
+    if namespace is None:
+        log.warning("POD_NAMESPACE is not set (not running in a pod?): fleets' NetworkPolicies admit no operator "
+                    "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom")
+    memo.fleets = Operator(Kube(load_client()), session, namespace)
     memo.fleet_http = session
 
 

@@ -52,6 +52,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(client)
         self.apps = kubernetes.client.AppsV1Api(client)
         self.rbac = kubernetes.client.RbacAuthorizationV1Api(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
         # A pool of its own: the default executor has cpu_count + 4 threads (6 on two cores),
         # which would cap a 200-pod scale-up at 6 requests in flight.
@@ -128,9 +129,19 @@ class Kube:
             "Deployment": self.apps.patch_namespaced_deployment,
             "Role": self.rbac.patch_namespaced_role,
             "RoleBinding": self.rbac.patch_namespaced_role_binding,
+            "NetworkPolicy": self.networking.patch_namespaced_network_policy,
         }[kind]
         await self._call(f"apply {kind}", fn, name, ns, manifest, field_manager=MANAGER, force=True,
                          _content_type=APPLY)
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete an object the fleet's spec switched off; one that is gone already is fine."""
+        fn = {"NetworkPolicy": self.networking.delete_namespaced_network_policy}[kind]
+        try:
+            await self._call(f"delete {kind}", fn, name, namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
 
     async def read_deployment_status(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -53,6 +53,7 @@ PASS_MIN_INTERVAL_S = 0.25  # bursts of watch events coalesce into one pass
 BUSY_RESYNC_S = 1.0  # while anything changes: engines starting, draining, pausing
 IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight versions)
 REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
+ABSENT = "absent"  # the digest recorded for an object the spec switched off (deleted, not applied)
 NODE_REFRESH_S = 5.0
 SETTLED = frozenset({"Ready", "Paused", "PendingSync"})  # phases that change only by outside action
 
@@ -100,6 +101,7 @@ class Shared:
     kube: Kube
     engines: EngineClient
     nodes: NodeHealth
+    operator_namespace: str | None  # where this operator's pod runs; None outside a pod
     pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
     gateways: dict[Key, GatewayObs] = field(default_factory=dict)
 
@@ -272,8 +274,9 @@ class FleetLoop:
         return self._token
 
     async def _ensure_owned(self, spec: RolloutFleetSpec) -> None:
-        """Apply ServiceAccounts, RBAC and the gateway when their manifest changed (or now and then)."""
-        for manifest in desired.owned_objects(self.ref, spec):
+        """Apply ServiceAccounts, RBAC, the NetworkPolicy and the gateway when their manifest changed (or now
+        and then); delete what the spec switched off."""
+        for manifest in desired.owned_objects(self.ref, spec, self.shared.operator_namespace):
             key = f"{manifest['kind']}/{manifest['metadata']['name']}"
             digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
             last = self._applied.get(key)
@@ -283,6 +286,15 @@ class FleetLoop:
             if last is None or last[0] != digest:
                 log.info("%s/%s applied %s", *self.key, key)
             self._applied[key] = (digest, time.monotonic())
+        for kind, name in desired.absent_objects(self.ref, spec):
+            key = f"{kind}/{name}"
+            last = self._applied.get(key)
+            if last is not None and last[0] == ABSENT and time.monotonic() - last[1] < REAPPLY_S:
+                continue
+            await self.shared.kube.delete(kind, self.ref.namespace, name)
+            if last is not None and last[0] != ABSENT:
+                log.info("%s/%s deleted %s", *self.key, key)
+            self._applied[key] = (ABSENT, time.monotonic())
 
     # ---- engines ---------------------------------------------------------------------------
 
@@ -409,8 +421,9 @@ def _unwell(pod: Mapping[str, Any]) -> bool:
 class Operator:
     """The fleet loops and the caches they share; kopf's handlers call the `on_*` methods."""
 
-    def __init__(self, kube: Kube, session: aiohttp.ClientSession) -> None:
-        self.shared = Shared(kube=kube, engines=EngineClient(session), nodes=NodeHealth(kube))
+    def __init__(self, kube: Kube, session: aiohttp.ClientSession, operator_namespace: str | None) -> None:
+        self.shared = Shared(kube=kube, engines=EngineClient(session), nodes=NodeHealth(kube),
+                             operator_namespace=operator_namespace)
         self.fleets: dict[Key, FleetLoop] = {}
         self._stopping: set[asyncio.Task[None]] = set()
 

@@ -21,6 +21,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
     assert spec.drain_timeout_seconds == 300
     assert spec.gateway.enabled and spec.gateway.replicas == 1
     assert spec.engine.image.startswith("rollfleet/engine-cpu:")
+    assert spec.network_policy.enabled and spec.network_policy.extra_ingress_from == []
 
 
 def test_wire_form_is_camel_case_without_nulls() -> None:
@@ -37,6 +38,16 @@ def test_bounds_are_checked_in_python_too() -> None:
         RolloutFleetSpec.model_validate({"model": {"servedName": "tiny", "hostPath": "/m"}, "replicas": -1})
     with pytest.raises(ValidationError):
         RolloutFleetSpec.model_validate({"model": {"servedName": "tiny", "hostPath": "relative/path"}})
+
+
+def test_network_policy_peers_keep_kubernetes_spelling() -> None:
+    spec = RolloutFleetSpec.model_validate({"model": {"servedName": "tiny", "imagePath": "/m"}, "networkPolicy": {
+        "extraIngressFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]}})
+    assert spec.network_policy.extra_ingress_from[0].wire() == {
+        "ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}
+    with pytest.raises(ValidationError):
+        RolloutFleetSpec.model_validate({"model": {"servedName": "tiny", "imagePath": "/m"}, "networkPolicy": {
+            "extraIngressFrom": [{"podSelector": {"matchLabels": {"app": "not a label value"}}}]}})
 
 
 def test_reserved_flags_are_the_ones_the_operator_sets() -> None:

@@ -1,4 +1,4 @@
-"""Desired objects from a fleet spec: engine pods, gateway, RBAC, names and the template hash."""
+"""Desired objects from a fleet spec: engine pods, gateway, RBAC, NetworkPolicy, names and the template hash."""
 
 from __future__ import annotations
 
@@ -89,8 +89,8 @@ def test_engine_index_round_trips_and_rejects_other_names() -> None:
 
 
 def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
-    objects = {o["kind"]: o for o in desired.owned_objects(REF, spec())}
-    assert set(objects) == {"ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"}
+    objects = {o["kind"]: o for o in desired.owned_objects(REF, spec(), "rollfleet-system")}
+    assert set(objects) == {"ServiceAccount", "NetworkPolicy", "Role", "RoleBinding", "Service", "Deployment"}
     dep = objects["Deployment"]
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert dep["metadata"]["name"] == "tiny-gateway"
@@ -100,9 +100,67 @@ def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
     rules = objects["Role"]["rules"]
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
     assert desired.gateway_endpoint(REF) == "http://tiny-gateway.team.svc:8080"
-    no_gw = desired.owned_objects(REF, spec(gateway={"enabled": False}))
-    assert [o["kind"] for o in no_gw] == ["ServiceAccount"]  # the engines' own, with no token mounted
-    assert no_gw[0]["automountServiceAccountToken"] is False
+    no_gw = desired.owned_objects(REF, spec(gateway={"enabled": False}), "rollfleet-system")
+    assert [o["kind"] for o in no_gw] == ["ServiceAccount", "NetworkPolicy"]
+    assert no_gw[0]["automountServiceAccountToken"] is False  # the engines' own, with no token mounted
+
+
+ENGINES = {"app.kubernetes.io/name": "rollfleet", "app.kubernetes.io/component": "engine",
+           "rollfleet.dev/fleet": "tiny"}
+GATEWAY = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollfleet",
+                                           "app.kubernetes.io/component": "gateway", "rollfleet.dev/fleet": "tiny"}}}
+TRAINERS = {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": "tiny"}}}
+OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rollfleet-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollfleet",
+                                            "app.kubernetes.io/component": "operator"}}}
+
+
+def test_network_policy_admits_only_gateway_trainers_and_operator_to_the_engine_port() -> None:
+    policy = desired.engine_network_policy(REF, spec(), "rollfleet-system")
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["name"] == "tiny-engine" and policy["metadata"]["namespace"] == "team"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    # The engine pods exactly (what the engine pod template carries and the scale selector says) ...
+    assert policy["spec"]["podSelector"] == {"matchLabels": ENGINES}
+    pod_labels = desired.engine_pod(REF, spec(), 0)["metadata"]["labels"]
+    assert ENGINES.items() <= pod_labels.items()
+    # ... ingress only (egress stays open: engines pull weights from the trainer pod) ...
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    # ... and one rule: the engine port, from the fleet's gateway and trainers and the operator's pods.
+    assert policy["spec"]["ingress"] == [{"from": [GATEWAY, TRAINERS, OPERATOR],
+                                          "ports": [{"protocol": "TCP", "port": desired.ENGINE_PORT}]}]
+    gateway_pods = desired.gateway_deployment(REF, spec())["spec"]["template"]["metadata"]["labels"]
+    assert GATEWAY["podSelector"]["matchLabels"].items() <= gateway_pods.items()
+
+
+def test_network_policy_without_a_known_operator_namespace_names_no_operator_pod() -> None:
+    sources = desired.engine_network_policy(REF, spec(), None)["spec"]["ingress"][0]["from"]
+    assert sources == [GATEWAY, TRAINERS]
+
+
+def test_network_policy_admits_extra_peers_on_the_engine_port() -> None:
+    extra = [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},
+             {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+             {"podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["bench"]}]}}]
+    policy = desired.engine_network_policy(REF, spec(networkPolicy={"extraIngressFrom": extra}), "ops")
+    rule = policy["spec"]["ingress"][0]
+    assert rule["from"][3:] == extra
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+
+
+def test_nccl_fleets_also_admit_trainers_and_engines_on_every_port() -> None:
+    policy = desired.engine_network_policy(REF, spec(weightSync={"backend": "nccl"}), "rollfleet-system")
+    engines = {"podSelector": {"matchLabels": ENGINES}}
+    assert policy["spec"]["ingress"][1] == {"from": [TRAINERS, engines]}  # no ports: NCCL picks them at run time
+
+
+def test_network_policy_can_be_switched_off_and_is_then_deleted() -> None:
+    assert desired.absent_objects(REF, spec()) == []
+    off = spec(networkPolicy={"enabled": False})
+    assert "NetworkPolicy" not in [o["kind"] for o in desired.owned_objects(REF, off, "rollfleet-system")]
+    assert desired.absent_objects(REF, off) == [("NetworkPolicy", "tiny-engine")]
+    # Switching it, or its peers, never restarts an engine.
+    assert desired.template_hash(off) == desired.template_hash(spec())
 
 
 def test_admin_secret_holds_the_token() -> None:
