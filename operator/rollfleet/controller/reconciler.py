@@ -44,6 +44,7 @@ from rollfleet.controller.status import (
     observe_pod,
 )
 from rollfleet.sync.fleetversion import fleet_weight_version
+from rollfleet.sync.protocol import ANNOTATION_SYNC_STATE
 from rollfleet_engine.protocol import EngineState
 
 log = logging.getLogger("rollfleet.operator")
@@ -116,6 +117,7 @@ class FleetLoop:
         self.task: asyncio.Task[None] | None = None
         self._token: str | None = None
         self._states: dict[str, tuple[float, EngineState | None]] = {}
+        self._sync_record: str | None = None  # the sync sidecar's record (annotation) last seen
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._applied: dict[str, tuple[str, float]] = {}
         self._last_status_at = -1e9
@@ -212,6 +214,12 @@ class FleetLoop:
         # Busy (1 s passes) while engines come and go; settled engines are re-read every 10 s.
         busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready
                                                      for o in observed)
+        sync_record = annotations.get(ANNOTATION_SYNC_STATE)
+        if sync_record != self._sync_record:
+            # A push started or committed: engines' weight versions just changed; cached states would
+            # show them PendingSync (or routable on the old version) until their next read.
+            self._states.clear()
+            self._sync_record = sync_record
         states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else IDLE_RESYNC_S)
         observed = [dataclasses.replace(o, state=states.get(o.name)) for o in observed]
 
