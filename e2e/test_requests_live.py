@@ -124,6 +124,7 @@ def test_abort_by_annotation_stops_every_in_flight_sample_on_the_engines_within_
     assert took <= ABORT_BOUND_S, f"samples ran on the engines {took:.2f}s after the annotation"
 
     st = wait_phase(fleet, name, "Aborted", timeout=60)
+    assert not running(fleet, uid), "a sample (in transit at the abort) runs on an engine"
     assert st["reason"] == "AbortRequested" and st["abort"]["token"] == "stop-1"
     assert st["abort"]["stopped"] >= 1
     rows = results(fleet, name)

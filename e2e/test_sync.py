@@ -78,7 +78,7 @@ def trainer_pod() -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": TRAINER, "namespace": NS, "labels": {"rollfleet.dev/fleet": NAME}},
+        "metadata": {"name": TRAINER, "namespace": NS, "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME}},
         "spec": {
             "serviceAccountName": "rollfleet-trainer",
             "containers": [

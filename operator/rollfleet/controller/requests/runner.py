@@ -57,6 +57,7 @@ MAX_UNFLUSHED = 256  # and no more samples are sent while this many results are 
 FLEET_INTERVAL_S = 1.0  # how often the fleet and gateway are looked at
 TICK_S = 0.1  # the loop wakes at least this often (abort annotation, deadline)
 ABORT_WAIT_S = 10.0  # how long an abort waits for the aborted calls to come back with their partial output
+ABORT_RESEND_S = 0.25  # calls still out after an abort are aborted again this often (one may have been in transit)
 ABORT_BATCH = 4096  # ids per POST /v1/abort (the gateway's limit)
 
 log = logging.getLogger(__name__)
@@ -352,20 +353,24 @@ class Run:
     async def _abort_in_flight(self, schedule: plan.Schedule, verdict: Verdict) -> None:
         """Stop every in-flight sample on its engine, keep their partial outputs, record the abort."""
         self.aborting = True
-        ids = [plan.sample_id(self.uid, k) for k in [*self.tasks.values(), *self.unsure]]
-        stopped = 0
-        if ids:
-            answer = await self._gateway_abort(ids, timeout_s=5) or {}
-            stopped = sum(1 for v in answer.values() if v == "aborted")
-        # The aborted calls come back with finish_reason abort and what they generated so far.
+        stopped: set[str] = set()
+        ids = [plan.sample_id(self.uid, k) for k in self.unsure]
+        # The aborted calls come back with finish_reason abort and what they generated so far. A call
+        # sent just before the abort may still be on its way to an engine ("unknown" everywhere): abort
+        # again, every ABORT_RESEND_S, until every call has come back.
         deadline = time.monotonic() + ABORT_WAIT_S
-        while self.tasks and time.monotonic() < deadline:
-            await self._collect(schedule, wait_s=deadline - time.monotonic())
+        while (self.tasks or ids) and time.monotonic() < deadline:
+            ids += [plan.sample_id(self.uid, k) for k in self.tasks.values()]
+            if ids:
+                answer = await self._gateway_abort(ids, timeout_s=5) or {}
+                stopped.update(rid for rid, v in answer.items() if v == "aborted")
+                ids = []
+            await self._collect(schedule, wait_s=max(0.0, min(ABORT_RESEND_S, deadline - time.monotonic())))
         for task in self.tasks:  # closing the connection makes the gateway stop it too
             task.cancel()
         self.tasks.clear()
         if self.abort_token is not None:
-            self.abort_record = AbortRecord(token=self.abort_token, time=datetime.now(UTC), stopped=stopped)
+            self.abort_record = AbortRecord(token=self.abort_token, time=datetime.now(UTC), stopped=len(stopped))
 
     async def _on_stop(self) -> None:
         """kopf stops the daemon: the request was deleted (stop its samples) or the operator exits."""
