@@ -19,7 +19,6 @@ from rollfleet.api.common import (
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
     API_VERSION,
-    GROUP,
     LABEL_COMPONENT,
     LABEL_FLEET,
     LABEL_INDEX,
@@ -29,7 +28,7 @@ from rollfleet.api.common import (
     TOKEN_KEY,
     TOKEN_MOUNT_DIR,
 )
-from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
+from rollfleet.api.fleet import KIND, RolloutFleetSpec
 
 Manifest = dict[str, Any]
 ObjectKey = tuple[str, str]  # (kind, name) of an object in the fleet's namespace
@@ -267,15 +266,11 @@ def gateway_service_account(ref: FleetRef) -> Manifest:
 
 
 def gateway_role(ref: FleetRef) -> Manifest:
-    """The gateway reads engine pods (to route) and its fleet (for settings); nothing else."""
+    """The gateway lists and watches engine pods (to route on their phase annotations); nothing else."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
         "metadata": _meta(ref, gateway_name(ref.name), "gateway"),
-        "rules": [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-            {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch"],
-             "resourceNames": [ref.name]},
-        ],
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
     }
 
 

@@ -143,16 +143,6 @@ class Kube:
             if err.status != 404:
                 raise
 
-    async def read_deployment_status(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            resp = await self._call("read deployment", self.apps.read_namespaced_deployment_status, name,
-                                    namespace, _preload_content=False)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
-        return dict(_json(resp).get("status") or {})
-
     async def patch_fleet(self, ref: FleetRef, patch: dict[str, Any], status: bool = False) -> None:
         fn = self.custom.patch_namespaced_custom_object_status if status else self.custom.patch_namespaced_custom_object
         try:
