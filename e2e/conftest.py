@@ -36,5 +36,10 @@ def core(cluster: Cluster) -> kubernetes.client.CoreV1Api:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Tests that stop the shared cluster run after everything else.
-    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+    # Modules that make the shared operator cluster-wide (the README's walkthrough) run after
+    # every module that scopes it to its namespaces; tests that stop the shared cluster run
+    # after everything else. The sort is stable: file and parameter order hold within each group.
+    def group(item: pytest.Item) -> int:
+        return 2 if item.get_closest_marker("last") else 1 if item.get_closest_marker("cluster_wide") else 0
+
+    items.sort(key=group)

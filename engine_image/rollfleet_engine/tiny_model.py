@@ -22,6 +22,10 @@ import tempfile
 from pathlib import Path
 
 TINY_MODEL_NAME = "tiny-v1"
+# Where the model is on a node: the CPU engine image bakes it there (engine_image/Dockerfile.cpu)
+# and the samples' hostPath volumes read it (manifests/samples/); the local cluster keeps that
+# node directory in the cache (see rollfleet/localcluster/pools.yaml).
+NODE_MODEL_DIR = f"/var/lib/rollfleet/models/{TINY_MODEL_NAME}"
 WEIGHTS_B_DIR = "weights-b"
 SEED_A = 1234
 SEED_B = 5678

@@ -1,11 +1,12 @@
 """`rollfleet demo` (`make demo`): the whole product on one machine, step by step.
 
-Brings up the local cluster, deploys the operator from `manifests/`, applies a
-2-engine CPU fleet with the tiny model, and walks through what the README shows:
-rollouts, abort by annotation, pause keep and resume, scale, a weight push and the
-results. Every step prints the kubectl command it runs and what it showed, with
-timings. It leaves the cluster up. Talks to: the local cluster (kubectl, HTTP to the
-gateway and engines by their loopback addresses).
+Brings up the local cluster, deploys the operator from `manifests/`, applies the
+2-engine CPU fleet of `manifests/samples/` (the tiny model, which `cluster up` puts on the
+nodes), and walks through what the README shows with the same sample files: rollouts,
+abort by annotation, pause keep and resume, scale, a weight push and the results. Every
+step prints the kubectl command it runs and what it showed, with timings. It leaves the
+cluster up. Talks to: the local cluster (kubectl, HTTP to the gateway and engines by their
+loopback addresses).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import yaml
 
 from rollfleet.kubectl import Kubectl, KubectlError
 
 REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "manifests" / "samples"
 NS = "rollfleet-demo"
 FLEET = "tiny"
 T = TypeVar("T")
@@ -57,7 +58,8 @@ class Walkthrough:
 
     def sh(self, *args: str, input: str | None = None, show: bool = True) -> str:
         """Run `kubectl args` the way a person would, printing the command and its output."""
-        print(f"    $ kubectl {' '.join(args)}", flush=True)
+        # Paths as the README writes them (relative to the repository root).
+        print(f"    $ kubectl {' '.join(a.removeprefix(f'{REPO}/') for a in args)}", flush=True)
         out = self.k.run(*args, input=input, timeout=300).stdout
         if show:
             for line in out.rstrip().splitlines():
@@ -84,35 +86,6 @@ class Walkthrough:
 
     def get(self, *args: str) -> Any:
         return self.k.json("-n", NS, "get", *args)
-
-
-def fleet_manifest(model_dir: Path, replicas: int) -> str:
-    return yaml.safe_dump({
-        "apiVersion": "rollfleet.dev/v1alpha1",
-        "kind": "RolloutFleet",
-        "metadata": {"name": FLEET, "namespace": NS},
-        "spec": {
-            "replicas": replicas,
-            "model": {"servedName": "tiny", "hostPath": str(model_dir)},
-            # Room for the long generations of the abort and pause steps.
-            "engine": {"gpusPerEngine": 1, "maxModelLen": 2048, "args": ["--max-num-seqs", "8"]},
-            "drainTimeoutSeconds": 60,
-        },
-    }, sort_keys=False)
-
-
-def request_manifest(name: str, prompts: int, samples: int, max_tokens: int, ignore_eos: bool = False) -> str:
-    return yaml.safe_dump({
-        "apiVersion": "rollfleet.dev/v1alpha1",
-        "kind": "RolloutRequest",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "fleet": FLEET,
-            "prompts": [{"text": f"def f{i}(x):"} for i in range(prompts)],
-            "samplesPerPrompt": samples,
-            "sampling": {"maxTokens": max_tokens, "temperature": 1.0, "ignoreEos": ignore_eos},
-        },
-    }, sort_keys=False)
 
 
 def _gateway_url(w: Walkthrough) -> str:
@@ -173,12 +146,11 @@ def _results(k: Kubectl, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def _push_weights(w: Walkthrough, weights_dir: Path) -> None:
+def _push_weights(w: Walkthrough) -> None:
     from rollfleet.localcluster.nodeagent.logs import find_log, nodes_state_dir
 
-    trainer = (REPO / "manifests" / "samples" / "demo-trainer.yaml").read_text()
     w.sh("-n", NS, "apply", "-k", str(REPO / "manifests" / "sync"), show=False)
-    w.sh("-n", NS, "apply", "-f", "-", input=trainer.replace("WEIGHTS_DIR", str(weights_dir)))
+    w.sh("-n", NS, "apply", "-f", str(SAMPLES / "demo-trainer.yaml"))
 
     def trainer_exit() -> dict[str, Any] | None:
         for c in w.get("pod", "demo-trainer").get("status", {}).get("containerStatuses", []):
@@ -199,7 +171,7 @@ def _push_weights(w: Walkthrough, weights_dir: Path) -> None:
 
 def run() -> None:
     from rollfleet.localcluster import controlplane
-    from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+    from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR
 
     t_all = time.monotonic()
     print("\033[1m[0] the local cluster (built once, then seconds)\033[0m", flush=True)
@@ -210,9 +182,9 @@ def run() -> None:
     with w.step("the nodes: GPU node pools, run by the node agent"):
         w.sh("get", "nodes", "-L", "rollfleet.dev/pool", "-L", "nvidia.com/gpu.product")
 
-    with w.step("the tiny model (random weights, local tokenizer; a second weight set for the push)"):
-        model_dir = ensure_tiny_model()
-        w.say(f"model: {model_dir}  (weights B: {model_dir / WEIGHTS_B_DIR})")
+    with w.step("the tiny model on the nodes (random weights, local tokenizer; a second weight set for the push)"):
+        model_dir = controlplane.ensure_node_model()  # `up` built it; this says where it is
+        w.say(f"nodes' {NODE_MODEL_DIR} is {model_dir} here  (weights B: {WEIGHTS_B_DIR}/)")
 
     with w.step("deploy the operator from manifests/ (CRDs, RBAC, Deployment)"):
         w.sh("apply", "-k", str(REPO / "manifests" / "overlays" / "local"), show=False)
@@ -223,14 +195,14 @@ def run() -> None:
         # A fresh namespace, so a second run walks through the same steps (builds stay cached).
         k.run("delete", "namespace", NS, "--ignore-not-found", "--wait=true", "--timeout=180s")
         k.run("create", "namespace", NS)
-        w.sh("apply", "-f", "-", input=fleet_manifest(model_dir, 2))
+        w.sh("-n", NS, "apply", "-f", str(SAMPLES / "tiny-fleet.yaml"))
         w.wait("2/2 engines and the gateway", lambda: (s := w.get("rf", FLEET).get("status", {}))
                .get("readyReplicas") == 2 and (s.get("gateway") or {}).get("readyReplicas", 0) >= 1, timeout=900)
         w.sh("-n", NS, "get", "rf")
         w.sh("-n", NS, "get", "pods", "-o", "wide")
 
     with w.step("rollouts as a RolloutRequest: 16 prompts x 4 samples (a GRPO-style batch)"):
-        w.sh("apply", "-f", "-", input=request_manifest("batch-1", 16, 4, 32))
+        w.sh("-n", NS, "apply", "-f", str(SAMPLES / "batch-request.yaml"))
         done = w.wait("batch-1 to finish", lambda: (s := w.get("rr", "batch-1").get("status", {}))
                       .get("phase") in {"Succeeded", "Failed", "Aborted"} and s, timeout=600)
         if done["phase"] != "Succeeded":
@@ -241,7 +213,7 @@ def run() -> None:
         w.say("  " + json.dumps(lines[0])[:300])
 
     with w.step("abort by annotation: every in-flight sample stops on the engines"):
-        w.sh("apply", "-f", "-", input=request_manifest("long", 8, 2, 1500, ignore_eos=True))
+        w.sh("-n", NS, "apply", "-f", str(SAMPLES / "long-request.yaml"))
         w.wait("samples running on the engines", lambda: sum(_engines_running(w).values()) > 0, timeout=300)
         w.say(f"engines report running requests: {_engines_running(w)}")
         w.sh("-n", NS, "annotate", "rr/long", "rollfleet.dev/abort=demo-1")
@@ -281,7 +253,7 @@ def run() -> None:
             w.sh("-n", NS, "get", "rf")
 
     with w.step("push weights B from a trainer pod through the sync sidecar"):
-        _push_weights(w, model_dir / WEIGHTS_B_DIR)
+        _push_weights(w)
         w.sh("-n", NS, "get", "rf")
 
     print(f"\n\033[1mDemo finished in {time.monotonic() - t_all:.0f}s.\033[0m The cluster is still up:\n"

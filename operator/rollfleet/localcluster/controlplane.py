@@ -2,7 +2,8 @@
 
 Owns the processes of one cluster: etcd, kube-apiserver, kube-scheduler,
 kube-controller-manager (built by `build.py`) and the node agent (`nodeagent/`),
-each started in its own session with a pid file and a log under the state dir.
+each started in its own session with a pid file and a log under the state dir, and
+makes sure the nodes have the tiny model (in the cache, see the pools file's extraMounts).
 Talks to: the processes it starts (health endpoints) and nothing else.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from rollfleet.localcluster import build, pki
-from rollfleet.localcluster.paths import state_dir
+from rollfleet.localcluster.paths import cache_dir, state_dir
 
 HOST = "127.0.0.1"
 # Services get loopback ClusterIPs, so the node agent's service proxy can listen on them.
@@ -237,9 +238,24 @@ def is_up(layout: Layout | None = None) -> bool:
     return all(running_pid(layout, c) is not None for c in START_ORDER)
 
 
+def ensure_node_model(pools: Path = DEFAULT_POOLS) -> Path:
+    """The tiny model where the nodes' `/var/lib/rollfleet/models/tiny-v1` is on this machine.
+
+    That node path is where the CPU engine image bakes the model and where the samples'
+    hostPath volumes read it; the pools file's extraMounts put it in the cache. Built once
+    (seconds), then found by its completion marker.
+    """
+    from rollfleet.localcluster.nodeagent import config
+    from rollfleet_engine.tiny_model import NODE_MODEL_DIR, ensure_tiny_model
+
+    return ensure_tiny_model(config.load(pools).host_path(NODE_MODEL_DIR, cache_dir()))
+
+
 def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
-    """Build (once) and start a cluster; a running cluster is left as it is."""
+    """Build (once) and start a cluster, with the tiny model on its nodes; a running cluster is left as it is."""
     layout = layout or Layout()
+    model = ensure_node_model(pools)
+    _log(f"tiny model on the nodes: {model}")
     if is_up(layout):
         _log(f"already running; kubeconfig: {layout.kubeconfig}")
         return layout

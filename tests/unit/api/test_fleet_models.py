@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from rollfleet.api.fleet import RESERVED_ENGINE_FLAGS, EngineStatus, RolloutFleet, RolloutFleetSpec
+from rollfleet.api.request import RolloutRequest
 
 SAMPLES = Path(__file__).resolve().parents[3] / "manifests" / "samples"
 
@@ -59,3 +60,5 @@ def test_samples_parse(path: Path) -> None:
     for doc in yaml.safe_load_all(path.read_text()):
         if doc and doc.get("kind") == "RolloutFleet":
             RolloutFleet.model_validate(doc)
+        elif doc and doc.get("kind") == "RolloutRequest":
+            RolloutRequest.model_validate(doc)

@@ -66,16 +66,16 @@ def test_write_atomic_swaps_whole_sets(tmp_path: Path) -> None:
 
 
 def test_host_volumes(tmp_path: Path) -> None:
-    assert prepare_host_volume({"emptyDir": {}}, tmp_path / "e") == str(tmp_path / "e")
+    assert prepare_host_volume({"emptyDir": {}}, tmp_path / "e", Path) == str(tmp_path / "e")
     assert (tmp_path / "e").is_dir()
     created = tmp_path / "made" / "here"
-    assert prepare_host_volume({"hostPath": {"path": str(created), "type": "DirectoryOrCreate"}}, tmp_path / "x")
+    assert prepare_host_volume({"hostPath": {"path": str(created), "type": "DirectoryOrCreate"}}, tmp_path / "x", Path)
     assert created.is_dir()
     with pytest.raises(VolumeError, match="not a directory"):
-        prepare_host_volume({"hostPath": {"path": str(tmp_path / "nope"), "type": "Directory"}}, tmp_path / "y")
-    assert prepare_host_volume({"secret": {"secretName": "s"}}, tmp_path / "s") is None
+        prepare_host_volume({"hostPath": {"path": str(tmp_path / "nope"), "type": "Directory"}}, tmp_path / "y", Path)
+    assert prepare_host_volume({"secret": {"secretName": "s"}}, tmp_path / "s", Path) is None
     with pytest.raises(VolumeError, match="unsupported"):
-        prepare_host_volume({"name": "n", "nfs": {}}, tmp_path / "n")
+        prepare_host_volume({"name": "n", "nfs": {}}, tmp_path / "n", Path)
 
 
 def test_mount_plan() -> None:

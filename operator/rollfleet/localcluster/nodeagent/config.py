@@ -1,4 +1,5 @@
-"""The pools file: which nodes the agent registers and how image names run locally.
+"""The pools file: which nodes the agent registers, how image names run locally, and which
+node directories (hostPath volumes) live elsewhere on this machine.
 
 Pure data (pydantic); read by `agent` at start. The packaged default is
 `rollfleet/localcluster/pools.yaml`.
@@ -7,7 +8,7 @@ Pure data (pydantic); read by `agent` at start. The packaged default is
 from __future__ import annotations
 
 import fnmatch
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,9 +52,23 @@ class ImageRule(_Model):
     env: dict[str, str] = Field(default={}, description="extra environment, like an image's ENV")
 
 
+class ExtraMount(_Model):
+    """A node directory backed by a directory of this machine, like kind's `extraMounts`.
+
+    Pods' hostPath volumes at or under `containerPath` read the same place under `hostPath`.
+    """
+
+    container_path: str = Field(alias="containerPath", pattern=r"^/",
+                                description="the node path that pods' hostPath volumes name")
+    host_path: str = Field(alias="hostPath", pattern=r"^(/|\{cache\})",
+                           description="the directory of this machine behind it; `{cache}` stands for the cache "
+                           "dir ($ROLLFLEET_CACHE, default ~/.cache/rollfleet)")
+
+
 class PoolsFile(_Model):
     pools: list[Pool]
     images: list[ImageRule] = []
+    extra_mounts: list[ExtraMount] = Field(default=[], alias="extraMounts")
     pass_env: list[str] = Field(
         default=["HOME", "LANG", "LC_*", "TZ", "TMPDIR", "ROLLFLEET_*", "HF_*"],
         alias="passEnv",
@@ -62,6 +77,21 @@ class PoolsFile(_Model):
 
     def node_names(self) -> list[str]:
         return [f"{p.name}-{i}" for p in self.pools for i in range(p.nodes)]
+
+    def host_path(self, path: str, cache: Path) -> Path:
+        """Where a pod's hostPath `path` is on this machine: under the longest extraMount that holds it
+        (whole path components: `/var/lib/rollfleet` holds `/var/lib/rollfleet/x`, not
+        `/var/lib/rollfleet-sync`), else `path` itself."""
+        pure = PurePosixPath(path)
+        best: tuple[PurePosixPath, ExtraMount] | None = None
+        for mount in self.extra_mounts:
+            root = PurePosixPath(mount.container_path)
+            if pure.is_relative_to(root) and (best is None or len(root.parts) > len(best[0].parts)):
+                best = (root, mount)
+        if best is None:
+            return Path(path)
+        root, mount = best
+        return Path(mount.host_path.replace("{cache}", str(cache))) / pure.relative_to(root)
 
     def image_rule(self, image: str) -> ImageRule | None:
         """The first rule whose glob matches the image, with or without its registry host."""

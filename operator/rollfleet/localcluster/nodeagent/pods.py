@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import functools
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from rollfleet.localcluster.nodeagent.status import (
     pod_status,
     should_restart,
 )
+from rollfleet.localcluster.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +242,10 @@ class PodWorker:
         await self._fetch_refs()
         tokens = await self._tokens()
         sources: dict[str, tuple[str, bool]] = {}
+        host_path = functools.partial(self.shared.config.host_path, cache=cache_dir())
         for vol in self.pod["spec"].get("volumes") or []:
             vol_dir = self.dir / "volumes" / vol["name"]
-            host = volumes.prepare_host_volume(vol, vol_dir)
+            host = volumes.prepare_host_volume(vol, vol_dir, host_path)
             if host is not None:
                 sources[vol["name"]] = (host, False)
                 continue

@@ -5,7 +5,8 @@ projected volumes; `write_atomic` publishes them the way kubelet does (a `..data
 symlink swapped in one rename, so readers never see a half-written update);
 `mount_plan` (pure) says what gets bind-mounted where inside a container's mount
 namespace (done by `launcher`). Token requests go through `pods`, which talks to
-the API server; this module only touches the pod's own directories and hostPaths.
+the API server; this module only touches the pod's own directories and hostPaths
+(mapped to this machine's directories by the pools file's extraMounts).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,26 +152,31 @@ def write_atomic(target: Path, files: Files) -> None:
         shutil.rmtree(target / old, ignore_errors=True)
 
 
-def prepare_host_volume(volume: Obj, volume_dir: Path) -> str | None:
-    """Create emptyDir / check hostPath volumes; the host path to bind, or None if API-backed."""
+def prepare_host_volume(volume: Obj, volume_dir: Path, host_path: Callable[[str], Path]) -> str | None:
+    """Create emptyDir / check hostPath volumes; the host path to bind, or None if API-backed.
+
+    `host_path` says where a node path is on this machine (the pools file's extraMounts).
+    """
     if "emptyDir" in volume:
         # medium: Memory and sizeLimit are not honoured: the directory lives on the state dir's disk.
         volume_dir.mkdir(parents=True, exist_ok=True)
         return str(volume_dir)
     if "hostPath" in volume:
         hp = volume["hostPath"]
-        path, kind = Path(hp["path"]), hp.get("type", "")
+        path, kind = host_path(hp["path"]), hp.get("type", "")
+        # Name both paths when they differ: the pod names the node's, the fix is on this machine's.
+        shown = hp["path"] if str(path) == hp["path"] else f"{hp['path']} (on this machine {path})"
         if kind == "DirectoryOrCreate":
             path.mkdir(parents=True, exist_ok=True)
         elif kind == "FileOrCreate":
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch(exist_ok=True)
         elif kind == "Directory" and not path.is_dir():
-            raise VolumeError(f"hostPath type check failed: {path} is not a directory")
+            raise VolumeError(f"hostPath type check failed: {shown} is not a directory")
         elif kind == "File" and not path.is_file():
-            raise VolumeError(f"hostPath type check failed: {path} is not a file")
+            raise VolumeError(f"hostPath type check failed: {shown} is not a file")
         elif kind in ("Socket", "CharDevice", "BlockDevice") and not path.exists():
-            raise VolumeError(f"hostPath type check failed: {path} does not exist")
+            raise VolumeError(f"hostPath type check failed: {shown} does not exist")
         return str(path)
     if any(k in volume for k in ("configMap", "secret", "downwardAPI", "projected")):
         volume_dir.mkdir(parents=True, exist_ok=True)
