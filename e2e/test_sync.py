@@ -33,6 +33,7 @@ from e2e.provider import Cluster, wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.sync.client import SyncClient
 from rollfleet.sync.models import EngineStep, PushState
+from rollfleet.sync.protocol import PushPhase, decode_record
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -78,7 +79,9 @@ def trainer_pod() -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": TRAINER, "namespace": NS, "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME}},
+        # The labels the fleet's NetworkPolicy admits to the engines.
+        "metadata": {"name": TRAINER, "namespace": NS,
+                     "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME}},
         "spec": {
             "serviceAccountName": "rollfleet-trainer",
             "containers": [
@@ -217,15 +220,29 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
     finally:
         signal_container(cluster, NS, ENGINES[1], "engine", ENGINE_MARKERS, signal.SIGCONT)
 
-    def settled(st: dict[str, Any]) -> bool:
-        # Whatever the sidecar decides on restart, no engine is ever routable on other weights than the fleet's.
+    def resolved() -> str | None:
+        """The fleet's version once the restarted sidecar has finished (or rolled back) the push."""
+        record = decode_record(fleet.get()["metadata"].get("annotations"))
+        in_progress = record.push is not None and record.push.phase is PushPhase.IN_PROGRESS
+        return None if in_progress or record.committed is None else record.committed.version
+
+    final = wait_for(resolved, timeout=600, what="the restarted sidecar to finish or roll back the push")
+    assert final in weights_of, final
+
+    def truthful(st: dict[str, Any]) -> bool:
+        # No engine is ever routable on other weights than the fleet's, in any status written meanwhile.
         mixed = [e["name"] for e in st.get("engines", [])
                  if e["phase"] in ("Ready", "Paused") and e.get("weightVersion") != st.get("weightVersion")]
         assert not mixed, f"routable on other weights than {st.get('weightVersion')}: {mixed} ({st})"
-        return st.get("weightVersion") in weights_of and all_ready_on(st["weightVersion"])(st)
+        return all_ready_on(final)(st)
 
-    final = fleet.wait(settled, "one version on every engine", timeout=600)["weightVersion"]
     with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
+        def serving_final() -> bool:  # as the engines themselves report it
+            states = [httpx.get(f"{u}/rollfleet/v1/state", timeout=10).json() for u in (e0, e1)]
+            return all((s["weight_version"], s["paused"]) == (final, False) for s in states)
+
+        wait_for(serving_final, timeout=300, what=f"both engines serving {final}")
+        fleet.wait(truthful, f"status: every engine Ready on {final}", timeout=120)
         assert greedy(e0) == greedy(e1) == references[weights_of[final]]
     wait_for(lambda: sync.fleet_version().version == final, timeout=120, what="the restarted sidecar agrees")
     assert sync.fleet_version().pending_sync == []
