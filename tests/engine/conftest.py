@@ -60,6 +60,16 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
     raise TimeoutError(f"engine not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
+def engine_command(model_dir: Path, host: str, port: int | str, token_file: Path, weight_version: str) -> list[str]:
+    """The launcher's command for a test engine: the tiny model (float32 on CPU), a small batch, loopback."""
+    return [
+        sys.executable, "-m", "rollfleet_engine", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
+        "--host", host, "--port", str(port), "--token-file", str(token_file), "--weight-version", weight_version,
+        "--", "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048",
+        "--disable-uvicorn-access-log",
+    ]
+
+
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     model_dir = ensure_tiny_model()
@@ -68,32 +78,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     token_file.write_text(TOKEN + "\n")
     host, port = free_loopback_address()
     log = tmp / "engine.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rollfleet_engine",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--token-file",
-        str(token_file),
-        "--weight-version",
-        "a-0",
-        "--",
-        "--dtype",
-        "float32",
-        "--max-num-seqs",
-        "8",
-        "--max-model-len",
-        "2048",
-        "--disable-uvicorn-access-log",
-    ]
+    cmd = engine_command(model_dir, host, port, token_file, "a-0")
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{host}:{port}"

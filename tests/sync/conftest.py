@@ -23,7 +23,7 @@ import pytest
 
 from rollfleet.sync.client import SyncClient
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
-from tests.engine.conftest import START_TIMEOUT_S, Engine, free_loopback_address, wait_ready
+from tests.engine.conftest import START_TIMEOUT_S, Engine, engine_command, free_loopback_address, wait_ready
 
 TOKEN = "sync-test-token"
 INITIAL_VERSION = "A"
@@ -103,32 +103,7 @@ class Sidecar:
 
 def _engine_cmd(engine: Engine, token_file: Path) -> list[str]:
     host, port = engine.url.removeprefix("http://").split(":")
-    return [
-        sys.executable,
-        "-m",
-        "rollfleet_engine",
-        "serve",
-        "--model",
-        str(engine.model_dir),
-        "--served-model-name",
-        engine.model,
-        "--host",
-        host,
-        "--port",
-        port,
-        "--token-file",
-        str(token_file),
-        "--weight-version",
-        INITIAL_VERSION,
-        "--",
-        "--dtype",
-        "float32",
-        "--max-num-seqs",
-        "8",
-        "--max-model-len",
-        "2048",
-        "--disable-uvicorn-access-log",
-    ]
+    return engine_command(engine.model_dir, host, port, token_file, INITIAL_VERSION)
 
 
 @pytest.fixture(scope="session")
