@@ -20,6 +20,7 @@ import httpx
 import yaml
 
 from e2e.provider import Cluster, wait_for
+from rollfleet import jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_NS = "rollfleet-system"
@@ -162,14 +163,8 @@ class Stream:
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=httpx.Timeout(600)) as r:
                 r.raise_for_status()
-                # Split on "\n" only: generated text may hold U+2028 and the like, which
-                # str.splitlines-style line readers would cut a JSON event at.
-                buffer = b""
-                for data in r.iter_bytes():
-                    buffer += data
-                    *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        self._event(line.decode())
+                for line in jsonl.iter_lines(r.iter_bytes()):
+                    self._event(line)
         except BaseException as err:  # the test thread reports it
             self.error = err
         finally:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from rollfleet import jsonl
 from rollfleet.kubectl import Kubectl, KubectlError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +125,7 @@ class _Stream:
         try:
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600,
                               headers={"X-Request-Id": f"demo-stream-{time.time_ns()}"}) as r:
-                for line in r.iter_lines():
+                for line in jsonl.iter_lines(r.iter_bytes()):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
@@ -143,7 +144,7 @@ class _Stream:
 def _results(k: Kubectl, name: str) -> list[dict[str, Any]]:
     out = subprocess.run([sys.executable, "-m", "rollfleet.cli", "results", f"rr/{name}", "-n", NS,
                           "--kubeconfig", str(k.kubeconfig)], capture_output=True, text=True, check=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
+    return [json.loads(line) for line in jsonl.lines(out)]
 
 
 def _push_weights(w: Walkthrough) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollfleet import jsonl
 from rollfleet.api.request import Prompt, RolloutRequestSpec
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
 
@@ -61,7 +62,7 @@ class PromptError(ValueError):
 def prompts_from_jsonl(text: str, source: str) -> list[Prompt]:
     """Prompts from a ConfigMap's JSONL: one Prompt object or bare string per non-empty line."""
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -168,7 +169,7 @@ class SampleResult:
             "finished_at": round(self.finished_at, 3), "latency_s": round(self.finished_at - self.started_at, 3),
             "error": self.error,
         }
-        return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+        return jsonl.dumps(out)
 
     @classmethod
     def from_line(cls, line: str) -> SampleResult:

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import kubernetes
 
+from rollfleet import jsonl
 from rollfleet.api.common import API_VERSION, GROUP, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, VERSION
 from rollfleet.api.request import KIND, LABEL_CHUNK, LABEL_REQUEST, LABEL_REQUEST_UID, PLURAL
 from rollfleet.controller.kube import load_client
@@ -87,7 +88,7 @@ def parse_chunk(cm: dict[str, Any]) -> Chunk:
     """A stored chunk (a ConfigMap as JSON) back as a Chunk that needs no write."""
     meta = cm["metadata"]
     text = (cm.get("data") or {}).get(DATA_KEY, "")
-    lines = [line for line in text.split("\n") if line]
+    lines = jsonl.lines(text)
     sealed = bool(cm.get("immutable"))
     return Chunk(index=int(meta["labels"][LABEL_CHUNK]), lines=lines, size=len(text.encode()), sealed=sealed,
                  written=len(lines), sealed_written=sealed, resource_version=meta.get("resourceVersion"))
@@ -198,5 +199,5 @@ def print_results(target: str, namespace: str | None, kubeconfig: str | None, ou
             return 1
         raise
     for line in read_lines(kubernetes.client.CoreV1Api(client), namespace, rr["metadata"]["uid"]):
-        out.write(line + "\n")
+        out.write(jsonl.safe_line(line) + "\n")  # lines stored by an older operator may hold raw breaks
     return 0
