@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import kubernetes
 
+from rollfleet import contract
 from rollfleet.api.fleet import RolloutFleetSpec
 from rollfleet.controller import desired
 from rollfleet.localcluster import controlplane
@@ -178,7 +179,7 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
             out["rss_idle_mib"] = rss_mib(op.pid)
             peak = [out["rss_idle_mib"]]
             calls_before = sum(api_calls(port).values())
-            with PodWatch(core, ns, desired.engine_selector("bench")) as pw:
+            with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
                 t0 = time.monotonic()
                 custom.create_namespaced_custom_object("rollfleet.dev", "v1alpha1", ns, "rolloutfleets", {
                     "apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutFleet",
@@ -244,7 +245,7 @@ def baseline_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines:
     core.create_namespaced_secret(ns, secret)
     out: dict[str, Any] = {}
     try:
-        with PodWatch(core, ns, desired.engine_selector("bench")) as pw:
+        with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
             t0 = time.monotonic()
             proc = subprocess.run([str(BIN / "kubectl"), f"--kubeconfig={kubeconfig}", "apply", "-f", "-"],
                                   input=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}), text=True,

@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 import kubernetes
 
-from rollfleet.api.common import GROUP, VERSION
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
+from rollfleet.contract import GROUP, VERSION
 from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import RequestKube

@@ -24,7 +24,7 @@ import pytest
 
 from e2e.live_fleet import Endpoint, LiveFleet
 from e2e.provider import wait_for
-from rollfleet.api.common import ANNOTATION_PAUSE
+from rollfleet.contract import ANNOTATION_PAUSE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 

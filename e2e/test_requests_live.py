@@ -25,8 +25,8 @@ import pytest
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods
 from e2e.live_fleet import LiveFleet
 from e2e.provider import wait_for
-from rollfleet.api.common import GROUP, VERSION
-from rollfleet.api.request import ANNOTATION_ABORT, PLURAL
+from rollfleet.api.request import PLURAL
+from rollfleet.contract import ANNOTATION_ABORT, GROUP, VERSION
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from rollfleet_engine.protocol import API_PREFIX
+from rollfleet_engine.protocol import READY_PATH, REQUESTS_PATH, STATE_PATH
 
 
 class RouteClass(StrEnum):
@@ -32,10 +32,10 @@ _OPEN_EXACT = {
     "/is_sleeping",
     "/weight_info",
     "/get_world_size",
-    f"{API_PREFIX}/state",
-    f"{API_PREFIX}/ready",
+    STATE_PATH,
+    READY_PATH,
 }
-_OPEN_GET_PREFIXES = ("/metrics", f"{API_PREFIX}/requests")
+_OPEN_GET_PREFIXES = ("/metrics", REQUESTS_PATH)
 _UNSAFE_EXACT = {"/collective_rpc", "/scale_elastic_ep"}
 _INFERENCE_EXACT = {"/inference/v1/generate", "/invocations", "/tokenize", "/detokenize", "/generative_scoring"}
 # Under /v1/ everything is inference except what changes the server.

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from rollfleet_engine.engine_hooks import current_caller_id
-from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, PauseMode
+from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, parse_pause_mode
 from rollfleet_engine.runtime import Runtime
 
 Scope = MutableMapping[str, Any]
@@ -29,7 +29,6 @@ TRACKED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages"}
 )
 _VERSION_ROUTES = frozenset({"/finish_weight_update", "/update_weight_version"})
-_PAUSE_MODES: dict[str, PauseMode] = {"abort": "abort", "wait": "wait", "keep": "keep"}
 
 
 class RollfleetMiddleware:
@@ -57,7 +56,7 @@ class RollfleetMiddleware:
     async def _after_control(self, path: str, scope: Scope) -> None:
         if path == "/pause":
             mode = parse_qs(scope.get("query_string", b"").decode()).get("mode", ["abort"])[0]
-            self.runtime.pause_mode = _PAUSE_MODES.get(mode)
+            self.runtime.pause_mode = parse_pause_mode(mode)
         elif path == "/resume":
             self.runtime.pause_mode = None
         elif path in _VERSION_ROUTES:

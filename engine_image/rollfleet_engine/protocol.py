@@ -7,7 +7,7 @@ sidecar import this module to talk to engines.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field
 
@@ -17,10 +17,22 @@ REQUESTS_PATH = f"{API_PREFIX}/requests"
 ABORT_PATH = f"{API_PREFIX}/abort"
 READY_PATH = f"{API_PREFIX}/ready"
 
+# The port engines serve on (vLLM's default): the operator's pods, the gateway and the sidecar use it.
+ENGINE_PORT = 8000
+
 REQUEST_ID_HEADER = "X-Request-Id"
 WEIGHT_VERSION_HEADER = "X-Rollfleet-Weight-Version"
 
-PauseMode = Literal["abort", "wait", "keep"]
+# How vLLM's `POST /pause?mode=` treats in-flight requests; also the values of a fleet's
+# `rollfleet.dev/pause` annotation (in this order in the RolloutFleet CRD).
+PauseMode = Literal["keep", "wait", "abort"]
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
+
+
+def parse_pause_mode(value: str | None) -> PauseMode | None:
+    """The pause mode named by `value`, or None for anything else."""
+    return next((m for m in PAUSE_MODES if m == value), None)
+
 
 # The backend name this package registers with vLLM's WeightTransferEngineFactory.
 HTTP_WEIGHT_BACKEND = "http"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollfleet_engine.access import AccessPolicy, read_token
-from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND
+from rollfleet_engine.protocol import ENGINE_PORT, HTTP_WEIGHT_BACKEND
 
 # Defaults that let a small model run on a CPU-only host; any of them can be
 # overridden by the extra vLLM arguments after "--" (argparse keeps the last value).
@@ -55,7 +55,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("POD_IP") or "127.0.0.1",
         help="address to bind: the pod IP from the downward API ($POD_IP) by default",
     )
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=ENGINE_PORT)
     parser.add_argument("--token-file", required=True, help="file holding the bearer token for control routes")
     parser.add_argument(
         "--inference-token-file", default=None, help="if set, inference routes need this token (or the control token)"

@@ -25,6 +25,15 @@ from typing import Any, TypeVar
 import httpx
 
 from rollfleet import jsonl
+from rollfleet.api.request import TERMINAL_PHASES
+from rollfleet.contract import (
+    ANNOTATION_ABORT,
+    ANNOTATION_PAUSE,
+    STATE_PATH,
+    engine_discovery_selector,
+    engine_url,
+    gateway_name,
+)
 from rollfleet.kubectl import Kubectl, KubectlError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,20 +99,20 @@ class Walkthrough:
 
 
 def _gateway_url(w: Walkthrough) -> str:
-    svc = w.get("service", f"{FLEET}-gateway")
+    svc = w.get("service", gateway_name(FLEET))
     return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
 
 
 def _engine_urls(w: Walkthrough) -> dict[str, str]:
-    pods = w.get("pods", "-l", f"rollfleet.dev/fleet={FLEET},app.kubernetes.io/component=engine")["items"]
-    return {p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000" for p in pods if p["status"].get("podIP")}
+    pods = w.get("pods", "-l", engine_discovery_selector(FLEET))["items"]
+    return {p["metadata"]["name"]: engine_url(p["status"]["podIP"]) for p in pods if p["status"].get("podIP")}
 
 
 def _engines_running(w: Walkthrough) -> dict[str, int]:
     """Requests each engine itself says are running or waiting (its own view, not the operator's)."""
     out = {}
     for name, url in _engine_urls(w).items():
-        state = httpx.get(url + "/rollfleet/v1/state", timeout=5).json()
+        state = httpx.get(url + STATE_PATH, timeout=5).json()
         out[name] = int(state["running"]) + int(state["waiting"])
     return out
 
@@ -205,7 +214,7 @@ def run() -> None:
     with w.step("rollouts as a RolloutRequest: 16 prompts x 4 samples (a GRPO-style batch)"):
         w.sh("-n", NS, "apply", "-f", str(SAMPLES / "batch-request.yaml"))
         done = w.wait("batch-1 to finish", lambda: (s := w.get("rr", "batch-1").get("status", {}))
-                      .get("phase") in {"Succeeded", "Failed", "Aborted"} and s, timeout=600)
+                      .get("phase") in TERMINAL_PHASES and s, timeout=600)
         if done["phase"] != "Succeeded":
             raise DemoFailed(f"batch-1 ended {done['phase']}: {json.dumps(done)[:2000]}")
         w.sh("-n", NS, "get", "rr")
@@ -217,7 +226,7 @@ def run() -> None:
         w.sh("-n", NS, "apply", "-f", str(SAMPLES / "long-request.yaml"))
         w.wait("samples running on the engines", lambda: sum(_engines_running(w).values()) > 0, timeout=300)
         w.say(f"engines report running requests: {_engines_running(w)}")
-        w.sh("-n", NS, "annotate", "rr/long", "rollfleet.dev/abort=demo-1")
+        w.sh("-n", NS, "annotate", "rr/long", f"{ANNOTATION_ABORT}=demo-1")
         st = w.wait("phase Aborted", lambda: (s := w.get("rr", "long").get("status", {})).get("phase") == "Aborted"
                     and s, timeout=60)
         running = w.wait("engines to show nothing running",
@@ -228,7 +237,7 @@ def run() -> None:
     with w.step("pause keep during a stream: zero tokens while paused, every token after resume"):
         stream = _Stream(_gateway_url(w), max_tokens=600)
         w.wait("the stream to produce tokens", lambda: stream.chunks > 5, timeout=120)
-        w.sh("-n", NS, "annotate", "rf", FLEET, "rollfleet.dev/pause=keep")
+        w.sh("-n", NS, "annotate", "rf", FLEET, f"{ANNOTATION_PAUSE}=keep")
         w.wait("every engine paused", lambda: (w.get("rf", FLEET)["status"].get("pause") or {})
                .get("pausedEngines") == 2, timeout=60)
         w.sh("-n", NS, "get", "rf")
@@ -236,7 +245,7 @@ def run() -> None:
         time.sleep(2)  # the observation window itself: no token may arrive while paused
         during = stream.chunks - before
         w.say(f"tokens received during 2 s of pause: {during}")
-        w.sh("-n", NS, "annotate", "rf", FLEET, "rollfleet.dev/pause-")
+        w.sh("-n", NS, "annotate", "rf", FLEET, f"{ANNOTATION_PAUSE}-")
         stream.join(300)
         total = stream.completion_tokens
         w.say(f"after resume the stream finished: {total} tokens, finish_reason={stream.finish_reason}")

@@ -1,6 +1,6 @@
 """Building blocks shared by every Rollfleet custom resource: the model base, the
-Kubernetes condition, int-or-string types, CEL rules, and the names of the API group,
-labels and annotations that form the contracts between components.
+Kubernetes condition, int-or-string types, CEL rules and the default images. The API
+group, labels and annotations live in `rollfleet.contract`.
 
 Pure: no I/O. `crdgen` turns models built from these into CRD schemas; the operator,
 the gateway and the sync sidecar parse objects with them.
@@ -16,29 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-GROUP = "rollfleet.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-
-# Labels every pod Rollfleet creates carries (the gateway selects engines by them).
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_FLEET = f"{GROUP}/fleet"
-LABEL_INDEX = f"{GROUP}/engine-index"
-
-# Annotations: on the engine pod (written by the operator, read by the gateway) ...
-ANNOTATION_PHASE = f"{GROUP}/phase"
-ANNOTATION_DRAINING_SINCE = f"{GROUP}/draining-since"
-ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
-# ... and on the RolloutFleet (written by people and by the sync sidecar).
-ANNOTATION_PAUSE = f"{GROUP}/pause"
-ANNOTATION_RESUME = f"{GROUP}/resume"
-ANNOTATION_WEIGHT_VERSION = f"{GROUP}/weight-version"
-
-TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet"
-TOKEN_KEY = "token"
-TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
+from rollfleet.contract import GROUP, VERSION
 
 
 def _image_tag() -> str:

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from rollfleet.api import fleet, request
 from rollfleet.api.common import CrdInfo
+from rollfleet.contract import APP_NAME, LABEL_NAME
 
 CRDS: tuple[CrdInfo, ...] = (fleet.CRD, request.CRD)
 
@@ -156,7 +157,7 @@ def crd(info: CrdInfo) -> Schema:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": info.name, "labels": {"app.kubernetes.io/name": "rollfleet"}},
+        "metadata": {"name": info.name, "labels": {LABEL_NAME: APP_NAME}},
         "spec": {
             "group": info.group,
             "scope": "Namespaced",

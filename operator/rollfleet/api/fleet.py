@@ -14,7 +14,6 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, StringConstraints
 
 from rollfleet.api.common import (
-    API_VERSION,
     DEFAULT_ENGINE_IMAGE,
     DEFAULT_ROLLFLEET_IMAGE,
     ApiModel,
@@ -28,13 +27,11 @@ from rollfleet.api.common import (
     cel,
     validations,
 )
+from rollfleet.contract import API_VERSION, EnginePhase, PauseMode
 
 KIND = "RolloutFleet"
 PLURAL = "rolloutfleets"
 
-PauseMode = Literal["keep", "wait", "abort"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("keep", "wait", "abort")
-EnginePhase = Literal["Starting", "PendingSync", "Ready", "Paused", "Syncing", "Draining", "Failed"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 # vLLM flags the operator derives from the spec; setting them in engine.args would fight it.

@@ -13,26 +13,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
-from rollfleet.api.common import (
-    API_VERSION,
-    GROUP,
-    ApiModel,
-    Condition,
-    CrdInfo,
-    PrinterColumn,
-    cel,
-    validations,
-)
+from rollfleet.api.common import ApiModel, Condition, CrdInfo, PrinterColumn, cel, validations
+from rollfleet.contract import API_VERSION
 
 KIND = "RolloutRequest"
 PLURAL = "rolloutrequests"
-
-# Set by people: a new value aborts every in-flight sample once (the status records the value acted on).
-ANNOTATION_ABORT = f"{GROUP}/abort"
-# On the result ConfigMaps: which request they belong to, and their order.
-LABEL_REQUEST = f"{GROUP}/request"
-LABEL_REQUEST_UID = f"{GROUP}/request-uid"
-LABEL_CHUNK = f"{GROUP}/chunk"
 
 RequestPhase = Literal["Pending", "Running", "Paused", "Succeeded", "Failed", "Aborted"]
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed", "Aborted"})

@@ -9,37 +9,46 @@ the engines' NetworkPolicy. Talks to nobody.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from rollfleet.api.common import (
+from rollfleet.api.fleet import KIND, RolloutFleetSpec
+from rollfleet.contract import (
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
     API_VERSION,
+    APP_NAME,
+    COMPONENT_ADMIN_TOKEN,
+    COMPONENT_ENGINE,
+    COMPONENT_GATEWAY,
+    COMPONENT_TRAINER,
+    ENGINE_PORT,
+    GATEWAY_PORT,
     LABEL_COMPONENT,
     LABEL_FLEET,
     LABEL_INDEX,
     LABEL_MANAGED_BY,
     LABEL_NAME,
+    MANAGER,
+    READY_PATH,
     TOKEN_FILE,
-    TOKEN_KEY,
     TOKEN_MOUNT_DIR,
+    EnginePhase,
+    admin_token_data,
+    component_labels,
+    engine_pod_name,
+    engine_sa_name,
+    gateway_name,
+    network_policy_name,
+    secret_name,
 )
-from rollfleet.api.fleet import KIND, RolloutFleetSpec
 
 Manifest = dict[str, Any]
 ObjectKey = tuple[str, str]  # (kind, name) of an object in the fleet's namespace
 
-ENGINE_PORT = 8000
-# The component label of the pods that run the sync sidecar (manifests/sync/trainer-job.yaml):
-# with the fleet label, what the engines' NetworkPolicy admits as the fleet's trainers.
-TRAINER_COMPONENT = "trainer"
-GATEWAY_PORT = 8080
 MODEL_MOUNT = "/models"
-MANAGER = "rollfleet-operator"
 # Set by the API server on every namespace (Kubernetes 1.22+): how a policy names one namespace.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 # A lost node's pods are evicted after this long (Kubernetes' default is 300 s); the
@@ -65,46 +74,6 @@ class FleetRef:
         # everything it owns when the fleet is deleted.
         return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
                 "controller": True, "blockOwnerDeletion": True}
-
-
-def engine_pod_name(fleet: str, index: int) -> str:
-    return f"{fleet}-engine-{index}"
-
-
-def engine_index(pod_name: str, fleet: str) -> int | None:
-    """The index in `<fleet>-engine-<index>`, or None for a name that is not an engine of this fleet."""
-    prefix = f"{fleet}-engine-"
-    rest = pod_name[len(prefix):] if pod_name.startswith(prefix) else ""
-    return int(rest) if rest.isdigit() and str(int(rest)) == rest else None
-
-
-def gateway_name(fleet: str) -> str:
-    return f"{fleet}-gateway"
-
-
-def engine_sa_name(fleet: str) -> str:
-    return f"{fleet}-engine"
-
-
-def secret_name(fleet: str) -> str:
-    return f"{fleet}-admin-token"
-
-
-def network_policy_name(fleet: str) -> str:
-    return f"{fleet}-engine"
-
-
-def gateway_endpoint(ref: FleetRef) -> str:
-    return f"http://{gateway_name(ref.name)}.{ref.namespace}.svc:{GATEWAY_PORT}"
-
-
-def component_labels(fleet: str, component: str) -> dict[str, str]:
-    return {LABEL_NAME: "rollfleet", LABEL_COMPONENT: component, LABEL_FLEET: fleet}
-
-
-def engine_selector(fleet: str) -> str:
-    """The engine pods' label selector, as the scale subresource wants it."""
-    return ",".join(f"{k}={v}" for k, v in component_labels(fleet, "engine").items())
 
 
 def _meta(ref: FleetRef, name: str, component: str, **extra: Any) -> Manifest:
@@ -164,7 +133,7 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
             "timeoutSeconds": 5}
 
 
-def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = "Starting") -> Manifest:
+def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING) -> Manifest:
     """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts."""
     engine, placement = spec.engine, spec.placement
     gpus = engine.gpus_per_engine
@@ -206,7 +175,7 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = "
         "volumeMounts": mounts,
         # The engine only listens once the model is loaded, so startup allows the whole load time.
         "startupProbe": _http_probe("/health", "http", 5, max(1, engine.startup_timeout_seconds // 5)),
-        "readinessProbe": _http_probe("/rollfleet/v1/ready", "http", 5, 3),
+        "readinessProbe": _http_probe(READY_PATH, "http", 5, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
     }
     if engine.command:
@@ -242,7 +211,7 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = "
         pod_spec["schedulerName"] = placement.scheduler_name
 
     name = engine_pod_name(ref.name, index)
-    meta = _meta(ref, name, "engine",
+    meta = _meta(ref, name, COMPONENT_ENGINE,
                  annotations={ANNOTATION_PHASE: phase, ANNOTATION_TEMPLATE_HASH: template_hash(spec)})
     meta["labels"][LABEL_INDEX] = str(index)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -251,25 +220,26 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = "
 def admin_secret(ref: FleetRef, token: str) -> Manifest:
     """The fleet's admin token (engine control routes, gateway abort, sync sidecars)."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(ref, secret_name(ref.name), "admin-token"),
-            "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+            "metadata": _meta(ref, secret_name(ref.name), COMPONENT_ADMIN_TOKEN),
+            "data": admin_token_data(token)}
 
 
 def engine_service_account(ref: FleetRef) -> Manifest:
     # Engines never call the API server: no token is mounted.
     return {"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
-            "metadata": _meta(ref, engine_sa_name(ref.name), "engine")}
+            "metadata": _meta(ref, engine_sa_name(ref.name), COMPONENT_ENGINE)}
 
 
 def gateway_service_account(ref: FleetRef) -> Manifest:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ref, gateway_name(ref.name), "gateway")}
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY)}
 
 
 def gateway_role(ref: FleetRef) -> Manifest:
     """The gateway lists and watches engine pods (to route on their phase annotations); nothing else."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": _meta(ref, gateway_name(ref.name), "gateway"),
+        "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
     }
 
@@ -278,7 +248,7 @@ def gateway_role_binding(ref: FleetRef) -> Manifest:
     name = gateway_name(ref.name)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": _meta(ref, name, "gateway"),
+        "metadata": _meta(ref, name, COMPONENT_GATEWAY),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ref.namespace}],
     }
@@ -287,7 +257,7 @@ def gateway_role_binding(ref: FleetRef) -> Manifest:
 def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
     """`rollfleet gateway` behind a readiness gate (/ready: its engine watch has synced)."""
     gw = spec.gateway
-    labels = component_labels(ref.name, "gateway")
+    labels = component_labels(ref.name, COMPONENT_GATEWAY)
     container: Manifest = {
         "name": "gateway",
         "image": gw.image,
@@ -304,7 +274,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
         container["resources"] = _resources(gw.resources.requests, gw.resources.limits)
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _meta(ref, gateway_name(ref.name), "gateway"),
+        "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
         "spec": {
             "replicas": gw.replicas,
             "selector": {"matchLabels": labels},
@@ -321,8 +291,8 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
 def gateway_service(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _meta(ref, gateway_name(ref.name), "gateway"),
-        "spec": {"type": spec.gateway.service_type, "selector": component_labels(ref.name, "gateway"),
+        "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
+        "spec": {"type": spec.gateway.service_type, "selector": component_labels(ref.name, COMPONENT_GATEWAY),
                  "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}]},
     }
 
@@ -343,19 +313,19 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
     Egress stays open: engines pull weights from the trainer pod's weights server. The
     kubelet's probes come from the node, which a NetworkPolicy cannot block.
     """
-    trainers = _pods({LABEL_COMPONENT: TRAINER_COMPONENT, LABEL_FLEET: ref.name})
-    sources = [_pods(component_labels(ref.name, "gateway")), trainers]
+    trainers = _pods({LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_FLEET: ref.name})
+    sources = [_pods(component_labels(ref.name, COMPONENT_GATEWAY)), trainers]
     if operator_namespace:
         sources.append({"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
-                        **_pods({LABEL_NAME: "rollfleet", LABEL_COMPONENT: "operator"})})
+                        **_pods({LABEL_NAME: APP_NAME, LABEL_COMPONENT: "operator"})})
     sources += [peer.wire() for peer in spec.network_policy.extra_ingress_from]
     ingress: list[Manifest] = [{"from": sources, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}]
     if spec.weight_sync.backend == "nccl":
-        ingress.append({"from": [trainers, _pods(component_labels(ref.name, "engine"))]})
+        ingress.append({"from": [trainers, _pods(component_labels(ref.name, COMPONENT_ENGINE))]})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": _meta(ref, network_policy_name(ref.name), "engine"),
-        "spec": {"podSelector": {"matchLabels": component_labels(ref.name, "engine")},
+        "metadata": _meta(ref, network_policy_name(ref.name), COMPONENT_ENGINE),
+        "spec": {"podSelector": {"matchLabels": component_labels(ref.name, COMPONENT_ENGINE)},
                  "policyTypes": ["Ingress"], "ingress": ingress},
     }
 

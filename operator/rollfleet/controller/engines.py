@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import aiohttp
 
-from rollfleet.api.fleet import PauseMode
-from rollfleet.controller.desired import ENGINE_PORT
-from rollfleet_engine.protocol import STATE_PATH, EngineState
+from rollfleet.contract import ENGINE_PORT, STATE_PATH, PauseMode
+from rollfleet_engine.protocol import EngineState
 
 STATE_TIMEOUT_S = 5.0
 # pause?mode=wait returns once in-flight requests have finished, which can take long.

@@ -16,8 +16,16 @@ from typing import Any
 import aiohttp
 import kopf
 
-from rollfleet.api.common import GROUP, LABEL_COMPONENT, LABEL_NAME, VERSION
 from rollfleet.api.fleet import PLURAL
+from rollfleet.contract import (
+    APP_NAME,
+    COMPONENT_ENGINE,
+    COMPONENT_GATEWAY,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_NAME,
+    VERSION,
+)
 from rollfleet.controller.kube import Kube, load_client
 from rollfleet.controller.reconciler import Operator
 
@@ -52,11 +60,11 @@ async def fleet_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     memo.fleets.on_fleet(event.get("type"), event["object"])
 
 
-@kopf.on.event("", "v1", "pods", labels={LABEL_NAME: "rollfleet", LABEL_COMPONENT: "engine"})
+@kopf.on.event("", "v1", "pods", labels={LABEL_NAME: APP_NAME, LABEL_COMPONENT: COMPONENT_ENGINE})
 async def engine_pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     memo.fleets.on_pod(event.get("type"), event["object"])
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={LABEL_NAME: "rollfleet", LABEL_COMPONENT: "gateway"})
+@kopf.on.event("apps", "v1", "deployments", labels={LABEL_NAME: APP_NAME, LABEL_COMPONENT: COMPONENT_GATEWAY})
 async def gateway_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     memo.fleets.on_gateway(event.get("type"), event["object"])

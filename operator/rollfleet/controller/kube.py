@@ -23,9 +23,9 @@ import kubernetes
 import prometheus_client
 from kubernetes.client.exceptions import ApiException
 
-from rollfleet.api.common import API_VERSION, GROUP, VERSION
 from rollfleet.api.fleet import KIND, PLURAL
-from rollfleet.controller.desired import MANAGER, FleetRef, Manifest
+from rollfleet.contract import API_VERSION, GROUP, MANAGER, VERSION
+from rollfleet.controller.desired import FleetRef, Manifest
 
 T = TypeVar("T")
 API_CALLS = prometheus_client.Counter("rollfleet_operator_api_calls", "Requests the operator made to the API server "

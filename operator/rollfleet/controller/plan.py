@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from rollfleet.api.common import ANNOTATION_PAUSE, ANNOTATION_RESUME
-from rollfleet.api.fleet import PAUSE_MODES, PauseMode, PauseStatus, UpdateStrategy
+from rollfleet.api.fleet import PauseStatus, UpdateStrategy
+from rollfleet.contract import ANNOTATION_PAUSE, ANNOTATION_RESUME, EnginePhase, PauseMode, parse_pause_mode
 from rollfleet.controller.status import Engine
 
 # After an engine is marked Draining, gateways need a moment to see it and stop
@@ -154,8 +154,9 @@ def pause_request(annotations: Mapping[str, str], recorded: PauseStatus | None) 
                                                            if a in annotations))
     if raw is None:
         return PauseRequest(None)
-    if raw in PAUSE_MODES:
-        return PauseRequest(raw)
+    mode = parse_pause_mode(raw)
+    if mode is not None:
+        return PauseRequest(mode)
     # An invalid value changes nothing: the fleet keeps the pause it had (or had not).
     return PauseRequest(recorded.mode if recorded else None, invalid_value=raw)
 
@@ -167,7 +168,7 @@ def pause_record(request: PauseRequest, recorded: PauseStatus | None, engines: S
         return PauseStatus(mode=request.mode, since=recorded.since if recorded else now,
                            paused_engines=recorded.paused_engines if recorded else 0)
     if recorded is not None and any(e.obs.state and e.obs.state.paused for e in engines
-                                    if e.phase not in ("Draining", "Failed")):
+                                    if e.phase not in (EnginePhase.DRAINING, EnginePhase.FAILED)):
         return recorded
     return None
 
@@ -194,11 +195,11 @@ def engine_pause_calls(mode: PauseMode | None, record: PauseStatus | None,
     calls: list[PauseCall | ResumeCall] = []
     for e in engines:
         state = e.obs.state
-        if state is None or e.phase in ("Draining", "Failed"):
+        if state is None or e.phase in (EnginePhase.DRAINING, EnginePhase.FAILED):
             continue
         if mode is not None and (not state.paused or state.pause_mode not in (None, mode)):
             calls.append(PauseCall(e.obs.name, mode))
-        elif mode is None and record is not None and state.paused and e.phase != "PendingSync":
+        elif mode is None and record is not None and state.paused and e.phase != EnginePhase.PENDING_SYNC:
             calls.append(ResumeCall(e.obs.name))
     return calls
 
@@ -208,4 +209,4 @@ def phase_updates(engines: Sequence[Engine], actions: Sequence[PodAction]) -> di
     leaving = {a.name for a in actions if isinstance(a, Drain | Delete)}
     return {e.obs.name: e.phase for e in engines
             if e.phase != e.obs.annotated_phase and e.obs.name not in leaving
-            and not e.obs.terminating and e.phase != "Failed"}
+            and not e.obs.terminating and e.phase != EnginePhase.FAILED}

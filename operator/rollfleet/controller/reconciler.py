@@ -12,7 +12,6 @@ Talks to kube-apiserver (through `kube`) and engines (through `engines`).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import hashlib
@@ -28,8 +27,20 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from rollfleet.api.common import ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, LABEL_FLEET, TOKEN_KEY
 from rollfleet.api.fleet import RolloutFleetSpec, RolloutFleetStatus
+from rollfleet.contract import (
+    ANNOTATION_DRAINING_SINCE,
+    ANNOTATION_PAUSE,
+    ANNOTATION_PHASE,
+    ANNOTATION_SYNC_STATE,
+    LABEL_FLEET,
+    TOKEN_KEY,
+    EnginePhase,
+    admin_token,
+    engine_selector,
+    gateway_endpoint,
+    secret_name,
+)
 from rollfleet.controller import desired, plan
 from rollfleet.controller.engines import EngineCallError, EngineClient
 from rollfleet.controller.kube import Kube
@@ -44,7 +55,6 @@ from rollfleet.controller.status import (
     observe_pod,
 )
 from rollfleet.sync.fleetversion import fleet_weight_version
-from rollfleet.sync.protocol import ANNOTATION_SYNC_STATE
 from rollfleet_engine.protocol import EngineState
 
 log = logging.getLogger("rollfleet.operator")
@@ -56,7 +66,8 @@ IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight vers
 REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
 ABSENT = "absent"  # the digest recorded for an object the spec switched off (deleted, not applied)
 NODE_REFRESH_S = 5.0
-SETTLED = frozenset({"Ready", "Paused", "PendingSync"})  # phases that change only by outside action
+# Phases that change only by outside action.
+SETTLED = frozenset({EnginePhase.READY, EnginePhase.PAUSED, EnginePhase.PENDING_SYNC})
 
 Key = tuple[str, str]  # (namespace, fleet name)
 
@@ -252,9 +263,9 @@ class FleetLoop:
 
         status = fleet_status(
             spec=spec, generation=meta.get("generation"), current_hash=current_hash,
-            selector=desired.engine_selector(self.ref.name), engines=engines, weights=weights,
+            selector=engine_selector(self.ref.name), engines=engines, weights=weights,
             pause=PauseView(record, request.invalid_value), gateway=self.shared.gateways.get(self.key),
-            gateway_endpoint=desired.gateway_endpoint(self.ref), gateway_enabled=spec.gateway.enabled,
+            gateway_endpoint=gateway_endpoint(self.ref.name, self.ref.namespace), gateway_enabled=spec.gateway.enabled,
             previous=previous, now=now,
         )
         interval = BUSY_RESYNC_S if busy or actions or phase_changes or self._calls else IDLE_RESYNC_S
@@ -270,15 +281,16 @@ class FleetLoop:
 
     async def _ensure_token(self) -> str:
         if self._token is None:
-            kube, name = self.shared.kube, desired.secret_name(self.ref.name)
+            kube, name = self.shared.kube, secret_name(self.ref.name)
             data = await kube.read_secret_data(self.ref.namespace, name)
             if data is None:
                 # Created once and never rotated by the operator: engines and gateways hold it.
                 await kube.create_secret(desired.admin_secret(self.ref, secrets.token_urlsafe(32)))
                 data = await kube.read_secret_data(self.ref.namespace, name)
-            if not data or TOKEN_KEY not in data:
-                raise RuntimeError(f"secret {name} has no key {TOKEN_KEY!r}")
-            self._token = base64.b64decode(data[TOKEN_KEY]).decode()
+            token = admin_token(data)
+            if token is None:
+                raise RuntimeError(f"secret {name} has no token under key {TOKEN_KEY!r}")
+            self._token = token
         return self._token
 
     async def _ensure_owned(self, spec: RolloutFleetSpec) -> None:
@@ -340,7 +352,7 @@ class FleetLoop:
             if await kube.create_pod(pod):
                 self.event("Normal", "EngineCreated", f"{pod['metadata']['name']} created ({action.reason})")
         elif isinstance(action, plan.Drain):
-            await kube.patch_pod_annotations(ns, action.name, {ANNOTATION_PHASE: "Draining",
+            await kube.patch_pod_annotations(ns, action.name, {ANNOTATION_PHASE: EnginePhase.DRAINING,
                                                                ANNOTATION_DRAINING_SINCE: _rfc3339(now)})
             e = engines[action.name]
             self.event("Normal", "EngineDraining",
@@ -348,7 +360,7 @@ class FleetLoop:
                        f"{spec.drain_timeout_seconds}s")
         else:
             await kube.delete_pod(ns, action.name, force=action.force)
-            failed = engines[action.name].phase == "Failed"
+            failed = engines[action.name].phase == EnginePhase.FAILED
             self.event("Warning" if failed else "Normal", "EngineReplaced" if failed else "EngineDeleted",
                        f"{action.name} deleted: {action.reason}")
             self._states.pop(action.name, None)
@@ -369,7 +381,7 @@ class FleetLoop:
     async def _pause_bookkeeping(self, request: plan.PauseRequest) -> None:
         if request.invalid_value is not None and request.invalid_value != self._warned_pause:
             self.event("Warning", "InvalidPauseAnnotation",
-                       f"rollfleet.dev/pause={request.invalid_value!r} is not keep, wait or abort: ignored, "
+                       f"{ANNOTATION_PAUSE}={request.invalid_value!r} is not keep, wait or abort: ignored, "
                        "nothing changed")
         self._warned_pause = request.invalid_value
         if request.remove_annotations:
@@ -401,7 +413,7 @@ class FleetLoop:
         old_phases = {e.name: e.phase for e in previous.engines}
         for e in status.engines:
             if old_phases.get(e.name) not in (None, e.phase):
-                self.event("Warning" if e.phase == "Failed" else "Normal", f"Engine{e.phase}",
+                self.event("Warning" if e.phase == EnginePhase.FAILED else "Normal", f"Engine{e.phase}",
                            f"{e.name}: {old_phases[e.name]} -> {e.phase}" + (f" ({e.message})" if e.message else ""))
 
 

@@ -13,26 +13,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from rollfleet.api.common import (
+from rollfleet.api.common import Condition, ConditionStatus
+from rollfleet.api.fleet import EngineStatus, GatewayStatus, PauseStatus, RolloutFleetSpec, RolloutFleetStatus
+from rollfleet.contract import (
     ANNOTATION_DRAINING_SINCE,
+    ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
-    Condition,
-    ConditionStatus,
-)
-from rollfleet.api.fleet import (
+    ROUTABLE_PHASES,
     EnginePhase,
-    EngineStatus,
-    GatewayStatus,
-    PauseStatus,
-    RolloutFleetSpec,
-    RolloutFleetStatus,
+    engine_index,
 )
-from rollfleet.controller.desired import engine_index
 from rollfleet_engine.protocol import EngineState
-
-# Phases in which an engine serves requests (or holds them, while paused).
-SERVING: frozenset[str] = frozenset({"Ready", "Paused"})
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -63,7 +55,7 @@ class EngineObs:
 
     @property
     def draining(self) -> bool:
-        return self.annotated_phase == "Draining"
+        return self.annotated_phase == EnginePhase.DRAINING
 
     @property
     def in_flight(self) -> int | None:
@@ -120,7 +112,7 @@ class Engine:
 
     @property
     def serving(self) -> bool:
-        return self.phase in SERVING
+        return self.phase in ROUTABLE_PHASES
 
 
 @dataclass(frozen=True)
@@ -135,30 +127,31 @@ class WeightView:
 def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sync: bool) -> Engine:
     """The engine's phase, with a message saying why when it does not serve."""
     if obs.node_lost:
-        return Engine(obs, "Failed", f"node {obs.node} is lost")
+        return Engine(obs, EnginePhase.FAILED, f"node {obs.node} is lost")
     if obs.terminating:
-        return Engine(obs, "Draining", "pod is being deleted")
+        return Engine(obs, EnginePhase.DRAINING, "pod is being deleted")
     if obs.failed:
-        return Engine(obs, "Failed", obs.reason or f"pod {obs.pod_phase}")
+        return Engine(obs, EnginePhase.FAILED, obs.reason or f"pod {obs.pod_phase}")
     if obs.draining:
-        return Engine(obs, "Draining", f"draining, {obs.in_flight if obs.in_flight is not None else '?'} in flight")
+        in_flight = obs.in_flight if obs.in_flight is not None else "?"
+        return Engine(obs, EnginePhase.DRAINING, f"draining, {in_flight} in flight")
     if obs.pod_phase != "Running":
-        return Engine(obs, "Starting", obs.reason or "pod is being scheduled and started")
+        return Engine(obs, EnginePhase.STARTING, obs.reason or "pod is being scheduled and started")
     if not obs.ready:
-        return Engine(obs, "Starting", "loading the model" if obs.annotated_phase in (None, "Starting")
-                      else "readiness probe failing")
+        loading = obs.annotated_phase in (None, EnginePhase.STARTING)
+        return Engine(obs, EnginePhase.STARTING, "loading the model" if loading else "readiness probe failing")
     if obs.state is None:
-        return Engine(obs, "Starting", "waiting for the engine's state")
+        return Engine(obs, EnginePhase.STARTING, "waiting for the engine's state")
     # Before Paused: a paused engine is routable (it holds requests), one on other weights must not be.
     if require_sync and obs.name in weights.pending_sync:
-        return Engine(obs, "PendingSync",
+        return Engine(obs, EnginePhase.PENDING_SYNC,
                       f"weights {obs.state.weight_version} are not the fleet's {weights.version}")
     if obs.state.paused:
-        return Engine(obs, "Syncing" if weights.syncing and not fleet_paused else "Paused")
-    if fleet_paused and obs.annotated_phase in (None, "Starting"):
+        return Engine(obs, EnginePhase.SYNCING if weights.syncing and not fleet_paused else EnginePhase.PAUSED)
+    if fleet_paused and obs.annotated_phase in (None, EnginePhase.STARTING):
         # A new engine in a paused fleet gets no traffic until it is paused too.
-        return Engine(obs, "Starting", "pausing to join the paused fleet")
-    return Engine(obs, "Ready")
+        return Engine(obs, EnginePhase.STARTING, "pausing to join the paused fleet")
+    return Engine(obs, EnginePhase.READY)
 
 
 @dataclass(frozen=True)
@@ -202,11 +195,11 @@ def fleet_status(
     """The status subresource: counts, per-engine entries, pause, gateway and conditions."""
     desired = spec.replicas
     existing = [e for e in engines if not e.obs.terminating]
-    leaving = [e for e in existing if e.phase == "Draining"]
-    staying = [e for e in existing if e.phase != "Draining"]
+    leaving = [e for e in existing if e.phase == EnginePhase.DRAINING]
+    staying = [e for e in existing if e.phase != EnginePhase.DRAINING]
     ready = sum(e.serving for e in staying)
     updated = sum(e.obs.template_hash == current_hash for e in staying)
-    failed = [e for e in engines if e.phase == "Failed"]
+    failed = [e for e in engines if e.phase == EnginePhase.FAILED]
 
     entries = [
         EngineStatus(name=e.obs.name, index=e.obs.index, phase=e.phase, node=e.obs.node, pod_ip=e.obs.pod_ip,
@@ -216,7 +209,7 @@ def fleet_status(
         for e in sorted(engines, key=lambda e: e.obs.index)
     ]
     pause_status = pause.status.model_copy(
-        update={"paused_engines": sum(e.phase == "Paused" for e in staying)}) if pause.status else None
+        update={"paused_engines": sum(e.phase == EnginePhase.PAUSED for e in staying)}) if pause.status else None
 
     prev_conditions = previous.conditions if previous else []
     engines_ready = ready >= desired
@@ -265,7 +258,7 @@ def fleet_status(
         pause_cond = (False, "Running", "not paused")
     if pause.invalid_value is not None:
         pause_cond = (pause_cond[0], "InvalidPauseAnnotation",
-                      f"rollfleet.dev/pause={pause.invalid_value!r} is not keep, wait or abort; ignored ("
+                      f"{ANNOTATION_PAUSE}={pause.invalid_value!r} is not keep, wait or abort; ignored ("
                       + ("fleet stays paused)" if pause.status else "fleet keeps running)"))
 
     conditions = [

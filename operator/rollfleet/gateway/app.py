@@ -11,7 +11,6 @@ Talks to the proxy, the abort module and the registry; engines only through them
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
 import uuid
@@ -35,6 +34,7 @@ from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body
 from rollfleet.gateway.registry import PodWatcher, Registry, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
+from rollfleet_engine.access import bearer, token_matches
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,8 @@ class GatewayConfig:
 
 
 def _bearer_ok(request: Request, *tokens: str | None) -> bool:
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    presented = value.strip().encode()
-    if scheme.lower() != "bearer" or not presented:
-        return False
-    # Constant-time: the comparison must not leak how much of a token matched.
-    return any(t is not None and hmac.compare_digest(presented, t.encode()) for t in tokens)
+    presented = bearer(request.headers.get("authorization"))
+    return any(t is not None and token_matches(presented, t) for t in tokens)
 
 
 def _error(status: int, message: str, metrics: Metrics, headers: dict[str, str] | None = None) -> Response:

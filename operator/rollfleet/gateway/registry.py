@@ -24,11 +24,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rollfleet.contract import (
+    ANNOTATION_PHASE,
+    ENGINE_PORT,
+    ROUTABLE_PHASES,
+    EnginePhase,
+    engine_discovery_selector,
+    engine_url,
+)
+
 log = logging.getLogger(__name__)
 
-PHASE_ANNOTATION = "rollfleet.dev/phase"
-ROUTABLE_PHASES = frozenset({"Ready", "Paused"})
-ENGINE_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,11 @@ def engine_from_pod(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> Engine:
     """The gateway's view of one engine pod (a pod as JSON, as the API serves it)."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    phase = (meta.get("annotations") or {}).get(PHASE_ANNOTATION)
+    phase = (meta.get("annotations") or {}).get(ANNOTATION_PHASE)
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     ip = status.get("podIP")
     terminating = meta.get("deletionTimestamp") is not None
-    url = f"http://{ip}:{port}" if ip else None
+    url = engine_url(ip, port) if ip else None
     routable = bool(url) and ready and not terminating and phase in ROUTABLE_PHASES
     return Engine(key=meta["name"], url=url, routable=routable, phase=phase, instance=meta.get("uid") or meta["name"])
 
@@ -139,7 +145,7 @@ class Registry:
 def static_registry(urls: Iterable[str], eject_s: float = 5.0) -> Registry:
     registry = Registry(eject_s)
     clean = [u.rstrip("/") for u in urls]
-    registry.replace_all(Engine(key=u, url=u, routable=True, phase="Ready", instance=u) for u in clean)
+    registry.replace_all(Engine(key=u, url=u, routable=True, phase=EnginePhase.READY, instance=u) for u in clean)
     return registry
 
 
@@ -149,7 +155,7 @@ class PodWatcher:
     def __init__(self, registry: Registry, namespace: str, fleet: str, kubeconfig: str | None = None) -> None:
         self.registry = registry
         self.namespace = namespace
-        self.selector = f"rollfleet.dev/fleet={fleet},app.kubernetes.io/component=engine"
+        self.selector = engine_discovery_selector(fleet)
         self.kubeconfig = kubeconfig
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from rollfleet.api.common import ANNOTATION_PHASE, LABEL_COMPONENT, LABEL_FLEET
+from rollfleet.contract import ANNOTATION_PHASE, ENGINE_PORT, engine_discovery_selector, engine_url
 from rollfleet.sync.protocol import EngineObservation, InFlight
 from rollfleet_engine.protocol import (
     ABORT_PATH,
@@ -31,9 +31,6 @@ from rollfleet_engine.protocol import (
 
 log = logging.getLogger(__name__)
 
-ENGINE_PORT = 8000
-PHASE_PENDING_SYNC = "PendingSync"
-PHASE_READY = "Ready"
 
 
 class EngineCallError(RuntimeError):
@@ -131,12 +128,12 @@ class PodDiscovery:
     def __init__(self, core: Any, namespace: str, fleet: str, port: int = ENGINE_PORT) -> None:
         self._core = core  # kubernetes.client.CoreV1Api
         self.namespace, self.fleet, self.port = namespace, fleet, port
-        self.selector = f"{LABEL_FLEET}={fleet},{LABEL_COMPONENT}=engine"
+        self.selector = engine_discovery_selector(fleet)
 
     async def engines(self) -> list[EngineRef]:
         pods = await asyncio.to_thread(self._core.list_namespaced_pod, self.namespace, label_selector=self.selector)
         return [
-            EngineRef(name=p.metadata.name, url=f"http://{p.status.pod_ip}:{self.port}")
+            EngineRef(name=p.metadata.name, url=engine_url(p.status.pod_ip, self.port))
             for p in pods.items
             if p.status and p.status.pod_ip and p.metadata.deletion_timestamp is None
         ]

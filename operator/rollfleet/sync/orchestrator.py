@@ -31,14 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rollfleet.sync.engines import (
-    PHASE_PENDING_SYNC,
-    PHASE_READY,
-    Discovery,
-    EngineAPI,
-    EngineCallError,
-    EngineRef,
-)
+from rollfleet.contract import EnginePhase, PauseMode
+from rollfleet.sync.engines import Discovery, EngineAPI, EngineCallError, EngineRef
 from rollfleet.sync.fleetversion import fleet_weight_version
 from rollfleet.sync.models import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
 from rollfleet.sync.protocol import (
@@ -59,7 +53,6 @@ from rollfleet.sync.protocol import (
     stale_requests,
 )
 from rollfleet.sync.store import RecordStore, read_record, update
-from rollfleet_engine.protocol import PauseMode
 from rollfleet_engine.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
@@ -324,12 +317,12 @@ class Orchestrator:
             if obs.reachable and (committed is None or obs.version == committed):
                 try:
                     await self.api.resume(engine)
-                    await self.discovery.set_phase(engine, PHASE_READY, only_if=PHASE_PENDING_SYNC)
+                    await self.discovery.set_phase(engine, EnginePhase.READY, only_if=EnginePhase.PENDING_SYNC)
                     p.step = EngineStep.RESUMED
                     return
                 except EngineCallError as err:
                     p.error = str(err)
-            await self.discovery.set_phase(engine, PHASE_PENDING_SYNC)
+            await self.discovery.set_phase(engine, EnginePhase.PENDING_SYNC)
             p.step = EngineStep.PENDING_SYNC
 
         await _gather([one(e) for e in engines])
@@ -421,7 +414,7 @@ class Orchestrator:
             return
         ref = replace(record.committed, url=self.publisher.url)
         progress = EngineProgress(name=engine.name)
-        await self.discovery.set_phase(engine, PHASE_PENDING_SYNC)
+        await self.discovery.set_phase(engine, EnginePhase.PENDING_SYNC)
         if await self._pause_and_sync(engine, ref, progress):
             await self._settle(record, [engine], {engine.name: progress})
             log.info("caught %s up to %s in %.2fs", engine.name, ref.version, progress.transfer_s or 0.0)

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from rollfleet.api.common import ANNOTATION_WEIGHT_VERSION, GROUP
-
-ANNOTATION_WEIGHT_GENERATION = f"{GROUP}/weight-generation"
-ANNOTATION_WEIGHTS_URL = f"{GROUP}/weights-url"
-ANNOTATION_SYNC_STATE = f"{GROUP}/sync-state"
-# Optional, set by a person on the fleet: how many generations behind a request may run.
-ANNOTATION_MAX_STALENESS = f"{GROUP}/max-staleness"
+from rollfleet.contract import (
+    ANNOTATION_MAX_STALENESS,
+    ANNOTATION_SYNC_STATE,
+    ANNOTATION_WEIGHT_GENERATION,
+    ANNOTATION_WEIGHT_VERSION,
+    ANNOTATION_WEIGHTS_URL,
+)
 
 # Versions remembered for staleness (request versions -> generations).
 HISTORY_LENGTH = 64

@@ -19,7 +19,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import ValidationError
 
-from rollfleet.api.common import TOKEN_FILE
+from rollfleet.contract import TOKEN_FILE
 from rollfleet.sync.engines import Discovery, EngineAPI, PodDiscovery, StaticDiscovery
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
 from rollfleet.sync.orchestrator import Orchestrator, Publisher

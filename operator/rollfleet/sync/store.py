@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollfleet.api.common import GROUP, VERSION
 from rollfleet.api.fleet import PLURAL
+from rollfleet.contract import GROUP, VERSION
 from rollfleet.sync.protocol import FleetRecord, decode_record, encode_record
 
 _MAX_CONFLICT_RETRIES = 20

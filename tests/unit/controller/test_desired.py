@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollfleet.api.common import ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH, TOKEN_FILE
+from rollfleet import contract
 from rollfleet.api.fleet import RolloutFleetSpec
+from rollfleet.contract import ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH, TOKEN_FILE
 from rollfleet.controller import desired
 
 REF = desired.FleetRef(name="tiny", namespace="team", uid="uid-1")
@@ -83,9 +84,9 @@ def test_template_hash_changes_with_the_pod_but_not_with_scale_or_gateway() -> N
 
 
 def test_engine_index_round_trips_and_rejects_other_names() -> None:
-    assert desired.engine_index(desired.engine_pod_name("tiny", 12), "tiny") == 12
+    assert contract.engine_index(contract.engine_pod_name("tiny", 12), "tiny") == 12
     for other in ("tiny-engine-", "tiny-engine-01", "tiny-engine-x", "tinier-engine-1", "tiny-gateway-1"):
-        assert desired.engine_index(other, "tiny") is None
+        assert contract.engine_index(other, "tiny") is None
 
 
 def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
@@ -99,7 +100,7 @@ def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
     assert objects["Service"]["spec"]["ports"][0]["port"] == 8080
     rules = objects["Role"]["rules"]
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
-    assert desired.gateway_endpoint(REF) == "http://tiny-gateway.team.svc:8080"
+    assert contract.gateway_endpoint(REF.name, REF.namespace) == "http://tiny-gateway.team.svc:8080"
     no_gw = desired.owned_objects(REF, spec(gateway={"enabled": False}), "rollfleet-system")
     assert [o["kind"] for o in no_gw] == ["ServiceAccount", "NetworkPolicy"]
     assert no_gw[0]["automountServiceAccountToken"] is False  # the engines' own, with no token mounted
@@ -128,7 +129,7 @@ def test_network_policy_admits_only_gateway_trainers_and_operator_to_the_engine_
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     # ... and one rule: the engine port, from the fleet's gateway and trainers and the operator's pods.
     assert policy["spec"]["ingress"] == [{"from": [GATEWAY, TRAINERS, OPERATOR],
-                                          "ports": [{"protocol": "TCP", "port": desired.ENGINE_PORT}]}]
+                                          "ports": [{"protocol": "TCP", "port": contract.ENGINE_PORT}]}]
     gateway_pods = desired.gateway_deployment(REF, spec())["spec"]["template"]["metadata"]["labels"]
     assert GATEWAY["podSelector"]["matchLabels"].items() <= gateway_pods.items()
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from tests.unit.controller.fleet_fixtures import HASH, NOW, draining, engine, state
 
-from rollfleet.api.common import ANNOTATION_PAUSE, ANNOTATION_RESUME
 from rollfleet.api.fleet import PauseStatus, UpdateStrategy
+from rollfleet.contract import ANNOTATION_PAUSE, ANNOTATION_RESUME
 from rollfleet.controller import plan
 from rollfleet.controller.plan import Create, Delete, Drain, PauseCall, ResumeCall
 from rollfleet.controller.status import Engine, WeightView

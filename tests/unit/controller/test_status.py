@@ -7,8 +7,8 @@ from typing import Any
 
 from tests.unit.controller.fleet_fixtures import HASH, NO_WEIGHTS, NOW, draining, engine, obs, state
 
-from rollfleet.api.common import ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH
 from rollfleet.api.fleet import PauseStatus, RolloutFleetSpec, RolloutFleetStatus
+from rollfleet.contract import ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH
 from rollfleet.controller.status import (
     Engine,
     GatewayObs,

@@ -7,7 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from rollfleet.api.request import ANNOTATION_ABORT, Prompt, RolloutRequestSpec
+from rollfleet.api.request import Prompt, RolloutRequestSpec
+from rollfleet.contract import ANNOTATION_ABORT
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, SampleResult
 

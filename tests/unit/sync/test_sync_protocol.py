@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rollfleet.sync.protocol import (
+from rollfleet.contract import (
     ANNOTATION_MAX_STALENESS,
     ANNOTATION_SYNC_STATE,
     ANNOTATION_WEIGHT_GENERATION,
     ANNOTATION_WEIGHT_VERSION,
     ANNOTATION_WEIGHTS_URL,
+)
+from rollfleet.sync.protocol import (
     HISTORY_LENGTH,
     EngineObservation,
     FleetRecord,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rollfleet.sync.protocol import ANNOTATION_WEIGHT_VERSION, FleetRecord, adopt_initial, decode_record
+from rollfleet.contract import ANNOTATION_WEIGHT_VERSION
+from rollfleet.sync.protocol import FleetRecord, adopt_initial, decode_record
 from rollfleet.sync.store import Conflict, FileStore, update
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import kopf
 
-from rollfleet.api.common import GROUP, VERSION
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES
+from rollfleet.contract import GROUP, VERSION
 from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests import runner
 

@@ -26,8 +26,21 @@ from typing import Any, TextIO
 import kubernetes
 
 from rollfleet import jsonl
-from rollfleet.api.common import API_VERSION, GROUP, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, VERSION
-from rollfleet.api.request import KIND, LABEL_CHUNK, LABEL_REQUEST, LABEL_REQUEST_UID, PLURAL
+from rollfleet.api.request import KIND, PLURAL
+from rollfleet.contract import (
+    API_VERSION,
+    APP_NAME,
+    COMPONENT_RESULTS,
+    GROUP,
+    LABEL_CHUNK,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_REQUEST,
+    LABEL_REQUEST_UID,
+    MANAGER,
+    VERSION,
+)
 from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests.plan import SampleResult
 
@@ -137,7 +150,7 @@ class ResultStore:
         meta: dict[str, Any] = {
             "name": chunk_name(self.name, self.uid, chunk.index),
             "namespace": self.namespace,
-            "labels": {LABEL_NAME: "rollfleet", LABEL_COMPONENT: "results", LABEL_MANAGED_BY: "rollfleet-operator",
+            "labels": {LABEL_NAME: APP_NAME, LABEL_COMPONENT: COMPONENT_RESULTS, LABEL_MANAGED_BY: MANAGER,
                        LABEL_REQUEST: self.name, LABEL_REQUEST_UID: self.uid, LABEL_CHUNK: str(chunk.index)},
             "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
                                  "controller": True}],

@@ -21,7 +21,6 @@ before anything depends on them, so a sample is stored exactly once.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -32,16 +31,16 @@ from typing import Any
 import httpx
 from kubernetes.client.exceptions import ApiException
 
-from rollfleet.api.common import GROUP, TOKEN_KEY, VERSION
 from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
-from rollfleet.api.request import (
+from rollfleet.api.request import PLURAL, TERMINAL_PHASES, AbortRecord, Prompt, ResultsRef, RolloutRequest
+from rollfleet.contract import (
     ANNOTATION_ABORT,
-    PLURAL,
-    TERMINAL_PHASES,
-    AbortRecord,
-    Prompt,
-    ResultsRef,
-    RolloutRequest,
+    GATEWAY_PORT,
+    GROUP,
+    VERSION,
+    admin_token,
+    gateway_name,
+    secret_name,
 )
 from rollfleet.controller.kube import MERGE, Kube
 from rollfleet.controller.requests import plan
@@ -50,7 +49,6 @@ from rollfleet.controller.requests.results import ResultStore
 from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
 from rollfleet.controller.status import parse_time
 
-GATEWAY_PORT = 8080
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
 FLUSH_INTERVAL_S = 0.5  # results wait at most this long before they are written
 MAX_UNFLUSHED = 256  # and no more samples are sent while this many results are unwritten
@@ -90,13 +88,13 @@ class RequestKube(Kube):
         view = FleetView(exists=True, model=fleet["spec"]["model"]["servedName"],
                          paused=(status.get("pause") or {}).get("mode"), weight_version=status.get("weightVersion"))
         try:
-            svc = await self._call("read service", self.core.read_namespaced_service, f"{name}-gateway", namespace)
+            svc = await self._call("read service", self.core.read_namespaced_service, gateway_name(name),
+                                    namespace)
         except ApiException as err:
             if err.status == 404:  # the fleet's operator has not created it yet
                 return view
             raise
-        secret = await self.read_secret_data(namespace, f"{name}-admin-token") or {}
-        token = base64.b64decode(secret.get(TOKEN_KEY, "")).decode() or None
+        token = admin_token(await self.read_secret_data(namespace, secret_name(name)))
         ip = svc.spec.cluster_ip
         gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
         return replace(view, gateway=gateway, token=token)

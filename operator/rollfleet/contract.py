@@ -1,0 +1,177 @@
+"""The contract between Rollfleet's components: every name, label, annotation, phase,
+pause mode, port and path that one component writes and another reads.
+
+Owns the API group, the labels and annotations on pods, fleets, requests and result
+ConfigMaps, the `EnginePhase` enum and the phases the gateway routes to, the ports of
+engines and gateways, the names of the objects a fleet owns (`<fleet>-engine-<i>`,
+`<fleet>-gateway`, `<fleet>-admin-token`, ...), the engine pods' label selectors, and how
+the admin token is stored in and read from its Secret.
+
+Imported by the operator (fleet and request controllers), the gateway, the sync sidecar,
+the CRD models (`rollfleet.api`), the demo, and the tests, e2e tests and benchmarks; none
+of them re-declares what is here. The engine's own HTTP API (routes, headers, pause
+modes) is owned by the engine package, `rollfleet_engine.protocol`, which must not
+import `rollfleet`: this module re-exports what of it the other components use.
+
+Pure: no I/O, no pydantic; cheap to import from every process.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from enum import StrEnum
+
+# The engine's API, re-exported: the engine package owns it and cannot import this module.
+from rollfleet_engine.protocol import ABORT_PATH as ABORT_PATH
+from rollfleet_engine.protocol import ENGINE_PORT as ENGINE_PORT
+from rollfleet_engine.protocol import PAUSE_MODES as PAUSE_MODES
+from rollfleet_engine.protocol import READY_PATH as READY_PATH
+from rollfleet_engine.protocol import REQUESTS_PATH as REQUESTS_PATH
+from rollfleet_engine.protocol import STATE_PATH as STATE_PATH
+from rollfleet_engine.protocol import PauseMode as PauseMode
+from rollfleet_engine.protocol import parse_pause_mode as parse_pause_mode
+
+# --- API group ----------------------------------------------------------------------
+GROUP = "rollfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# --- labels -------------------------------------------------------------------------
+# Every object Rollfleet creates carries these (the gateway and the sidecar select engines by them).
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_FLEET = f"{GROUP}/fleet"
+LABEL_INDEX = f"{GROUP}/engine-index"
+# On the result ConfigMaps: which request they belong to, and their order.
+LABEL_REQUEST = f"{GROUP}/request"
+LABEL_REQUEST_UID = f"{GROUP}/request-uid"
+LABEL_CHUNK = f"{GROUP}/chunk"
+
+APP_NAME = "rollfleet"  # the value of LABEL_NAME
+# The value of LABEL_MANAGED_BY, and the operator's field manager and Event source.
+MANAGER = "rollfleet-operator"
+# Values of LABEL_COMPONENT.
+COMPONENT_ENGINE = "engine"
+COMPONENT_GATEWAY = "gateway"
+COMPONENT_ADMIN_TOKEN = "admin-token"
+COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
+# The pods that run the sync sidecar (manifests/sync/trainer-job.yaml): with the fleet
+# label, what the engines' NetworkPolicy admits as the fleet's trainers.
+COMPONENT_TRAINER = "trainer"
+
+# --- annotations --------------------------------------------------------------------
+# On the engine pod (written by the operator and the sync sidecar, read by the gateway) ...
+ANNOTATION_PHASE = f"{GROUP}/phase"
+ANNOTATION_DRAINING_SINCE = f"{GROUP}/draining-since"
+ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
+# ... on the RolloutFleet (written by people and by the sync sidecar) ...
+ANNOTATION_PAUSE = f"{GROUP}/pause"
+ANNOTATION_RESUME = f"{GROUP}/resume"
+ANNOTATION_WEIGHT_VERSION = f"{GROUP}/weight-version"
+ANNOTATION_WEIGHT_GENERATION = f"{GROUP}/weight-generation"
+ANNOTATION_WEIGHTS_URL = f"{GROUP}/weights-url"
+ANNOTATION_SYNC_STATE = f"{GROUP}/sync-state"
+# Optional, set by a person on the fleet: how many generations behind a request may run.
+ANNOTATION_MAX_STALENESS = f"{GROUP}/max-staleness"
+# ... and on the RolloutRequest, set by people: a new value aborts every in-flight sample
+# once (the status records the value acted on).
+ANNOTATION_ABORT = f"{GROUP}/abort"
+
+
+# --- engine phases ------------------------------------------------------------------
+class EnginePhase(StrEnum):
+    """An engine's phase: in the fleet's status and on its pod's `rollfleet.dev/phase` annotation."""
+
+    STARTING = "Starting"
+    PENDING_SYNC = "PendingSync"
+    READY = "Ready"
+    PAUSED = "Paused"
+    SYNCING = "Syncing"
+    DRAINING = "Draining"
+    FAILED = "Failed"
+
+
+# Phases in which an engine serves requests (or holds them, while paused): the gateway
+# routes only to these, and the fleet counts them as ready.
+ROUTABLE_PHASES: frozenset[str] = frozenset({EnginePhase.READY, EnginePhase.PAUSED})
+
+# --- ports (ENGINE_PORT, above, is the engine package's) ----------------------------
+GATEWAY_PORT = 8080
+
+# --- the admin token ----------------------------------------------------------------
+# Where the admin-token Secret is mounted in gateways and engines, and its one key.
+TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet"
+TOKEN_KEY = "token"
+TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
+
+
+def admin_token_data(token: str) -> dict[str, str]:
+    """The `data` of the admin-token Secret holding `token`."""
+    return {TOKEN_KEY: base64.b64encode(token.encode()).decode()}
+
+
+def admin_token(data: Mapping[str, str] | None) -> str | None:
+    """The token in the admin-token Secret's `data` (base64, as the API serves it), or None without one."""
+    return base64.b64decode((data or {}).get(TOKEN_KEY, "")).decode() or None
+
+
+# --- names of what a fleet owns -----------------------------------------------------
+def engine_pod_name(fleet: str, index: int) -> str:
+    return f"{fleet}-{COMPONENT_ENGINE}-{index}"
+
+
+def engine_index(pod_name: str, fleet: str) -> int | None:
+    """The index in `<fleet>-engine-<index>`, or None for a name that is not an engine of this fleet."""
+    prefix = f"{fleet}-{COMPONENT_ENGINE}-"
+    rest = pod_name[len(prefix):] if pod_name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() and str(int(rest)) == rest else None
+
+
+def gateway_name(fleet: str) -> str:
+    """The gateway's Deployment, Service, ServiceAccount and Role."""
+    return f"{fleet}-{COMPONENT_GATEWAY}"
+
+
+def engine_sa_name(fleet: str) -> str:
+    return f"{fleet}-{COMPONENT_ENGINE}"
+
+
+def secret_name(fleet: str) -> str:
+    """The admin-token Secret."""
+    return f"{fleet}-{COMPONENT_ADMIN_TOKEN}"
+
+
+def network_policy_name(fleet: str) -> str:
+    return f"{fleet}-{COMPONENT_ENGINE}"
+
+
+def gateway_endpoint(fleet: str, namespace: str) -> str:
+    """The in-cluster URL of the fleet's gateway Service."""
+    return f"http://{gateway_name(fleet)}.{namespace}.svc:{GATEWAY_PORT}"
+
+
+def engine_url(ip: str, port: int = ENGINE_PORT) -> str:
+    """Base URL of the engine at a pod IP."""
+    return f"http://{ip}:{port}"
+
+
+# --- labels and selectors -----------------------------------------------------------
+def component_labels(fleet: str, component: str) -> dict[str, str]:
+    return {LABEL_NAME: APP_NAME, LABEL_COMPONENT: component, LABEL_FLEET: fleet}
+
+
+def selector(labels: Mapping[str, str]) -> str:
+    """A label selector matching every label given."""
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def engine_selector(fleet: str) -> str:
+    """All labels of the fleet's engine pods, as the scale subresource (`status.selector`) wants it."""
+    return selector(component_labels(fleet, COMPONENT_ENGINE))
+
+
+def engine_discovery_selector(fleet: str) -> str:
+    """How the gateway, the sync sidecar and the demo find the fleet's engine pods."""
+    return selector({LABEL_FLEET: fleet, LABEL_COMPONENT: COMPONENT_ENGINE})
