@@ -8,7 +8,6 @@ it (a killed engine) leave it to heal; every user starts with `ready()`.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import uuid
@@ -19,10 +18,9 @@ import httpx
 
 from e2e.fleet_helpers import ENGINE_START_S, Fleet, deploy_operator, fleet_manifest, kill_engine_process
 from e2e.provider import Cluster, wait_for
+from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, admin_token, secret_name
 
 NAME = "live"
-GATEWAY_PORT = 8080
-ENGINE_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -119,10 +117,10 @@ def live_fleet(cluster: Cluster) -> Iterator[LiveFleet]:
     fleet = Fleet(cluster, NAME, namespace)
     try:
         fleet.wait_ready(2)
-        secret = json.loads(cluster.kubectl("-n", namespace, "get", "secret", f"{NAME}-admin-token",
+        secret = json.loads(cluster.kubectl("-n", namespace, "get", "secret", secret_name(NAME),
                                             "-o", "json").stdout)
         with contextlib.ExitStack() as stack:
-            live = LiveFleet(cluster, namespace, fleet, base64.b64decode(secret["data"]["token"]).decode(), stack)
+            live = LiveFleet(cluster, namespace, fleet, admin_token(secret["data"]) or "", stack)
             live.ready()
             yield live
     finally:

@@ -31,6 +31,7 @@ from e2e.fleet_helpers import (
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
+from rollfleet.contract import ROUTABLE_PHASES
 from rollfleet.sync.client import SyncClient
 from rollfleet.sync.models import EngineStep, PushState
 from rollfleet.sync.protocol import PushPhase, decode_record
@@ -232,7 +233,7 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
     def truthful(st: dict[str, Any]) -> bool:
         # No engine is ever routable on other weights than the fleet's, in any status written meanwhile.
         mixed = [e["name"] for e in st.get("engines", [])
-                 if e["phase"] in ("Ready", "Paused") and e.get("weightVersion") != st.get("weightVersion")]
+                 if e["phase"] in ROUTABLE_PHASES and e.get("weightVersion") != st.get("weightVersion")]
         assert not mixed, f"routable on other weights than {st.get('weightVersion')}: {mixed} ({st})"
         return all_ready_on(final)(st)
 
