@@ -120,7 +120,9 @@ def live_fleet(cluster: Cluster) -> Iterator[LiveFleet]:
         secret = json.loads(cluster.kubectl("-n", namespace, "get", "secret", secret_name(NAME),
                                             "-o", "json").stdout)
         with contextlib.ExitStack() as stack:
-            live = LiveFleet(cluster, namespace, fleet, admin_token(secret["data"]) or "", stack)
+            token = admin_token(secret["data"])
+            assert token, f"the Secret {secret_name(NAME)} holds no admin token"
+            live = LiveFleet(cluster, namespace, fleet, token, stack)
             live.ready()
             yield live
     finally:
