@@ -1,15 +1,22 @@
 # The control-plane image: operator, gateway and sync sidecar (`rollfleet <subcommand>`).
-# Engines use engine_image/Dockerfile.{cpu,gpu}.
-FROM python:3.11-slim AS build
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY operator operator
-COPY engine_image engine_image
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# Engines use engine_image/Dockerfile.{cpu,gpu}. Built by `make images` (hack/images.sh),
+# which passes BASE_IMAGE where no registry is reachable; users get the public default.
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:3.11-slim
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir /wheels/*.whl && rm -rf /root/.cache
+FROM ${BASE_IMAGE} AS build
+RUN python -m venv /opt/rollfleet
+# Dependencies first: editing the code does not re-download them.
+COPY pyproject.toml README.md /src/
+RUN cd /src && python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+      > /tmp/requirements.txt \
+ && /opt/rollfleet/bin/pip install --no-cache-dir -q -r /tmp/requirements.txt
+COPY operator /src/operator
+COPY engine_image /src/engine_image
+RUN /opt/rollfleet/bin/pip install --no-cache-dir -q --no-deps /src
+
+FROM ${BASE_IMAGE}
+COPY --from=build /opt/rollfleet /opt/rollfleet
+ENV PATH=/opt/rollfleet/bin:$PATH
 # Non-root, no shell needed at runtime.
 USER 65532:65532
 ENTRYPOINT ["rollfleet"]

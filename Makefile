@@ -30,6 +30,14 @@ demo: build ## the main job: local cluster + operator + a 2-engine fleet, and th
 down: ## stop the local cluster and free its ports
 	@if [ -x $(BIN)/rollfleet ]; then rollfleet cluster down; fi
 
+.PHONY: docker
+docker: ## make a Docker daemon answer here (installs Debian's docker.io if needed; root)
+	@hack/docker.sh
+
+.PHONY: images
+images: env docker ## build the control-plane and CPU engine images (base images built locally, cached)
+	@hack/images.sh
+
 .PHONY: lint
 lint: env ## ruff, mypy, CRDs in sync, actionlint
 	ruff check operator engine_image tests e2e bench
