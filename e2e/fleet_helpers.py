@@ -21,6 +21,7 @@ import yaml
 
 from e2e.provider import Cluster, wait_for
 from rollfleet import jsonl
+from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_NS = "rollfleet-system"
@@ -68,8 +69,6 @@ def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
 
 
 def tiny_model_dir() -> str:
-    from rollfleet_engine.tiny_model import ensure_tiny_model
-
     return str(ensure_tiny_model())
 
 
@@ -82,7 +81,7 @@ def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dic
             "model": {"servedName": "tiny", "hostPath": tiny_model_dir()},
             # The tiny model is float32; a small batch keeps engines light on a shared CPU; its
             # whole context lets a test's stream last long enough to act on it.
-            "engine": {"args": ["--dtype", "float32", "--max-num-seqs", "8"], "maxModelLen": 2048},
+            "engine": {"args": ["--dtype", "float32", "--max-num-seqs", "8"], "maxModelLen": TINY_MODEL_CONTEXT},
             # Long enough for a test's in-flight requests on a slow shared machine.
             "drainTimeoutSeconds": 600,
             **spec,
@@ -138,6 +137,13 @@ class Fleet:
     def engine_state(self, pod: str) -> dict[str, Any]:
         with self.cluster.reach(self.namespace, pod, 8000) as url:
             return dict(httpx.get(f"{url}/rollfleet/v1/state", timeout=10).json())
+
+
+def metric(engine_url: str, name: str) -> float:
+    """The sum of a Prometheus metric over its labels, read from an engine's /metrics."""
+    text = httpx.get(engine_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 @dataclass

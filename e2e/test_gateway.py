@@ -22,9 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
+from e2e.fleet_helpers import metric
 from e2e.live_fleet import Endpoint, LiveFleet
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
+from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -42,12 +44,6 @@ def fleet(live: LiveFleet) -> LiveFleet:
 def tracked(engine: Endpoint, request_id: str) -> dict[str, Any] | None:
     r = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}")
     return r.json() if r.status_code == 200 else None
-
-
-def metric(engine: Endpoint, name: str) -> float:
-    text = httpx.get(engine.url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def sse(text: str) -> list[dict[str, Any]]:
@@ -90,7 +86,7 @@ class Stream:
 
 def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
     a, b = f"abort-a-{uuid.uuid4().hex[:6]}", f"abort-b-{uuid.uuid4().hex[:6]}"
-    sa, sb = Stream(fleet, a, 2000), Stream(fleet, b, 200)
+    sa, sb = Stream(fleet, a, LONG), Stream(fleet, b, 200)
     assert sa.first.wait(60)
     r = httpx.post(fleet.gateways[0].url + "/v1/abort", json={"request_ids": [a, "never-sent-xyz"]},
                   headers=fleet.admin, timeout=30)
@@ -102,26 +98,26 @@ def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
     assert seen is not None and seen["phase"] == "finished" and seen["finish_reason"] == "abort"
     in_flight = {t["request_id"] for t in httpx.get(engine.url + "/rollfleet/v1/requests").json()["in_flight"]}
     assert a not in in_flight
-    assert 0 < len(tokens_of(ca)) < 2000  # the partial output reached the client
+    assert 0 < len(tokens_of(ca)) < LONG  # the partial output reached the client
     cb = sb.chunks()
     assert cb[-1]["choices"][0]["finish_reason"] == "length" and len(tokens_of(cb)) == 200
 
 
 def test_abort_through_another_gateway_replica(fleet: LiveFleet) -> None:
     rid = f"other-replica-{uuid.uuid4().hex[:6]}"
-    stream = Stream(fleet, rid, 2000)  # through the first replica
+    stream = Stream(fleet, rid, LONG)  # through the first replica
     assert stream.first.wait(60)
     r = httpx.post(fleet.gateways[1].url + "/v1/abort", json={"request_ids": [rid]}, headers=fleet.admin, timeout=30)
     assert r.json() == {"results": {rid: "aborted"}}
     chunks = stream.chunks()
-    assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and 0 < len(tokens_of(chunks)) < 2000
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and 0 < len(tokens_of(chunks)) < LONG
     seen = tracked(fleet.engine(chunks[-1]["rollfleet"]["engines"][-1]), rid)
     assert seen is not None and seen["finish_reason"] == "abort"
 
 
 def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: LiveFleet) -> None:
     rid = f"gone-{uuid.uuid4().hex[:6]}"
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=1.5)
 
@@ -129,11 +125,11 @@ def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Liv
         seen = [tracked(e, rid) for e in fleet.engines]
         ended = [s for s in seen if s is not None]
         return (len(ended) == 1 and ended[0]["phase"] == "finished"
-                and all(metric(e, "vllm:num_requests_running") == 0 for e in fleet.engines))
+                and all(metric(e.url, "vllm:num_requests_running") == 0 for e in fleet.engines))
 
     wait_for(freed, 10, what="the engine to drop the request of a client that left")
     ended = next(s for e in fleet.engines if (s := tracked(e, rid)) is not None)
-    assert ended["finish_reason"] == "abort" and ended["output_tokens"] < 2000
+    assert ended["finish_reason"] == "abort" and ended["output_tokens"] < LONG
 
 
 def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -145,7 +141,7 @@ def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dic
 
 def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: LiveFleet) -> None:
     turns, sessions = 3, 20
-    before = {e.key: metric(e, "vllm:prefix_cache_hits_total") for e in fleet.engines}
+    before = {e.key: metric(e.url, "vllm:prefix_cache_hits_total") for e in fleet.engines}
 
     def converse(i: int) -> tuple[list[str], list[int]]:
         session = f"sess-{i}-{uuid.uuid4().hex[:6]}"
@@ -172,7 +168,7 @@ def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: 
     assert all(v > 0 for v in per_engine_expected.values()), "sessions did not spread over both engines"
 
     def hits() -> dict[str, float]:
-        return {e.key: metric(e, "vllm:prefix_cache_hits_total") - before[e.key] for e in fleet.engines}
+        return {e.key: metric(e.url, "vllm:prefix_cache_hits_total") - before[e.key] for e in fleet.engines}
 
     def covered() -> bool:
         got = hits()
@@ -189,7 +185,7 @@ def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
     (With a steady stream instead, a slower engine rightly gets fewer requests: on this shared
     2-core host one engine is sometimes 2-3x slower than the other.)
     """
-    before = [metric(e, "vllm:request_success_total") for e in fleet.engines]
+    before = [metric(e.url, "vllm:request_success_total") for e in fleet.engines]
 
     def one(i: int) -> str:
         r = httpx.post(fleet.gateways[0].url + "/v1/completions", timeout=120,
@@ -207,7 +203,7 @@ def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
     # The engines saw the same split (the gateway's report is not taken on trust); their
     # counters may trail the responses a little.
     def at_engines() -> list[float]:
-        return [metric(e, "vllm:request_success_total") - b for e, b in zip(fleet.engines, before, strict=True)]
+        return [metric(e.url, "vllm:request_success_total") - b for e, b in zip(fleet.engines, before, strict=True)]
 
     with contextlib.suppress(AssertionError):
         wait_for(lambda: at_engines() == counts, 10, what="the engines' request counters")
@@ -296,7 +292,7 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
         futures = [pool.submit(run, i) for i in range(16)]
         started.wait()
         victim = fleet.engines[0]
-        wait_for(lambda: metric(victim, "vllm:num_requests_running") > 0, 60, what="the victim to be generating")
+        wait_for(lambda: metric(victim.url, "vllm:num_requests_running") > 0, 60, what="the victim to be generating")
         fleet.kill_engine(victim.key)
         results = [f.result(timeout=300)() for f in futures]
     for token_ids, finish, report in results:

@@ -27,6 +27,7 @@ from e2e.live_fleet import LiveFleet
 from e2e.provider import wait_for
 from rollfleet.api.request import PLURAL
 from rollfleet.contract import ANNOTATION_ABORT, GROUP, VERSION
+from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -154,14 +155,14 @@ def test_abort_by_annotation_stops_every_in_flight_sample_on_the_engines_within_
 
 
 def test_a_deadline_shorter_than_the_work_fails_the_request_and_frees_the_engines(fleet: LiveFleet) -> None:
-    name, uid = create(fleet, 8, 2, activeDeadlineSeconds=4, sampling={"maxTokens": 1800, "ignoreEos": True})
+    name, uid = create(fleet, 8, 2, activeDeadlineSeconds=4, sampling={"maxTokens": LONG, "ignoreEos": True})
     wait_for(lambda: running(fleet, uid), 120, interval=0.2, what="samples on the engines")
     st = wait_phase(fleet, name, "Failed", timeout=120)
     assert st["reason"] == "DeadlineExceeded" and "activeDeadlineSeconds=4" in st["message"]
     assert st["abort"]["token"] == "deadline"
     assert not running(fleet, uid), "samples still run on the engines after the deadline"
     rows = results(fleet, name)
-    assert rows and all(r["finish_reason"] == "abort" and len(r["token_ids"]) < 1800 for r in rows)
+    assert rows and all(r["finish_reason"] == "abort" and len(r["token_ids"]) < LONG for r in rows)
 
 
 def test_operator_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:

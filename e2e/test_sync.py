@@ -62,7 +62,6 @@ def operator(cluster: Cluster) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def fleet(cluster: Cluster, operator: None) -> Fleet:
     manifest = fleet_manifest(NAME, NS, replicas=2, weightSync={"initialVersion": "A"})
-    manifest["spec"]["engine"]["maxModelLen"] = 2048
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
     fleet = Fleet(cluster, NAME, NS)
     fleet.wait_ready(2)

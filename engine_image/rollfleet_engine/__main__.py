@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rollfleet_engine.tiny_model import ensure_tiny_model
 
         parser = argparse.ArgumentParser(prog="python -m rollfleet_engine tiny-model")
-        parser.add_argument("--out", type=Path, default=None, help="default: $ROLLFLEET_CACHE/models/tiny-v1")
+        parser.add_argument("--out", type=Path, default=None, help="default: $ROLLFLEET_CACHE/models/tiny-v2")
         print(ensure_tiny_model(parser.parse_args(rest).out))
         return 0
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -1,14 +1,16 @@
 """The tiny model: a deterministic random-weight Llama for tests and the demo.
 
 Owns building (no download, a few seconds) and locating the model. The layout under
-``$ROLLFLEET_CACHE/models/tiny-v1/`` is:
+``$ROLLFLEET_CACHE/models/tiny-v2/`` is:
 
 - ``./`` weight set A, a complete Hugging Face model directory that vLLM serves;
 - ``./weights-b/`` weight set B (another seed), also a complete model directory, so
   that a reference implementation can load it directly and the weights server can
   serve its safetensors for an update test.
 
-The sizes are the smallest that vLLM's CPU attention backend accepts (head_dim 64).
+The sizes are the smallest that vLLM's CPU attention backend accepts (head_dim 64). The
+context is long (``TINY_MODEL_CONTEXT``) so that a test can start a generation the engine
+core cannot finish before the test acts on it (abort, pause); it costs nothing until used.
 Weights are float32 so that vLLM and transformers agree on greedy decoding token for
 token; the init scale is raised so that the top logit is well separated from the next.
 """
@@ -21,12 +23,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_MODEL_NAME = "tiny-v1"
+TINY_MODEL_NAME = "tiny-v2"
 # Where the model is on a node: the CPU engine image bakes it there (engine_image/Dockerfile.cpu)
 # and the samples' hostPath volumes read it (manifests/samples/); the local cluster keeps that
 # node directory in the cache (see rollfleet/localcluster/pools.yaml).
 NODE_MODEL_DIR = f"/var/lib/rollfleet/models/{TINY_MODEL_NAME}"
 WEIGHTS_B_DIR = "weights-b"
+TINY_MODEL_CONTEXT = 32_768  # tokens (max_position_embeddings); engines serve it all (--max-model-len)
+# A generation that tests act on (abort, pause) while it runs. The engine core runs well ahead
+# of the stream (on a loaded 2-core host it decodes 2,000 tokens in ~4 s, which a client sees
+# over ~14 s), so a token a client has seen does not prove its request still runs; 30,000 tokens
+# of growing context keep the core busy for over a minute, and an abort lands within a second.
+LONG_GENERATION = 30_000
 SEED_A = 1234
 SEED_B = 5678
 _MARKER = ".complete"
@@ -126,7 +134,7 @@ def _write_model(out: Path, tokenizer, seed: int) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=TINY_MODEL_CONTEXT,
         initializer_range=0.05,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,

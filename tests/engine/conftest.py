@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollfleet_engine.tiny_model import ensure_tiny_model
+from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 
 START_TIMEOUT_S = 300
 TOKEN = "engine-test-token"
@@ -65,7 +65,7 @@ def engine_command(model_dir: Path, host: str, port: int | str, token_file: Path
     return [
         sys.executable, "-m", "rollfleet_engine", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
         "--host", host, "--port", str(port), "--token-file", str(token_file), "--weight-version", weight_version,
-        "--", "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048",
+        "--", "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", str(TINY_MODEL_CONTEXT),
         "--disable-uvicorn-access-log",
     ]
 

@@ -239,7 +239,7 @@ def is_up(layout: Layout | None = None) -> bool:
 
 
 def ensure_node_model(pools: Path = DEFAULT_POOLS) -> Path:
-    """The tiny model where the nodes' `/var/lib/rollfleet/models/tiny-v1` is on this machine.
+    """The tiny model where the nodes' `/var/lib/rollfleet/models/tiny-v2` is on this machine.
 
     That node path is where the CPU engine image bakes the model and where the samples'
     hostPath volumes read it; the pools file's extraMounts put it in the cache. Built once

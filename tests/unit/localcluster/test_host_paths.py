@@ -23,7 +23,7 @@ def pools_with(*mounts: tuple[str, str]) -> config.PoolsFile:
 @pytest.mark.parametrize(("path", "expected"), [
     ("/var/lib/rollfleet", "/cache"),
     ("/var/lib/rollfleet/", "/cache"),
-    ("/var/lib/rollfleet/models/tiny-v1", "/cache/models/tiny-v1"),
+    ("/var/lib/rollfleet/models/tiny-v2", "/cache/models/tiny-v2"),
     ("/var/lib/rollfleet-sync", "/var/lib/rollfleet-sync"),  # whole components only
     ("/var/lib", "/var/lib"),
     ("/data/x", "/data/x"),
@@ -52,7 +52,7 @@ def test_default_pools_keep_the_samples_model_in_the_cache(monkeypatch: pytest.M
     """The node path the samples read is where `ensure_tiny_model` builds by default."""
     monkeypatch.setenv("ROLLFLEET_CACHE", str(tmp_path))
     pools = config.load()
-    assert pools.host_path(NODE_MODEL_DIR, tmp_path) == default_model_dir() == tmp_path / "models" / "tiny-v1"
+    assert pools.host_path(NODE_MODEL_DIR, tmp_path) == default_model_dir() == tmp_path / "models" / "tiny-v2"
     sample_paths = [doc["spec"]["model"]["hostPath"] for doc in yaml.safe_load_all(
         (SAMPLES / "tiny-fleet.yaml").read_text())]
     trainer = yaml.safe_load((SAMPLES / "demo-trainer.yaml").read_text())
