@@ -40,7 +40,7 @@ images: env docker ## build the control-plane and CPU engine images (base images
 
 .PHONY: lint
 lint: env ## ruff, mypy, CRDs in sync, actionlint
-	ruff check operator engine_image tests e2e bench
+	ruff check operator engine_image devtools tests e2e bench
 	mypy
 	hack/actionlint.sh
 

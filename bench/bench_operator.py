@@ -43,7 +43,7 @@ import kubernetes
 from rollfleet import contract
 from rollfleet.api.fleet import RolloutFleetSpec
 from rollfleet.controller import desired
-from rollfleet.localcluster import controlplane
+from rollfleet_dev.localcluster import controlplane
 
 BIN = Path(sys.executable).parent
 

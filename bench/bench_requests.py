@@ -38,7 +38,7 @@ from rollfleet.contract import GROUP, VERSION
 from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import RequestKube
-from rollfleet.localcluster import controlplane
+from rollfleet_dev.localcluster import controlplane
 
 BIN = Path(sys.executable).parent
 

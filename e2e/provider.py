@@ -40,7 +40,7 @@ class Cluster:
             return cls(provider, kubeconfig, started_here=False)
         if provider != "local":
             raise ValueError(f"ROLLFLEET_E2E_PROVIDER={provider!r}: want 'local' or 'existing'")
-        from rollfleet.localcluster import controlplane
+        from rollfleet_dev.localcluster import controlplane
 
         was_up = controlplane.is_up()
         layout = controlplane.up()
@@ -48,7 +48,7 @@ class Cluster:
 
     def stop(self) -> None:
         if self.provider == "local" and self.started_here:
-            from rollfleet.localcluster import controlplane
+            from rollfleet_dev.localcluster import controlplane
 
             if controlplane.is_up():
                 controlplane.down()

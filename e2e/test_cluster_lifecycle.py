@@ -37,7 +37,7 @@ def _pids_with_arg(marker: str) -> list[int]:
 
 
 def test_down_leaves_no_process_or_port(cluster: Cluster) -> None:
-    from rollfleet.localcluster import controlplane
+    from rollfleet_dev.localcluster import controlplane
 
     marker = f"rollfleet-e2e-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("apply", "-f", "-", input=f"""

@@ -71,8 +71,8 @@ def _ready(core: kubernetes.client.CoreV1Api, ns: str, name: str) -> bool:
 
 
 def _log(ns: str, pod: str, container: str | None = None) -> str:
-    from rollfleet.localcluster.controlplane import Layout
-    from rollfleet.localcluster.nodeagent.logs import LogsError, find_log
+    from rollfleet_dev.localcluster.controlplane import Layout
+    from rollfleet_dev.localcluster.nodeagent.logs import LogsError, find_log
 
     try:
         return find_log(Layout().nodes_dir / "pods", ns, pod, container, previous=False).read_text()
@@ -180,8 +180,8 @@ def test_crashing_container_restarts_with_growing_count(core: kubernetes.client.
     waiting = wait_for(lambda: (core.read_namespaced_pod("crash", ns).status.container_statuses[0].state.waiting),
                        30, interval=0.1, what="CrashLoopBackOff")
     assert waiting.reason == "CrashLoopBackOff"
-    from rollfleet.localcluster.controlplane import Layout
-    from rollfleet.localcluster.nodeagent.logs import find_log
+    from rollfleet_dev.localcluster.controlplane import Layout
+    from rollfleet_dev.localcluster.nodeagent.logs import find_log
 
     assert find_log(Layout().nodes_dir / "pods", ns, "crash", None, previous=True).read_text() == "run\n"
 

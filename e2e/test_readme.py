@@ -281,7 +281,7 @@ def wait_trainer_push(walk: Walk, namespace: str, pod: str, fleet: Fleet, before
 
     ended = wait_for(trainer_ended, timeout=REQUEST_S, interval=1, what=f"{pod}'s trainer to exit")
     if ended is None or ended.get("exitCode") != 0:
-        from rollfleet.localcluster.nodeagent.logs import find_log, nodes_state_dir
+        from rollfleet_dev.localcluster.nodeagent.logs import find_log, nodes_state_dir
 
         log = find_log(nodes_state_dir() / "pods", namespace, pod, "trainer", previous=False).read_text()
         raise AssertionError(f"the trainer failed ({ended}):\n{log[-3000:]}")

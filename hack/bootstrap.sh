@@ -41,16 +41,18 @@ if [ ! -f "$venv/.complete" ]; then
 fi
 # The cached environment is shared by every checkout on this machine: (re)install the
 # project when it points at another checkout or pyproject.toml changed since.
-stamp="$venv/.project-$(sha256sum pyproject.toml | cut -c1-16)"
-here=$("$venv/bin/python" -c 'import rollfleet, pathlib; print(pathlib.Path(rollfleet.__file__).parents[2])' 2>/dev/null || true)
+stamp="$venv/.project-$(cat pyproject.toml devtools/pyproject.toml | sha256sum | cut -c1-16)"
+here=$("$venv/bin/python" -c 'import rollfleet, rollfleet_dev, pathlib
+print(*{str(pathlib.Path(m.__file__).parents[2]) for m in (rollfleet, rollfleet_dev)})' 2>/dev/null || true)
 if [ "$here" != "$PWD" ] || [ ! -f "$stamp" ]; then
-  echo "[bootstrap] rollfleet (editable, from $PWD) and its dev tools"
+  echo "[bootstrap] rollfleet and rollfleet-dev (editable, from $PWD) and the dev tools"
   log=$(mktemp)
-  "${pip[@]}" install -q --progress-bar off -e ".[dev,engine]" >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
+  { "${pip[@]}" install -q --progress-bar off -e ".[dev,engine]" \
+      && "${pip[@]}" install -q --progress-bar off --no-deps -e devtools; } >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
   rm -f "$log" "$venv"/.project-*
   touch "$stamp"
 fi
-"$venv/bin/python" -c "import vllm, torch, kopf, kubernetes, rollfleet" \
+"$venv/bin/python" -c "import vllm, torch, kopf, kubernetes, rollfleet, rollfleet_dev" \
   || { echo "[bootstrap] the environment is broken: remove $venv and run again" >&2; exit 1; }
 ln -sfn "$venv" .venv
 echo "[bootstrap] Python environment ready: .venv -> $venv"

@@ -26,7 +26,7 @@ from pathlib import Path
 TINY_MODEL_NAME = "tiny-v2"
 # Where the model is on a node: the CPU engine image bakes it there (engine_image/Dockerfile.cpu)
 # and the samples' hostPath volumes read it (manifests/samples/); the local cluster keeps that
-# node directory in the cache (see rollfleet/localcluster/pools.yaml).
+# node directory in the cache (see rollfleet_dev/localcluster/pools.yaml).
 NODE_MODEL_DIR = f"/var/lib/rollfleet/models/{TINY_MODEL_NAME}"
 WEIGHTS_B_DIR = "weights-b"
 TINY_MODEL_CONTEXT = 32_768  # tokens (max_position_embeddings); engines serve it all (--max-model-len)

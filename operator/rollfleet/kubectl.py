@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollfleet.errors import RollfleetError
 
-class KubectlError(RuntimeError):
+
+class KubectlError(RollfleetError, RuntimeError):
     """kubectl exited non-zero; the message holds its arguments and stderr."""
 
 

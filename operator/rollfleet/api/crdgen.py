@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from rollfleet.api import fleet, request
 from rollfleet.api.common import CrdInfo
 from rollfleet.contract import APP_NAME, LABEL_NAME
+from rollfleet.errors import RollfleetError
 
 CRDS: tuple[CrdInfo, ...] = (fleet.CRD, request.CRD)
 
@@ -41,7 +42,7 @@ _KEY_ORDER = [
 ]
 
 
-class SchemaError(ValueError):
+class SchemaError(RollfleetError, ValueError):
     """The model uses a JSON schema construct that a structural CRD schema cannot express."""
 
 

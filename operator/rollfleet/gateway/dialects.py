@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from rollfleet.errors import RollfleetError
+
 Json = dict[str, Any]
 
 
@@ -32,7 +34,7 @@ class Route(StrEnum):
     GENERATE = "/inference/v1/generate"
 
 
-class BadRequest(ValueError):
+class BadRequest(RollfleetError, ValueError):
     """The client's body cannot be served; the message says why (answered with 400)."""
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from rollfleet.errors import RollfleetError
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, FleetVersionView, PushDirRequest, PushState, PushStatus
 from rollfleet_engine.protocol import WeightManifest
 from rollfleet_engine.safetensors_stream import MemoryShard, manifest_bytes, sha256_hex, shard_from_tensors
@@ -32,7 +33,7 @@ _CHUNK = 16 << 20
 _POLL_S = 30.0
 
 
-class SyncError(RuntimeError):
+class SyncError(RollfleetError, RuntimeError):
     """The sidecar refused or could not answer a call."""
 
 

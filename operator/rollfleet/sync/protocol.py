@@ -38,6 +38,7 @@ from rollfleet.contract import (
     ANNOTATION_WEIGHT_VERSION,
     ANNOTATION_WEIGHTS_URL,
 )
+from rollfleet.errors import RollfleetError
 
 # Versions remembered for staleness (request versions -> generations).
 HISTORY_LENGTH = 64
@@ -54,7 +55,7 @@ class PushPhase(StrEnum):
         return self in (PushPhase.IN_PROGRESS, PushPhase.COMMITTED)
 
 
-class PushRefused(ValueError):
+class PushRefused(RollfleetError, ValueError):
     """A push that must not start (another is active, or the version was already used)."""
 
 

@@ -20,12 +20,13 @@ from typing import Any, Protocol
 
 from rollfleet.api.fleet import PLURAL
 from rollfleet.contract import GROUP, VERSION
+from rollfleet.errors import RollfleetError
 from rollfleet.sync.protocol import FleetRecord, decode_record, encode_record
 
 _MAX_CONFLICT_RETRIES = 20
 
 
-class Conflict(RuntimeError):
+class Conflict(RollfleetError, RuntimeError):
     """The record changed since it was read."""
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollfleet.localcluster import build, controlplane
+from rollfleet_dev.localcluster import build, controlplane
 
 UPSTREAM_GOMOD = """module k8s.io/kubernetes
 
@@ -64,4 +64,4 @@ def test_component_flags_enable_tls_rbac_and_serviceaccounts(tmp_path: Path) -> 
     assert "--use-service-account-credentials=true" in cm
     assert any(a.startswith("--service-account-private-key-file=") for a in cm)
     assert all(a.endswith("127.0.0.1") for a in (*api, *cm) if a.startswith("--bind-address="))
-    assert args["node-agent"][1:3] == ["-m", "rollfleet.localcluster.nodeagent"]
+    assert args["node-agent"][1:3] == ["-m", "rollfleet_dev.localcluster.nodeagent"]

@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from rollfleet.localcluster.nodeagent.env import (
+from rollfleet_dev.localcluster.nodeagent.env import (
     EnvError,
     Refs,
     container_argv,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollfleet.localcluster.nodeagent import config
-from rollfleet.localcluster.nodeagent.volumes import VolumeError, prepare_host_volume
+from rollfleet_dev.localcluster.nodeagent import config
+from rollfleet_dev.localcluster.nodeagent.volumes import VolumeError, prepare_host_volume
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR, default_model_dir
 
 SAMPLES = Path(__file__).resolve().parents[3] / "manifests" / "samples"

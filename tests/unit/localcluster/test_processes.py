@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rollfleet.localcluster.nodeagent.processes import ContainerProcess, kill_leftovers, members
+from rollfleet_dev.localcluster.nodeagent.processes import ContainerProcess, kill_leftovers, members
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from rollfleet.localcluster.nodeagent import config, control, ipam
-from rollfleet.localcluster.nodeagent.downward import FieldError, field_value, parse_quantity
-from rollfleet.localcluster.nodeagent.logs import LogsError, find_log, logs_command
-from rollfleet.localcluster.nodeagent.nodes import merge_taints, node_status
-from rollfleet.localcluster.nodeagent.probes import ProbeTiming, Tracker
-from rollfleet.localcluster.nodeagent.serviceproxy import backends, wanted_listeners
+from rollfleet_dev.localcluster.nodeagent import config, control, ipam
+from rollfleet_dev.localcluster.nodeagent.downward import FieldError, field_value, parse_quantity
+from rollfleet_dev.localcluster.nodeagent.logs import LogsError, find_log, logs_command
+from rollfleet_dev.localcluster.nodeagent.nodes import merge_taints, node_status
+from rollfleet_dev.localcluster.nodeagent.probes import ProbeTiming, Tracker
+from rollfleet_dev.localcluster.nodeagent.serviceproxy import backends, wanted_listeners
 
 
 def test_default_pools() -> None:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from rollfleet.localcluster.nodeagent.status import (
+from rollfleet_dev.localcluster.nodeagent.status import (
     BACKOFF_CAP_S,
     ContainerObs,
     PodView,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rollfleet.localcluster.nodeagent.env import Refs
-from rollfleet.localcluster.nodeagent.volumes import (
+from rollfleet_dev.localcluster.nodeagent.env import Refs
+from rollfleet_dev.localcluster.nodeagent.volumes import (
     Mount,
     VolumeError,
     mount_plan,

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from rollfleet import jsonl
 from rollfleet.api.request import Prompt, RolloutRequestSpec
+from rollfleet.errors import RollfleetError
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
 
 SampleKey = tuple[int, int]  # (prompt index, sample index)
@@ -55,7 +56,7 @@ def parse_sample_id(uid: str, request_id: str) -> SampleKey | None:
     return int(parts[0]), int(parts[1])
 
 
-class PromptError(ValueError):
+class PromptError(RollfleetError, ValueError):
     """The prompts cannot be used; the message says where and why (the request then Fails)."""
 
 

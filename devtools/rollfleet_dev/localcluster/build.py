@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollfleet.localcluster.paths import cache_dir
+from rollfleet.errors import RollfleetError
+from rollfleet_dev.localcluster.paths import cache_dir
 
 # v1.37.2 is listed by the Go proxy but its zip answers 403 ("not available").
 KUBERNETES_VERSION = "v1.37.1"
@@ -74,7 +75,7 @@ def _go(args: Sequence[str], cwd: Path) -> str:
     return proc.stdout
 
 
-class BuildError(RuntimeError):
+class BuildError(RollfleetError, RuntimeError):
     """A build step failed; the message says which and why."""
 
 

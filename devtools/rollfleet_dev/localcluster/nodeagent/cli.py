@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from rollfleet.localcluster.nodeagent.control import add_node_parser
-from rollfleet.localcluster.nodeagent.logs import add_logs_parser
+from rollfleet_dev.localcluster.nodeagent.control import add_node_parser
+from rollfleet_dev.localcluster.nodeagent.logs import add_logs_parser
 
 
 def add_cluster_subcommands(subparsers: argparse._SubParsersAction) -> None:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollfleet.localcluster.nodeagent.downward import FieldError, field_value, resource_value
-from rollfleet.localcluster.nodeagent.env import Refs
+from rollfleet.errors import RollfleetError
+from rollfleet_dev.localcluster.nodeagent.downward import FieldError, field_value, resource_value
+from rollfleet_dev.localcluster.nodeagent.env import Refs
 
 Obj = dict[str, Any]
 Files = dict[str, tuple[bytes, int]]
@@ -31,7 +32,7 @@ DEFAULT_MODE = 0o644
 DEFAULT_TOKEN_SECONDS = 3600
 
 
-class VolumeError(ValueError):
+class VolumeError(RollfleetError, ValueError):
     """A volume cannot be set up yet (missing ConfigMap, bad hostPath, ...); retried later."""
 
 

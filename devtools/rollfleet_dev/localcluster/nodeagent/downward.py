@@ -10,6 +10,8 @@ import re
 from decimal import Decimal
 from typing import Any
 
+from rollfleet.errors import RollfleetError
+
 Obj = dict[str, Any]
 
 _SUFFIXES = {
@@ -22,7 +24,7 @@ _SUFFIXES = {
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)$")
 
 
-class FieldError(ValueError):
+class FieldError(RollfleetError, ValueError):
     """A field path the downward API does not support (the pod cannot start)."""
 
 

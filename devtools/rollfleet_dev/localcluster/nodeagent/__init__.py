@@ -1,6 +1,6 @@
 """The node agent: registers fake GPU/CPU nodes and runs the pods bound to them as local processes.
 
-Started by `rollfleet cluster up` (`python -m rollfleet.localcluster.nodeagent`). It talks
+Started by `rollfleet cluster up` (`python -m rollfleet_dev.localcluster.nodeagent`). It talks
 only to the kube-apiserver (aiohttp, JSON dicts) and to the processes it starts.
 Module map: `config` (pools file), `kubeapi` (API client and watches), `nodes`
 (registration, leases, heartbeats), `pods` (pod lifecycle), `processes` + `launcher`

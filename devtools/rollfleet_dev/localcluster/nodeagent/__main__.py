@@ -1,4 +1,4 @@
-"""`python -m rollfleet.localcluster.nodeagent`: run the node agent until SIGTERM.
+"""`python -m rollfleet_dev.localcluster.nodeagent`: run the node agent until SIGTERM.
 
 Started by `rollfleet cluster up`; stopped by `rollfleet cluster down` (SIGTERM: every
 pod process is stopped, SIGKILL after a few seconds, then the agent exits).
@@ -11,12 +11,12 @@ import asyncio
 import logging
 from pathlib import Path
 
-from rollfleet.localcluster.nodeagent import config
-from rollfleet.localcluster.nodeagent.agent import Agent, install_signal_handlers
+from rollfleet_dev.localcluster.nodeagent import config
+from rollfleet_dev.localcluster.nodeagent.agent import Agent, install_signal_handlers
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollfleet.localcluster.nodeagent", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m rollfleet_dev.localcluster.nodeagent", description=__doc__)
     parser.add_argument("--kubeconfig", type=Path, required=True)
     parser.add_argument("--pools", type=Path, default=config.DEFAULT_POOLS)
     parser.add_argument("--state-dir", type=Path, required=True)

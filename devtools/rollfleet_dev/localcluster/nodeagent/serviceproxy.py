@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from rollfleet.localcluster.nodeagent.kubeapi import Api
+from rollfleet_dev.localcluster.nodeagent.kubeapi import Api
 
 log = logging.getLogger(__name__)
 

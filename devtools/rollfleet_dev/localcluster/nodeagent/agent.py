@@ -19,13 +19,13 @@ from typing import Any
 
 import aiohttp
 
-from rollfleet.localcluster.nodeagent import control, ipam
-from rollfleet.localcluster.nodeagent.config import Pool, PoolsFile
-from rollfleet.localcluster.nodeagent.kubeapi import Api, ApiError, load_kubeconfig
-from rollfleet.localcluster.nodeagent.nodes import NodeKeeper
-from rollfleet.localcluster.nodeagent.pods import NodeInfo, PodWorker, Shared, grace_seconds
-from rollfleet.localcluster.nodeagent.processes import kill_leftovers
-from rollfleet.localcluster.nodeagent.serviceproxy import ServiceProxy, is_loopback
+from rollfleet_dev.localcluster.nodeagent import control, ipam
+from rollfleet_dev.localcluster.nodeagent.config import Pool, PoolsFile
+from rollfleet_dev.localcluster.nodeagent.kubeapi import Api, ApiError, load_kubeconfig
+from rollfleet_dev.localcluster.nodeagent.nodes import NodeKeeper
+from rollfleet_dev.localcluster.nodeagent.pods import NodeInfo, PodWorker, Shared, grace_seconds
+from rollfleet_dev.localcluster.nodeagent.processes import kill_leftovers
+from rollfleet_dev.localcluster.nodeagent.serviceproxy import ServiceProxy, is_loopback
 
 log = logging.getLogger(__name__)
 

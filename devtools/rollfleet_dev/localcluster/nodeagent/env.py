@@ -11,12 +11,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollfleet.localcluster.nodeagent.downward import FieldError, field_value, resource_value
+from rollfleet.errors import RollfleetError
+from rollfleet_dev.localcluster.nodeagent.downward import FieldError, field_value, resource_value
 
 Obj = dict[str, Any]
 
 
-class EnvError(ValueError):
+class EnvError(RollfleetError, ValueError):
     """The environment cannot be built (missing Secret key, ...): kubelet's CreateContainerConfigError."""
 
 

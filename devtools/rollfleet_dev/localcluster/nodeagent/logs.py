@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from rollfleet.localcluster.paths import state_dir
+from rollfleet.errors import RollfleetError
+from rollfleet_dev.localcluster.paths import state_dir
 
 
 def pod_dir_name(namespace: str, name: str, uid: str) -> str:
@@ -27,7 +28,7 @@ def nodes_state_dir() -> Path:
     return state_dir() / "nodes"
 
 
-class LogsError(LookupError):
+class LogsError(RollfleetError, LookupError):
     pass
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from rollfleet.localcluster.nodeagent.config import Pool
-from rollfleet.localcluster.nodeagent.kubeapi import Api, ApiError
-from rollfleet.localcluster.nodeagent.status import rfc3339
+from rollfleet_dev.localcluster.nodeagent.config import Pool
+from rollfleet_dev.localcluster.nodeagent.kubeapi import Api, ApiError
+from rollfleet_dev.localcluster.nodeagent.status import rfc3339
 
 log = logging.getLogger(__name__)
 

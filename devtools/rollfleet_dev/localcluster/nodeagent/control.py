@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rollfleet.localcluster.nodeagent.logs import nodes_state_dir
+from rollfleet_dev.localcluster.nodeagent.logs import nodes_state_dir
 
 
 def control_dir(state: Path) -> Path:

@@ -34,6 +34,7 @@ from rollfleet.contract import (
     engine_url,
     gateway_name,
 )
+from rollfleet.errors import RollfleetError
 from rollfleet.kubectl import Kubectl, KubectlError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ FLEET = "tiny"
 T = TypeVar("T")
 
 
-class DemoFailed(RuntimeError):
+class DemoFailed(RollfleetError, RuntimeError):
     """A step did not show what it should; the message says what was seen."""
 
 
@@ -157,7 +158,7 @@ def _results(k: Kubectl, name: str) -> list[dict[str, Any]]:
 
 
 def _push_weights(w: Walkthrough) -> None:
-    from rollfleet.localcluster.nodeagent.logs import find_log, nodes_state_dir
+    from rollfleet_dev.localcluster.nodeagent.logs import find_log, nodes_state_dir
 
     w.sh("-n", NS, "apply", "-k", str(REPO / "manifests" / "sync"), show=False)
     w.sh("-n", NS, "apply", "-f", str(SAMPLES / "demo-trainer.yaml"))
@@ -180,7 +181,7 @@ def _push_weights(w: Walkthrough) -> None:
 
 
 def run() -> None:
-    from rollfleet.localcluster import controlplane
+    from rollfleet_dev.localcluster import controlplane
     from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR
 
     t_all = time.monotonic()

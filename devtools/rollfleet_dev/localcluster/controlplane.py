@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from rollfleet.localcluster import build, pki
-from rollfleet.localcluster.paths import cache_dir, state_dir
+from rollfleet.errors import RollfleetError
+from rollfleet_dev.localcluster import build, pki
+from rollfleet_dev.localcluster.paths import cache_dir, state_dir
 
 HOST = "127.0.0.1"
 # Services get loopback ClusterIPs, so the node agent's service proxy can listen on them.
@@ -39,7 +40,7 @@ START_ORDER = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-mana
 DEFAULT_POOLS = Path(__file__).with_name("pools.yaml")
 
 
-class ClusterError(RuntimeError):
+class ClusterError(RollfleetError, RuntimeError):
     """Something about the local cluster is wrong; the message says what to do."""
 
 
@@ -131,7 +132,7 @@ def component_args(layout: Layout, bins: build.Binaries, pools: Path) -> dict[st
             "--profiling=false", "--v=1",
         ],
         "node-agent": [
-            sys.executable, "-m", "rollfleet.localcluster.nodeagent",
+            sys.executable, "-m", "rollfleet_dev.localcluster.nodeagent",
             f"--kubeconfig={layout.component_kubeconfig('node-agent')}",
             f"--pools={pools}", f"--state-dir={layout.nodes_dir}",
         ],
@@ -245,7 +246,7 @@ def ensure_node_model(pools: Path = DEFAULT_POOLS) -> Path:
     hostPath volumes read it; the pools file's extraMounts put it in the cache. Built once
     (seconds), then found by its completion marker.
     """
-    from rollfleet.localcluster.nodeagent import config
+    from rollfleet_dev.localcluster.nodeagent import config
     from rollfleet_engine.tiny_model import NODE_MODEL_DIR, ensure_tiny_model
 
     return ensure_tiny_model(config.load(pools).host_path(NODE_MODEL_DIR, cache_dir()))

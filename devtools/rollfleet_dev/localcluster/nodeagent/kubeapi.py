@@ -23,12 +23,14 @@ from urllib.parse import urlparse
 import aiohttp
 import yaml
 
+from rollfleet.errors import RollfleetError
+
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
 
-class ApiError(Exception):
+class ApiError(RollfleetError):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"{status}: {body[:500]}")
         self.status = status

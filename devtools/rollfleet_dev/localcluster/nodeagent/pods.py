@@ -27,13 +27,13 @@ from typing import Any
 
 import aiohttp
 
-from rollfleet.localcluster.nodeagent import env as envmod
-from rollfleet.localcluster.nodeagent import logs, probes, volumes
-from rollfleet.localcluster.nodeagent.config import PoolsFile
-from rollfleet.localcluster.nodeagent.ipam import PodIPs
-from rollfleet.localcluster.nodeagent.kubeapi import Api, ApiError
-from rollfleet.localcluster.nodeagent.processes import ContainerProcess, Exit, exec_in
-from rollfleet.localcluster.nodeagent.status import (
+from rollfleet_dev.localcluster.nodeagent import env as envmod
+from rollfleet_dev.localcluster.nodeagent import logs, probes, volumes
+from rollfleet_dev.localcluster.nodeagent.config import PoolsFile
+from rollfleet_dev.localcluster.nodeagent.ipam import PodIPs
+from rollfleet_dev.localcluster.nodeagent.kubeapi import Api, ApiError
+from rollfleet_dev.localcluster.nodeagent.processes import ContainerProcess, Exit, exec_in
+from rollfleet_dev.localcluster.nodeagent.status import (
     ContainerObs,
     PodView,
     Running,
@@ -44,7 +44,7 @@ from rollfleet.localcluster.nodeagent.status import (
     pod_status,
     should_restart,
 )
-from rollfleet.localcluster.paths import cache_dir
+from rollfleet_dev.localcluster.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 node directories (hostPath volumes) live elsewhere on this machine.
 
 Pure data (pydantic); read by `agent` at start. The packaged default is
-`rollfleet/localcluster/pools.yaml`.
+`rollfleet_dev/localcluster/pools.yaml`.
 """
 
 from __future__ import annotations

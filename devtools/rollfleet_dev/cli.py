@@ -1,0 +1,83 @@
+"""`rollfleet cluster ...` and `rollfleet demo`: the subcommands this package adds to `rollfleet`.
+
+`rollfleet.cli` finds `add_cluster` and `add_demo` through the `rollfleet.commands` entry
+points (devtools/pyproject.toml) and calls each with its top-level subparser group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _cluster_up(args: argparse.Namespace) -> int:
+    from rollfleet_dev.localcluster import controlplane
+
+    layout = controlplane.up(pools=Path(args.pools))
+    print(layout.kubeconfig)
+    return 0
+
+
+def _cluster_down(args: argparse.Namespace) -> int:
+    from rollfleet_dev.localcluster import controlplane
+
+    controlplane.down(purge=not args.keep_state)
+    return 0
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    from rollfleet_dev.localcluster import controlplane
+
+    states = controlplane.status()
+    for component, state in states.items():
+        print(f"{component:<26} {state}")
+    return 0 if all(s.endswith("healthy)") and "not healthy" not in s for s in states.values()) else 1
+
+
+def _cluster_kubeconfig(args: argparse.Namespace) -> int:
+    from rollfleet_dev.localcluster import controlplane
+
+    layout = controlplane.Layout()
+    if not layout.kubeconfig.exists():
+        print("no local cluster: run `rollfleet cluster up`", file=sys.stderr)
+        return 1
+    print(layout.kubeconfig)
+    return 0
+
+
+def _cluster_build(args: argparse.Namespace) -> int:
+    from rollfleet_dev.localcluster import build
+
+    b = build.ensure_built()
+    for name, path in vars(b).items():
+        print(f"{name:<24} {path}")
+    return 0
+
+
+def add_cluster(sub: argparse._SubParsersAction) -> None:
+    from rollfleet_dev.localcluster.controlplane import DEFAULT_POOLS
+    from rollfleet_dev.localcluster.nodeagent import cli as agent_cli
+
+    cluster = sub.add_parser("cluster", help="a real local Kubernetes cluster with GPU node pools (no Docker)")
+    csub = cluster.add_subparsers(dest="cluster_command", required=True)
+    p = csub.add_parser("up", help="build (once, cached) and start the control plane and node agent")
+    p.add_argument("--pools", default=str(DEFAULT_POOLS), help="node pools file (default: %(default)s)")
+    p.set_defaults(func=_cluster_up)
+    p = csub.add_parser("down", help="stop everything and free the ports")
+    p.add_argument("--keep-state", action="store_true", help="keep etcd data, certificates and logs")
+    p.set_defaults(func=_cluster_down)
+    csub.add_parser("status", help="what runs, and whether it is healthy").set_defaults(func=_cluster_status)
+    csub.add_parser("kubeconfig", help="print the admin kubeconfig's path").set_defaults(func=_cluster_kubeconfig)
+    csub.add_parser("build", help="build the control-plane binaries only").set_defaults(func=_cluster_build)
+    agent_cli.add_cluster_subcommands(csub)
+
+
+def add_demo(sub: argparse._SubParsersAction) -> None:
+    def run(args: argparse.Namespace) -> int:
+        from rollfleet_dev import demo
+
+        return demo.main()
+
+    sub.add_parser("demo", help="the walkthrough (`make demo`): local cluster, operator, a fleet, every feature"
+                   ).set_defaults(func=run)
