@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the product's images: `hack/images.sh [control-plane] [engine-cpu]` (default: both).
+# Build the product's images: `hack/images.sh [control-plane] [engine-cpu] [engine-cuda]`
+# (default: control-plane and engine-cpu; engine-cuda is ~10 GB and only checked for imports here).
 #
 # Names and tags come from the one source of truth, rollfleet.api.common (the CRD
 # defaults read the same constants). Where no registry is reachable (this machine),
@@ -15,8 +16,8 @@ say() { echo "[images] $*"; }
 die() { echo "[images] error: $*" >&2; exit 1; }
 
 docker info >/dev/null 2>&1 || die "no Docker daemon answers: run 'make docker' (hack/docker.sh) first"
-read -r control_plane engine_cpu < <("$PY" -c \
-  'from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE as c, DEFAULT_ENGINE_IMAGE as e; print(c, e)')
+read -r control_plane engine_cpu engine_cuda < <("$PY" -c \
+  'from rollfleet.api.common import SHIPPED_IMAGES; print(*SHIPPED_IMAGES)')
 base_args=()
 [ "${ROLLFLEET_PUBLIC_BASES:-0}" = 1 ] || read -r -a base_args < <(hack/base-images.sh)
 
@@ -41,6 +42,7 @@ for t in "${targets[@]}"; do
   case "$t" in
     control-plane) build "$control_plane" Dockerfile rollfleet --help ;;
     engine-cpu) build "$engine_cpu" engine_image/Dockerfile.cpu python -c "import vllm, rollfleet_engine" ;;
-    *) die "unknown image '$t': want control-plane or engine-cpu" ;;
+    engine-cuda) build "$engine_cuda" engine_image/Dockerfile.gpu python -c "import vllm, rollfleet_engine" ;;
+    *) die "unknown image '$t': want control-plane, engine-cpu or engine-cuda" ;;
   esac
 done

@@ -27,8 +27,12 @@ def _image_tag() -> str:
 
 
 IMAGE_TAG = _image_tag()
+# Every image the product ships (built by `make images`, hack/images.sh): manifests, samples,
+# the workflow and the tests name these and no others.
 DEFAULT_ENGINE_IMAGE = f"rollfleet/engine-cpu:{IMAGE_TAG}"
+ENGINE_CUDA_IMAGE = f"rollfleet/engine-cuda:{IMAGE_TAG}"
 DEFAULT_ROLLFLEET_IMAGE = f"rollfleet/rollfleet:{IMAGE_TAG}"
+SHIPPED_IMAGES = (DEFAULT_ROLLFLEET_IMAGE, DEFAULT_ENGINE_IMAGE, ENGINE_CUDA_IMAGE)
 
 
 class ApiModel(BaseModel):
