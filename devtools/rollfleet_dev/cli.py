@@ -55,7 +55,7 @@ def _cluster_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cluster(sub: argparse._SubParsersAction) -> None:
+def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from rollfleet_dev.localcluster.controlplane import DEFAULT_POOLS
     from rollfleet_dev.localcluster.nodeagent import cli as agent_cli
 
@@ -73,7 +73,7 @@ def add_cluster(sub: argparse._SubParsersAction) -> None:
     agent_cli.add_cluster_subcommands(csub)
 
 
-def add_demo(sub: argparse._SubParsersAction) -> None:
+def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def run(args: argparse.Namespace) -> int:
         from rollfleet_dev import demo
 

@@ -25,7 +25,7 @@ def install_generate_hook(engine: Any, tracker: RequestTracker) -> None:
 
     def generate(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         caller = current_caller_id.get()
-        stream = original(prompt, sampling_params, request_id, *args, **kwargs)
+        stream: AsyncGenerator[Any, None] = original(prompt, sampling_params, request_id, *args, **kwargs)
         if caller is None:
             return stream
         tracker.attach(caller, request_id)

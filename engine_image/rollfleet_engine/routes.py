@@ -26,7 +26,8 @@ router = APIRouter()
 
 
 def _runtime(request: Request) -> Runtime:
-    return request.app.state.rollfleet
+    runtime: Runtime = request.app.state.rollfleet
+    return runtime
 
 
 @router.get(STATE_PATH, response_model=EngineState)

@@ -119,7 +119,7 @@ def _on_cpu(device: str) -> bool:
         return device == "cpu"
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    return bool(current_platform.is_cpu())
 
 
 def serve(opts: ServeOptions) -> None:

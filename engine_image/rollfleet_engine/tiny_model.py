@@ -22,6 +22,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers is heavy: imported only when a model is built
+    from transformers import PreTrainedTokenizerFast
 
 TINY_MODEL_NAME = "tiny-v2"
 # Where the model is on a node: the CPU engine image bakes it there (engine_image/Dockerfile.cpu)
@@ -99,7 +103,7 @@ def _build(root: Path) -> None:
     _write_model(root / WEIGHTS_B_DIR, tokenizer, SEED_B)
 
 
-def _train_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+def _train_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,7 +126,7 @@ def _train_tokenizer():  # -> transformers.PreTrainedTokenizerFast
     )
 
 
-def _write_model(out: Path, tokenizer, seed: int) -> None:
+def _write_model(out: Path, tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 

@@ -15,7 +15,7 @@ from rollfleet.errors import RollfleetError
 COMMANDS_GROUP = "rollfleet.commands"
 
 
-def _add_sync(sub: argparse._SubParsersAction) -> None:
+def _add_sync(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from rollfleet.sync import server
 
     p = sub.add_parser("sync", help="the weight sync sidecar of a trainer pod (pushes new weights to a fleet)")
@@ -23,7 +23,7 @@ def _add_sync(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=server.main)
 
 
-def _add_gateway(sub: argparse._SubParsersAction) -> None:
+def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from rollfleet.gateway import server
 
     p = sub.add_parser("gateway", help="the fleet's data plane: routing, abort by id, cancellation, failover")
@@ -31,7 +31,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=server.run)
 
 
-def _add_operator(sub: argparse._SubParsersAction) -> None:
+def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from rollfleet.controller import main as operator_main  # light: kopf is imported when it runs
 
     p = sub.add_parser("operator", help="run the operator (RolloutFleet, RolloutRequest) with kopf, in-process")
@@ -39,7 +39,7 @@ def _add_operator(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=operator_main.run)
 
 
-def _add_results(sub: argparse._SubParsersAction) -> None:
+def _add_results(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("results", help="print a RolloutRequest's stored samples as JSONL")
     p.add_argument("target", help="rr/NAME")
     p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
@@ -53,7 +53,7 @@ def _add_results(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _add_installed(sub: argparse._SubParsersAction) -> None:
+def _add_installed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Subcommands of other installed packages (`rollfleet.commands` entry points): the
     development tooling's `cluster` and `demo` (rollfleet_dev), absent from the operator image."""
     from importlib.metadata import entry_points

@@ -11,6 +11,6 @@ from rollfleet_dev.localcluster.nodeagent.control import add_node_parser
 from rollfleet_dev.localcluster.nodeagent.logs import add_logs_parser
 
 
-def add_cluster_subcommands(subparsers: argparse._SubParsersAction) -> None:
+def add_cluster_subcommands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_logs_parser(subparsers)
     add_node_parser(subparsers)

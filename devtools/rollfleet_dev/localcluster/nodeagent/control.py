@@ -44,7 +44,7 @@ def node_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_node_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_node_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser("node", help="simulate losing a node (stop) and getting it back (start)")
     p.add_argument("action", choices=["stop", "start"])
     p.add_argument("name", help="node name, e.g. gpu-1")

@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import sys
+from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -50,7 +51,7 @@ def _bind(source: str, target: str, read_only: bool) -> None:
         _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
-def become(spec: dict) -> None:
+def become(spec: dict[str, Any]) -> None:
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare")
     # Nothing mounted from here on may propagate back to the host.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)

@@ -93,7 +93,7 @@ def logs_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_logs_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_logs_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     p = subparsers.add_parser("logs", help="print a container's log (pods of the local cluster's node agent)")
     p.add_argument("pod")
     p.add_argument("-n", "--namespace", default="default")
