@@ -39,9 +39,10 @@ images: env docker ## build the control-plane and CPU engine images (base images
 	@hack/images.sh
 
 .PHONY: lint
-lint: env ## ruff, mypy, CRDs in sync, actionlint
+lint: env ## ruff, mypy (strict), import contracts, actionlint (the same checks as .pre-commit-config.yaml)
 	ruff check operator engine_image devtools tests e2e bench
 	mypy
+	lint-imports
 	hack/actionlint.sh
 
 .PHONY: unit
