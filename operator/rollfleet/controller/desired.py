@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rollfleet.api.fleet import KIND, RolloutFleetSpec
+from rollfleet.api.fleet import KIND, PlacementSpec, RolloutFleetSpec
 from rollfleet.contract import (
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
@@ -133,17 +133,9 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
             "timeoutSeconds": 5}
 
 
-def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING) -> Manifest:
-    """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts."""
-    engine, placement = spec.engine, spec.placement
-    gpus = engine.gpus_per_engine
-    requests = dict(engine.resources.requests or {}) if engine.resources else {}
-    limits = dict(engine.resources.limits or {}) if engine.resources else {}
-    if gpus:
-        requests[engine.gpu_resource] = gpus
-        limits[engine.gpu_resource] = gpus
-
-    volumes = [_token_volume(ref.name)]
+def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """The engine pod's volumes and the container's mounts: token, model, shared memory."""
+    volumes = [_token_volume(fleet)]
     mounts = [dict(_TOKEN_MOUNT)]
     if spec.model.host_path:
         volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}})
@@ -154,11 +146,20 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = E
                                                                   "readOnly": pvc.read_only}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": pvc.read_only}
                       | ({"subPath": pvc.sub_path} if pvc.sub_path else {}))
-    if engine.tensor_parallel_size > 1:
+    if spec.engine.tensor_parallel_size > 1:
         # Tensor-parallel workers exchange tensors through shared memory; the default 64 MiB is too small.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
 
+
+def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest]) -> Manifest:
+    engine = spec.engine
+    requests = dict(engine.resources.requests or {}) if engine.resources else {}
+    limits = dict(engine.resources.limits or {}) if engine.resources else {}
+    if engine.gpus_per_engine:
+        requests[engine.gpu_resource] = engine.gpus_per_engine
+        limits[engine.gpu_resource] = engine.gpus_per_engine
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -180,15 +181,34 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = E
     }
     if engine.command:
         container["command"] = list(engine.command)
+    return container
 
-    tolerations = [t.wire() for t in placement.tolerations]
-    if gpus:
+
+def _engine_tolerations(spec: RolloutFleetSpec) -> list[Manifest]:
+    engine = spec.engine
+    tolerations = [t.wire() for t in spec.placement.tolerations]
+    if engine.gpus_per_engine:
         # What the ExtendedResourceToleration admission plugin would add: GPU nodes are tainted.
         tolerations.append({"key": engine.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
-    tolerations += [{"key": key, "operator": "Exists", "effect": "NoExecute",
-                     "tolerationSeconds": NODE_LOST_TOLERATION_SECONDS}
-                    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+    return tolerations + [{"key": key, "operator": "Exists", "effect": "NoExecute",
+                           "tolerationSeconds": NODE_LOST_TOLERATION_SECONDS}
+                          for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
 
+
+def _placement_fields(placement: PlacementSpec) -> Manifest:
+    """The pod spec fields a fleet's placement sets, only those it sets."""
+    fields: Manifest = {
+        "nodeSelector": dict(placement.node_selector) if placement.node_selector else None,
+        "affinity": placement.affinity,
+        "priorityClassName": placement.priority_class_name,
+        "schedulerName": placement.scheduler_name,
+    }
+    return {k: v for k, v in fields.items() if v}
+
+
+def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING) -> Manifest:
+    """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts."""
+    volumes, mounts = _engine_volumes(ref.name, spec)
     pod_spec: Manifest = {
         # Never: a dead engine is replaced by the operator (a fresh pod, drained and
         # re-synced), not restarted in place behind the fleet's back.
@@ -197,19 +217,11 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = E
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
-        "containers": [container],
+        "containers": [_engine_container(spec, mounts)],
         "volumes": volumes,
-        "tolerations": tolerations,
+        "tolerations": _engine_tolerations(spec),
+        **_placement_fields(spec.placement),
     }
-    if placement.node_selector:
-        pod_spec["nodeSelector"] = dict(placement.node_selector)
-    if placement.affinity:
-        pod_spec["affinity"] = placement.affinity
-    if placement.priority_class_name:
-        pod_spec["priorityClassName"] = placement.priority_class_name
-    if placement.scheduler_name:
-        pod_spec["schedulerName"] = placement.scheduler_name
-
     name = engine_pod_name(ref.name, index)
     meta = _meta(ref, name, COMPONENT_ENGINE,
                  annotations={ANNOTATION_PHASE: phase, ANNOTATION_TEMPLATE_HASH: template_hash(spec)})

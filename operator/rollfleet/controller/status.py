@@ -177,6 +177,65 @@ class PauseView:
     invalid_value: str | None = None
 
 
+# A condition's (status, reason, message), before its transition time is settled.
+CondValue = tuple[bool, str, str]
+
+
+def _ready_condition(ready: int, desired: int, gateway: GatewayObs | None, gateway_enabled: bool) -> CondValue:
+    gateway_ready = not gateway_enabled or (gateway is not None and gateway.ready_replicas > 0)
+    gateway_note = (f"; gateway {gateway.ready_replicas if gateway else 0}/{gateway.replicas if gateway else 0} ready"
+                    if gateway_enabled else "")
+    message = f"{ready}/{desired} engines serve{gateway_note}"
+    if ready < desired:
+        return False, "EnginesNotReady", message
+    if not gateway_ready:
+        return False, "GatewayNotReady", message
+    return True, "AllEnginesReady", message
+
+
+def _progress_condition(staying: int, leaving: int, updated: int, ready: int, desired: int) -> CondValue:
+    if staying < desired:
+        return True, "ScalingUp", f"{staying}/{desired} engines exist"
+    if staying > desired:
+        return True, "ScalingDown", f"{staying}/{desired} engines exist"
+    if updated < staying:
+        return True, "RollingUpdate", f"{updated}/{desired} engines updated"
+    if leaving:
+        return True, "Draining", f"{leaving} engines finish their requests before deletion"
+    if ready < desired:
+        return True, "EnginesStarting", f"{ready}/{desired} engines serve"
+    return False, "Complete", f"{desired} engines, all up to date"
+
+
+def _degraded_condition(engines: Sequence[Engine], staying: Sequence[Engine], ready: int, desired: int,
+                        generation: int | None, previous: RolloutFleetStatus | None) -> CondValue:
+    """An engine failed, or the fleet served fully for this spec and no longer does. It stays
+    set (status is the memory, across operator restarts) until every engine serves."""
+    failed = [e for e in engines if e.phase == EnginePhase.FAILED]
+    if failed:
+        return True, "EngineFailed", "; ".join(f"{e.obs.name}: {e.message}" for e in failed)
+    was_degraded = any(c.type == "Degraded" and c.status == "True" for c in (previous.conditions if previous else []))
+    converged_before = (previous is not None and previous.observed_generation == generation
+                        and previous.ready_replicas >= desired)
+    if ready < desired and (was_degraded or converged_before):
+        lost = ", ".join(f"{e.obs.name} ({e.phase}: {e.message})" for e in staying if not e.serving) or "pods missing"
+        return True, "EnginesLost", f"{ready}/{desired} engines serve; replacing {lost}"
+    return False, "AsExpected", "no engine failed"
+
+
+def _pause_condition(pause: PauseView, paused_engines: int, staying: int) -> CondValue:
+    if pause.status is not None:
+        reason = "Paused" if paused_engines >= staying else "Pausing"
+        cond = (True, reason, f"mode {pause.status.mode}: {paused_engines}/{staying} engines paused")
+    else:
+        cond = (False, "Running", "not paused")
+    if pause.invalid_value is None:
+        return cond
+    return (cond[0], "InvalidPauseAnnotation",
+            f"{ANNOTATION_PAUSE}={pause.invalid_value!r} is not keep, wait or abort; ignored ("
+            + ("fleet stays paused)" if pause.status else "fleet keeps running)"))
+
+
 def fleet_status(
     *,
     spec: RolloutFleetSpec,
@@ -199,7 +258,6 @@ def fleet_status(
     staying = [e for e in existing if e.phase != EnginePhase.DRAINING]
     ready = sum(e.serving for e in staying)
     updated = sum(e.obs.template_hash == current_hash for e in staying)
-    failed = [e for e in engines if e.phase == EnginePhase.FAILED]
 
     entries = [
         EngineStatus(name=e.obs.name, index=e.obs.index, phase=e.phase, node=e.obs.node, pod_ip=e.obs.pod_ip,
@@ -208,63 +266,17 @@ def fleet_status(
                      in_flight=e.obs.in_flight, message=e.message)
         for e in sorted(engines, key=lambda e: e.obs.index)
     ]
-    pause_status = pause.status.model_copy(
-        update={"paused_engines": sum(e.phase == EnginePhase.PAUSED for e in staying)}) if pause.status else None
+    paused_engines = sum(e.phase == EnginePhase.PAUSED for e in staying)
+    pause_status = pause.status.model_copy(update={"paused_engines": paused_engines}) if pause.status else None
 
     prev_conditions = previous.conditions if previous else []
-    engines_ready = ready >= desired
-    gateway_ready = not gateway_enabled or (gateway is not None and gateway.ready_replicas > 0)
-    gateway_note = (f"; gateway {gateway.ready_replicas if gateway else 0}/{gateway.replicas if gateway else 0} ready"
-                    if gateway_enabled else "")
-    if not engines_ready:
-        ready_cond = (False, "EnginesNotReady", f"{ready}/{desired} engines serve{gateway_note}")
-    elif not gateway_ready:
-        ready_cond = (False, "GatewayNotReady", f"{ready}/{desired} engines serve{gateway_note}")
-    else:
-        ready_cond = (True, "AllEnginesReady", f"{ready}/{desired} engines serve{gateway_note}")
-
-    if len(staying) < desired:
-        progress = (True, "ScalingUp", f"{len(staying)}/{desired} engines exist")
-    elif len(staying) > desired:
-        progress = (True, "ScalingDown", f"{len(staying)}/{desired} engines exist")
-    elif updated < len(staying):
-        progress = (True, "RollingUpdate", f"{updated}/{desired} engines updated")
-    elif leaving:
-        progress = (True, "Draining", f"{len(leaving)} engines finish their requests before deletion")
-    elif ready < desired:
-        progress = (True, "EnginesStarting", f"{ready}/{desired} engines serve")
-    else:
-        progress = (False, "Complete", f"{desired} engines, all up to date")
-
-    # Degraded: an engine failed, or the fleet served fully for this spec and no longer does.
-    # It stays set (status is the memory, across operator restarts) until every engine serves.
-    was_degraded = any(c.type == "Degraded" and c.status == "True" for c in prev_conditions)
-    converged_before = (previous is not None and previous.observed_generation == generation
-                        and previous.ready_replicas >= desired)
-    if failed:
-        degraded = (True, "EngineFailed", "; ".join(f"{e.obs.name}: {e.message}" for e in failed))
-    elif not engines_ready and (was_degraded or converged_before):
-        lost = ", ".join(f"{e.obs.name} ({e.phase}: {e.message})" for e in staying if not e.serving) or "pods missing"
-        degraded = (True, "EnginesLost", f"{ready}/{desired} engines serve; replacing {lost}")
-    else:
-        degraded = (False, "AsExpected", "no engine failed")
-
-    if pause.status is not None:
-        paused_n = pause_status.paused_engines if pause_status else 0
-        all_paused = paused_n >= len(staying)
-        pause_cond = (True, "Paused" if all_paused else "Pausing",
-                      f"mode {pause.status.mode}: {paused_n}/{len(staying)} engines paused")
-    else:
-        pause_cond = (False, "Running", "not paused")
-    if pause.invalid_value is not None:
-        pause_cond = (pause_cond[0], "InvalidPauseAnnotation",
-                      f"{ANNOTATION_PAUSE}={pause.invalid_value!r} is not keep, wait or abort; ignored ("
-                      + ("fleet stays paused)" if pause.status else "fleet keeps running)"))
-
-    conditions = [
-        _condition(prev_conditions, t, *c, generation=generation, now=now)
-        for t, c in (("Ready", ready_cond), ("Progressing", progress), ("Degraded", degraded), ("Paused", pause_cond))
-    ]
+    values = {
+        "Ready": _ready_condition(ready, desired, gateway, gateway_enabled),
+        "Progressing": _progress_condition(len(staying), len(leaving), updated, ready, desired),
+        "Degraded": _degraded_condition(engines, staying, ready, desired, generation, previous),
+        "Paused": _pause_condition(pause, paused_engines, len(staying)),
+    }
+    conditions = [_condition(prev_conditions, t, *c, generation=generation, now=now) for t, c in values.items()]
     return RolloutFleetStatus(
         observed_generation=generation,
         replicas=len(existing),
