@@ -2,7 +2,8 @@
 
 Serves the shapes vLLM 0.32 serves (`/v1/completions`, `/v1/chat/completions`,
 `/inference/v1/generate`, streaming and not, with `token_ids`/`prompt_token_ids`),
-plus the Rollfleet engine's truthful abort (`POST /rollfleet/v1/abort`) and weight
+plus the Rollfleet engine's truthful abort (`POST /rollfleet/v1/abort`), its view of one
+request (`GET /rollfleet/v1/requests/{id}`, a TrackedRequest) and weight
 version header. Output is deterministic: token i of a request is `(prompt_len + i) % 97 + 3`
 and its text is `t<id> `. Knobs: `token_delay_ms` (before each token) and `die_after`
 (route -> cut the connection after that many streamed tokens, like an engine that died).
@@ -56,7 +57,9 @@ class SimEngine:
         rid = request.match_info["rid"]
         if rid not in self.versions:
             return web.json_response({"detail": "unknown"}, status=404)
-        return web.json_response({"request_id": rid, "weight_versions": self.versions[rid]})
+        phase = "running" if rid in self.running else "finished"
+        return web.json_response({"request_id": rid, "phase": phase, "finish_reason": self.finished.get(rid),
+                                  "weight_versions": self.versions[rid]})
 
     def _produced(self, rid: str) -> None:
         seen = self.versions.setdefault(rid, [])

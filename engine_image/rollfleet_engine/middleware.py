@@ -15,7 +15,14 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from rollfleet_engine.engine_hooks import current_caller_id
-from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, parse_pause_mode
+from rollfleet_engine.protocol import (
+    FINISH_WEIGHT_UPDATE_PATH,
+    PAUSE_PATH,
+    REQUEST_ID_HEADER,
+    RESUME_PATH,
+    WEIGHT_VERSION_HEADER,
+    parse_pause_mode,
+)
 from rollfleet_engine.runtime import Runtime
 
 Scope = MutableMapping[str, Any]
@@ -28,7 +35,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 TRACKED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages"}
 )
-_VERSION_ROUTES = frozenset({"/finish_weight_update", "/update_weight_version"})
+_VERSION_ROUTES = frozenset({FINISH_WEIGHT_UPDATE_PATH, "/update_weight_version"})
 
 
 class RollfleetMiddleware:
@@ -54,10 +61,10 @@ class RollfleetMiddleware:
             await self._after_control(path, scope)
 
     async def _after_control(self, path: str, scope: Scope) -> None:
-        if path == "/pause":
+        if path == PAUSE_PATH:
             mode = parse_qs(scope.get("query_string", b"").decode()).get("mode", ["abort"])[0]
             self.runtime.pause_mode = parse_pause_mode(mode)
-        elif path == "/resume":
+        elif path == RESUME_PATH:
             self.runtime.pause_mode = None
         elif path in _VERSION_ROUTES:
             await self.runtime.refresh_weight_version()

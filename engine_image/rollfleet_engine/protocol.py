@@ -17,6 +17,13 @@ REQUESTS_PATH = f"{API_PREFIX}/requests"
 ABORT_PATH = f"{API_PREFIX}/abort"
 READY_PATH = f"{API_PREFIX}/ready"
 
+# vLLM's RL routes that Rollfleet calls (control routes: they need the admin token).
+PAUSE_PATH = "/pause"  # ?mode=, one of PAUSE_MODES
+RESUME_PATH = "/resume"
+START_WEIGHT_UPDATE_PATH = "/start_weight_update"
+UPDATE_WEIGHTS_PATH = "/update_weights"  # {"update_info": ...}, WeightUpdateInfo for the http backend
+FINISH_WEIGHT_UPDATE_PATH = "/finish_weight_update"  # {"weight_version": ...}
+
 # The port engines serve on (vLLM's default): the operator's pods, the gateway and the sidecar use it.
 ENGINE_PORT = 8000
 

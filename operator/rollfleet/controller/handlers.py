@@ -13,7 +13,6 @@ import logging
 import os
 from typing import Any
 
-import aiohttp
 import kopf
 
 from rollfleet.api.fleet import PLURAL
@@ -28,6 +27,7 @@ from rollfleet.contract import (
 )
 from rollfleet.controller.kube import Kube, load_client
 from rollfleet.controller.reconciler import Operator
+from rollfleet.engine_client import EngineClient
 
 log = logging.getLogger("rollfleet.operator")
 
@@ -38,21 +38,21 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
     # event of every pod; our own Events say what changed.
     settings.posting.level = logging.WARNING
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
+    engines = EngineClient(max_connections=256)
     # The downward API's namespace (manifests/base/operator.yaml): fleets' NetworkPolicies
     # admit this operator's pods to the engines by it.
     namespace = os.environ.get("POD_NAMESPACE") or None
     if namespace is None:
         log.warning("POD_NAMESPACE is not set (not running in a pod?): fleets' NetworkPolicies admit no operator "
                     "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom")
-    memo.fleets = Operator(Kube(load_client()), session, namespace)
-    memo.fleet_http = session
+    memo.fleets = Operator(Kube(load_client()), engines, namespace)
+    memo.engines = engines
 
 
 @kopf.on.cleanup()
 async def stop_fleets(memo: kopf.Memo, **_: Any) -> None:
     await memo.fleets.stop()
-    await memo.fleet_http.close()
+    await memo.engines.aclose()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 from pydantic import ValidationError
 
 from rollfleet.api.fleet import RolloutFleetSpec, RolloutFleetStatus
@@ -38,11 +37,11 @@ from rollfleet.contract import (
     EnginePhase,
     admin_token,
     engine_selector,
+    engine_url,
     gateway_endpoint,
     secret_name,
 )
 from rollfleet.controller import desired, plan
-from rollfleet.controller.engines import EngineCallError, EngineClient
 from rollfleet.controller.kube import Kube
 from rollfleet.controller.status import (
     Engine,
@@ -54,6 +53,7 @@ from rollfleet.controller.status import (
     fleet_status,
     observe_pod,
 )
+from rollfleet.engine_client import EngineCallError, EngineClient, EngineRef
 from rollfleet.sync.fleetversion import fleet_weight_version
 from rollfleet_engine.protocol import EngineState
 
@@ -329,7 +329,7 @@ class FleetLoop:
         async def fetch(o: EngineObs) -> None:
             assert o.pod_ip is not None  # only engines with an IP are due
             try:
-                state: EngineState | None = await self.shared.engines.state(o.pod_ip)
+                state: EngineState | None = await self.shared.engines.state(EngineRef(o.name, engine_url(o.pod_ip)))
             except EngineCallError as err:
                 log.debug("%s: %s", o.name, err)
                 state = None
@@ -366,11 +366,12 @@ class FleetLoop:
             self._states.pop(action.name, None)
 
     async def _control(self, call: plan.PauseCall | plan.ResumeCall, ip: str, token: str) -> None:
+        engines, engine = self.shared.engines.with_token(token), EngineRef(call.name, engine_url(ip))
         try:
             if isinstance(call, plan.PauseCall):
-                await self.shared.engines.pause(ip, call.mode, token)
+                await engines.pause(engine, call.mode)
             else:
-                await self.shared.engines.resume(ip, token)
+                await engines.resume(engine)
         except EngineCallError as err:
             self.event("Warning", "EngineControlFailed", f"{call.name}: {err}")
         finally:
@@ -441,8 +442,8 @@ def _unwell(pod: Mapping[str, Any]) -> bool:
 class Operator:
     """The fleet loops and the caches they share; kopf's handlers call the `on_*` methods."""
 
-    def __init__(self, kube: Kube, session: aiohttp.ClientSession, operator_namespace: str | None) -> None:
-        self.shared = Shared(kube=kube, engines=EngineClient(session), nodes=NodeHealth(kube),
+    def __init__(self, kube: Kube, engines: EngineClient, operator_namespace: str | None) -> None:
+        self.shared = Shared(kube=kube, engines=engines, nodes=NodeHealth(kube),
                              operator_namespace=operator_namespace)
         self.fleets: dict[Key, FleetLoop] = {}
         self._stopping: set[asyncio.Task[None]] = set()

@@ -9,7 +9,7 @@ Owns the answer aborted | finished | unknown | pending for each id:
   out to every engine of the fleet with the engine's truthful abort; the engine that
   knew the id decides the answer, so several gateway replicas need no coordination.
 
-Never trusts an HTTP status for the outcome. Talks to engines and the proxy.
+Never trusts an HTTP status for the outcome. Talks to engines through the proxy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import asyncio
 
 from pydantic import BaseModel, Field
 
-from rollfleet.gateway.engine_api import abort_on_engine, combine
 from rollfleet.gateway.inflight import ABORT, InFlight, StopReason
 from rollfleet.gateway.proxy import Proxy
 from rollfleet_engine.protocol import AbortStatus
@@ -54,9 +53,8 @@ async def _abort_local(proxy: Proxy, entry: InFlight, timeout_s: float) -> Abort
 async def _abort_remote(proxy: Proxy, ids: list[str], timeout_s: float) -> dict[str, AbortStatus]:
     if not ids:
         return {}
-    assert proxy.session is not None
-    urls = [e.url for e in proxy.registry.engines() if e.url]
-    answers = await asyncio.gather(*(abort_on_engine(proxy.session, u, proxy.token, ids, timeout_s) for u in urls))
+    engines = [e for e in proxy.registry.engines() if e.url]
+    answers = await asyncio.gather(*(proxy.abort_on_engine(e, ids, timeout_s) for e in engines))
     results = {}
     for rid in ids:
         status = combine([a[rid] for a in answers])
@@ -66,3 +64,11 @@ async def _abort_remote(proxy: Proxy, ids: list[str], timeout_s: float) -> dict[
             status = AbortStatus.ABORTED if finished_here.finish_reason == ABORT else AbortStatus.FINISHED
         results[rid] = status
     return results
+
+
+def combine(statuses: list[AbortStatus]) -> AbortStatus:
+    """One answer for an id asked of several engines: the engine that knew it wins."""
+    for wanted in (AbortStatus.ABORTED, AbortStatus.FINISHED, AbortStatus.PENDING):
+        if wanted in statuses:
+            return wanted
+    return AbortStatus.UNKNOWN

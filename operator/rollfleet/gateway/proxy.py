@@ -18,7 +18,8 @@ chunks), and end it for real when asked:
   response header, plus, for an attempt that may have spanned a weight update, what the
   engine's request tracker recorded for the caller id.
 
-Talks to engines (HTTP, aiohttp) and to the client (raw ASGI send/receive).
+Talks to engines (inference over aiohttp; their own API through `rollfleet.engine_client`)
+and to the client (raw ASGI send/receive).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from rollfleet.engine_client import GATEWAY_ABORT, EngineCallError, EngineClient, EngineRef, bearer_header
 from rollfleet.gateway.dialects import (
     Assembler,
     ContinuationState,
@@ -47,12 +49,11 @@ from rollfleet.gateway.dialects import (
     first_attempt_body,
     prompt_token_ids,
 )
-from rollfleet.gateway.engine_api import abort_on_engine
 from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry
 from rollfleet.gateway.routing import Decision, NoEngine, Router
-from rollfleet_engine.protocol import REQUEST_ID_HEADER, REQUESTS_PATH, WEIGHT_VERSION_HEADER
+from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, AbortStatus
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ class Proxy:
         self.config = config
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
+        self.engines = EngineClient(token, max_connections=None)
         self._background: set[asyncio.Task[Any]] = set()
 
     def background(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -195,8 +197,19 @@ class Proxy:
         task.add_done_callback(self._background.discard)
 
     async def abort_quietly(self, engine: Engine, request_id: str) -> None:
-        if self.session is not None and engine.url is not None:
-            await abort_on_engine(self.session, engine.url, self.token, [request_id], self.config.abort_timeout_s)
+        if engine.url is not None:
+            await self.abort_on_engine(engine, [request_id], self.config.abort_timeout_s)
+
+    async def abort_on_engine(self, engine: Engine, request_ids: list[str], wait_s: float) -> dict[str, AbortStatus]:
+        """Ask one engine to abort caller ids and say how each ended there; unknown when it could not be asked."""
+        try:
+            results = await self.engines.abort(engine_ref(engine), request_ids, wait_s, GATEWAY_ABORT)
+        except EngineCallError as err:
+            # Unknown, not an error: the engine that knew the id decides (abort.combine).
+            level = logging.WARNING if err.status is not None else logging.INFO  # refused, or not reached
+            log.log(level, "abort on %s failed: %s", engine.key, err)
+            return dict.fromkeys(request_ids, AbortStatus.UNKNOWN)
+        return {rid: results.get(rid, AbortStatus.UNKNOWN) for rid in request_ids}
 
     async def open(self) -> None:
         # No total/read timeout: a paused engine holds requests for as long as a weight sync
@@ -210,6 +223,7 @@ class Proxy:
             task.cancel()
         if self.session is not None:
             await self.session.close()
+        await self.engines.aclose()
 
     def stop(self, entry: InFlight, reason: StopReason) -> None:
         """End a request early: its current attempt is aborted on the engine, no further attempt starts."""
@@ -385,8 +399,7 @@ class _Exchange:
     async def _stop_on_engine(self, engine: Engine, task: asyncio.Task[AttemptResult]) -> None:
         """Abort the caller id on the engine, then give its stream `stop_grace_s` to deliver the end."""
         p = self.proxy
-        assert p.session is not None and engine.url is not None
-        status = await abort_on_engine(p.session, engine.url, p.token, [self.req.request_id], p.config.abort_timeout_s)
+        status = await p.abort_on_engine(engine, [self.req.request_id], p.config.abort_timeout_s)
         log.info("request %s stopped (%s): engine %s says %s", self.req.request_id, self.entry.stop, engine.key,
                  status[self.req.request_id].value)
         with contextlib.suppress(TimeoutError):
@@ -399,8 +412,7 @@ class _Exchange:
     async def _exchange(self, engine: Engine, path: str, body: Json, cont: ContinuationState | None) -> AttemptResult:
         p, entry, req = self.proxy, self.entry, self.req
         assert p.session is not None and engine.url is not None
-        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: req.request_id,
-                   "Authorization": f"Bearer {p.token}"}
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: req.request_id, **bearer_header(p.token)}
         try:
             async with p.session.post(engine.url + path, data=orjson.dumps(body), headers=headers) as resp:
                 if resp.status != 200:
@@ -474,17 +486,16 @@ class _Exchange:
     async def _confirm_versions(self, engine: Engine, started: float, epoch: int) -> None:
         """Ask the engine which weight versions produced the tokens, if they may be more than one."""
         p = self.proxy
-        assert p.session is not None
         recent = asyncio.get_running_loop().time() - started < p.config.version_check_after_s
         if recent and p.registry.version_epoch(engine.key) == epoch:
             return
         try:
-            async with p.session.get(f"{engine.url}{REQUESTS_PATH}/{self.req.request_id}",
-                                     timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                if resp.status == 200:
-                    self.entry.add_versions((await resp.json()).get("weight_versions") or [])
-        except (aiohttp.ClientError, OSError, TimeoutError) as err:
-            log.info("weight versions of %s not confirmed by %s: %s", self.req.request_id, engine.key, err)
+            tracked = await p.engines.request(engine_ref(engine), self.req.request_id)
+        except EngineCallError as err:
+            if err.status is None:  # an engine that answered (404: it forgot the id) has nothing to add
+                log.info("weight versions of %s not confirmed by %s: %s", self.req.request_id, engine.key, err)
+            return
+        self.entry.add_versions(tracked.weight_versions)
 
     def _template(self, first: Json) -> Template:
         if self.tpl is None:
@@ -561,6 +572,11 @@ class _Exchange:
     async def _fail(self, status: int, message: str) -> str:
         await self.writer.error(status, message, self._headers())
         return "error"
+
+
+def engine_ref(engine: Engine) -> EngineRef:
+    assert engine.url is not None  # only engines with an address are routed to or asked to abort
+    return EngineRef(engine.key, engine.url)
 
 
 def _error_json(data: bytes, status: int) -> Json:

@@ -1,104 +1,40 @@
-"""The sidecar's view of engines: finding them, and the HTTP calls it makes to them.
+"""The sidecar's view of engines: finding them, and what it reads from them.
 
 Discovery is either the fleet's engine pods (labels ``rollfleet.dev/fleet=F``,
 ``app.kubernetes.io/component=engine``; the only pod write is the phase annotation
 that takes an engine out of routing and back) or a static list of URLs (``--engines``).
-Engine calls are vLLM's RL routes (pause, resume, the weight update handshake) and the
-engine package's ``/rollfleet/v1`` routes, all with the fleet's bearer token.
-Talks to engines (HTTP) and kube-apiserver (pods).
+The engine calls themselves (vLLM's RL routes and the engine package's ``/rollfleet/v1``
+routes, with the fleet's bearer token) are ``rollfleet.engine_client``'s; here they are
+read into the sync protocol's terms. Talks to engines (through the client) and
+kube-apiserver (pods).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
-
 from rollfleet.contract import ANNOTATION_PHASE, ENGINE_PORT, engine_discovery_selector, engine_url
+from rollfleet.engine_client import CONTROL, EngineCallError, EngineClient, EngineRef
 from rollfleet.sync.protocol import EngineObservation, InFlight
-from rollfleet_engine.protocol import (
-    ABORT_PATH,
-    REQUESTS_PATH,
-    STATE_PATH,
-    AbortRequest,
-    EngineState,
-    PauseMode,
-    RequestsView,
-)
 
 log = logging.getLogger(__name__)
 
 
-
-class EngineCallError(RuntimeError):
-    """An engine refused or failed a call (or could not be reached)."""
-
-
-@dataclass(frozen=True)
-class EngineRef:
-    name: str  # pod name, or the URL in static mode
-    url: str
+async def observe(api: EngineClient, engine: EngineRef) -> EngineObservation:
+    """Version and pause state; an unreachable engine reads as version None."""
+    try:
+        s = await api.state(engine, CONTROL)
+    except EngineCallError:
+        return EngineObservation(version=None)
+    return EngineObservation(version=s.weight_version, paused=s.paused)
 
 
-class EngineAPI:
-    """HTTP client for the routes the sidecar uses; one connection pool for all engines."""
-
-    def __init__(self, token: str, control_timeout_s: float = 30.0, transfer_timeout_s: float = 900.0) -> None:
-        self._http = httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=control_timeout_s)
-        self.transfer_timeout_s = transfer_timeout_s
-
-    async def close(self) -> None:
-        await self._http.aclose()
-
-    async def _call(self, method: str, engine: EngineRef, path: str, **kwargs: Any) -> Any:
-        try:
-            resp = await self._http.request(method, engine.url.rstrip("/") + path, **kwargs)
-        except httpx.HTTPError as err:
-            raise EngineCallError(f"{engine.name}: {method} {path}: {type(err).__name__}: {err}") from err
-        if resp.status_code != 200:
-            raise EngineCallError(f"{engine.name}: {method} {path}: HTTP {resp.status_code}: {resp.text[:300]}")
-        return resp.json() if resp.content else None
-
-    async def state(self, engine: EngineRef) -> EngineState:
-        return EngineState.model_validate(await self._call("GET", engine, STATE_PATH))
-
-    async def observe(self, engine: EngineRef) -> EngineObservation:
-        """Version and pause state; an unreachable engine reads as version None."""
-        try:
-            s = await self.state(engine)
-        except EngineCallError:
-            return EngineObservation(version=None)
-        return EngineObservation(version=s.weight_version, paused=s.paused)
-
-    async def pause(self, engine: EngineRef, mode: PauseMode) -> None:
-        await self._call("POST", engine, "/pause", params={"mode": mode})
-
-    async def resume(self, engine: EngineRef) -> None:
-        await self._call("POST", engine, "/resume")
-
-    async def start_update(self, engine: EngineRef) -> None:
-        await self._call("POST", engine, "/start_weight_update")
-
-    async def update(self, engine: EngineRef, update_info: dict[str, Any]) -> None:
-        await self._call(
-            "POST", engine, "/update_weights", json={"update_info": update_info}, timeout=self.transfer_timeout_s
-        )
-
-    async def finish(self, engine: EngineRef, version: str) -> None:
-        await self._call(
-            "POST", engine, "/finish_weight_update", json={"weight_version": version}, timeout=self.transfer_timeout_s
-        )
-
-    async def in_flight(self, engine: EngineRef) -> list[InFlight]:
-        view = RequestsView.model_validate(await self._call("GET", engine, REQUESTS_PATH))
-        return [InFlight(r.request_id, tuple(r.weight_versions)) for r in view.in_flight]
-
-    async def abort(self, engine: EngineRef, request_ids: list[str]) -> None:
-        body = AbortRequest(request_ids=request_ids).model_dump()
-        await self._call("POST", engine, ABORT_PATH, json=body)
+async def in_flight(api: EngineClient, engine: EngineRef) -> list[InFlight]:
+    """The engine's requests in flight, with the weight versions that produced their tokens."""
+    view = await api.requests(engine)
+    return [InFlight(r.request_id, tuple(r.weight_versions)) for r in view.in_flight]
 
 
 class Discovery(Protocol):

@@ -31,8 +31,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rollfleet.contract import EnginePhase, PauseMode
-from rollfleet.sync.engines import Discovery, EngineAPI, EngineCallError, EngineRef
+from rollfleet.contract import STATE_PATH, EnginePhase, PauseMode
+from rollfleet.engine_client import CONTROL, TRANSFER, CallPolicy, EngineCallError, EngineClient, EngineRef
+from rollfleet.sync.engines import Discovery, in_flight, observe
 from rollfleet.sync.fleetversion import fleet_weight_version
 from rollfleet.sync.models import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
 from rollfleet.sync.protocol import (
@@ -103,14 +104,16 @@ class Orchestrator:
         self,
         store: RecordStore,
         discovery: Discovery,
-        api: EngineAPI,
+        api: EngineClient,
         publisher: Publisher,
         spool: Path,
         pause_mode: PauseMode = "keep",
         default_max_staleness: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        transfer: CallPolicy = TRANSFER,
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
+        self.transfer = transfer  # update_weights and finish_weight_update: the engine pulls the weights
         self.spool = spool
         self._pushes_dir = spool / "pushes"  # streamed weights, one directory per version
         self.pause_mode: PauseMode = pause_mode
@@ -189,7 +192,7 @@ class Orchestrator:
     async def fleet_version(self) -> FleetVersionView:
         annotations, _ = await self.store.read()
         engines = await self.discovery.engines()
-        observed = await _gather([self.api.observe(e) for e in engines])
+        observed = await _gather([observe(self.api, e) for e in engines])
         fv = fleet_weight_version(annotations, {e.name: o.version for e, o in zip(engines, observed, strict=True)})
         last = self._pushes[max(self._pushes)] if self._pushes else None
         return FleetVersionView(
@@ -258,7 +261,7 @@ class Orchestrator:
         if bound is None:
             return 0
         try:
-            ids = stale_requests(await self.api.in_flight(engine), record, target.generation, bound)
+            ids = stale_requests(await in_flight(self.api, engine), record, target.generation, bound)
             if ids:
                 await self.api.abort(engine, ids)
         except EngineCallError as err:  # an unreachable engine fails in the transfer, with its reason
@@ -268,7 +271,8 @@ class Orchestrator:
 
     async def _pause(self, engine: EngineRef, progress: EngineProgress) -> bool:
         try:
-            await self.api.pause(engine, self.pause_mode)
+            # The sidecar's control limit whatever the mode: keep (its default) holds requests at once.
+            await self.api.pause(engine, self.pause_mode, CONTROL)
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
@@ -280,7 +284,7 @@ class Orchestrator:
 
     async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
         """Bring one paused engine to ``ref``; True once it reports that version."""
-        obs = await self.api.observe(engine)
+        obs = await observe(self.api, engine)
         if obs.version == ref.version:
             progress.step = EngineStep.VERIFIED
             return True
@@ -292,12 +296,13 @@ class Orchestrator:
             # A sidecar that died mid-push may have left an update session open; then start
             # is refused and update/finish continue that session with verified weights.
             with contextlib.suppress(EngineCallError):
-                await self.api.start_update(engine)
-            await self.api.update(engine, info)
-            await self.api.finish(engine, ref.version)
-            reported = (await self.api.state(engine)).weight_version
+                await self.api.start_weight_update(engine)
+            await self.api.update_weights(engine, info, self.transfer)
+            await self.api.finish_weight_update(engine, ref.version, self.transfer)
+            reported = (await self.api.state(engine, CONTROL)).weight_version
             if reported != ref.version:
-                raise EngineCallError(f"{engine.name}: reports version {reported!r} after finishing {ref.version!r}")
+                problem = f"reports version {reported!r} after finishing {ref.version!r}"
+                raise EngineCallError(engine, "GET", STATE_PATH, problem)
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
@@ -313,7 +318,7 @@ class Orchestrator:
 
         async def one(engine: EngineRef) -> None:
             p = progress.setdefault(engine.name, EngineProgress(name=engine.name))
-            obs = await self.api.observe(engine)
+            obs = await observe(self.api, engine)
             if obs.reachable and (committed is None or obs.version == committed):
                 try:
                     await self.api.resume(engine)
@@ -344,7 +349,7 @@ class Orchestrator:
         # Observe without the lock (busy engines answer slowly): a push must not wait on it.
         record, _ = await read_record(self.store)
         engines = await self.discovery.engines()
-        observed = dict(zip(engines, await _gather([self.api.observe(e) for e in engines]), strict=True))
+        observed = dict(zip(engines, await _gather([observe(self.api, e) for e in engines]), strict=True))
         active = record.push is not None and record.push.phase.active
         behind = [e for e, o in observed.items() if needs_catch_up(o, record)]
         if not (active or behind or record.committed is None):

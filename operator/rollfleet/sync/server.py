@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -20,7 +21,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from rollfleet.contract import TOKEN_FILE
-from rollfleet.sync.engines import Discovery, EngineAPI, PodDiscovery, StaticDiscovery
+from rollfleet.engine_client import TRANSFER, EngineClient
+from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
@@ -64,7 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="abort requests more than N generations behind at a push (the fleet's annotation overrides)",
     )
     p.add_argument("--reconcile-interval", type=float, default=2.0, help="seconds between recovery/catch-up checks")
-    p.add_argument("--transfer-timeout", type=float, default=900.0, help="seconds an engine may take to pull")
+    p.add_argument(
+        "--transfer-timeout", type=float, default=TRANSFER.timeout_s, help="seconds an engine may take to pull"
+    )
 
 
 def build_app(orch: Orchestrator) -> web.Application:
@@ -148,7 +152,8 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
     return Orchestrator(
         store=store,
         discovery=discovery,
-        api=EngineAPI(read_token(args.token_file), transfer_timeout_s=args.transfer_timeout),
+        api=EngineClient(read_token(args.token_file)),
+        transfer=dataclasses.replace(TRANSFER, timeout_s=args.transfer_timeout),
         publisher=Publisher(args.weights_host, args.weights_port),
         spool=spool,
         pause_mode=args.pause_mode,
@@ -172,7 +177,7 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         reconcile.cancel()
         await runner.cleanup()
-        await orch.api.close()
+        await orch.api.aclose()
         orch.publisher.stop()
 
 

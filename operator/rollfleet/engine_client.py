@@ -1,0 +1,216 @@
+"""The one client of an engine's HTTP API, used by the operator, the gateway and the sync sidecar.
+
+Owns every call Rollfleet makes to an engine's own routes (`rollfleet_engine.protocol`:
+state, the requests view, the truthful abort) and to vLLM's RL routes (pause, resume,
+the weight update handshake): the bearer token header, the call policies (timeouts and
+retries, all decided here), the one error type, `EngineCallError`, and parsing answers
+into the protocol's pydantic models. Inference traffic (the gateway's streamed
+completions) does not go through here; it only borrows `bearer_header`.
+
+Talks to engines only (httpx, one connection pool per client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from rollfleet.errors import RollfleetError
+from rollfleet_engine.protocol import (
+    ABORT_PATH,
+    FINISH_WEIGHT_UPDATE_PATH,
+    PAUSE_PATH,
+    REQUESTS_PATH,
+    RESUME_PATH,
+    START_WEIGHT_UPDATE_PATH,
+    STATE_PATH,
+    UPDATE_WEIGHTS_PATH,
+    AbortRequest,
+    AbortResult,
+    AbortStatus,
+    EngineState,
+    PauseMode,
+    RequestsView,
+    TrackedRequest,
+)
+
+Model = TypeVar("Model", bound=BaseModel)
+
+# How much of an engine's refusal an error message quotes.
+_QUOTED_CHARS = 300
+
+
+@dataclass(frozen=True)
+class EngineRef:
+    """One engine: a name for messages (pod name, or the URL in static mode) and its base URL."""
+
+    name: str
+    url: str
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    """How long one call may take, and how often a connection that never reached the engine is retried."""
+
+    timeout_s: float  # the whole call, retries included: connect, send, the engine's work, the answer
+    connect_s: float | None = None  # one connection attempt (None: only timeout_s bounds it)
+    retries: int = 0  # further attempts after a failed connection (the request was never sent)
+    retry_delay_s: float = 0.5
+
+
+# A state read on every operator pass: an engine that does not answer soon is read again next pass.
+STATE_POLL = CallPolicy(timeout_s=5.0)
+# Pause (keep), resume, the update handshake's start, the requests view, the sidecar's calls.
+CONTROL = CallPolicy(timeout_s=30.0)
+# pause?mode= returns once in-flight requests are held (keep), aborted, or finished (wait: long).
+PAUSE: Mapping[PauseMode, CallPolicy] = {
+    "keep": CONTROL,
+    "abort": CallPolicy(timeout_s=60.0),
+    "wait": CallPolicy(timeout_s=900.0),
+}
+# update_weights and finish_weight_update: the engine pulls and loads the weights before answering.
+TRANSFER = CallPolicy(timeout_s=900.0)
+# The gateway's abort: this much beyond the wait it asks of the engine; a dead engine fails fast.
+GATEWAY_ABORT = CallPolicy(timeout_s=5.0, connect_s=2.0)
+# The gateway's check of which weight versions produced a request, as the request ends.
+VERSIONS_LOOKUP = CallPolicy(timeout_s=2.0)
+
+
+class EngineCallError(RollfleetError):
+    """An engine could not be reached, did not answer in time, refused a call, or answered nonsense."""
+
+    def __init__(self, engine: EngineRef, method: str, path: str, problem: str, status: int | None = None) -> None:
+        super().__init__(f"{engine.name}: {method} {path}: {problem}")
+        self.engine = engine
+        self.method = method
+        self.path = path
+        self.problem = problem
+        self.status = status  # the engine's HTTP status when it answered, else None
+
+
+def bearer_header(token: str) -> dict[str, str]:
+    """The header that carries the fleet's admin token to an engine's control routes."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+class EngineClient:
+    """Calls to engines with one connection pool; `token` (the fleet's admin token) goes on every call."""
+
+    def __init__(
+        self,
+        token: str | None = None,
+        *,
+        max_connections: int | None = 100,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        # trust_env=False: engines are pod IPs, never reached through an HTTP(S)_PROXY.
+        self._http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=max_connections), transport=transport, trust_env=False
+        )
+        self._headers = bearer_header(token) if token is not None else {}
+
+    def with_token(self, token: str) -> EngineClient:
+        """This client's connection pool, calling with `token` (the operator serves many fleets)."""
+        twin = copy.copy(self)
+        twin._headers = bearer_header(token)
+        return twin
+
+    async def aclose(self) -> None:
+        """Close the connection pool (of every client made from this one by `with_token`)."""
+        await self._http.aclose()
+
+    # --- the engine's own routes -----------------------------------------------------
+
+    async def state(self, engine: EngineRef, policy: CallPolicy = STATE_POLL) -> EngineState:
+        """Weight version, pause state and in-flight counts (an open route)."""
+        return await self._answer(EngineState, "GET", engine, STATE_PATH, policy)
+
+    async def requests(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> RequestsView:
+        """The requests in flight and recently finished, with the weight versions of each."""
+        return await self._answer(RequestsView, "GET", engine, REQUESTS_PATH, policy)
+
+    async def request(self, engine: EngineRef, request_id: str, policy: CallPolicy = VERSIONS_LOOKUP) -> TrackedRequest:
+        """The engine's view of one caller id (HTTP 404 once it forgot the id)."""
+        return await self._answer(TrackedRequest, "GET", engine, f"{REQUESTS_PATH}/{request_id}", policy)
+
+    async def abort(
+        self, engine: EngineRef, request_ids: list[str], wait_s: float | None = None, policy: CallPolicy = CONTROL
+    ) -> dict[str, AbortStatus]:
+        """Abort caller ids; how each ended there. The engine waits up to `wait_s` (its own default
+        when None) for each to end; a wait asked for is added to the policy's timeout."""
+        wait = {} if wait_s is None else {"timeout_s": wait_s}
+        body = AbortRequest(request_ids=request_ids, **wait).model_dump()
+        result = await self._answer(AbortResult, "POST", engine, ABORT_PATH, policy, wait_s or 0.0, json=body)
+        return result.results
+
+    # --- vLLM's RL routes ------------------------------------------------------------
+
+    async def pause(self, engine: EngineRef, mode: PauseMode, policy: CallPolicy | None = None) -> None:
+        """Pause generation; `mode` says what happens to in-flight requests (policy: `PAUSE[mode]`)."""
+        await self._call("POST", engine, PAUSE_PATH, policy or PAUSE[mode], params={"mode": mode})
+
+    async def resume(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> None:
+        await self._call("POST", engine, RESUME_PATH, policy)
+
+    async def start_weight_update(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> None:
+        await self._call("POST", engine, START_WEIGHT_UPDATE_PATH, policy)
+
+    async def update_weights(
+        self, engine: EngineRef, update_info: Mapping[str, Any], policy: CallPolicy = TRANSFER
+    ) -> None:
+        """Have the engine pull (and verify) weights described by the backend's `update_info`."""
+        await self._call("POST", engine, UPDATE_WEIGHTS_PATH, policy, json={"update_info": dict(update_info)})
+
+    async def finish_weight_update(self, engine: EngineRef, version: str, policy: CallPolicy = TRANSFER) -> None:
+        """Load the pulled weights and label them `version`."""
+        await self._call("POST", engine, FINISH_WEIGHT_UPDATE_PATH, policy, json={"weight_version": version})
+
+    # --- one call --------------------------------------------------------------------
+
+    async def _answer(
+        self, model: type[Model], method: str, engine: EngineRef, path: str, policy: CallPolicy,
+        wait_s: float = 0.0, **kwargs: Any,
+    ) -> Model:
+        """The engine's answer, parsed into `model`."""
+        resp = await self._call(method, engine, path, policy, wait_s, **kwargs)
+        try:
+            return model.model_validate_json(resp.content)
+        except ValidationError as err:
+            raise EngineCallError(engine, method, path, f"unexpected answer: {err}", status=resp.status_code) from err
+
+    async def _call(
+        self, method: str, engine: EngineRef, path: str, policy: CallPolicy, wait_s: float = 0.0, **kwargs: Any
+    ) -> httpx.Response:
+        """The engine's HTTP 200 answer; anything else raises EngineCallError."""
+        deadline_s = policy.timeout_s + wait_s
+        try:
+            async with asyncio.timeout(deadline_s):
+                resp = await self._send(method, engine.url.rstrip("/") + path, policy, **kwargs)
+        except TimeoutError as err:
+            raise EngineCallError(engine, method, path, f"no answer within {deadline_s:g}s") from err
+        except httpx.HTTPError as err:
+            raise EngineCallError(engine, method, path, f"{type(err).__name__}: {err}") from err
+        if resp.status_code != 200:
+            problem = f"HTTP {resp.status_code}: {resp.text[:_QUOTED_CHARS]}"
+            raise EngineCallError(engine, method, path, problem, status=resp.status_code)
+        return resp
+
+    async def _send(self, method: str, url: str, policy: CallPolicy, **kwargs: Any) -> httpx.Response:
+        timeout = httpx.Timeout(None, connect=policy.connect_s)
+        attempt = 0
+        while True:
+            try:
+                return await self._http.request(method, url, headers=self._headers, timeout=timeout, **kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                # Only a failed connection is retried: the engine never saw the request, so
+                # even a POST cannot act twice.
+                if attempt >= policy.retries:
+                    raise
+            attempt += 1
+            await asyncio.sleep(policy.retry_delay_s)
