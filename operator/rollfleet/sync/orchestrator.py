@@ -272,7 +272,7 @@ class Orchestrator:
     async def _pause(self, engine: EngineRef, progress: EngineProgress) -> bool:
         try:
             # The sidecar's control limit whatever the mode: keep (its default) holds requests at once.
-            await self.api.pause(engine, self.pause_mode, CONTROL)
+            await self.api.pause(engine, self.pause_mode)  # PAUSE[mode]: wait may take minutes
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False

@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 from pydantic import ValidationError
 
-from rollfleet.contract import TOKEN_FILE
+from rollfleet.contract import PAUSE_MODES, TOKEN_FILE
 from rollfleet.engine_client import TRANSFER, EngineClient
 from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--state-file", default=None, help="keep the push record in this file instead of the fleet (static mode)"
     )
-    p.add_argument("--pause-mode", choices=["keep", "wait", "abort"], default="keep")
+    p.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep")
     p.add_argument(
         "--max-staleness",
         type=int,
