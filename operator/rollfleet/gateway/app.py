@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -83,128 +84,177 @@ class _ProxyResponse(Response):
         await self.proxy.serve(self.req, self.entry, send, receive)
 
 
-def build_app(config: GatewayConfig) -> Starlette:
-    metrics = Metrics()
-    registry = static_registry(config.engines, config.eject_s) if config.engines else Registry(config.eject_s)
-    router = Router(config.routing)
-    registry.on_removed.append(router.forget_engine)
-    inflight = InFlightTable()
-    proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics)
-    watcher = PodWatcher(registry, config.namespace, config.fleet, config.kubeconfig) if config.fleet else None
-    if not config.engines and watcher is None:
-        raise ValueError("the gateway needs --engines (static mode) or --fleet (Kubernetes mode)")
+class _Refused(Exception):
+    """A request the gateway answers itself, with this status and message (OpenAI's error shape)."""
 
-    async def read_body(request: Request) -> bytes | Response:
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _request_id(request: Request, body: dict[str, Any]) -> str:
+    request_id = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"gw-{uuid.uuid4().hex}"
+    if not isinstance(request_id, str) or not _ID_RE.match(request_id):
+        raise _Refused(400, "request id must be 1-200 characters of [A-Za-z0-9._:@/+=-]")
+    return request_id
+
+
+def _timeout_s(request: Request, default_s: float, max_s: float) -> float:
+    if TIMEOUT_HEADER not in request.headers:
+        return default_s
+    try:
+        timeout = float(request.headers[TIMEOUT_HEADER])
+    except ValueError:
+        raise _Refused(400, f"{TIMEOUT_HEADER} must be a number of seconds") from None
+    if not 0 < timeout <= max_s:
+        raise _Refused(400, f"{TIMEOUT_HEADER} must be in (0, {max_s:.0f}]")
+    return timeout
+
+
+@dataclass
+class _Gateway:
+    """The parts of one gateway replica, and its endpoints."""
+
+    config: GatewayConfig
+    metrics: Metrics
+    registry: Registry
+    router: Router
+    inflight: InFlightTable
+    proxy: Proxy
+    watcher: PodWatcher | None
+
+    @classmethod
+    def build(cls, config: GatewayConfig) -> _Gateway:
+        if not config.engines and not config.fleet:
+            raise ValueError("the gateway needs --engines (static mode) or --fleet (Kubernetes mode)")
+        metrics = Metrics()
+        registry = static_registry(config.engines, config.eject_s) if config.engines else Registry(config.eject_s)
+        router = Router(config.routing)
+        registry.on_removed.append(router.forget_engine)
+        inflight = InFlightTable()
+        proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics)
+        watcher = PodWatcher(registry, config.namespace, config.fleet, config.kubeconfig) if config.fleet else None
+        return cls(config, metrics, registry, router, inflight, proxy, watcher)
+
+    def refuse(self, refused: _Refused) -> Response:
+        return _error(refused.status, str(refused), self.metrics)
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            return _error(413, f"request body of {declared} bytes exceeds {config.max_body_bytes}", metrics)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _Refused(413, f"request body of {declared} bytes exceeds {limit}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > config.max_body_bytes:
-                return _error(413, f"request body exceeds {config.max_body_bytes} bytes", metrics)
+            if size > limit:
+                raise _Refused(413, f"request body exceeds {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def generation(route: Route) -> Callable[[Request], Awaitable[Response]]:
+    async def admit(self, route: Route, request: Request) -> tuple[ClientRequest, InFlight]:
+        """Everything checked before routing: token, size, JSON, fields, id, deadline; the id reserved."""
+        config = self.config
+        if config.api_key is not None and not _bearer_ok(request, config.api_key, config.token):
+            raise _Refused(401, "missing or wrong bearer token")
+        raw = await self.read_body(request)
+        try:
+            body = validate(route, orjson.loads(raw))
+        except orjson.JSONDecodeError as err:
+            raise _Refused(400, f"the request body is not valid JSON: {err}") from None
+        except BadRequest as err:
+            raise _Refused(400, str(err)) from None
+        request_id = _request_id(request, body)
+        timeout = _timeout_s(request, config.request_timeout_s, config.max_timeout_s)
+        try:
+            entry = self.inflight.open(request_id)
+        except IdInUse:
+            raise _Refused(409, f"request id {request_id!r} is still in flight; ids must not be reused") from None
+        session = request.headers.get(GROUP_HEADER) or request.headers.get(SESSION_HEADER)
+        req = ClientRequest(
+            route=route,
+            body=body,
+            request_id=request_id,
+            session=session,
+            end_session=request.headers.get(SESSION_END_HEADER, "").lower() in ("1", "true", "yes"),
+            deadline=asyncio.get_running_loop().time() + timeout,
+        )
+        return req, entry
+
+    def generation(self, route: Route) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            if config.api_key is not None and not _bearer_ok(request, config.api_key, config.token):
-                return _error(401, "missing or wrong bearer token", metrics)
-            raw = await read_body(request)
-            if isinstance(raw, Response):
-                return raw
             try:
-                body = validate(route, orjson.loads(raw))
-            except orjson.JSONDecodeError as err:
-                return _error(400, f"the request body is not valid JSON: {err}", metrics)
-            except BadRequest as err:
-                return _error(400, str(err), metrics)
-            request_id = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"gw-{uuid.uuid4().hex}"
-            if not isinstance(request_id, str) or not _ID_RE.match(request_id):
-                return _error(400, "request id must be 1-200 characters of [A-Za-z0-9._:@/+=-]", metrics)
-            timeout = config.request_timeout_s
-            if TIMEOUT_HEADER in request.headers:
-                try:
-                    timeout = float(request.headers[TIMEOUT_HEADER])
-                except ValueError:
-                    return _error(400, f"{TIMEOUT_HEADER} must be a number of seconds", metrics)
-                if not 0 < timeout <= config.max_timeout_s:
-                    return _error(400, f"{TIMEOUT_HEADER} must be in (0, {config.max_timeout_s:.0f}]", metrics)
-            try:
-                entry = inflight.open(request_id)
-            except IdInUse:
-                return _error(409, f"request id {request_id!r} is still in flight; ids must not be reused", metrics)
-            session = request.headers.get(GROUP_HEADER) or request.headers.get(SESSION_HEADER)
-            req = ClientRequest(
-                route=route,
-                body=body,
-                request_id=request_id,
-                session=session,
-                end_session=request.headers.get(SESSION_END_HEADER, "").lower() in ("1", "true", "yes"),
-                deadline=asyncio.get_running_loop().time() + timeout,
-            )
-            return _ProxyResponse(proxy, req, entry)
+                req, entry = await self.admit(route, request)
+            except _Refused as refused:
+                return self.refuse(refused)
+            return _ProxyResponse(self.proxy, req, entry)
 
         return endpoint
 
-    async def models(request: Request) -> Response:
-        assert proxy.session is not None
-        for engine in registry.routable():
+    async def models(self, request: Request) -> Response:
+        assert self.proxy.session is not None
+        for engine in self.registry.routable():
             try:
-                async with proxy.session.get(f"{engine.url}/v1/models") as resp:
+                async with self.proxy.session.get(f"{engine.url}/v1/models") as resp:
                     if resp.status == 200:
                         return Response(await resp.read(), 200, media_type="application/json")
             except OSError:
                 continue
-        return _error(503, "no routable engine to list models from", metrics)
+        return _error(503, "no routable engine to list models from", self.metrics)
 
-    async def abort(request: Request) -> Response:
-        if not _bearer_ok(request, config.token):
-            return _error(401, "POST /v1/abort needs the fleet admin token (Authorization: Bearer ...)", metrics)
-        raw = await read_body(request)
-        if isinstance(raw, Response):
-            return raw
+    async def abort(self, request: Request) -> Response:
+        if not _bearer_ok(request, self.config.token):
+            return _error(401, "POST /v1/abort needs the fleet admin token (Authorization: Bearer ...)", self.metrics)
+        try:
+            raw = await self.read_body(request)
+        except _Refused as refused:
+            return self.refuse(refused)
         try:
             parsed = abort_mod.GatewayAbortRequest.model_validate_json(raw)
         except ValidationError as err:
-            return _error(400, f"bad abort request: {err.errors(include_url=False)}", metrics)
-        results = await abort_mod.abort(proxy, parsed.request_ids, parsed.timeout_s)
+            return _error(400, f"bad abort request: {err.errors(include_url=False)}", self.metrics)
+        results = await abort_mod.abort(self.proxy, parsed.request_ids, parsed.timeout_s)
         return JSONResponse({"results": {k: v.value for k, v in results.items()}})
 
-    async def health(request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def ready(request: Request) -> Response:
-        if not registry.synced:
+    async def ready(self, request: Request) -> Response:
+        if not self.registry.synced:
             return JSONResponse({"ready": False, "reason": "engine list not synced yet"}, 503)
-        return JSONResponse({"ready": True, "routable_engines": len(registry.routable())})
+        return JSONResponse({"ready": True, "routable_engines": len(self.registry.routable())})
 
-    async def metrics_endpoint(request: Request) -> Response:
-        metrics.in_flight.set(len(inflight))
-        metrics.sessions.set(len(router.sessions))
-        metrics.routable.set(len(registry.routable()))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.metrics.in_flight.set(len(self.inflight))
+        self.metrics.sessions.set(len(self.router.sessions))
+        self.metrics.routable.set(len(self.registry.routable()))
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await proxy.open()
-        if watcher is not None:
-            watcher.start(asyncio.get_running_loop())
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.proxy.open()
+        if self.watcher is not None:
+            self.watcher.start(asyncio.get_running_loop())
         try:
             yield
         finally:
-            if watcher is not None:
-                watcher.stop()
-            await proxy.close()
+            if self.watcher is not None:
+                self.watcher.stop()
+            await self.proxy.close()
 
-    routes = [HttpRoute(r.value, generation(r), methods=["POST"]) for r in Route]
-    routes += [
-        HttpRoute("/v1/models", models, methods=["GET"]),
-        HttpRoute("/v1/abort", abort, methods=["POST"]),
-        HttpRoute("/health", health, methods=["GET"]),
-        HttpRoute("/ready", ready, methods=["GET"]),
-        HttpRoute("/metrics", metrics_endpoint, methods=["GET"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.proxy = proxy
+    def routes(self) -> list[HttpRoute]:
+        return [
+            *(HttpRoute(r.value, self.generation(r), methods=["POST"]) for r in Route),
+            HttpRoute("/v1/models", self.models, methods=["GET"]),
+            HttpRoute("/v1/abort", self.abort, methods=["POST"]),
+            HttpRoute("/health", self.health, methods=["GET"]),
+            HttpRoute("/ready", self.ready, methods=["GET"]),
+            HttpRoute("/metrics", self.metrics_endpoint, methods=["GET"]),
+        ]
+
+
+def build_app(config: GatewayConfig) -> Starlette:
+    gateway = _Gateway.build(config)
+    app = Starlette(routes=gateway.routes(), lifespan=gateway.lifespan)
+    app.state.proxy = gateway.proxy
     return app
