@@ -146,9 +146,6 @@ class RequestTracker:
         entry = self._active.get(request_id) or self._finished.get(request_id)
         return entry.view() if entry else None
 
-    def is_active(self, request_id: str) -> bool:
-        return request_id in self._active
-
     def unfinished_engine_ids(self, request_id: str) -> list[str]:
         entry = self._active.get(request_id)
         if entry is None:

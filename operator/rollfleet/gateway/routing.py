@@ -12,7 +12,7 @@ its engine stops being routable or the load gap passes the imbalance threshold.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -58,13 +58,11 @@ class Router:
     def load(self, engine: str) -> int:
         return self.outstanding.get(engine, 0)
 
-    def choose(
-        self, routable: Iterable[str], session: str | None, now: float, exclude: Set[str] = frozenset()
-    ) -> Decision:
-        """Pick an engine among `routable` (minus `exclude`) and count the request as started there."""
-        candidates = [e for e in routable if e not in exclude]
+    def choose(self, routable: Iterable[str], session: str | None, now: float) -> Decision:
+        """Pick an engine among `routable` and count the request as started there."""
+        candidates = list(routable)
         if not candidates:
-            raise NoEngine("no routable engine" + (f" outside {sorted(exclude)}" if exclude else ""))
+            raise NoEngine("no routable engine")
         self._maybe_sweep(now)
         least = self._least_loaded(candidates)
         if session is None:

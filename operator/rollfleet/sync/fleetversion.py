@@ -24,8 +24,6 @@ class FleetWeightVersion:
     routable: tuple[str, ...]  # engines that may get traffic (by weights)
     pending_sync: tuple[str, ...]  # engines that must not: wrong or unknown weights
     syncing_to: str | None  # the target of a push under way, if any
-    weights_url: str | None  # where an engine that is behind pulls the fleet's version from
-    manifest_sha256: str | None
 
 
 def fleet_weight_version(
@@ -45,7 +43,7 @@ def fleet_weight_version(
     syncing_to = push.target.version if push is not None and push.phase is PushPhase.IN_PROGRESS else None
     c = record.committed
     if c is not None:
-        return FleetWeightVersion(c.version, c.generation, ok, pending, syncing_to, c.url, c.manifest_sha256)
+        return FleetWeightVersion(c.version, c.generation, ok, pending, syncing_to)
     reported = {v for v in engine_versions.values() if v is not None}
     agreed = reported.pop() if len(reported) == 1 and None not in engine_versions.values() else None
-    return FleetWeightVersion(agreed, None, ok, pending, None, None, None)
+    return FleetWeightVersion(agreed, None, ok, pending, None)

@@ -32,4 +32,3 @@ def test_after_commit_only_engines_on_the_new_version_serve() -> None:
     fv = fleet_weight_version(as_annotations(done), {"e0": "A", "e1": "B", "e9": "B"})
     assert (fv.version, fv.generation, fv.syncing_to) == ("B", 1, None)
     assert fv.routable == ("e1", "e9") and fv.pending_sync == ("e0",)
-    assert (fv.weights_url, fv.manifest_sha256) == ("http://10.0.0.5:8472", "abc")

@@ -37,8 +37,6 @@ CHAT = "/v1/chat/completions"
 GENERATE = "/inference/v1/generate"
 
 ABORT = "abort"
-# Finish reasons that mean the sample is done and complete.
-COMPLETE_REASONS = frozenset({"stop", "length"})
 
 
 def sample_id(uid: str, key: SampleKey) -> str:
