@@ -1,7 +1,7 @@
 """Gateway benchmark: added latency (p50/p99) and max throughput next to vllm-router and sglang-router.
 
 All routers run in one run, on the same upstreams: two fast vLLM-compatible simulators
-(bench/sim_engine.py, 16 output tokens per request, no delay), so the numbers measure
+(devtools/rollfleet_dev/sim_engine.py, 16 output tokens per request, no delay), so the numbers measure
 the routers, not the engines. Each router uses a policy of the same cost class as the
 gateway's default for sessionless traffic (vllm-router: power_of_two; sglang-router:
 power_of_two; the gateway: least outstanding requests) and logs at warning level.
@@ -224,7 +224,7 @@ def main() -> int:
             port = free_port()
             log = tmp / f"sim-{i}.log"
             with log.open("wb") as out:
-                procs.append(subprocess.Popen([sys.executable, str(ROOT / "bench" / "sim_engine.py"), "--port",
+                procs.append(subprocess.Popen([sys.executable, "-m", "rollfleet_dev.sim_engine", "--port",
                                                str(port)], stdout=out, stderr=subprocess.STDOUT))
             engines.append(f"http://127.0.0.1:{port}")
             wait_serving(engines[-1], procs[-1], log)

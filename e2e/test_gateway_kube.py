@@ -2,7 +2,7 @@
 
 Engine pods here are labelled like the operator's (`rollfleet.dev/fleet`,
 `app.kubernetes.io/component=engine`) and run the vLLM-compatible simulator
-(bench/sim_engine.py) as their process: what is under test is discovery and
+(devtools/rollfleet_dev/sim_engine.py) as their process: what is under test is discovery and
 routability (pod Ready + `rollfleet.dev/phase`), which does not need a real model. The
 test flips the phase annotation as the operator would and checks, through requests,
 that the gateway follows within seconds (watch, not poll). The gateway runs as a
@@ -48,7 +48,7 @@ def engine_pod(fleet: str, index: int, phase: str) -> dict[str, Any]:
             "containers": [{
                 "name": "engine",
                 "image": "python:3.11",
-                "command": [sys.executable, str(ROOT / "bench" / "sim_engine.py"), "--host", "$(POD_IP)",
+                "command": [sys.executable, "-m", "rollfleet_dev.sim_engine", "--host", "$(POD_IP)",
                             "--port", "8000", "--name", name],
                 "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                 "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},

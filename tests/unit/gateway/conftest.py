@@ -1,6 +1,6 @@
 """A gateway in static mode in front of two simulated engines, on a background event loop.
 
-The simulator (bench/sim_engine.py) is a fake upstream: allowed here, for the
+The simulator (devtools/rollfleet_dev/sim_engine.py) is a fake upstream: allowed here, for the
 gateway's own logic (failover bookkeeping, cancellation, admission). Acceptance on
 real vLLM engines lives in e2e/test_gateway.py.
 """
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 from aiohttp import web
-from bench.sim_engine import SimEngine
 
 from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet.gateway.proxy import ProxyConfig
+from rollfleet_dev.sim_engine import SimEngine
 
 TOKEN = "unit-admin-token"
 

@@ -1,6 +1,6 @@
 """The gateway's own logic against simulated engines: dialects, failover, stop, admission.
 
-Fake upstreams (bench/sim_engine.py); the same behaviours on real vLLM engines are the
+Fake upstreams (devtools/rollfleet_dev/sim_engine.py); the same behaviours on real vLLM engines are the
 acceptance tests in e2e/test_gateway.py.
 """
 
