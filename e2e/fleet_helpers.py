@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -201,15 +202,17 @@ def signal_container(cluster: Cluster, namespace: str, pod: str, container: str,
     """Signal a container's main process: SIGKILL as an OOM kill or a crash would, SIGSTOP as a hang.
 
     On the local cluster containers are local processes: the one whose argv holds all of
-    `markers` and the pod's IP (every Rollfleet container binds it); on kind, PID 1 of the container.
+    `markers` and the pod's IP (every Rollfleet container binds it). On kind, the container's
+    main process signalled from its node (a Docker container named after the node): inside the
+    container it is PID 1, which ignores signals it has no handler for, even SIGKILL.
     """
-    if cluster.provider != "local":
-        cluster.kubectl("-n", namespace, "exec", pod, "-c", container, "--", "python3", "-c",
-                        f"import os; os.kill(1, {int(sig)})")
-        return
     import kubernetes
 
-    ip = kubernetes.client.CoreV1Api(cluster.api_client()).read_namespaced_pod(pod, namespace).status.pod_ip.encode()
+    found = kubernetes.client.CoreV1Api(cluster.api_client()).read_namespaced_pod(pod, namespace)
+    if cluster.provider != "local":
+        _signal_on_kind_node(found, container, sig)
+        return
+    ip = found.status.pod_ip.encode()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -221,6 +224,18 @@ def signal_container(cluster: Cluster, namespace: str, pod: str, container: str,
             os.kill(int(proc.name), sig)
             return
     raise AssertionError(f"no process of {namespace}/{pod} container {container} found")
+
+
+def _signal_on_kind_node(pod: Any, container: str, sig: signal.Signals) -> None:
+    status = next(c for c in pod.status.container_statuses if c.name == container)
+    container_id = status.container_id.split("://", 1)[1]
+    node = pod.spec.node_name
+
+    def on_node(*argv: str) -> str:
+        return subprocess.run(["docker", "exec", node, *argv], capture_output=True, text=True, check=True).stdout
+
+    pid = on_node("crictl", "inspect", "--output", "go-template", "--template", "{{.info.pid}}", container_id)
+    on_node("kill", f"-{sig.name.removeprefix('SIG')}", pid.strip())
 
 
 def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
