@@ -11,6 +11,7 @@ Talks to the proxy, the abort module and the registry; engines only through them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import uuid
@@ -32,7 +33,7 @@ from rollfleet.gateway.dialects import BadRequest, Route, validate
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body
-from rollfleet.gateway.registry import PodWatcher, Registry, static_registry
+from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
 from rollfleet_engine.access import bearer, token_matches
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
@@ -90,8 +91,7 @@ def build_app(config: GatewayConfig) -> Starlette:
     registry.on_removed.append(router.forget_engine)
     inflight = InFlightTable()
     proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics)
-    watcher = PodWatcher(registry, config.namespace, config.fleet, config.kubeconfig) if config.fleet else None
-    if not config.engines and watcher is None:
+    if not config.engines and not config.fleet:
         raise ValueError("the gateway needs --engines (static mode) or --fleet (Kubernetes mode)")
 
     async def read_body(request: Request) -> bytes | Response:
@@ -188,13 +188,16 @@ def build_app(config: GatewayConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await proxy.open()
-        if watcher is not None:
-            watcher.start(asyncio.get_running_loop())
+        watch = None
+        if config.fleet:
+            watch = asyncio.create_task(follow_pods(registry, config.namespace, config.fleet, config.kubeconfig))
         try:
             yield
         finally:
-            if watcher is not None:
-                watcher.stop()
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             await proxy.close()
 
     routes = [HttpRoute(r.value, generation(r), methods=["POST"]) for r in Route]
