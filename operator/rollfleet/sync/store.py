@@ -2,8 +2,9 @@
 
 - ``FleetStore``: annotations on the RolloutFleet (Kubernetes mode). Every write is a
   merge patch carrying the resourceVersion it was computed from, so the API server
-  refuses it (409: ``Conflict``) if anyone changed the fleet meanwhile; ``update`` then
-  re-reads and re-decides. Talks to kube-apiserver (through ``rollfleet.kube``).
+  refuses it (409) if anyone changed the fleet meanwhile; ``update`` then re-reads and
+  re-decides. Talks to kube-apiserver (the official client is synchronous: calls run in
+  a thread).
 - ``FileStore``: the same annotations in a JSON file (static mode, tests, benchmarks),
   replaced atomically, with a counter standing in for the resourceVersion.
 """
@@ -15,12 +16,18 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from rollfleet.kube import FLEET, Conflict, Kube
+from rollfleet.api.fleet import PLURAL
+from rollfleet.contract import GROUP, VERSION
+from rollfleet.errors import RollfleetError
 from rollfleet.sync.protocol import FleetRecord, decode_record, encode_record
 
 _MAX_CONFLICT_RETRIES = 20
+
+
+class Conflict(RollfleetError, RuntimeError):
+    """The record changed since it was read."""
 
 
 class RecordStore(Protocol):
@@ -93,15 +100,33 @@ class FileStore:
 
 
 class FleetStore:
-    def __init__(self, kube: Kube, namespace: str, fleet: str) -> None:
-        self._kube = kube
+    def __init__(self, api: Any, namespace: str, fleet: str) -> None:
+        self._api = api  # kubernetes.client.CustomObjectsApi
         self.namespace, self.fleet = namespace, fleet
 
     async def read(self) -> tuple[dict[str, str], str]:
-        obj = await self._kube.get(FLEET, self.namespace, self.fleet)
+        obj = await asyncio.to_thread(
+            self._api.get_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, self.fleet
+        )
         meta = obj.get("metadata") or {}
         return dict(meta.get("annotations") or {}), str(meta["resourceVersion"])
 
     async def write(self, annotations: Mapping[str, str | None], resource_version: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
         body = {"metadata": {"resourceVersion": resource_version, "annotations": dict(annotations)}}
-        await self._kube.patch(FLEET, self.namespace, self.fleet, body)  # a stale resourceVersion: Conflict
+        try:
+            await asyncio.to_thread(
+                self._api.patch_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                self.namespace,
+                PLURAL,
+                self.fleet,
+                body,
+                _content_type="application/merge-patch+json",
+            )
+        except ApiException as err:
+            if err.status == 409:
+                raise Conflict(str(err.reason)) from err
+            raise
