@@ -121,10 +121,9 @@ def _engines_running(w: Walkthrough) -> dict[str, int]:
 
 
 class _Stream:
-    """A streaming completion through the gateway, counting tokens as they arrive."""
+    """A streaming completion through the gateway: how it ended and how many tokens it reported."""
 
     def __init__(self, url: str, max_tokens: int) -> None:
-        self.chunks = 0  # content chunks received so far: moves whenever tokens arrive
         self.completion_tokens: int | None = None  # the final usage report
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -144,7 +143,6 @@ class _Stream:
                     if chunk.get("usage"):
                         self.completion_tokens = chunk["usage"]["completion_tokens"]
                     for choice in chunk.get("choices", []):
-                        self.chunks += 1 if choice.get("text") else 0
                         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         except httpx.HTTPError as e:
             self.error = str(e)
