@@ -171,9 +171,10 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
         stream.wait(timeout=600)
     assert stream.finish == dict.fromkeys(range(n), "length")
     assert stream.completion_tokens == n * max_tokens, f"{stream.completion_tokens} of {n * max_tokens} tokens"
-    # Annotating keep twice paused once: one "Pausing" and one "Paused" transition.
+    # Annotating keep twice paused once: one "Paused" transition, after at most one "Pausing" (the
+    # operator may see both engines paused at its first look, and then records no "Pausing").
     paused = [e["message"].split(":")[0] for e in fleet.events() if e["reason"] == "PausedTrue"]
-    assert paused.count("Pausing") == 1 and paused.count("Paused") == 1, paused
+    assert paused.count("Pausing") <= 1 and paused.count("Paused") == 1, paused
 
 
 def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: Fleet) -> None:
