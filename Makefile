@@ -38,6 +38,14 @@ docker: ## make a Docker daemon answer here (installs Debian's docker.io if need
 images: env docker ## build the control-plane and CPU engine images (base images built locally, cached)
 	@hack/images.sh
 
+.PHONY: kind-up
+kind-up: images ## the e2e kind cluster here (GPU pools, images loaded); node image built offline, cached
+	rollfleet kind up
+
+.PHONY: kind-down
+kind-down: ## delete the kind cluster: no container, network or kubeconfig left
+	@if [ -x $(BIN)/rollfleet ]; then rollfleet kind down; fi
+
 .PHONY: lint
 lint: env ## ruff, mypy (strict), import contracts, actionlint (the same checks as .pre-commit-config.yaml)
 	ruff check operator engine_image devtools tests e2e bench

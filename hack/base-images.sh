@@ -6,6 +6,7 @@
 #
 # Prints the build arguments that point the Dockerfiles at these bases, e.g.
 #   docker build $(hack/base-images.sh) -f Dockerfile .
+# With --debian, builds only the Debian base and prints its name (the kind node image's base).
 # Users with a registry need none of this: the Dockerfiles default to the public images.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,10 @@ if ! have "$DEBIAN_IMAGE"; then
   tar -C "$root" -c . | docker import -c 'CMD ["bash"]' - "$DEBIAN_IMAGE" >/dev/null
   rm -rf "$root"
   say "built $DEBIAN_IMAGE"
+fi
+if [ "${1:-}" = --debian ]; then
+  echo "$DEBIAN_IMAGE"
+  exit 0
 fi
 
 if ! have "$PYTHON_IMAGE"; then

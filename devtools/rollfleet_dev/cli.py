@@ -1,7 +1,8 @@
-"""`rollfleet cluster ...` and `rollfleet demo`: the subcommands this package adds to `rollfleet`.
+"""`rollfleet cluster ...`, `rollfleet kind ...` and `rollfleet demo`: the subcommands this package
+adds to `rollfleet`.
 
-`rollfleet.cli` finds `add_cluster` and `add_demo` through the `rollfleet.commands` entry
-points (devtools/pyproject.toml) and calls each with its top-level subparser group.
+`rollfleet.cli` finds `add_cluster`, `add_kind` and `add_demo` through the `rollfleet.commands`
+entry points (devtools/pyproject.toml) and calls each with its top-level subparser group.
 """
 
 from __future__ import annotations
@@ -71,6 +72,47 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     csub.add_parser("kubeconfig", help="print the admin kubeconfig's path").set_defaults(func=_cluster_kubeconfig)
     csub.add_parser("build", help="build the control-plane binaries only").set_defaults(func=_cluster_build)
     agent_cli.add_cluster_subcommands(csub)
+
+
+def _kind_up(args: argparse.Namespace) -> int:
+    from rollfleet_dev.kind import cluster
+
+    print(cluster.up())
+    return 0
+
+
+def _kind_down(args: argparse.Namespace) -> int:
+    from rollfleet_dev.kind import cluster
+
+    cluster.down()
+    return 0
+
+
+def _kind_build(args: argparse.Namespace) -> int:
+    from rollfleet_dev.kind import nodeimage
+
+    print(nodeimage.ensure_node_image())
+    return 0
+
+
+def _kind_kubeconfig(args: argparse.Namespace) -> int:
+    from rollfleet_dev.kind import cluster
+
+    if not cluster.kubeconfig_path().exists():
+        print("no kind cluster: run `make kind-up`", file=sys.stderr)
+        return 1
+    print(cluster.kubeconfig_path())
+    return 0
+
+
+def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    kind = sub.add_parser("kind", help="the e2e kind cluster (GPU node pools) on this machine, built offline")
+    ksub = kind.add_subparsers(dest="kind_command", required=True)
+    ksub.add_parser("up", help="build the node image (once, cached), create the cluster, load the images; "
+                    "idempotent").set_defaults(func=_kind_up)
+    ksub.add_parser("down", help="delete the cluster, its containers and network").set_defaults(func=_kind_down)
+    ksub.add_parser("build", help="build the node image only").set_defaults(func=_kind_build)
+    ksub.add_parser("kubeconfig", help="print the kubeconfig's path").set_defaults(func=_kind_kubeconfig)
 
 
 def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

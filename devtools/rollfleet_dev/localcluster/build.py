@@ -10,23 +10,22 @@ same way from `go.etcd.io/etcd/server/v3`. Results are cached under
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollfleet.errors import RollfleetError
+from rollfleet_dev.gobuild import BuildError, build_packages, go, go_directives, log
 from rollfleet_dev.localcluster.paths import cache_dir
 
 # v1.37.2 is listed by the Go proxy but its zip answers 403 ("not available").
 KUBERNETES_VERSION = "v1.37.1"
 ETCD_VERSION = "v3.6.16"
 KUBE_COMMANDS = ("kube-apiserver", "kube-scheduler", "kube-controller-manager")
+# What a kind node runs besides the control plane (rollfleet_dev.kind).
+KUBE_NODE_COMMANDS = ("kubelet", "kubeadm", "kubectl", "kube-proxy")
 
 
 @dataclass(frozen=True)
@@ -54,31 +53,6 @@ def is_built() -> bool:
     return all(p.is_file() for p in (b.etcd, b.kube_apiserver, b.kube_scheduler, b.kube_controller_manager))
 
 
-def _log(msg: str) -> None:
-    print(f"[build] {msg}", file=sys.stderr, flush=True)
-
-
-def _go_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The machine's Go must build it: never download another toolchain behind the user's back.
-    env.setdefault("GOTOOLCHAIN", "local")
-    env["CGO_ENABLED"] = "0"
-    env.setdefault("GOFLAGS", "-mod=mod")
-    env["GOFLAGS"] = env["GOFLAGS"].replace("-buildvcs=false", "").strip() + " -buildvcs=false"
-    return env
-
-
-def _go(args: Sequence[str], cwd: Path) -> str:
-    proc = subprocess.run(["go", *args], cwd=cwd, env=_go_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise BuildError(f"`go {' '.join(args)}` failed in {cwd}:\n{proc.stderr.strip()}")
-    return proc.stdout
-
-
-class BuildError(RollfleetError, RuntimeError):
-    """A build step failed; the message says which and why."""
-
-
 def staging_replaces(gomod_text: str, version: str) -> dict[str, str]:
     """Map each staging module of k/k's go.mod to its published version.
 
@@ -92,12 +66,6 @@ def staging_replaces(gomod_text: str, version: str) -> dict[str, str]:
     if not mods:
         raise BuildError("found no staging replaces in k8s.io/kubernetes go.mod")
     return {mod: staging_version for mod in sorted(set(mods))}
-
-
-def go_directives(gomod_text: str) -> str:
-    """The `go` and `godebug` lines of a release's go.mod, so our module builds like it."""
-    lines = [ln for ln in gomod_text.splitlines() if re.match(r"^(go|godebug)\s", ln)]
-    return "\n".join(lines)
 
 
 def kubernetes_gomod(version: str, upstream_gomod: str) -> str:
@@ -126,61 +94,34 @@ def _version_ldflags(version: str) -> str:
     return "-s -w " + " ".join(flags)
 
 
-def _build_with_progress(workdir: Path, packages: Sequence[str], outdir: Path, ldflags: str, label: str) -> None:
-    """`go build -v`, printing how many of the packages to compile are done."""
-    total = len(_go(["list", "-deps", *packages], workdir).split())
-    outdir.mkdir(parents=True, exist_ok=True)
-    tmp_out = outdir.with_name(outdir.name + ".partial")
-    shutil.rmtree(tmp_out, ignore_errors=True)
-    tmp_out.mkdir(parents=True)
-    cmd = ["go", "build", "-v", "-trimpath", "-tags", "selinux,notest", "-ldflags", ldflags,
-           "-o", str(tmp_out) + "/", *packages]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=workdir, env=_go_env(), stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    done, last_report, errors = 0, 0.0, []
-    for line in proc.stderr:
-        line = line.rstrip()
-        if re.fullmatch(r"[\w./~+-]+", line):
-            done += 1
-        else:
-            errors.append(line)
-        now = time.monotonic()
-        if now - last_report > 15:
-            last_report = now
-            _log(f"{label}: compiled {done}/{total} packages, {now - start:.0f}s elapsed")
-    if proc.wait() != 0:
-        raise BuildError(f"building {label} failed:\n" + "\n".join(errors[-40:]))
-    for f in tmp_out.iterdir():
-        f.replace(outdir / f.name)
-    tmp_out.rmdir()
-    _log(f"{label}: built in {time.monotonic() - start:.0f}s -> {outdir}")
-
-
-def build_kubernetes(version: str = KUBERNETES_VERSION) -> None:
+def build_kubernetes(version: str = KUBERNETES_VERSION, commands: Sequence[str] = KUBE_COMMANDS,
+                     outdir: Path | None = None) -> Path:
+    """Build `commands` of k8s.io/kubernetes into `outdir` (default: the control plane's directory)."""
+    outdir = outdir or binaries().kube_apiserver.parent
     workdir = cache_dir() / "build" / f"kubernetes-{version}"
     workdir.mkdir(parents=True, exist_ok=True)
-    _log(f"kubernetes {version}: resolving modules (first time downloads ~1 GB)")
-    info = json.loads(_go(["mod", "download", "-json", f"k8s.io/kubernetes@{version}"], workdir))
+    log(f"kubernetes {version}: resolving modules (first time downloads ~1 GB)")
+    info = json.loads(go(["mod", "download", "-json", f"k8s.io/kubernetes@{version}"], workdir))
     upstream = Path(info["GoMod"]).read_text()
     (workdir / "go.mod").write_text(kubernetes_gomod(version, upstream))
-    pkgs = [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS]
-    _go(["mod", "download"], workdir)
-    _build_with_progress(workdir, pkgs, binaries().kube_apiserver.parent, _version_ldflags(version),
-                         f"kubernetes {version}")
+    go(["mod", "download"], workdir)
+    build_packages(workdir, [f"k8s.io/kubernetes/cmd/{c}" for c in commands], outdir,
+                   ldflags=_version_ldflags(version), tags="selinux,notest", label=f"kubernetes {version}")
+    return outdir
 
 
 def build_etcd(version: str = ETCD_VERSION) -> None:
     workdir = cache_dir() / "build" / f"etcd-{version}"
     workdir.mkdir(parents=True, exist_ok=True)
-    _log(f"etcd {version}: resolving modules")
-    info = json.loads(_go(["mod", "download", "-json", f"go.etcd.io/etcd/server/v3@{version}"], workdir))
+    log(f"etcd {version}: resolving modules")
+    info = json.loads(go(["mod", "download", "-json", f"go.etcd.io/etcd/server/v3@{version}"], workdir))
     upstream = Path(info["GoMod"]).read_text()
     (workdir / "go.mod").write_text(
         f"module rollfleet.dev/localcluster/etcdbuild\n\n{go_directives(upstream)}\n\n"
         f"require go.etcd.io/etcd/server/v3 {version}\n"
     )
-    _build_with_progress(workdir, ["go.etcd.io/etcd/server/v3"], binaries().etcd.parent, "-s -w", f"etcd {version}")
+    build_packages(workdir, ["go.etcd.io/etcd/server/v3"], binaries().etcd.parent, ldflags="-s -w",
+                   tags="selinux,notest", label=f"etcd {version}")
     # Go names the binary of module path .../server/v3 after "server".
     (binaries().etcd.parent / "server").replace(binaries().etcd)
 

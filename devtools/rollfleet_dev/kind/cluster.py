@@ -1,0 +1,150 @@
+"""The kind cluster of `e2e/kind/cluster.yaml` on this machine: up (idempotent) and down (clean).
+
+`up` builds the node image if needed (`nodeimage`), creates the cluster with the API server on
+127.0.0.1, advertises `nvidia.com/gpu` on the GPU pool (kind nodes have no GPUs; the CPU engine
+image runs where a CUDA one would), and loads Rollfleet's images: the control-plane image on
+every node, the engine image on the GPU pool only (it is the large one). Talks to `docker`,
+`kind` and the new cluster's API server (kubectl).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollfleet.api.common import DEFAULT_ENGINE_IMAGE, DEFAULT_ROLLFLEET_IMAGE
+from rollfleet.errors import RollfleetError
+from rollfleet.kubectl import Kubectl
+from rollfleet_dev.gobuild import ensure_tool, log
+from rollfleet_dev.kind import nodeimage, tools
+from rollfleet_dev.localcluster.paths import state_dir
+
+CLUSTER_NAME = "rollfleet"
+CLUSTER_CONFIG = nodeimage.REPO / "e2e" / "kind" / "cluster.yaml"
+GPU_POOL_SELECTOR = "rollfleet.dev/pool=gpu"
+GPUS_PER_NODE = 8
+KIND_NETWORK = "kind"
+
+
+class KindError(RollfleetError, RuntimeError):
+    """The kind cluster could not be brought up or down; the message says what to do."""
+
+
+def kubeconfig_path() -> Path:
+    return state_dir().parent / "kind" / "kubeconfig"
+
+
+def _kind() -> str:
+    return str(ensure_tool(tools.KIND) / "kind")
+
+
+def _run(args: list[str], what: str, timeout: float = 900) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise KindError(f"{what} failed ({proc.returncode}):\n{(proc.stderr or proc.stdout).strip()[-3000:]}")
+    return proc.stdout
+
+
+def require_docker() -> None:
+    if shutil.which("docker") is None:
+        raise KindError("docker is not installed: run `make docker` (hack/docker.sh installs Debian's docker.io)")
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        raise KindError("no Docker daemon answers: run `make docker` (hack/docker.sh starts one; as root)")
+
+
+def cluster_config(node_image: str) -> dict[str, Any]:
+    """e2e/kind/cluster.yaml, plus what this build of the node needs on every node: the node image,
+    the etcd it carries, and kubelet allowed on cgroup v1 (this machine's hierarchy)."""
+    config: dict[str, Any] = yaml.safe_load(CLUSTER_CONFIG.read_text())
+    for node in config["nodes"]:
+        node["image"] = node_image
+    config.setdefault("networking", {})["apiServerAddress"] = "127.0.0.1"
+    config.setdefault("kubeadmConfigPatches", []).extend([
+        "kind: ClusterConfiguration\netcd:\n  local:\n    imageTag: " + tools.ETCD_IMAGE_TAG + "\n",
+        "kind: KubeletConfiguration\nfailCgroupV1: false\n",
+    ])
+    return config
+
+
+def exists() -> bool:
+    out = subprocess.run([_kind(), "get", "clusters"], capture_output=True, text=True).stdout
+    return CLUSTER_NAME in out.split()
+
+
+def _nodes_running() -> bool:
+    names = _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split()
+    running = _run(["docker", "ps", "--format", "{{.Names}}"], "docker ps").split()
+    return bool(names) and all(n in running for n in names)
+
+
+def advertise_gpus(kubectl: Kubectl, count: int = GPUS_PER_NODE) -> list[str]:
+    """Extended resource `nvidia.com/gpu` in the GPU pool's node status (what a device plugin
+    would report), so the scheduler places engines exactly as on a GPU cluster."""
+    nodes = kubectl.run("get", "nodes", "-l", GPU_POOL_SELECTOR, "-o", "name").stdout.split()
+    if not nodes:
+        raise KindError(f"no node matches {GPU_POOL_SELECTOR}: check {CLUSTER_CONFIG}")
+    patch = f'[{{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"{count}"}}]'
+    for node in nodes:
+        kubectl.run("patch", node, "--subresource=status", "--type=json", "-p", patch)
+    return nodes
+
+
+def load_images(kubectl: Kubectl) -> None:
+    """Rollfleet's images into the nodes (kind skips nodes that already hold the same image)."""
+    for image in (DEFAULT_ROLLFLEET_IMAGE, DEFAULT_ENGINE_IMAGE):
+        if not nodeimage.image_exists(image):
+            raise KindError(f"{image} is not built: run `make images` first")
+    gpu_nodes = [n.removeprefix("node/") for n in
+                 kubectl.run("get", "nodes", "-l", GPU_POOL_SELECTOR, "-o", "name").stdout.split()]
+    log(f"kind: loading {DEFAULT_ROLLFLEET_IMAGE} into every node")
+    _run([_kind(), "load", "docker-image", "--name", CLUSTER_NAME, DEFAULT_ROLLFLEET_IMAGE], "kind load")
+    log(f"kind: loading {DEFAULT_ENGINE_IMAGE} into the GPU pool ({', '.join(gpu_nodes)})")
+    _run([_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(gpu_nodes),
+          DEFAULT_ENGINE_IMAGE], "kind load")
+
+
+def up() -> Path:
+    """Bring the cluster up (or leave a running one as it is), then advertise GPUs and load images."""
+    require_docker()
+    kubeconfig = kubeconfig_path()
+    kubeconfig.parent.mkdir(parents=True, exist_ok=True)
+    if exists() and not _nodes_running():
+        log(f"kind: cluster {CLUSTER_NAME} exists but not all its nodes run: recreating it")
+        down()
+    if exists():
+        log(f"kind: cluster {CLUSTER_NAME} is up")
+        _run([_kind(), "export", "kubeconfig", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig)],
+             "kind export kubeconfig")
+    else:
+        node = nodeimage.ensure_node_image()
+        config = kubeconfig.parent / "cluster.yaml"
+        config.write_text(yaml.safe_dump(cluster_config(node), sort_keys=False))
+        log(f"kind: creating cluster {CLUSTER_NAME} from {node} ({len(cluster_config(node)['nodes'])} nodes)")
+        _run([_kind(), "create", "cluster", "--name", CLUSTER_NAME, "--config", str(config),
+              "--kubeconfig", str(kubeconfig), "--wait", "5m"], "kind create cluster")
+    kubectl = Kubectl(kubeconfig)
+    advertise_gpus(kubectl)
+    load_images(kubectl)
+    log(f"kind: ready; export KUBECONFIG={kubeconfig}")
+    return kubeconfig
+
+
+def down() -> None:
+    """Delete the cluster and kind's network: no container, network or kubeconfig left behind."""
+    require_docker()
+    if exists():
+        _run([_kind(), "delete", "cluster", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig_path())],
+             "kind delete cluster")
+    left = _run(["docker", "ps", "-aq", "--filter", f"label=io.x-k8s.kind.cluster={CLUSTER_NAME}"], "docker ps").split()
+    if left:
+        _run(["docker", "rm", "-f", "-v", *left], "removing the cluster's containers")
+    # kind keeps its network for the next cluster; nothing else of ours uses it.
+    attached = subprocess.run(["docker", "network", "inspect", KIND_NETWORK, "-f", "{{len .Containers}}"],
+                              capture_output=True, text=True)
+    if attached.returncode == 0 and attached.stdout.strip() == "0":
+        _run(["docker", "network", "rm", KIND_NETWORK], "removing the kind network")
+    kubeconfig_path().unlink(missing_ok=True)

@@ -1,0 +1,103 @@
+"""The pinned programs a kind node image carries, and how each is built from Go modules.
+
+Versions follow kind v0.33.0's own base image (images/base/Dockerfile) so the node runs what
+upstream tested together; kubelet, kubeadm, kubectl and kube-proxy are the local control
+plane's Kubernetes version (`rollfleet_dev.localcluster.build`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+from rollfleet_dev.gobuild import BuildError, GoTool, ensure_tool, log, module_dir
+from rollfleet_dev.localcluster import build as kube_build
+from rollfleet_dev.localcluster.paths import cache_dir
+
+KIND_VERSION = "v0.33.0"
+# kubeadm 1.37 asks for etcd 3.7.0-0; the cluster config pins the etcd the local cluster
+# already builds (kubeadm passes it flags 3.6 has), tagged as kubeadm would name it.
+ETCD_IMAGE_TAG = kube_build.ETCD_VERSION.removeprefix("v") + "-0"
+PAUSE_VERSION = "3.10"  # kind's containerd config names this sandbox image
+
+KIND = GoTool("kind", "sigs.k8s.io/kind", KIND_VERSION, ("sigs.k8s.io/kind",), ("kind",))
+
+_CONTAINERD_VERSION = "v2.3.4"
+_CONTAINERD_LDFLAGS = f"-s -w -X github.com/containerd/containerd/v2/version.Version={_CONTAINERD_VERSION}"
+CONTAINERD = GoTool(
+    "containerd", "github.com/containerd/containerd/v2", _CONTAINERD_VERSION,
+    ("github.com/containerd/containerd/v2/cmd/containerd", "github.com/containerd/containerd/v2/cmd/ctr"),
+    ("containerd", "ctr"), ldflags=_CONTAINERD_LDFLAGS,
+    tags="no_aufs,no_zfs,no_btrfs,no_devmapper,urfave_cli_no_docs",
+)
+# Upstream builds the shim apart, without gRPC (containerd's Makefile).
+CONTAINERD_SHIM = GoTool(
+    "containerd-shim", "github.com/containerd/containerd/v2", _CONTAINERD_VERSION,
+    ("github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",), ("containerd-shim-runc-v2",),
+    ldflags=_CONTAINERD_LDFLAGS, tags="urfave_cli_no_docs,no_grpc",
+)
+# runc needs cgo (its nsenter is C) and libseccomp's headers.
+RUNC = GoTool("runc", "github.com/opencontainers/runc", "v1.4.3", ("github.com/opencontainers/runc",), ("runc",),
+              tags="seccomp,urfave_cli_no_docs", cgo=True)
+CRICTL = GoTool("crictl", "sigs.k8s.io/cri-tools", "v1.36.0", ("sigs.k8s.io/cri-tools/cmd/crictl",), ("crictl",),
+                ldflags="-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=v1.36.0")
+CNI_PLUGINS = GoTool(
+    "cni-plugins", "github.com/containernetworking/plugins", "v1.9.1",
+    tuple(f"github.com/containernetworking/plugins/plugins/{p}"
+          for p in ("ipam/host-local", "main/loopback", "main/ptp", "meta/portmap")),
+    ("host-local", "loopback", "ptp", "portmap"),
+)
+COREDNS = GoTool("coredns", "github.com/coredns/coredns", "v1.14.6", ("github.com/coredns/coredns",), ("coredns",))
+LOCAL_PATH = GoTool("local-path-provisioner", "github.com/rancher/local-path-provisioner", "v0.0.30",
+                    ("github.com/rancher/local-path-provisioner",), ("local-path-provisioner",))
+
+_KINDNETD_SOURCE = Path(__file__).resolve().parents[2] / "kind" / "kindnetd"
+
+
+def kindnetd() -> GoTool:
+    """kind's kindnetd (vendored: its module is not on the Go proxy), keyed by a hash of the source."""
+    digest = hashlib.sha256()
+    for f in sorted(_KINDNETD_SOURCE.rglob("*")):
+        if f.is_file():
+            digest.update(f.relative_to(_KINDNETD_SOURCE).as_posix().encode() + f.read_bytes())
+    return GoTool("kindnetd", "rollfleet.dev/kindnetd", digest.hexdigest()[:12], (".",), ("kindnetd",),
+                  source=_KINDNETD_SOURCE)
+
+
+def kube_node_dir() -> Path:
+    """kubelet, kubeadm, kubectl and kube-proxy, built beside (not into) the control plane's directory."""
+    outdir = cache_dir() / "bin" / f"kubernetes-node-{kube_build.KUBERNETES_VERSION}"
+    if not all((outdir / c).is_file() for c in kube_build.KUBE_NODE_COMMANDS):
+        kube_build.build_kubernetes(commands=kube_build.KUBE_NODE_COMMANDS, outdir=outdir)
+    return outdir
+
+
+def pause_binary() -> Path:
+    """Kubernetes' pause (one C file in the k8s.io/kubernetes module), static as upstream builds it."""
+    out = cache_dir() / "bin" / f"pause-{kube_build.KUBERNETES_VERSION}" / "pause"
+    if out.is_file():
+        return out
+    if shutil.which("gcc") is None:
+        raise BuildError("gcc is needed to build the pause binary: apt-get install gcc libc6-dev")
+    source = module_dir("k8s.io/kubernetes", kube_build.KUBERNETES_VERSION) / "build" / "pause" / "linux" / "pause.c"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["gcc", "-Os", "-Wall", "-Werror", "-static", f'-DVERSION=v{PAUSE_VERSION}-rollfleet',
+                           "-o", str(out) + ".partial", str(source)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"gcc could not build {source}:\n{proc.stderr.strip()}")
+    Path(str(out) + ".partial").replace(out)
+    log(f"pause: built -> {out}")
+    return out
+
+
+def build_all() -> dict[str, Path]:
+    """Every program the node image and its preloaded images need, built once; name -> directory."""
+    dirs = {tool.name: ensure_tool(tool)
+            for tool in (KIND, CONTAINERD, CONTAINERD_SHIM, RUNC, CRICTL, CNI_PLUGINS, COREDNS, kindnetd())}
+    dirs["kubernetes-node"] = kube_node_dir()
+    dirs["kubernetes"] = kube_build.ensure_built().kube_apiserver.parent
+    dirs["etcd"] = kube_build.binaries().etcd.parent
+    dirs["pause"] = pause_binary().parent
+    return dirs

@@ -1,0 +1,81 @@
+"""Pure parts of the offline kind build: kind's containerd config and CNI manifest adapted to this
+machine, and the cluster config every node gets."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from rollfleet_dev.gobuild import BuildError
+from rollfleet_dev.kind import cluster, nodeimage, tools
+
+# The shape of kind v0.33.0's images/base/files/etc/containerd/config.toml (abridged).
+KIND_CONTAINERD_CONFIG = '''# explicitly use v2 config format
+version = 2
+
+[proxy_plugins]
+# fuse-overlayfs is used for rootless
+[proxy_plugins."fuse-overlayfs"]
+  type = "snapshot"
+  address = "/run/containerd-fuse-overlayfs.sock"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.k8s.io/pause:3.10"
+  # restrict_oom_score_adj needs to be true when running inside UserNS (rootless)
+  restrict_oom_score_adj = false
+'''
+
+KIND_CONST_CNI = '''package nodeimage
+
+const kindnetdImage = "docker.io/kindest/kindnetd:v20260820-69b56db7"
+
+const defaultCNIManifest = `
+# would you kindly template this file
+      containers:
+      - name: kindnet-cni
+        image: ` + kindnetdImage + `
+        env:
+        - name: POD_SUBNET
+          value: {{ .PodSubnet }}
+`
+'''
+
+
+def test_containerd_config_drops_the_rootless_plugin_and_clamps_oom_scores() -> None:
+    config = nodeimage.containerd_config(KIND_CONTAINERD_CONFIG)
+    assert "proxy_plugins" not in config and "fuse-overlayfs" not in config
+    assert "restrict_oom_score_adj = true" in config
+    assert 'sandbox_image = "registry.k8s.io/pause:3.10"' in config
+
+
+def test_a_containerd_config_of_another_shape_is_refused() -> None:
+    with pytest.raises(BuildError, match="changed shape"):
+        nodeimage.containerd_config(KIND_CONTAINERD_CONFIG.replace("restrict_oom_score_adj = false", ""))
+
+
+def test_the_cni_manifest_names_our_kindnetd_and_keeps_kinds_template_marker() -> None:
+    manifest = nodeimage.default_cni_manifest(KIND_CONST_CNI, "rollfleet.local/kindnetd:abc")
+    assert "image: rollfleet.local/kindnetd:abc\n" in manifest
+    assert "would you kindly template this file" in manifest and "{{ .PodSubnet }}" in manifest
+    assert "kindest" not in manifest
+
+
+def test_system_images_carry_the_names_kubeadm_and_kind_ask_for() -> None:
+    names = [n for tags in nodeimage.system_images("k1").values() for n in tags]
+    assert "registry.k8s.io/pause:3.10" in names and "registry.k8s.io/pause:3.10.2" in names
+    assert f"registry.k8s.io/etcd:{tools.ETCD_IMAGE_TAG}" in names
+    assert f"registry.k8s.io/coredns/coredns:{tools.COREDNS.version}" in names
+    assert "rollfleet.local/kindnetd:k1" in names
+
+
+def test_every_node_gets_the_node_image_etcd_tag_and_cgroup_v1_allowance() -> None:
+    config = cluster.cluster_config("rollfleet.local/kind-node:v1-x")
+    assert {n["image"] for n in config["nodes"]} == {"rollfleet.local/kind-node:v1-x"}
+    assert config["networking"]["apiServerAddress"] == "127.0.0.1"
+    patches = [yaml.safe_load(p) for p in config["kubeadmConfigPatches"]]
+    assert {"kind": "KubeletConfiguration", "failCgroupV1": False} in patches
+    etcd = next(p for p in patches if p["kind"] == "ClusterConfiguration")["etcd"]
+    assert etcd == {"local": {"imageTag": tools.ETCD_IMAGE_TAG}}
+    # The pools of e2e/kind/cluster.yaml are kept: a control plane, two GPU workers, one CPU worker.
+    pools = [(n["role"], (n.get("labels") or {}).get("rollfleet.dev/pool")) for n in config["nodes"]]
+    assert pools == [("control-plane", None), ("worker", "gpu"), ("worker", "gpu"), ("worker", "cpu")]
