@@ -60,6 +60,16 @@ class Cluster:
                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return Kubectl(self.kubeconfig).run(*args, input=input, check=check, timeout=timeout)
 
+    def container_log(self, namespace: str, pod: str, container: str) -> str:
+        """A container's log: from the local node agent's files, else `kubectl logs`."""
+        if self.provider == "local":
+            from rollfleet_dev.localcluster.nodeagent.logs import find_log, nodes_state_dir
+
+            path = find_log(nodes_state_dir() / "pods", namespace, pod, container, previous=False)
+            return path.read_text() if path.exists() else f"(no log at {path})"
+        proc = self.kubectl("-n", namespace, "logs", pod, "-c", container, check=False)
+        return proc.stdout or proc.stderr
+
     @contextlib.contextmanager
     def reach(self, namespace: str, pod: str, port: int) -> Iterator[str]:
         """A base URL (http://host:port) that reaches `port` of a pod from this process."""

@@ -281,10 +281,8 @@ def wait_trainer_push(walk: Walk, namespace: str, pod: str, fleet: Fleet, before
 
     ended = wait_for(trainer_ended, timeout=REQUEST_S, interval=1, what=f"{pod}'s trainer to exit")
     if ended is None or ended.get("exitCode") != 0:
-        from rollfleet_dev.localcluster.nodeagent.logs import find_log, nodes_state_dir
-
-        log = find_log(nodes_state_dir() / "pods", namespace, pod, "trainer", previous=False).read_text()
-        raise AssertionError(f"the trainer failed ({ended}):\n{log[-3000:]}")
+        logs = {c: walk.cluster.container_log(namespace, pod, c)[-3000:] for c in ("trainer", "rollfleet-sync")}
+        raise AssertionError(f"the trainer failed ({ended}):\n" + "\n".join(f"--- {c}:\n{t}" for c, t in logs.items()))
     spec_replicas = int(fleet.get()["spec"]["replicas"])
     st = fleet.wait(lambda s: s.get("weightVersion") not in (None, before) and s.get("readyReplicas") == spec_replicas,
                     f"weightVersion past {before!r} on {spec_replicas} ready engines", timeout=REQUEST_S)

@@ -43,3 +43,11 @@ ENTRYPOINT ["/pause"]
 FROM iptables AS kindnetd
 COPY bin/kindnetd /bin/kindnetd
 CMD ["/bin/kindnetd"]
+
+# Rollfleet's NetworkPolicy agent (rollfleet_dev/kind/netpol_agent.py: standard library only).
+FROM iptables AS netpol-agent
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+COPY netpol_agent.py /usr/local/bin/netpol-agent
+CMD ["python3", "/usr/local/bin/netpol-agent"]

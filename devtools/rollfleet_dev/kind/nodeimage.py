@@ -34,6 +34,8 @@ DEVTOOLS_KIND = Path(__file__).resolve().parents[2] / "kind"
 REPO = DEVTOOLS_KIND.parents[1]
 NODE_REPOSITORY = "rollfleet.local/kind-node"
 KINDNETD_IMAGE_REPOSITORY = "rollfleet.local/kindnetd"
+NETPOL_AGENT_REPOSITORY = "rollfleet.local/netpol-agent"
+NETPOL_AGENT_SOURCE = Path(__file__).with_name("netpol_agent.py")
 _K8S = kube_build.KUBERNETES_VERSION
 _REGISTRY = "registry.k8s.io"
 
@@ -50,7 +52,12 @@ def system_images(kindnetd_tag: str) -> dict[str, list[str]]:
         # kind's containerd config names 3.10; kubeadm's list says 3.10.2: both, one image.
         "pause": [f"{_REGISTRY}/pause:{tools.PAUSE_VERSION}", f"{_REGISTRY}/pause:{tools.PAUSE_VERSION}.2"],
         "kindnetd": [f"{KINDNETD_IMAGE_REPOSITORY}:{kindnetd_tag}"],
+        "netpol-agent": [netpol_agent_image()],
     }
+
+
+def netpol_agent_image() -> str:
+    return f"{NETPOL_AGENT_REPOSITORY}:{hashlib.sha256(NETPOL_AGENT_SOURCE.read_bytes()).hexdigest()[:12]}"
 
 
 def _coredns_tag() -> str:
@@ -99,12 +106,13 @@ def containerd_config(kind_config: str) -> str:
     return text
 
 
-def default_cni_manifest(const_cni_go: str, kindnetd_image: str) -> str:
-    """kind's kindnetd manifest (a Go string constant in kind's source) naming our kindnetd image."""
+def default_cni_manifest(const_cni_go: str, kindnetd_image: str, agent_manifest: str, agent_image: str) -> str:
+    """kind's kindnetd manifest (a Go string constant in kind's source) naming our kindnetd image,
+    followed by the NetworkPolicy agent's (kind applies the file as the cluster's network plugin)."""
     m = re.search(r"const defaultCNIManifest = `(.*?)` \+ kindnetdImage \+ `(.*?)`", const_cni_go, re.S)
     if not m:
         raise BuildError("kind's const_cni.go changed shape; update rollfleet_dev.kind.nodeimage")
-    return m.group(1) + kindnetd_image + m.group(2)
+    return m.group(1) + kindnetd_image + m.group(2) + agent_manifest.replace("NETPOL_AGENT_IMAGE", agent_image)
 
 
 def _key(parts: dict[str, str]) -> str:
@@ -121,6 +129,7 @@ def node_image_name(debian: str) -> str:
         "etcd": kube_build.ETCD_VERSION,
         **{f.name: f.read_text() for f in sorted(DEVTOOLS_KIND.glob("*")) if f.is_file()},
         "builder": Path(__file__).read_text(),
+        "netpol-agent": NETPOL_AGENT_SOURCE.read_text(),
     }
     return f"{NODE_REPOSITORY}:{_K8S}-{_key(inputs)}"
 
@@ -147,6 +156,7 @@ def _build_system_images(dirs: dict[str, Path], debian: str, kindnetd_tag: str, 
         for name, path in binaries.items():
             _link(path, ctx / "bin" / name)
         shutil.copy2(DEVTOOLS_KIND / "iptables-wrapper", ctx / "iptables-wrapper")
+        shutil.copy2(NETPOL_AGENT_SOURCE, ctx / "netpol_agent.py")
         names: list[str] = []
         for target, tags in system_images(kindnetd_tag).items():
             log(f"kind node image: system image {target}")
@@ -169,7 +179,9 @@ def _build_node_base(dirs: dict[str, Path], debian: str, kindnetd_image: str, ba
         (ctx / "files" / "etc" / "systemd" / "system" / "containerd-fuse-overlayfs.service").unlink()
         cni_go = (kind_src / "pkg" / "build" / "nodeimage" / "const_cni.go").read_text()
         (ctx / "manifests").mkdir()
-        (ctx / "manifests" / "default-cni.yaml").write_text(default_cni_manifest(cni_go, kindnetd_image))
+        agent = (DEVTOOLS_KIND / "netpol-agent.yaml").read_text()
+        (ctx / "manifests" / "default-cni.yaml").write_text(
+            default_cni_manifest(cni_go, kindnetd_image, agent, netpol_agent_image()))
         (ctx / "version").write_text(_K8S + "\n")
         for name in ("containerd", "ctr"):
             _link(dirs["containerd"] / name, ctx / "bin" / name)

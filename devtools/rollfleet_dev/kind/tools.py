@@ -8,6 +8,7 @@ plane's Kubernetes version (`rollfleet_dev.localcluster.build`).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -79,8 +80,6 @@ def pause_binary() -> Path:
     out = cache_dir() / "bin" / f"pause-{kube_build.KUBERNETES_VERSION}" / "pause"
     if out.is_file():
         return out
-    if shutil.which("gcc") is None:
-        raise BuildError("gcc is needed to build the pause binary: apt-get install gcc libc6-dev")
     source = module_dir("k8s.io/kubernetes", kube_build.KUBERNETES_VERSION) / "build" / "pause" / "linux" / "pause.c"
     out.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["gcc", "-Os", "-Wall", "-Werror", "-static", f'-DVERSION=v{PAUSE_VERSION}-rollfleet',
@@ -92,8 +91,23 @@ def pause_binary() -> Path:
     return out
 
 
+def _ensure_c_toolchain() -> None:
+    """gcc and libseccomp's headers (runc, pause); installed from Debian when missing and root."""
+    if shutil.which("gcc") and Path("/usr/include/seccomp.h").is_file():
+        return
+    packages = ["gcc", "libc6-dev", "libseccomp-dev"]
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise BuildError(f"runc and pause need a C compiler and libseccomp: install {' '.join(packages)}")
+    log(f"installing {' '.join(packages)} (runc and pause are C)")
+    proc = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
+                          capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    if proc.returncode != 0:
+        raise BuildError(f"apt-get install {' '.join(packages)} failed:\n{proc.stderr.strip()[-2000:]}")
+
+
 def build_all() -> dict[str, Path]:
     """Every program the node image and its preloaded images need, built once; name -> directory."""
+    _ensure_c_toolchain()
     dirs = {tool.name: ensure_tool(tool)
             for tool in (KIND, CONTAINERD, CONTAINERD_SHIM, RUNC, CRICTL, CNI_PLUGINS, COREDNS, kindnetd())}
     dirs["kubernetes-node"] = kube_node_dir()

@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from pydantic import ValidationError
 
 from rollfleet.contract import PAUSE_MODES, TOKEN_FILE
 from rollfleet.engine_client import TRANSFER, EngineClient
+from rollfleet.errors import RollfleetError
 from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
@@ -121,9 +123,21 @@ def build_app(orch: Orchestrator) -> web.Application:
     async def version(_: web.Request) -> web.Response:
         return web.json_response((await orch.fleet_version()).model_dump(mode="json"))
 
-    app = web.Application(client_max_size=1 << 20)
+    app = web.Application(client_max_size=1 << 20, middlewares=[_unavailable_on_failure])
     app.add_routes(routes)
     return app
+
+
+@web.middleware
+async def _unavailable_on_failure(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A failure of the API server or an engine (anything but a refusal, which routes answer
+    themselves) is a 503 that says what failed, not aiohttp's bare 500."""
+    try:
+        return await handler(request)
+    except RollfleetError as err:
+        log.exception("%s %s failed", request.method, request.path)
+        return web.json_response({"error": f"{type(err).__name__}: {err}; retry, or read this sidecar's log"},
+                                 status=503)
 
 
 def _kubernetes(args: argparse.Namespace) -> tuple[RecordStore, Discovery]:

@@ -54,8 +54,10 @@ def test_a_containerd_config_of_another_shape_is_refused() -> None:
 
 
 def test_the_cni_manifest_names_our_kindnetd_and_keeps_kinds_template_marker() -> None:
-    manifest = nodeimage.default_cni_manifest(KIND_CONST_CNI, "rollfleet.local/kindnetd:abc")
+    agent = "---\nkind: DaemonSet\n  image: NETPOL_AGENT_IMAGE\n"
+    manifest = nodeimage.default_cni_manifest(KIND_CONST_CNI, "rollfleet.local/kindnetd:abc", agent, "agent:1")
     assert "image: rollfleet.local/kindnetd:abc\n" in manifest
+    assert manifest.endswith("---\nkind: DaemonSet\n  image: agent:1\n")
     assert "would you kindly template this file" in manifest and "{{ .PodSubnet }}" in manifest
     assert "kindest" not in manifest
 
@@ -65,7 +67,7 @@ def test_system_images_carry_the_names_kubeadm_and_kind_ask_for() -> None:
     assert "registry.k8s.io/pause:3.10" in names and "registry.k8s.io/pause:3.10.2" in names
     assert f"registry.k8s.io/etcd:{tools.ETCD_IMAGE_TAG}" in names
     assert f"registry.k8s.io/coredns/coredns:{tools.COREDNS.version}" in names
-    assert "rollfleet.local/kindnetd:k1" in names
+    assert "rollfleet.local/kindnetd:k1" in names and nodeimage.netpol_agent_image() in names
 
 
 def test_every_node_gets_the_node_image_etcd_tag_and_cgroup_v1_allowance() -> None:
