@@ -22,7 +22,7 @@ import yaml
 
 from e2e.provider import Cluster, wait_for
 from rollfleet import jsonl
-from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
+from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_NS = "rollfleet-system"
@@ -69,17 +69,15 @@ def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
     return [p for p in json.loads(out.stdout)["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
-def tiny_model_dir() -> str:
-    return str(ensure_tiny_model())
-
-
 def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutFleet",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "replicas": replicas,
-            "model": {"servedName": "tiny", "hostPath": tiny_model_dir()},
+            # The nodes' model directory, as in the samples: the local cluster maps it to its cache,
+            # kind nodes mount it from there (`rollfleet cluster up` / `rollfleet kind up` build it).
+            "model": {"servedName": "tiny", "hostPath": NODE_MODEL_DIR},
             # The tiny model is float32; a small batch keeps engines light on a shared CPU; its
             # whole context lets a test's stream last long enough to act on it.
             "engine": {"args": ["--dtype", "float32", "--max-num-seqs", "8"], "maxModelLen": TINY_MODEL_CONTEXT},

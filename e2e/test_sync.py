@@ -27,7 +27,6 @@ from e2e.fleet_helpers import (
     fleet_manifest,
     kill_engine_process,
     signal_container,
-    tiny_model_dir,
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
@@ -35,7 +34,7 @@ from rollfleet.contract import ROUTABLE_PHASES
 from rollfleet.sync.client import SyncClient
 from rollfleet.sync.models import EngineStep, PushState
 from rollfleet.sync.protocol import PushPhase, decode_record
-from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
+from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -97,12 +96,13 @@ def trainer_pod() -> dict[str, Any]:
                         {"name": "models", "mountPath": MODELS, "readOnly": True},
                     ],
                 },
-                {"name": "trainer", "image": "busybox", "command": ["sleep", "86400"]},
+                # Stands in for the trainer (the test process drives the sidecar): any image with `sleep`.
+                {"name": "trainer", "image": DEFAULT_ROLLFLEET_IMAGE, "command": ["sleep", "86400"]},
             ],
             "volumes": [
                 {"name": "fleet-token", "secret": {"secretName": f"{NAME}-admin-token"}},
                 {"name": "sync-spool", "emptyDir": {}},
-                {"name": "models", "hostPath": {"path": tiny_model_dir(), "type": "Directory"}},
+                {"name": "models", "hostPath": {"path": NODE_MODEL_DIR, "type": "Directory"}},
             ],
         },
     }
@@ -119,7 +119,7 @@ def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[list[int]]]:
-    root = tiny_model_dir()
+    root = str(ensure_tiny_model())  # the bytes the nodes' directory holds, read here
     return {
         "A": _reference_greedy(root, PROMPTS, GREEDY_TOKENS),
         "B": _reference_greedy(f"{root}/{WEIGHTS_B_DIR}", PROMPTS, GREEDY_TOKENS),

@@ -9,7 +9,7 @@ from rollfleet.api.common import SHIPPED_IMAGES
 
 REPO = Path(__file__).resolve().parents[2]
 # Images that are not Rollfleet's: the trainer container a user brings.
-USERS_OWN = {"your-trainer-image", "python:3.11"}
+USERS_OWN = {"your-trainer-image"}
 
 
 def named_images() -> dict[str, set[str]]:

@@ -22,6 +22,7 @@ from rollfleet.kubectl import Kubectl
 from rollfleet_dev.gobuild import ensure_tool, log
 from rollfleet_dev.kind import nodeimage, tools
 from rollfleet_dev.localcluster.paths import state_dir
+from rollfleet_engine.tiny_model import NODE_MODEL_DIR, default_model_dir, ensure_tiny_model
 
 CLUSTER_NAME = "rollfleet"
 CLUSTER_CONFIG = nodeimage.REPO / "e2e" / "kind" / "cluster.yaml"
@@ -56,12 +57,15 @@ def require_docker() -> None:
         raise KindError("no Docker daemon answers: run `make docker` (hack/docker.sh starts one; as root)")
 
 
-def cluster_config(node_image: str) -> dict[str, Any]:
+def cluster_config(node_image: str, model_dir: Path) -> dict[str, Any]:
     """e2e/kind/cluster.yaml, plus what this build of the node needs on every node: the node image,
-    the etcd it carries, and kubelet allowed on cgroup v1 (this machine's hierarchy)."""
+    the etcd it carries, kubelet allowed on cgroup v1 (this machine's hierarchy), and the tiny
+    model at the node directory the samples and the suite name (as on the local cluster)."""
     config: dict[str, Any] = yaml.safe_load(CLUSTER_CONFIG.read_text())
     for node in config["nodes"]:
         node["image"] = node_image
+        node.setdefault("extraMounts", []).append(
+            {"hostPath": str(model_dir), "containerPath": NODE_MODEL_DIR, "readOnly": True})
     config.setdefault("networking", {})["apiServerAddress"] = "127.0.0.1"
     config.setdefault("kubeadmConfigPatches", []).extend([
         "kind: ClusterConfiguration\netcd:\n  local:\n    imageTag: " + tools.ETCD_IMAGE_TAG + "\n",
@@ -121,9 +125,10 @@ def up() -> Path:
              "kind export kubeconfig")
     else:
         node = nodeimage.ensure_node_image()
+        spec = cluster_config(node, ensure_tiny_model(default_model_dir()))
         config = kubeconfig.parent / "cluster.yaml"
-        config.write_text(yaml.safe_dump(cluster_config(node), sort_keys=False))
-        log(f"kind: creating cluster {CLUSTER_NAME} from {node} ({len(cluster_config(node)['nodes'])} nodes)")
+        config.write_text(yaml.safe_dump(spec, sort_keys=False))
+        log(f"kind: creating cluster {CLUSTER_NAME} from {node} ({len(spec['nodes'])} nodes)")
         _run([_kind(), "create", "cluster", "--name", CLUSTER_NAME, "--config", str(config),
               "--kubeconfig", str(kubeconfig), "--wait", "5m"], "kind create cluster")
     kubectl = Kubectl(kubeconfig)

@@ -3,11 +3,14 @@ machine, and the cluster config every node gets."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from rollfleet_dev.gobuild import BuildError
 from rollfleet_dev.kind import cluster, nodeimage, tools
+from rollfleet_engine.tiny_model import NODE_MODEL_DIR
 
 # The shape of kind v0.33.0's images/base/files/etc/containerd/config.toml (abridged).
 KIND_CONTAINERD_CONFIG = '''# explicitly use v2 config format
@@ -70,9 +73,11 @@ def test_system_images_carry_the_names_kubeadm_and_kind_ask_for() -> None:
     assert "rollfleet.local/kindnetd:k1" in names and nodeimage.netpol_agent_image() in names
 
 
-def test_every_node_gets_the_node_image_etcd_tag_and_cgroup_v1_allowance() -> None:
-    config = cluster.cluster_config("rollfleet.local/kind-node:v1-x")
+def test_every_node_gets_the_node_image_etcd_tag_cgroup_v1_allowance_and_the_model(tmp_path: Path) -> None:
+    config = cluster.cluster_config("rollfleet.local/kind-node:v1-x", tmp_path)
     assert {n["image"] for n in config["nodes"]} == {"rollfleet.local/kind-node:v1-x"}
+    for node in config["nodes"]:
+        assert {"hostPath": str(tmp_path), "containerPath": NODE_MODEL_DIR, "readOnly": True} in node["extraMounts"]
     assert config["networking"]["apiServerAddress"] == "127.0.0.1"
     patches = [yaml.safe_load(p) for p in config["kubeadmConfigPatches"]]
     assert {"kind": "KubeletConfiguration", "failCgroupV1": False} in patches
