@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ NODE_REPOSITORY = "rollfleet.local/kind-node"
 KINDNETD_IMAGE_REPOSITORY = "rollfleet.local/kindnetd"
 NETPOL_AGENT_REPOSITORY = "rollfleet.local/netpol-agent"
 NETPOL_AGENT_SOURCE = Path(__file__).with_name("netpol_agent.py")
+PUBLIC_DEBIAN_IMAGE = "debian:bookworm-slim"
 _K8S = kube_build.KUBERNETES_VERSION
 _REGISTRY = "registry.k8s.io"
 
@@ -65,7 +67,10 @@ def _coredns_tag() -> str:
 
 
 def debian_image() -> str:
-    """The Debian base every image here starts from (hack/base-images.sh builds it, cached)."""
+    """The Debian base every image here starts from: built by hack/base-images.sh (cached) where no
+    registry is reachable, the public one with ROLLFLEET_PUBLIC_BASES=1 (as hack/images.sh)."""
+    if os.environ.get("ROLLFLEET_PUBLIC_BASES") == "1":
+        return PUBLIC_DEBIAN_IMAGE
     proc = subprocess.run([str(REPO / "hack" / "base-images.sh"), "--debian"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise BuildError(f"hack/base-images.sh failed:\n{proc.stderr.strip()}")
