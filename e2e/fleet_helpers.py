@@ -138,13 +138,6 @@ class Fleet:
             return dict(httpx.get(f"{url}/rollfleet/v1/state", timeout=10).json())
 
 
-def metric(engine_url: str, name: str) -> float:
-    """The sum of a Prometheus metric over its labels, read from an engine's /metrics."""
-    text = httpx.get(engine_url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
-
-
 @dataclass
 class Stream:
     """A streamed completion read in a thread, with the arrival time of every token chunk."""

@@ -20,10 +20,10 @@ from e2e.fleet_helpers import (
     deploy_operator,
     fleet_manifest,
     kill_engine_process,
-    metric,
     operator_pods,
 )
 from e2e.provider import Cluster, wait_for
+from rollfleet_dev.engine_metrics import engine_metric
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -149,7 +149,7 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
         counts: list[float] = []
 
         def count_stands() -> bool:
-            counts.append(metric(url, "vllm:generation_tokens_total"))
+            counts.append(engine_metric(url, "vllm:generation_tokens_total"))
             return len(counts) >= 2 and counts[-1] == counts[-2]
 
         wait_for(count_stands, timeout=30, interval=1, what="the paused engine to stop producing tokens")
@@ -164,7 +164,7 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
         assert fleet.status()["pause"] == st["pause"]
         assert any(e["reason"] == "InvalidPauseAnnotation" and e["type"] == "Warning" for e in fleet.events())
         # No token was produced while the fleet was paused (the annotations above took seconds).
-        assert metric(url, "vllm:generation_tokens_total") == produced
+        assert engine_metric(url, "vllm:generation_tokens_total") == produced
         assert fleet.engine_state("e2e-engine-0")["running"] == held["running"]
         cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause-")
         fleet.wait(lambda s: "pause" not in s and all(e["phase"] == "Ready" for e in s["engines"]), "resumed", 120)

@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.fleet_helpers import metric
 from e2e.live_fleet import Endpoint, LiveFleet
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
+from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -125,7 +125,7 @@ def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Liv
         seen = [tracked(e, rid) for e in fleet.engines]
         ended = [s for s in seen if s is not None]
         return (len(ended) == 1 and ended[0]["phase"] == "finished"
-                and all(metric(e.url, "vllm:num_requests_running") == 0 for e in fleet.engines))
+                and all(engine_metric(e.url, "vllm:num_requests_running") == 0 for e in fleet.engines))
 
     wait_for(freed, 10, what="the engine to drop the request of a client that left")
     ended = next(s for e in fleet.engines if (s := tracked(e, rid)) is not None)
@@ -141,7 +141,7 @@ def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dic
 
 def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: LiveFleet) -> None:
     turns, sessions = 3, 20
-    before = {e.key: metric(e.url, "vllm:prefix_cache_hits_total") for e in fleet.engines}
+    before = {e.key: engine_metric(e.url, "vllm:prefix_cache_hits_total") for e in fleet.engines}
 
     def converse(i: int) -> tuple[list[str], list[int]]:
         session = f"sess-{i}-{uuid.uuid4().hex[:6]}"
@@ -168,7 +168,7 @@ def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: 
     assert all(v > 0 for v in per_engine_expected.values()), "sessions did not spread over both engines"
 
     def hits() -> dict[str, float]:
-        return {e.key: metric(e.url, "vllm:prefix_cache_hits_total") - before[e.key] for e in fleet.engines}
+        return {e.key: engine_metric(e.url, "vllm:prefix_cache_hits_total") - before[e.key] for e in fleet.engines}
 
     def covered() -> bool:
         got = hits()
@@ -185,7 +185,7 @@ def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
     (With a steady stream instead, a slower engine rightly gets fewer requests: on this shared
     2-core host one engine is sometimes 2-3x slower than the other.)
     """
-    before = [metric(e.url, "vllm:request_success_total") for e in fleet.engines]
+    before = [engine_metric(e.url, "vllm:request_success_total") for e in fleet.engines]
 
     def one(i: int) -> str:
         r = httpx.post(fleet.gateways[0].url + "/v1/completions", timeout=120,
@@ -203,7 +203,8 @@ def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
     # The engines saw the same split (the gateway's report is not taken on trust); their
     # counters may trail the responses a little.
     def at_engines() -> list[float]:
-        return [metric(e.url, "vllm:request_success_total") - b for e, b in zip(fleet.engines, before, strict=True)]
+        return [engine_metric(e.url, "vllm:request_success_total") - b
+                for e, b in zip(fleet.engines, before, strict=True)]
 
     with contextlib.suppress(AssertionError):
         wait_for(lambda: at_engines() == counts, 10, what="the engines' request counters")
@@ -292,7 +293,8 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
         futures = [pool.submit(run, i) for i in range(16)]
         started.wait()
         victim = fleet.engines[0]
-        wait_for(lambda: metric(victim.url, "vllm:num_requests_running") > 0, 60, what="the victim to be generating")
+        wait_for(lambda: engine_metric(victim.url, "vllm:num_requests_running") > 0, 60,
+                 what="the victim to be generating")
         fleet.kill_engine(victim.key)
         results = [f.result(timeout=300)() for f in futures]
     for token_ids, finish, report in results:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from rollfleet import jsonl
 from rollfleet.api.request import TERMINAL_PHASES
@@ -37,6 +36,7 @@ from rollfleet.contract import (
 )
 from rollfleet.errors import RollfleetError
 from rollfleet.kubectl import Kubectl, KubectlError
+from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,11 +182,7 @@ def _push_weights(w: Walkthrough) -> None:
 
 def _engines_generated(w: Walkthrough) -> float:
     """Tokens the fleet's engines have produced, by their own counter (vllm:generation_tokens_total)."""
-    total = 0.0
-    for url in _engine_urls(w).values():
-        for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-            total += sum(s.value for s in family.samples if s.name == "vllm:generation_tokens_total")
-    return total
+    return sum(engine_metric(url, "vllm:generation_tokens_total") for url in _engine_urls(w).values())
 
 
 def _step_nodes(w: Walkthrough) -> None:
