@@ -1,10 +1,14 @@
 """Where the push record lives, written with optimistic concurrency.
 
 - ``FleetStore``: annotations on the RolloutFleet (Kubernetes mode). Every write is a
-  merge patch carrying the resourceVersion it was computed from, so the API server
-  refuses it (409) if anyone changed the fleet meanwhile; ``update`` then re-reads and
-  re-decides. Talks to kube-apiserver (the official client is synchronous: calls run in
-  a thread).
+  compare-and-swap on the record itself: a JSON patch whose first operation tests that
+  the record annotation still holds what was read, so the API server refuses it if
+  another writer changed the record; ``update`` then re-reads and re-decides. Guarding
+  on the record, not on the fleet's resourceVersion, matters: the operator writes the
+  fleet's status every second during a push, and a resourceVersion guard loses to each
+  of those writes on a busy API server. The first record (none to test) is guarded by
+  the resourceVersion. Talks to kube-apiserver (the official client is synchronous:
+  calls run in a thread).
 - ``FileStore``: the same annotations in a JSON file (static mode, tests, benchmarks),
   replaced atomically, with a counter standing in for the resourceVersion.
 """
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rollfleet.api.fleet import PLURAL
-from rollfleet.contract import GROUP, VERSION
+from rollfleet.contract import ANNOTATION_SYNC_STATE, GROUP, VERSION
 from rollfleet.errors import RollfleetError
 from rollfleet.sync.protocol import FleetRecord, decode_record, encode_record
 
@@ -30,13 +34,16 @@ class Conflict(RollfleetError, RuntimeError):
     """The record changed since it was read."""
 
 
+Read = tuple[dict[str, str], str]  # the fleet's annotations, and the resourceVersion they were read at
+
+
 class RecordStore(Protocol):
-    async def read(self) -> tuple[dict[str, str], str]:
+    async def read(self) -> Read:
         """The fleet's annotations and the resourceVersion they were read at."""
         ...
 
-    async def write(self, annotations: Mapping[str, str | None], resource_version: str) -> None:
-        """Merge ``annotations`` (None deletes) if the resourceVersion still matches, else raise Conflict."""
+    async def write(self, annotations: Mapping[str, str | None], read: Read) -> None:
+        """Merge ``annotations`` (None deletes) if the record is still as ``read``, else raise Conflict."""
         ...
 
 
@@ -48,10 +55,10 @@ async def read_record(store: RecordStore) -> tuple[FleetRecord, dict[str, str]]:
 async def update(store: RecordStore, change: Callable[[FleetRecord], FleetRecord]) -> FleetRecord:
     """Read, apply the pure ``change``, write; on a conflict start over from a fresh read."""
     for _ in range(_MAX_CONFLICT_RETRIES):
-        annotations, rv = await store.read()
-        record = change(decode_record(annotations))
+        read = await store.read()
+        record = change(decode_record(read[0]))
         try:
-            await store.write(encode_record(record), rv)
+            await store.write(encode_record(record), read)
         except Conflict:
             continue
         return record
@@ -83,11 +90,11 @@ class FileStore:
     async def read(self) -> tuple[dict[str, str], str]:
         return self._load()
 
-    async def write(self, annotations: Mapping[str, str | None], resource_version: str) -> None:
+    async def write(self, annotations: Mapping[str, str | None], read: Read) -> None:
         async with self._lock:
             current, rv = self._load()
-            if rv != resource_version:
-                raise Conflict(f"{self.path}: resourceVersion {rv}, write computed from {resource_version}")
+            if rv != read[1]:  # only record writes change this file: its version is the record's
+                raise Conflict(f"{self.path}: resourceVersion {rv}, write computed from {read[1]}")
             data = {"resourceVersion": str(int(rv) + 1), "annotations": _merge(current, annotations)}
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
@@ -111,22 +118,40 @@ class FleetStore:
         meta = obj.get("metadata") or {}
         return dict(meta.get("annotations") or {}), str(meta["resourceVersion"])
 
-    async def write(self, annotations: Mapping[str, str | None], resource_version: str) -> None:
+    async def write(self, annotations: Mapping[str, str | None], read: Read) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        body = {"metadata": {"resourceVersion": resource_version, "annotations": dict(annotations)}}
+        ops = record_patch(read[0], annotations)
+        body: Any = ops if ops is not None else {
+            "metadata": {"resourceVersion": read[1], "annotations": dict(annotations)}}
+        content_type = "application/json-patch+json" if ops is not None else "application/merge-patch+json"
         try:
             await asyncio.to_thread(
-                self._api.patch_namespaced_custom_object,
-                GROUP,
-                VERSION,
-                self.namespace,
-                PLURAL,
-                self.fleet,
-                body,
-                _content_type="application/merge-patch+json",
+                self._api.patch_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, self.fleet, body,
+                _content_type=content_type,
             )
         except ApiException as err:
-            if err.status == 409:
-                raise Conflict(str(err.reason)) from err
+            # 409: the resourceVersion moved; 422: the test operation failed (the record moved).
+            if err.status in (409, 422):
+                raise Conflict(f"{err.status} {err.reason}") from err
             raise
+
+
+def _pointer(key: str) -> str:
+    """An annotation's JSON pointer (RFC 6901 escapes: annotation keys hold '/')."""
+    return "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+
+
+def record_patch(before: Mapping[str, str], changes: Mapping[str, str | None]) -> list[dict[str, Any]] | None:
+    """A JSON patch that applies ``changes`` only if the record annotation still holds what was read
+    (``before``); None when there was no record to test (the first write)."""
+    if ANNOTATION_SYNC_STATE not in before:
+        return None
+    ops: list[dict[str, Any]] = [
+        {"op": "test", "path": _pointer(ANNOTATION_SYNC_STATE), "value": before[ANNOTATION_SYNC_STATE]}]
+    for key, value in changes.items():
+        if value is not None:
+            ops.append({"op": "add", "path": _pointer(key), "value": value})  # add replaces an existing key
+        elif key in before:
+            ops.append({"op": "remove", "path": _pointer(key)})
+    return ops
