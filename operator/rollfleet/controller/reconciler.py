@@ -195,6 +195,26 @@ class FleetLoop:
 
     # ---- one pass --------------------------------------------------------------------------
 
+    async def _observe_engines(self, spec: RolloutFleetSpec,
+                               annotations: Mapping[str, str]) -> tuple[list[EngineObs], bool]:
+        """The fleet's engine pods as observations with the engines' own state, and whether the
+        fleet is busy (engines coming and going: 1 s passes; settled engines are re-read every 10 s)."""
+        pods = list(self.shared.pods.get(self.key, {}).values())
+        if any(_unwell(p) for p in pods):
+            await self.shared.nodes.refresh()
+        observed = [o for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None)
+                                for p in pods) if o is not None]
+        busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready
+                                                     for o in observed)
+        sync_record = annotations.get(ANNOTATION_SYNC_STATE)
+        if sync_record != self._sync_record:
+            # A push started or committed: engines' weight versions just changed; cached states would
+            # show them PendingSync (or routable on the old version) until their next read.
+            self._states.clear()
+            self._sync_record = sync_record
+        states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else IDLE_RESYNC_S)
+        return [dataclasses.replace(o, state=states.get(o.name)) for o in observed], busy
+
     async def reconcile(self) -> float:
         """One pass; returns how long to sleep unless woken by a watch event."""
         body = self.body
@@ -217,22 +237,7 @@ class FleetLoop:
         token = await self._ensure_token()
         await self._ensure_owned(spec)
 
-        pods = list(self.shared.pods.get(self.key, {}).values())
-        if any(_unwell(p) for p in pods):
-            await self.shared.nodes.refresh()
-        observed = [o for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None)
-                                for p in pods) if o is not None]
-        # Busy (1 s passes) while engines come and go; settled engines are re-read every 10 s.
-        busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready
-                                                     for o in observed)
-        sync_record = annotations.get(ANNOTATION_SYNC_STATE)
-        if sync_record != self._sync_record:
-            # A push started or committed: engines' weight versions just changed; cached states would
-            # show them PendingSync (or routable on the old version) until their next read.
-            self._states.clear()
-            self._sync_record = sync_record
-        states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else IDLE_RESYNC_S)
-        observed = [dataclasses.replace(o, state=states.get(o.name)) for o in observed]
+        observed, busy = await self._observe_engines(spec, annotations)
 
         # Engines whose state is unknown (still loading) do not make the fleet's version unknown.
         versions: dict[str, str | None] = {o.name: o.state.weight_version for o in observed
