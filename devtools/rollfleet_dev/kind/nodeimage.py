@@ -225,8 +225,9 @@ def _preload(base: str, images: Sequence[str], node: str, logfile: Path) -> None
             missing = [i for i in images if i not in listed and f"docker.io/{i}" not in listed]
             if missing:
                 raise BuildError(f"kind node image: {', '.join(missing)} missing after the import; see {logfile}")
-            _docker(["exec", cid, "bash", "-c", "pkill containerd; for i in $(seq 100); do pgrep containerd "
-                     ">/dev/null || exit 0; sleep 0.1; done; exit 1"], "stopping containerd", logfile)
+            # Stopped means exited: a zombie (nothing reaps it under `sleep`) has flushed its database.
+            _docker(["exec", cid, "bash", "-c", "pkill containerd; for i in $(seq 300); do ps -C containerd "
+                     "-o stat= | grep -qv Z || exit 0; sleep 0.1; done; exit 1"], "stopping containerd", logfile)
             _docker(["commit", "--change", 'ENTRYPOINT [ "/usr/local/bin/entrypoint", "/sbin/init" ]', cid, node],
                     "committing the node image", logfile)
         finally:
