@@ -17,6 +17,8 @@ RUN /opt/rollfleet/bin/pip install --no-cache-dir -q --no-deps /src
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/rollfleet /opt/rollfleet
 ENV PATH=/opt/rollfleet/bin:$PATH
-# Non-root, no shell needed at runtime.
+# Non-root, no shell needed at runtime. The user has a passwd entry: libraries ask for its
+# name (kopf's identity calls getpass.getuser(), which fails for a uid the system does not know).
+RUN useradd --uid 65532 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin rollfleet
 USER 65532:65532
 ENTRYPOINT ["rollfleet"]

@@ -33,6 +33,9 @@ DEFAULT_ENGINE_IMAGE = f"rollfleet/engine-cpu:{IMAGE_TAG}"
 ENGINE_CUDA_IMAGE = f"rollfleet/engine-cuda:{IMAGE_TAG}"
 DEFAULT_ROLLFLEET_IMAGE = f"rollfleet/rollfleet:{IMAGE_TAG}"
 SHIPPED_IMAGES = (DEFAULT_ROLLFLEET_IMAGE, DEFAULT_ENGINE_IMAGE, ENGINE_CUDA_IMAGE)
+# The control-plane image's user (Dockerfile: USER 65532:65532); pods running it as this user
+# read their mounted Secrets through fsGroup.
+ROLLFLEET_IMAGE_UID = 65532
 
 
 class ApiModel(BaseModel):

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rollfleet.api.common import ROLLFLEET_IMAGE_UID
 from rollfleet.api.fleet import KIND, PlacementSpec, RolloutFleetSpec
 from rollfleet.contract import (
     ANNOTATION_PHASE,
@@ -281,9 +282,15 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
         "readinessProbe": _http_probe("/ready", "http", 2, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
         "volumeMounts": [dict(_TOKEN_MOUNT)],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
     }
     if gw.resources:
         container["resources"] = _resources(gw.resources.requests, gw.resources.limits)
+    # Non-root as the image's user; fsGroup makes the token (mode 0440) readable to it.
+    uid = ROLLFLEET_IMAGE_UID
+    pod_security = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+                    "seccompProfile": {"type": "RuntimeDefault"}}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
@@ -294,7 +301,8 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {"serviceAccountName": gateway_name(ref.name), "enableServiceLinks": False,
-                         "containers": [container], "volumes": [_token_volume(ref.name)]},
+                         "securityContext": pod_security, "containers": [container],
+                         "volumes": [_token_volume(ref.name)]},
             },
         },
     }
