@@ -147,10 +147,11 @@ def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest],
                                                                   "readOnly": pvc.read_only}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": pvc.read_only}
                       | ({"subPath": pvc.sub_path} if pvc.sub_path else {}))
-    if spec.engine.tensor_parallel_size > 1:
-        # Tensor-parallel workers exchange tensors through shared memory; the default 64 MiB is too small.
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    # vLLM's engine core and its workers talk through shared-memory queues even at tensor
+    # parallel 1 (and TP workers exchange tensors there); a container's default 64 MiB /dev/shm
+    # fails its start-up check. Found on kind: the local cluster's processes use the host's.
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts
 
 

@@ -34,7 +34,11 @@ def test_engine_pod_has_stable_name_owner_labels_and_gpu_request() -> None:
     assert c["resources"] == {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
     assert pod["spec"]["restartPolicy"] == "Never"
-    assert any(v["name"] == "dshm" for v in pod["spec"]["volumes"])  # tensor parallel needs shared memory
+    # vLLM's core and workers need more shared memory than a container's 64 MiB, at any TP size.
+    for tp in (1, 2):
+        one = desired.engine_pod(REF, spec(engine={"tensorParallelSize": tp, "gpusPerEngine": tp}), 0)
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in one["spec"]["volumes"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in one["spec"]["containers"][0]["volumeMounts"]
 
 
 def test_engine_args_follow_the_engine_cli_contract() -> None:
