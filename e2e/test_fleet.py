@@ -98,8 +98,9 @@ def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> Non
     assert table[1].split()[1:3] == ["2/2", "2"]
     pods = fleet.pods()
     assert sorted(p["metadata"]["name"] for p in pods) == ["e2e-engine-0", "e2e-engine-1"]
+    gpu_pool = set(cluster.kubectl("get", "nodes", "-l", "rollfleet.dev/pool=gpu", "-o", "name").stdout.split())
     for p in pods:
-        assert p["spec"]["nodeName"].startswith("gpu-"), p["spec"]["nodeName"]
+        assert f"node/{p['spec']['nodeName']}" in gpu_pool, (p["spec"]["nodeName"], gpu_pool)
         limits = p["spec"]["containers"][0]["resources"]["limits"]
         assert limits == {"nvidia.com/gpu": "1"}
         assert p["metadata"]["ownerReferences"][0]["kind"] == "RolloutFleet"
