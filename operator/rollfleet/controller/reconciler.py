@@ -199,7 +199,14 @@ class FleetLoop:
                                annotations: Mapping[str, str]) -> tuple[list[EngineObs], bool]:
         """The fleet's engine pods as observations with the engines' own state, and whether the
         fleet is busy (engines coming and going: 1 s passes; settled engines are re-read every 10 s)."""
-        pods = list(self.shared.pods.get(self.key, {}).values())
+        cache = self.shared.pods.get(self.key, {})
+        if any((p.get("metadata") or {}).get("deletionTimestamp") for p in cache.values()):
+            # kopf re-lists after a watch gap (a namespace deleted and made again, an API server
+            # restart) without reporting what vanished meanwhile: a terminating pod whose DELETED
+            # was lost would block its name for ever. Confirm with the API server while any is.
+            listed = await self.shared.kube.list_pods(self.ref.namespace, engine_selector(self.ref.name))
+            cache = self.shared.pods[self.key] = {p["metadata"]["name"]: p for p in listed}
+        pods = list(cache.values())
         if any(_unwell(p) for p in pods):
             await self.shared.nodes.refresh()
         observed = [o for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None)
