@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -77,18 +78,49 @@ class Cluster:
             ip = kubernetes.client.CoreV1Api(self.api_client()).read_namespaced_pod(pod, namespace).status.pod_ip
             yield f"http://{ip}:{port}"
             return
-        local_port = _free_port()
-        pf = subprocess.Popen(["kubectl", f"--kubeconfig={self.kubeconfig}", "-n", namespace, "port-forward",
-                               f"pod/{pod}", f"{local_port}:{port}"], stdout=subprocess.PIPE, text=True)
-        try:
-            assert pf.stdout is not None
-            line = pf.stdout.readline()
-            if not re.search(r"Forwarding from", line):
-                raise AssertionError(f"port-forward to {namespace}/{pod}:{port} failed: {line}")
-            yield f"http://127.0.0.1:{local_port}"
-        finally:
-            pf.terminate()
-            pf.wait(timeout=10)
+        with _PortForward(self.kubeconfig, namespace, pod, port) as url:
+            yield url
+
+
+class _PortForward:
+    """`kubectl port-forward` to a pod, restarted whenever it exits: kubectl ends a forward on the
+    first failed connection (e.g. one made while the container was not listening yet), which
+    would leave a long-lived URL dead for the rest of the session."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, pod: str, port: int) -> None:
+        self.argv = ["kubectl", f"--kubeconfig={kubeconfig}", "-n", namespace, "port-forward", f"pod/{pod}",
+                     f"{_free_port()}:{port}"]
+        self.local_port = int(self.argv[-1].split(":")[0])
+        self.what = f"{namespace}/{pod}:{port}"
+        self.stop = threading.Event()
+        self.proc: subprocess.Popen[str] | None = None
+
+    def _start(self) -> str:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def _supervise(self) -> None:
+        while not self.stop.is_set():
+            assert self.proc is not None
+            self.proc.wait()
+            if not self.stop.wait(0.2):  # not asked to stop: kubectl gave up on its own
+                self._start()
+                if self.stop.is_set():  # stopped while restarting: __exit__ saw the old process
+                    self.proc.terminate()
+
+    def __enter__(self) -> str:
+        line = self._start()
+        if not re.search(r"Forwarding from", line):
+            raise AssertionError(f"port-forward to {self.what} failed: {line}")
+        threading.Thread(target=self._supervise, daemon=True, name=f"port-forward {self.what}").start()
+        return f"http://127.0.0.1:{self.local_port}"
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
 
 
 def _free_port() -> int:
