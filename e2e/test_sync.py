@@ -74,7 +74,7 @@ def trainer_pod() -> dict[str, Any]:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     args = ["sync", f"--fleet={NAME}", "--namespace=$(POD_NAMESPACE)", "--weights-host=$(POD_IP)"]
-    args += ["--host=$(POD_IP)", "--spool-dir=/var/lib/rollfleet-sync", "--reconcile-interval=0.5"]
+    args += ["--spool-dir=/var/lib/rollfleet-sync", "--reconcile-interval=0.5"]
     return {
         "apiVersion": "v1",
         "kind": "Pod",

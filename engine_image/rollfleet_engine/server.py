@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollfleet_engine.access import AccessPolicy, read_token
+from rollfleet_engine.listen import serving_host
 from rollfleet_engine.protocol import ENGINE_PORT, HTTP_WEIGHT_BACKEND
 
 # Defaults that let a small model run on a CPU-only host; any of them can be
@@ -52,8 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the model)")
     parser.add_argument(
         "--host",
-        default=os.environ.get("POD_IP") or "127.0.0.1",
-        help="address to bind: the pod IP from the downward API ($POD_IP) by default",
+        default=serving_host(os.environ.get("POD_IP")),
+        help="address to bind (default: every address in a pod of its own network; the pod IP "
+        "from the downward API ($POD_IP) where pods share the host's loopback, as on the local cluster)",
     )
     parser.add_argument("--port", type=int, default=ENGINE_PORT)
     parser.add_argument("--token-file", required=True, help="file holding the bearer token for control routes")

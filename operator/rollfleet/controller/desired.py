@@ -99,7 +99,7 @@ def engine_args(spec: RolloutFleetSpec) -> list[str]:
     model, engine, sync = spec.model, spec.engine, spec.weight_sync
     model_dir = model.image_path if model.image_path else MODEL_MOUNT
     args = ["serve", "--model", model_dir, "--served-model-name", model.served_name,
-            "--host", "$(POD_IP)", "--port", str(ENGINE_PORT), "--token-file", TOKEN_FILE,
+            "--port", str(ENGINE_PORT), "--token-file", TOKEN_FILE,
             "--weight-backend", sync.backend]
     if sync.initial_version:
         args += ["--weight-version", sync.initial_version]

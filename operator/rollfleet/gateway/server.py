@@ -15,6 +15,7 @@ from pathlib import Path
 from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet.gateway.proxy import ProxyConfig
 from rollfleet.gateway.routing import RoutingPolicy
+from rollfleet_engine.listen import serving_host
 
 DEFAULT_TOKEN_FILE = "/var/run/secrets/rollfleet/token"
 
@@ -24,10 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="default", help="namespace of the fleet (default: %(default)s)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
     p.add_argument("--engines", help="comma-separated engine base URLs: static mode, no Kubernetes")
-    # The pod IP (downward API) when there is one: on the local cluster pods share the
-    # host's network, so 0.0.0.0 would collide with every other gateway.
-    p.add_argument("--host", default=os.environ.get("POD_IP") or "0.0.0.0",
-                   help="address to bind (default: $POD_IP, else all addresses)")
+    p.add_argument("--host", default=serving_host(os.environ.get("POD_IP")),
+                   help="address to bind (default: every address; $POD_IP where pods share the host's loopback)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--token-file", default=DEFAULT_TOKEN_FILE, help="fleet admin token (default: %(default)s)")
     p.add_argument("--api-key-file", help="if given, inference routes need this bearer token (or the admin token)")

@@ -30,6 +30,7 @@ from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import FileStore, FleetStore, RecordStore
 from rollfleet_engine.access import read_token
+from rollfleet_engine.listen import pod_local_host
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ _CHUNK = 4 << 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet", required=True, help="RolloutFleet name")
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
-    p.add_argument("--host", default="127.0.0.1", help="address of the trainer API (localhost: same pod only)")
+    p.add_argument("--host", default=pod_local_host(os.environ.get("POD_IP")),
+                   help="address of the trainer API (default: localhost, the same pod only; $POD_IP where "
+                   "pods share the host's loopback)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--token-file", default=TOKEN_FILE, help="the fleet's admin token (engine control routes)")
     p.add_argument(

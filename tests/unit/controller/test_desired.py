@@ -45,7 +45,8 @@ def test_engine_args_follow_the_engine_cli_contract() -> None:
     s = spec(engine={"maxModelLen": 512, "args": ["--enforce-eager"]},
              weightSync={"initialVersion": "step-0"})
     args = desired.engine_pod(REF, s, 0)["spec"]["containers"][0]["args"]
-    assert args[:12] == ["serve", "--model", "/models", "--served-model-name", "tiny", "--host", "$(POD_IP)",
+    # No --host: the engine binds by the kind of pod network it finds (rollfleet_engine.listen).
+    assert args[:10] == ["serve", "--model", "/models", "--served-model-name", "tiny",
                          "--port", "8000", "--token-file", TOKEN_FILE, "--weight-backend"]
     assert args[args.index("--weight-version") + 1] == "step-0"
     assert args[args.index("--") + 1:] == ["--max-model-len", "512", "--enforce-eager"]
