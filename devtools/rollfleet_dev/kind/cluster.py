@@ -109,6 +109,11 @@ def load_images(kubectl: Kubectl) -> None:
     log(f"kind: loading {DEFAULT_ENGINE_IMAGE} into the GPU pool ({', '.join(gpu_nodes)})")
     _run([_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(gpu_nodes),
           DEFAULT_ENGINE_IMAGE], "kind load")
+    # `kind load` also names each import `import-<date>@<digest>`: after a rebuild those names keep
+    # the previous image (GBs for the engine) alive on every node. The tags stay; those go.
+    for node in _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split():
+        _run(["docker", "exec", node, "bash", "-c", "ctr -n k8s.io images ls -q | grep -E '^(import-|sha256:)' "
+              "| xargs -r ctr -n k8s.io images rm >/dev/null"], f"pruning old image names on {node}")
 
 
 def up() -> Path:

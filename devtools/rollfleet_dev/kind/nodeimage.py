@@ -249,5 +249,6 @@ def ensure_node_image() -> str:
     base = node + "-base"
     _build_node_base(dirs, debian, f"{KINDNETD_IMAGE_REPOSITORY}:{kindnetd_tag}", base, logfile)
     _preload(base, images, node, logfile)
+    subprocess.run(["docker", "rmi", base], capture_output=True)  # only its tag: the node image holds the layers
     log(f"kind node image: {node} in {time.monotonic() - start:.0f}s")
     return node
