@@ -243,9 +243,13 @@ class Cache:
             return list(self.objects["pods"].values()), namespaces, list(self.objects["policies"].values())
 
 
-def iptables(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["iptables", "-w", "5", *args] if input is None else ["iptables-restore", "-w", "5", *args],
-                          input=input, capture_output=True, text=True)
+def iptables(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True)
+
+
+def replace_chain(rules: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["iptables-restore", "-w", "5", "--noflush"], input=restore_input(rules),
+                          capture_output=True, text=True)
 
 
 def ensure_jump() -> None:
@@ -267,7 +271,7 @@ def main() -> int:
         if snap is None:
             continue
         rules = render(node, *snap)
-        proc = iptables("--noflush", input=restore_input(rules)) if rules != applied else None
+        proc = replace_chain(rules) if rules != applied else None
         if proc is not None and proc.returncode != 0:
             log.error("iptables-restore failed: %s", proc.stderr.strip())
             cache.changed.set()

@@ -50,7 +50,7 @@ def system_images(kindnetd_tag: str) -> dict[str, list[str]]:
         "kube-scheduler": [f"{_REGISTRY}/kube-scheduler:{_K8S}"],
         "kube-proxy": [f"{_REGISTRY}/kube-proxy:{_K8S}"],
         "etcd": [f"{_REGISTRY}/etcd:{tools.ETCD_IMAGE_TAG}"],
-        "coredns": [f"{_REGISTRY}/coredns/coredns:{_coredns_tag()}"],
+        "coredns": [f"{_REGISTRY}/coredns/coredns:{tools.COREDNS.version}"],
         # kind's containerd config names 3.10; kubeadm's list says 3.10.2: both, one image.
         "pause": [f"{_REGISTRY}/pause:{tools.PAUSE_VERSION}", f"{_REGISTRY}/pause:{tools.PAUSE_VERSION}.2"],
         "kindnetd": [f"{KINDNETD_IMAGE_REPOSITORY}:{kindnetd_tag}"],
@@ -60,10 +60,6 @@ def system_images(kindnetd_tag: str) -> dict[str, list[str]]:
 
 def netpol_agent_image() -> str:
     return f"{NETPOL_AGENT_REPOSITORY}:{hashlib.sha256(NETPOL_AGENT_SOURCE.read_bytes()).hexdigest()[:12]}"
-
-
-def _coredns_tag() -> str:
-    return tools.COREDNS.version
 
 
 def debian_image() -> str:
@@ -128,9 +124,7 @@ def node_image_name(debian: str) -> str:
     """The node image's name: the Kubernetes version and a key of every input."""
     inputs = {
         "debian": debian,
-        "tools": ",".join(f"{t.name}@{t.version}" for t in (tools.KIND, tools.CONTAINERD, tools.CONTAINERD_SHIM,
-                                                             tools.RUNC, tools.CRICTL, tools.CNI_PLUGINS,
-                                                             tools.COREDNS, tools.kindnetd())),
+        "tools": ",".join(f"{t.name}@{t.version}" for t in tools.go_tools()),
         "etcd": kube_build.ETCD_VERSION,
         **{f.name: f.read_text() for f in sorted(DEVTOOLS_KIND.glob("*")) if f.is_file()},
         "builder": Path(__file__).read_text(),

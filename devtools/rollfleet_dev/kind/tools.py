@@ -67,6 +67,11 @@ def kindnetd() -> GoTool:
                   source=_KINDNETD_SOURCE)
 
 
+def go_tools() -> tuple[GoTool, ...]:
+    """Every tool built with `ensure_tool`: what the node image's key and the build both go by."""
+    return KIND, CONTAINERD, CONTAINERD_SHIM, RUNC, CRICTL, CNI_PLUGINS, COREDNS, kindnetd()
+
+
 def kube_node_dir() -> Path:
     """kubelet, kubeadm, kubectl and kube-proxy, built beside (not into) the control plane's directory."""
     outdir = cache_dir() / "bin" / f"kubernetes-node-{kube_build.KUBERNETES_VERSION}"
@@ -108,8 +113,7 @@ def _ensure_c_toolchain() -> None:
 def build_all() -> dict[str, Path]:
     """Every program the node image and its preloaded images need, built once; name -> directory."""
     _ensure_c_toolchain()
-    dirs = {tool.name: ensure_tool(tool)
-            for tool in (KIND, CONTAINERD, CONTAINERD_SHIM, RUNC, CRICTL, CNI_PLUGINS, COREDNS, kindnetd())}
+    dirs = {tool.name: ensure_tool(tool) for tool in go_tools()}
     dirs["kubernetes-node"] = kube_node_dir()
     dirs["kubernetes"] = kube_build.ensure_built().kube_apiserver.parent
     dirs["etcd"] = kube_build.binaries().etcd.parent
