@@ -35,9 +35,9 @@ import kubernetes
 
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
 from rollfleet.contract import GROUP, VERSION
-from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests import plan
-from rollfleet.controller.requests.runner import RequestKube
+from rollfleet.controller.requests.runner import read_fleet
+from rollfleet.kube import Kube, load_client
 from rollfleet_dev.localcluster import controlplane
 
 BIN = Path(sys.executable).parent
@@ -140,7 +140,7 @@ def bench_throughput(client: kubernetes.client.ApiClient, fleet: str, prompts: i
     via_operator = time.monotonic() - start
     phase = phases(custom, ns)[rr]
 
-    view = asyncio.run(RequestKube(client).fleet(ns, name))
+    view = asyncio.run(read_fleet(Kube(client), ns, name))
     assert view.gateway and view.model, f"fleet {fleet} has no gateway yet"
     parsed = RolloutRequestSpec.model_validate(spec)
     uid = f"direct-{uuid.uuid4().hex[:8]}"

@@ -8,6 +8,7 @@ of this module, so it can be killed and restarted by tests without touching othe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from e2e.provider import Cluster, wait_for
 from rollfleet.api.request import PLURAL
 from rollfleet.controller.requests.plan import SampleResult
 from rollfleet.controller.requests.results import CHUNK_LIMIT, ResultStore, list_chunks
+from rollfleet.kube import Kube
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +138,8 @@ def test_results_store_chunks_survive_a_reload_print_and_go_with_their_request(
         assert apply(cluster, other, "owner", {"fleet": "nosuch", "prompts": [{"text": "p"}] * 40,
                                                "samplesPerPrompt": 8}).returncode == 0
         uid = get_rr(cluster, other, "owner")["metadata"]["uid"]
-        store = ResultStore(core, other, "owner", uid, limit=64 * 1024)
+        kube = Kube(cluster.api_client())
+        store = ResultStore(kube, other, "owner", uid, limit=64 * 1024)
         text = "lorem ipsum " * 150  # ~1.8 KB per line with the token ids: several chunks of 64 KiB
         for p in range(40):
             for s in range(8):
@@ -144,18 +147,18 @@ def test_results_store_chunks_survive_a_reload_print_and_go_with_their_request(
                                               weight_version="v1", weight_versions=["v1"], started_at=1.0,
                                               finished_at=2.0))
             if p % 10 == 9:
-                store.flush()
+                asyncio.run(store.flush())
         assert not store.add(SampleResult(0, 0, f"{uid}-0-0", "stop"))  # one result per sample
-        chunks = list_chunks(core, other, uid)
+        chunks = asyncio.run(list_chunks(kube, other, uid))
         assert len(chunks) >= 3 and all(c.get("immutable") for c in chunks[:-1])
         assert all(len(c["data"]["samples.jsonl"].encode()) <= 64 * 1024 for c in chunks)
         assert CHUNK_LIMIT < 1024 * 1024 - 16 * 1024  # room for the ConfigMap's metadata
 
-        reloaded = ResultStore(core, other, "owner", uid, limit=64 * 1024)
-        assert len(reloaded.load()) == 320
+        reloaded = ResultStore(kube, other, "owner", uid, limit=64 * 1024)
+        assert len(asyncio.run(reloaded.load())) == 320
         reloaded.add(SampleResult(99, 0, f"{uid}-99-0", "stop", text="late"))
-        reloaded.flush()  # appends to the open chunk, or opens the next one
-        assert len(ResultStore(core, other, "owner", uid).load()) == 321
+        asyncio.run(reloaded.flush())  # appends to the open chunk, or opens the next one
+        assert len(asyncio.run(ResultStore(kube, other, "owner", uid).load())) == 321
 
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
         out = subprocess.run([str(BIN / "rollfleet"), "results", "rr/owner", "-n", other], env=env,
@@ -166,7 +169,8 @@ def test_results_store_chunks_survive_a_reload_print_and_go_with_their_request(
         assert {"text", "token_ids", "finish_reason", "weight_version", "latency_s"} <= set(rows[0])
 
         cluster.kubectl("-n", other, "delete", "rr", "owner")
-        wait_for(lambda: not list_chunks(core, other, uid), timeout=90, what="result ConfigMaps garbage-collected")
+        wait_for(lambda: not asyncio.run(list_chunks(kube, other, uid)), timeout=90,
+                 what="result ConfigMaps garbage-collected")
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
 

@@ -1,6 +1,6 @@
 """The operator: kopf handlers that turn RolloutFleets into engine pods and a gateway.
 
-`desired`, `plan` and `status` are pure decisions; `kube` and `engines` are the I/O;
-`reconciler` runs one loop per fleet; `handlers` registers with kopf; `main` is
-`rollfleet operator`. RolloutRequests live in `requests`.
+`desired`, `plan` and `status` are pure decisions; `reconciler` runs one loop per fleet
+and does the I/O (through `rollfleet.kube` and `rollfleet.engine_client`); `handlers`
+registers with kopf; `main` is `rollfleet operator`. RolloutRequests live in `requests`.
 """

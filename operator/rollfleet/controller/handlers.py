@@ -25,9 +25,9 @@ from rollfleet.contract import (
     LABEL_NAME,
     VERSION,
 )
-from rollfleet.controller.kube import Kube, load_client
 from rollfleet.controller.reconciler import Operator
 from rollfleet.engine_client import EngineClient
+from rollfleet.kube import Kube, load_client
 
 log = logging.getLogger("rollfleet.operator")
 
@@ -45,7 +45,8 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
     if namespace is None:
         log.warning("POD_NAMESPACE is not set (not running in a pod?): fleets' NetworkPolicies admit no operator "
                     "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom")
-    memo.fleets = Operator(Kube(load_client()), engines, namespace)
+    memo.kube = Kube(load_client())
+    memo.fleets = Operator(memo.kube, engines, namespace)
     memo.engines = engines
 
 
@@ -53,6 +54,7 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
 async def stop_fleets(memo: kopf.Memo, **_: Any) -> None:
     await memo.fleets.stop()
     await memo.engines.aclose()
+    memo.kube.close()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

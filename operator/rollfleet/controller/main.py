@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     @kopf.on.login()
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # Through the official client, like `kube.load_client`: in a pod it honours
+        # Through the official client, like `rollfleet.kube.load_client`: in a pod it honours
         # KUBERNETES_SERVICE_HOST (kopf's own service-account login assumes cluster DNS).
         return kopf.login_via_client(**kwargs)
 

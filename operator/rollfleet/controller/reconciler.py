@@ -6,7 +6,7 @@ timer. Each pass reads the engines' state over HTTP, asks `plan` what to do, app
 it, and writes status at most once per second (a pass coalesces everything that
 changed since the last write). Durable state lives in the cluster (pod names and
 annotations, the fleet's status), never only here, so a restarted operator resumes.
-Talks to kube-apiserver (through `kube`) and engines (through `engines`).
+Talks to kube-apiserver (through `rollfleet.kube`) and engines (through `rollfleet.engine_client`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import hashlib
 import json
 import logging
 import secrets
+import socket
 import time
+import uuid
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,13 +28,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollfleet.api.fleet import RolloutFleetSpec, RolloutFleetStatus
+from rollfleet.api.fleet import KIND, RolloutFleetSpec, RolloutFleetStatus
 from rollfleet.contract import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
     ANNOTATION_SYNC_STATE,
+    API_VERSION,
     LABEL_FLEET,
+    MANAGER,
     TOKEN_KEY,
     EnginePhase,
     admin_token,
@@ -42,7 +46,6 @@ from rollfleet.contract import (
     secret_name,
 )
 from rollfleet.controller import desired, plan
-from rollfleet.controller.kube import Kube
 from rollfleet.controller.status import (
     Engine,
     EngineObs,
@@ -54,6 +57,7 @@ from rollfleet.controller.status import (
     observe_pod,
 )
 from rollfleet.engine_client import EngineCallError, EngineClient, EngineRef
+from rollfleet.kube import FLEET, NODE, POD, SECRET, Conflict, Kube, NotFound, kind_named
 from rollfleet.sync.fleetversion import fleet_weight_version
 from rollfleet_engine.protocol import EngineState
 
@@ -66,6 +70,7 @@ IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight vers
 REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
 ABSENT = "absent"  # the digest recorded for an object the spec switched off (deleted, not applied)
 NODE_REFRESH_S = 5.0
+INSTANCE = socket.gethostname()  # this operator's replica, in its Events
 # Phases that change only by outside action.
 SETTLED = frozenset({EnginePhase.READY, EnginePhase.PAUSED, EnginePhase.PENDING_SYNC})
 
@@ -78,6 +83,25 @@ def now_utc() -> datetime:
 
 def _rfc3339(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def event_manifest(ref: desired.FleetRef, type_: str, reason: str, message: str, now: datetime) -> desired.Manifest:
+    """A core/v1 Event on the fleet (`kubectl describe rf` and `kubectl get events` show it)."""
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{ref.name}.{uuid.uuid4().hex[:16]}", "namespace": ref.namespace},
+        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": ref.name,
+                           "namespace": ref.namespace, "uid": ref.uid},
+        "type": type_, "reason": reason, "message": message[:1024],
+        "firstTimestamp": _rfc3339(now), "lastTimestamp": _rfc3339(now), "count": 1,
+        "source": {"component": MANAGER},
+        "reportingComponent": MANAGER, "reportingInstance": INSTANCE,
+    }
+
+
+async def annotate_pod(kube: Kube, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+    with contextlib.suppress(NotFound):  # gone meanwhile: nothing to annotate
+        await kube.patch(POD, namespace, name, {"metadata": {"annotations": dict(annotations)}})
 
 
 class NodeHealth:
@@ -93,7 +117,7 @@ class NodeHealth:
         async with self._lock:
             if time.monotonic() - self._at < NODE_REFRESH_S:
                 return
-            nodes = await self._kube.list_nodes()
+            nodes = await self._kube.list(NODE)
             self._ready = {
                 n["metadata"]["name"]: any(c.get("type") == "Ready" and c.get("status") == "True"
                                            for c in (n.get("status") or {}).get("conditions") or [])
@@ -155,7 +179,7 @@ class FleetLoop:
     async def _run(self) -> None:
         # Seed the pod cache with a LIST: the pod watch may not have delivered this fleet's
         # pods yet, and deciding on a partial view would recreate engines that exist.
-        pods = await self.shared.kube.list_pods(self.ref.namespace, f"{LABEL_FLEET}={self.ref.name}")
+        pods = await self.shared.kube.list(POD, self.ref.namespace, f"{LABEL_FLEET}={self.ref.name}")
         cache = self.shared.pods.setdefault(self.key, {})
         for p in pods:
             cache.setdefault(p["metadata"]["name"], p)
@@ -189,7 +213,7 @@ class FleetLoop:
 
     async def _post_event(self, type_: str, reason: str, message: str) -> None:
         try:
-            await self.shared.kube.event(self.ref, type_, reason, message)
+            await self.shared.kube.create(event_manifest(self.ref, type_, reason, message, datetime.now(UTC)))
         except Exception as err:  # an Event is best effort; the status carries the truth
             log.warning("event %s on %s/%s not posted: %s", reason, *self.key, err)
 
@@ -204,7 +228,7 @@ class FleetLoop:
             # kopf re-lists after a watch gap (a namespace deleted and made again, an API server
             # restart) without reporting what vanished meanwhile: a terminating pod whose DELETED
             # was lost would block its name for ever. Confirm with the API server while any is.
-            listed = await self.shared.kube.list_pods(self.ref.namespace, engine_selector(self.ref.name))
+            listed = await self.shared.kube.list(POD, self.ref.namespace, engine_selector(self.ref.name))
             cache = self.shared.pods[self.key] = {p["metadata"]["name"]: p for p in listed}
         pods = list(cache.values())
         if any(_unwell(p) for p in pods):
@@ -264,7 +288,7 @@ class FleetLoop:
         by_name = {e.obs.name: e for e in engines}
         await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
         phase_changes = plan.phase_updates(engines, actions)
-        await asyncio.gather(*(kube.patch_pod_annotations(self.ref.namespace, name, {ANNOTATION_PHASE: phase})
+        await asyncio.gather(*(annotate_pod(kube, self.ref.namespace, name, {ANNOTATION_PHASE: phase})
                                for name, phase in phase_changes.items()))
         for call in plan.engine_pause_calls(request.mode, record, engines):
             ip = by_name[call.name].obs.pod_ip
@@ -294,12 +318,14 @@ class FleetLoop:
     async def _ensure_token(self) -> str:
         if self._token is None:
             kube, name = self.shared.kube, secret_name(self.ref.name)
-            data = await kube.read_secret_data(self.ref.namespace, name)
-            if data is None:
+            try:
+                secret = await kube.get(SECRET, self.ref.namespace, name)
+            except NotFound:
                 # Created once and never rotated by the operator: engines and gateways hold it.
-                await kube.create_secret(desired.admin_secret(self.ref, secrets.token_urlsafe(32)))
-                data = await kube.read_secret_data(self.ref.namespace, name)
-            token = admin_token(data)
+                with contextlib.suppress(Conflict):  # created meanwhile: read that one
+                    await kube.create(desired.admin_secret(self.ref, secrets.token_urlsafe(32)))
+                secret = await kube.get(SECRET, self.ref.namespace, name)
+            token = admin_token(secret.get("data") or {})
             if token is None:
                 raise RuntimeError(f"secret {name} has no token under key {TOKEN_KEY!r}")
             self._token = token
@@ -323,7 +349,8 @@ class FleetLoop:
             last = self._applied.get(key)
             if last is not None and last[0] == ABSENT and time.monotonic() - last[1] < REAPPLY_S:
                 continue
-            await self.shared.kube.delete(kind, self.ref.namespace, name)
+            with contextlib.suppress(NotFound):  # gone already: fine
+                await self.shared.kube.delete(kind_named(kind), self.ref.namespace, name)
             if last is not None and last[0] != ABSENT:
                 log.info("%s/%s deleted %s", *self.key, key)
             self._applied[key] = (ABSENT, time.monotonic())
@@ -361,17 +388,21 @@ class FleetLoop:
         kube, ns = self.shared.kube, self.ref.namespace
         if isinstance(action, plan.Create):
             pod = desired.engine_pod(self.ref, spec, action.index)
-            if await kube.create_pod(pod):
-                self.event("Normal", "EngineCreated", f"{pod['metadata']['name']} created ({action.reason})")
+            try:
+                await kube.create(pod)
+            except Conflict:  # names are stable: one of that name exists already, no duplicate
+                return
+            self.event("Normal", "EngineCreated", f"{pod['metadata']['name']} created ({action.reason})")
         elif isinstance(action, plan.Drain):
-            await kube.patch_pod_annotations(ns, action.name, {ANNOTATION_PHASE: EnginePhase.DRAINING,
-                                                               ANNOTATION_DRAINING_SINCE: _rfc3339(now)})
+            await annotate_pod(kube, ns, action.name, {ANNOTATION_PHASE: EnginePhase.DRAINING,
+                                                       ANNOTATION_DRAINING_SINCE: _rfc3339(now)})
             e = engines[action.name]
             self.event("Normal", "EngineDraining",
                        f"{action.name} draining ({action.reason}): {e.obs.in_flight} requests in flight, up to "
                        f"{spec.drain_timeout_seconds}s")
         else:
-            await kube.delete_pod(ns, action.name, force=action.force)
+            with contextlib.suppress(NotFound):
+                await kube.delete(POD, ns, action.name, {"gracePeriodSeconds": 0} if action.force else None)
             failed = engines[action.name].phase == EnginePhase.FAILED
             self.event("Warning" if failed else "Normal", "EngineReplaced" if failed else "EngineDeleted",
                        f"{action.name} deleted: {action.reason}")
@@ -398,8 +429,7 @@ class FleetLoop:
                        "nothing changed")
         self._warned_pause = request.invalid_value
         if request.remove_annotations:
-            await self.shared.kube.patch_fleet(
-                self.ref, {"metadata": {"annotations": dict.fromkeys(request.remove_annotations)}})
+            await self._patch_fleet({"metadata": {"annotations": dict.fromkeys(request.remove_annotations)}})
 
     # ---- status ----------------------------------------------------------------------------
 
@@ -407,9 +437,13 @@ class FleetLoop:
         wire = status.wire()
         old = previous.wire() if previous else {}
         patch = {"status": {**dict.fromkeys(set(old) - set(wire)), **wire}}  # null deletes what is gone
-        await self.shared.kube.patch_fleet(self.ref, patch, status=True)
+        await self._patch_fleet(patch, status=True)
         self._last_status_at = time.monotonic()
         self._written = status
+
+    async def _patch_fleet(self, patch: Mapping[str, Any], status: bool = False) -> None:
+        with contextlib.suppress(NotFound):  # deleted meanwhile
+            await self.shared.kube.patch(FLEET, self.ref.namespace, self.ref.name, patch, status=status)
 
     def _transition_events(self, previous: RolloutFleetStatus | None, status: RolloutFleetStatus) -> None:
         """Events for what changed between two written statuses: conditions, pause mode, engine phases."""

@@ -11,6 +11,7 @@ Talks to the proxy, the abort module and the registry; engines only through them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import uuid
@@ -33,7 +34,7 @@ from rollfleet.gateway.dialects import BadRequest, Route, validate
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body
-from rollfleet.gateway.registry import PodWatcher, Registry, static_registry
+from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
 from rollfleet_engine.access import bearer, token_matches
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
@@ -121,7 +122,6 @@ class _Gateway:
     router: Router
     inflight: InFlightTable
     proxy: Proxy
-    watcher: PodWatcher | None
 
     @classmethod
     def build(cls, config: GatewayConfig) -> _Gateway:
@@ -133,8 +133,7 @@ class _Gateway:
         registry.on_removed.append(router.forget_engine)
         inflight = InFlightTable()
         proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics)
-        watcher = PodWatcher(registry, config.namespace, config.fleet, config.kubeconfig) if config.fleet else None
-        return cls(config, metrics, registry, router, inflight, proxy, watcher)
+        return cls(config, metrics, registry, router, inflight, proxy)
 
     def refuse(self, refused: _Refused) -> Response:
         return _error(refused.status, str(refused), self.metrics)
@@ -233,13 +232,17 @@ class _Gateway:
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         await self.proxy.open()
-        if self.watcher is not None:
-            self.watcher.start(asyncio.get_running_loop())
+        config = self.config
+        watch = None
+        if config.fleet:  # Kubernetes mode: engines come from a watch of the fleet's pods
+            watch = asyncio.create_task(follow_pods(self.registry, config.namespace, config.fleet, config.kubeconfig))
         try:
             yield
         finally:
-            if self.watcher is not None:
-                self.watcher.stop()
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             await self.proxy.close()
 
     def routes(self) -> list[HttpRoute]:

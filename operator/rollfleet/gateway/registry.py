@@ -1,24 +1,21 @@
 """The fleet's engines as the gateway sees them: address, phase, and whether to route there.
 
 Owns the engine table. Fed either by a Kubernetes watch of the fleet's engine pods
-(list once, then watch from that resourceVersion, re-list on 410 Gone: no polling)
-or by a static list of URLs (`--engines`, for benchmarks and tests). The gateway
+(`rollfleet.kube`'s list-then-watch: no polling) or by a static list of URLs
+(`--engines`, for benchmarks and tests). The gateway
 routes only to pods that are Ready (pod condition) and whose `rollfleet.dev/phase`
 annotation is `Ready` or `Paused` (a paused engine holds requests; it does not fail
 them). Connection failures eject an engine for a few seconds (passive health), so a
 dead engine stops receiving traffic before its pod's readiness flips.
 
-Talks to kube-apiserver only (from a daemon thread: the official client is
-synchronous); updates are handed to the event loop with `call_soon_threadsafe`.
+Talks to kube-apiserver only (through `rollfleet.kube`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -32,9 +29,9 @@ from rollfleet.contract import (
     engine_discovery_selector,
     engine_url,
 )
+from rollfleet.kube import POD, Kube, Listed, load_client
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -149,81 +146,16 @@ def static_registry(urls: Iterable[str], eject_s: float = 5.0) -> Registry:
     return registry
 
 
-class PodWatcher:
-    """Keeps a Registry in step with the fleet's engine pods through a list+watch."""
-
-    def __init__(self, registry: Registry, namespace: str, fleet: str, kubeconfig: str | None = None) -> None:
-        self.registry = registry
-        self.namespace = namespace
-        self.selector = engine_discovery_selector(fleet)
-        self.kubeconfig = kubeconfig
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._thread = threading.Thread(target=self._run, args=(loop,), name="engine-pod-watch", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        # Only a flag: closing the TLS socket from this thread while the watch thread is
-        # blocked reading it deadlocks in ssl. The watch thread is a daemon and its watch
-        # requests end by themselves (timeout_seconds), so it never holds the process.
-        self._stop.set()
-
-    def _core(self) -> Any:
-        import kubernetes
-
-        if self.kubeconfig:
-            return kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(config_file=self.kubeconfig))
-        try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
-        return kubernetes.client.CoreV1Api()
-
-    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        core = self._core()
-        backoff = 0.5
-        while not self._stop.is_set():
-            try:
-                listed = json.loads(
-                    core.list_namespaced_pod(self.namespace, label_selector=self.selector, _preload_content=False).data
-                )
-                engines = [engine_from_pod(p) for p in listed.get("items", [])]
-                loop.call_soon_threadsafe(self.registry.replace_all, engines)
-                self._watch(core, loop, listed["metadata"]["resourceVersion"])
-                backoff = 0.5
-            except Exception as err:
-                if self._stop.is_set():
-                    return
-                log.warning("engine pod watch failed (%s); re-listing in %.1fs", err, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-
-    def _watch(self, core: Any, loop: asyncio.AbstractEventLoop, resource_version: str) -> None:
-        """Apply watch events until the watch expires (410: the caller re-lists) or stops."""
-        from kubernetes.watch.watch import iter_resp_lines
-
-        while not self._stop.is_set():
-            response = core.list_namespaced_pod(
-                self.namespace,
-                label_selector=self.selector,
-                watch=True,
-                resource_version=resource_version,
-                allow_watch_bookmarks=True,
-                timeout_seconds=240,
-                _preload_content=False,
-            )
-            try:
-                for line in iter_resp_lines(response):
-                    event = json.loads(line)
-                    kind, obj = event["type"], event["object"]
-                    if kind == "ERROR":
-                        raise RuntimeError(f"watch error: {obj.get('message', obj)}")
-                    resource_version = obj["metadata"]["resourceVersion"]
-                    if kind == "DELETED":
-                        loop.call_soon_threadsafe(self.registry.remove, obj["metadata"]["name"])
-                    elif kind in ("ADDED", "MODIFIED"):
-                        loop.call_soon_threadsafe(self.registry.upsert, engine_from_pod(obj))
-            finally:
-                response.release_conn()
+async def follow_pods(registry: Registry, namespace: str, fleet: str, kubeconfig: str | None = None) -> None:
+    """Keep the registry in step with the fleet's engine pods, until cancelled."""
+    kube = Kube(load_client(kubeconfig))
+    try:
+        async for update in kube.watch(POD, namespace, engine_discovery_selector(fleet)):
+            if isinstance(update, Listed):
+                registry.replace_all(engine_from_pod(p) for p in update.items)
+            elif update.type == "DELETED":
+                registry.remove(update.object["metadata"]["name"])
+            else:
+                registry.upsert(engine_from_pod(update.object))
+    finally:
+        kube.close()

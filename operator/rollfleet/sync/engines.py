@@ -6,17 +6,17 @@ that takes an engine out of routing and back) or a static list of URLs (``--engi
 The engine calls themselves (vLLM's RL routes and the engine package's ``/rollfleet/v1``
 routes, with the fleet's bearer token) are ``rollfleet.engine_client``'s; here they are
 read into the sync protocol's terms. Talks to engines (through the client) and
-kube-apiserver (pods).
+kube-apiserver (pods, through ``rollfleet.kube``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 from rollfleet.contract import ANNOTATION_PHASE, ENGINE_PORT, engine_discovery_selector, engine_url
 from rollfleet.engine_client import CONTROL, EngineCallError, EngineClient, EngineRef
+from rollfleet.kube import POD, ApiError, Conflict, Kube, NotFound
 from rollfleet.sync.protocol import EngineObservation, InFlight
 
 log = logging.getLogger(__name__)
@@ -61,38 +61,36 @@ class StaticDiscovery:
 class PodDiscovery:
     """The fleet's engine pods that have an IP and are not being deleted."""
 
-    def __init__(self, core: Any, namespace: str, fleet: str, port: int = ENGINE_PORT) -> None:
-        self._core = core  # kubernetes.client.CoreV1Api
+    def __init__(self, kube: Kube, namespace: str, fleet: str, port: int = ENGINE_PORT) -> None:
+        self._kube = kube
         self.namespace, self.fleet, self.port = namespace, fleet, port
         self.selector = engine_discovery_selector(fleet)
 
     async def engines(self) -> list[EngineRef]:
-        pods = await asyncio.to_thread(self._core.list_namespaced_pod, self.namespace, label_selector=self.selector)
+        pods = await self._kube.list(POD, self.namespace, self.selector)
         return [
-            EngineRef(name=p.metadata.name, url=engine_url(p.status.pod_ip, self.port))
-            for p in pods.items
-            if p.status and p.status.pod_ip and p.metadata.deletion_timestamp is None
+            EngineRef(name=p["metadata"]["name"], url=engine_url(p["status"]["podIP"], self.port))
+            for p in pods
+            if (p.get("status") or {}).get("podIP") and p["metadata"].get("deletionTimestamp") is None
         ]
 
     async def set_phase(self, engine: EngineRef, phase: str, only_if: str | None = None) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         try:
-            pod = await asyncio.to_thread(self._core.read_namespaced_pod, engine.name, self.namespace)
-        except ApiException as err:
+            pod = await self._kube.get(POD, self.namespace, engine.name)
+        except ApiError as err:
             log.warning("could not read %s to set its phase: %s %s", engine.name, err.status, err.reason)
             return
-        current = (pod.metadata.annotations or {}).get(ANNOTATION_PHASE)
+        current = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_PHASE)
         if current == phase or (only_if is not None and current != only_if):
             return
         # Conditioned on the resourceVersion read: if the operator changed the phase
         # meanwhile, its newer decision stands.
-        meta = {"resourceVersion": pod.metadata.resource_version, "annotations": {ANNOTATION_PHASE: phase}}
-        body = {"metadata": meta}
+        meta = {"resourceVersion": pod["metadata"]["resourceVersion"], "annotations": {ANNOTATION_PHASE: phase}}
         try:
-            await asyncio.to_thread(self._core.patch_namespaced_pod, engine.name, self.namespace, body)
-        except ApiException as err:
+            await self._kube.patch(POD, self.namespace, engine.name, {"metadata": meta})
+        except (NotFound, Conflict):
             # Best effort: the operator derives the same phase from the fleet's record
             # (fleet_weight_version), so a lost write delays the gateway, never a commit.
-            if err.status not in (404, 409):
-                log.warning("could not set %s to %s: %s %s", engine.name, phase, err.status, err.reason)
+            pass
+        except ApiError as err:
+            log.warning("could not set %s to %s: %s %s", engine.name, phase, err.status, err.reason)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from rollfleet.contract import PAUSE_MODES, TOKEN_FILE
 from rollfleet.engine_client import TRANSFER, EngineClient
 from rollfleet.errors import RollfleetError
+from rollfleet.kube import Kube, load_client
 from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
@@ -144,18 +145,11 @@ async def _unavailable_on_failure(request: web.Request, handler: Handler) -> web
 
 
 def _kubernetes(args: argparse.Namespace) -> tuple[RecordStore, Discovery]:
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    kube = Kube(load_client())
     store: RecordStore = (
-        FileStore(Path(args.state_file))
-        if args.state_file
-        else FleetStore(client.CustomObjectsApi(), args.namespace, args.fleet)
+        FileStore(Path(args.state_file)) if args.state_file else FleetStore(kube, args.namespace, args.fleet)
     )
-    return store, PodDiscovery(client.CoreV1Api(), args.namespace, args.fleet)
+    return store, PodDiscovery(kube, args.namespace, args.fleet)
 
 
 def build_orchestrator(args: argparse.Namespace) -> Orchestrator:

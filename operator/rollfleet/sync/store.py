@@ -7,8 +7,7 @@
   on the record, not on the fleet's resourceVersion, matters: the operator writes the
   fleet's status every second during a push, and a resourceVersion guard loses to each
   of those writes on a busy API server. The first record (none to test) is guarded by
-  the resourceVersion. Talks to kube-apiserver (the official client is synchronous:
-  calls run in a thread).
+  the resourceVersion. Talks to kube-apiserver (through ``rollfleet.kube``).
 - ``FileStore``: the same annotations in a JSON file (static mode, tests, benchmarks),
   replaced atomically, with a counter standing in for the resourceVersion.
 """
@@ -22,16 +21,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollfleet.api.fleet import PLURAL
-from rollfleet.contract import ANNOTATION_SYNC_STATE, GROUP, VERSION
-from rollfleet.errors import RollfleetError
+from rollfleet.contract import ANNOTATION_SYNC_STATE
+from rollfleet.kube import FLEET, ApiError, Conflict, Kube
 from rollfleet.sync.protocol import FleetRecord, decode_record, encode_record
 
 _MAX_CONFLICT_RETRIES = 20
-
-
-class Conflict(RollfleetError, RuntimeError):
-    """The record changed since it was read."""
 
 
 Read = tuple[dict[str, str], str]  # the fleet's annotations, and the resourceVersion they were read at
@@ -107,33 +101,26 @@ class FileStore:
 
 
 class FleetStore:
-    def __init__(self, api: Any, namespace: str, fleet: str) -> None:
-        self._api = api  # kubernetes.client.CustomObjectsApi
+    def __init__(self, kube: Kube, namespace: str, fleet: str) -> None:
+        self._kube = kube
         self.namespace, self.fleet = namespace, fleet
 
     async def read(self) -> tuple[dict[str, str], str]:
-        obj = await asyncio.to_thread(
-            self._api.get_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, self.fleet
-        )
+        obj = await self._kube.get(FLEET, self.namespace, self.fleet)
         meta = obj.get("metadata") or {}
         return dict(meta.get("annotations") or {}), str(meta["resourceVersion"])
 
     async def write(self, annotations: Mapping[str, str | None], read: Read) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         ops = record_patch(read[0], annotations)
-        body: Any = ops if ops is not None else {
-            "metadata": {"resourceVersion": read[1], "annotations": dict(annotations)}}
-        content_type = "application/json-patch+json" if ops is not None else "application/merge-patch+json"
+        if ops is None:  # the first record: guarded by the resourceVersion (a stale one: Conflict)
+            body = {"metadata": {"resourceVersion": read[1], "annotations": dict(annotations)}}
+            await self._kube.patch(FLEET, self.namespace, self.fleet, body)
+            return
         try:
-            await asyncio.to_thread(
-                self._api.patch_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL, self.fleet, body,
-                _content_type=content_type,
-            )
-        except ApiException as err:
-            # 409: the resourceVersion moved; 422: the test operation failed (the record moved).
-            if err.status in (409, 422):
-                raise Conflict(f"{err.status} {err.reason}") from err
+            await self._kube.json_patch(FLEET, self.namespace, self.fleet, ops)
+        except ApiError as err:
+            if err.status == 422:  # the test operation failed: the record moved
+                raise Conflict(str(err)) from err
             raise
 
 

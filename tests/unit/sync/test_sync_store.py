@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from rollfleet.contract import ANNOTATION_SYNC_STATE, ANNOTATION_WEIGHT_VERSION
+from rollfleet.kube import Conflict
 from rollfleet.sync.protocol import FleetRecord, adopt_initial, decode_record
-from rollfleet.sync.store import Conflict, FileStore, record_patch, update
+from rollfleet.sync.store import FileStore, record_patch, update
 
 
 def test_write_from_a_stale_read_is_refused(tmp_path: Path) -> None:

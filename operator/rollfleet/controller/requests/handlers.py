@@ -7,13 +7,13 @@ returns once the request is terminal (after its TTL when one is set), and finish
 requests without a TTL get no daemon at all; after an operator restart every request gets a daemon again
 and a running one is adopted (see `runner`).
 
-Shared clients (API client, HTTP client to gateways) are created on first use in the
-operator's event loop. Talks to nobody itself; `runner` does the I/O.
+The clients the daemons share (the API server's, through `rollfleet.kube`, and the HTTP
+client to gateways) live in kopf's memo from startup to cleanup. Talks to nobody itself;
+`runner` does the I/O.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -22,23 +22,27 @@ import kopf
 
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES
 from rollfleet.contract import GROUP, VERSION
-from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests import runner
+from rollfleet.kube import Kube, load_client
 
 # Each in-flight sample holds one connection to its gateway; parallelism is per request.
 MAX_CONNECTIONS = 4096
 
 
-@functools.cache
-def _kube() -> runner.RequestKube:
-    return runner.RequestKube(load_client())
-
-
-@functools.cache
-def _http() -> httpx.AsyncClient:
+@kopf.on.startup()
+async def open_clients(memo: kopf.Memo, **_: Any) -> None:
+    # Clients of their own, apart from the fleets': a busy request does not queue fleet calls.
+    memo.request_kube = Kube(load_client())
     # No read timeout: a sample may wait out a long weight sync on a paused engine; deadlines are ours.
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                             limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256))
+    memo.request_http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                          limits=httpx.Limits(max_connections=MAX_CONNECTIONS,
+                                                              max_keepalive_connections=256))
+
+
+@kopf.on.cleanup()
+async def close_clients(memo: kopf.Memo, **_: Any) -> None:
+    await memo.request_http.aclose()
+    memo.request_kube.close()
 
 
 def _needs_daemon(body: kopf.Body, **_: Any) -> bool:
@@ -48,12 +52,12 @@ def _needs_daemon(body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=30.0, when=_needs_daemon)
-async def run_request(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    kube = _kube()
+async def run_request(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
+    kube: Kube = memo.request_kube
     phase = (body.get("status") or {}).get("phase")
     finished_at = None
     if phase not in TERMINAL_PHASES:
-        verdict = await runner.Run(kube, _http(), body, stopping=lambda: bool(stopped)).run()
+        verdict = await runner.Run(kube, memo.request_http, body, stopping=lambda: bool(stopped)).run()
         if not verdict.terminal or stopped:
             return
         finished_at = time.time()

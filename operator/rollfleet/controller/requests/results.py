@@ -11,19 +11,17 @@ to the open chunk and rewrites it at most once per flush; a full chunk is sealed
 its predecessor's chunks) and labelled with the request's name, uid and chunk index.
 
 `Layout` is the pure part (which lines go in which chunk, which chunks need a write);
-`ResultStore` does the I/O with the CoreV1 API (synchronous client, called from
-threads by the runner); `print_results` is `rollfleet results`.
+`ResultStore` does the I/O (ConfigMaps, through `rollfleet.kube`); `print_results` is
+`rollfleet results`.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
-
-import kubernetes
 
 from rollfleet import jsonl
 from rollfleet.api.request import KIND, PLURAL
@@ -39,10 +37,9 @@ from rollfleet.contract import (
     LABEL_REQUEST,
     LABEL_REQUEST_UID,
     MANAGER,
-    VERSION,
 )
-from rollfleet.controller.kube import load_client
 from rollfleet.controller.requests.plan import SampleResult
+from rollfleet.kube import CONFIG_MAP, REQUEST, Kube, NotFound, context_namespace, load_client
 
 DATA_KEY = "samples.jsonl"
 # Bytes of JSONL per chunk: ConfigMaps hold 1 MiB with their metadata; leave room for it.
@@ -110,15 +107,14 @@ def parse_chunk(cm: dict[str, Any]) -> Chunk:
 class ResultStore:
     """The results of one RolloutRequest, loaded from and written to its ConfigMaps."""
 
-    def __init__(self, core: kubernetes.client.CoreV1Api, namespace: str, name: str, uid: str,
-                 limit: int = CHUNK_LIMIT) -> None:
-        self.core, self.namespace, self.name, self.uid = core, namespace, name, uid
+    def __init__(self, kube: Kube, namespace: str, name: str, uid: str, limit: int = CHUNK_LIMIT) -> None:
+        self.kube, self.namespace, self.name, self.uid = kube, namespace, name, uid
         self.layout = Layout(limit)
         self.results: dict[tuple[int, int], SampleResult] = {}
 
-    def load(self) -> list[SampleResult]:
+    async def load(self) -> list[SampleResult]:
         """Read every stored chunk; returns the stored results (one per sample)."""
-        items = list_chunks(self.core, self.namespace, self.uid)
+        items = await list_chunks(self.kube, self.namespace, self.uid)
         self.layout = Layout(self.layout.limit, (parse_chunk(cm) for cm in items))
         self.results = {}
         for line in self.layout.lines():
@@ -138,10 +134,10 @@ class ResultStore:
     def pending(self) -> int:
         return sum(len(c.lines) - max(c.written, 0) for c in self.layout.chunks)
 
-    def flush(self) -> None:
+    async def flush(self) -> None:
         """Write every chunk with unwritten lines (and seal full ones)."""
         for chunk in self.layout.dirty():
-            self._write(chunk)
+            await self._write(chunk)
 
     def names(self) -> list[str]:
         return [chunk_name(self.name, self.uid, c.index) for c in self.layout.chunks if c.written >= 0]
@@ -163,30 +159,28 @@ class ResultStore:
             body["immutable"] = True
         return body
 
-    def _write(self, chunk: Chunk) -> None:
+    async def _write(self, chunk: Chunk) -> None:
         body = self._body(chunk)
         if chunk.written < 0:
-            out = self.core.create_namespaced_config_map(self.namespace, body)
+            out = await self.kube.create(body)
         else:
             # resourceVersion makes this conditional: a second writer (an operator that should have
             # stopped) gets 409 instead of silently dropping lines; the runner then reloads.
-            out = self.core.replace_namespaced_config_map(body["metadata"]["name"], self.namespace, body)
+            out = await self.kube.replace(body)
         chunk.written = len(chunk.lines)
         chunk.sealed_written = chunk.sealed
-        chunk.resource_version = out.metadata.resource_version
+        chunk.resource_version = out["metadata"]["resourceVersion"]
 
 
-def list_chunks(core: kubernetes.client.CoreV1Api, namespace: str, uid: str) -> list[dict[str, Any]]:
+async def list_chunks(kube: Kube, namespace: str, uid: str) -> list[dict[str, Any]]:
     """The stored chunks of the request with this uid, in order, as JSON."""
-    resp = core.list_namespaced_config_map(namespace, label_selector=f"{LABEL_REQUEST_UID}={uid}",
-                                           _preload_content=False)
-    items = json.loads(resp.data)["items"]
+    items = await kube.list(CONFIG_MAP, namespace, f"{LABEL_REQUEST_UID}={uid}")
     return sorted(items, key=lambda cm: int(cm["metadata"]["labels"][LABEL_CHUNK]))
 
 
-def read_lines(core: kubernetes.client.CoreV1Api, namespace: str, uid: str) -> list[str]:
+async def read_lines(kube: Kube, namespace: str, uid: str) -> list[str]:
     """Every stored result line, ordered by prompt and sample."""
-    lines = [line for cm in list_chunks(core, namespace, uid) for line in parse_chunk(cm).lines]
+    lines = [line for cm in await list_chunks(kube, namespace, uid) for line in parse_chunk(cm).lines]
     return sorted(lines, key=lambda line: SampleResult.from_line(line).key)
 
 
@@ -197,20 +191,21 @@ def print_results(target: str, namespace: str | None, kubeconfig: str | None, ou
         print(f"rollfleet results: want rr/NAME, not {target!r}", file=sys.stderr)
         return 2
     if namespace is None:
-        try:
-            namespace = kubernetes.config.list_kube_config_contexts(kubeconfig)[1]["context"].get("namespace")
-        except (kubernetes.config.ConfigException, OSError, KeyError):
-            namespace = None
+        namespace = context_namespace(kubeconfig)
     namespace = namespace or "default"
-    client = load_client(kubeconfig)
+    kube = Kube(load_client(kubeconfig))
     try:
-        rr = kubernetes.client.CustomObjectsApi(client).get_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, name)
-    except kubernetes.client.ApiException as err:
-        if err.status == 404:
-            print(f"rollfleet results: RolloutRequest {namespace}/{name} not found", file=sys.stderr)
-            return 1
-        raise
-    for line in read_lines(kubernetes.client.CoreV1Api(client), namespace, rr["metadata"]["uid"]):
+        lines = asyncio.run(_request_lines(kube, namespace, name))
+    except NotFound:
+        print(f"rollfleet results: RolloutRequest {namespace}/{name} not found", file=sys.stderr)
+        return 1
+    finally:
+        kube.close()
+    for line in lines:
         out.write(jsonl.safe_line(line) + "\n")  # lines stored by an older operator may hold raw breaks
     return 0
+
+
+async def _request_lines(kube: Kube, namespace: str, name: str) -> list[str]:
+    rr = await kube.get(REQUEST, namespace, name)
+    return await read_lines(kube, namespace, rr["metadata"]["uid"])

@@ -7,7 +7,7 @@ results store, and patch status at a bounded rate. Decisions come from `plan` an
 `status` (pure); this module does the I/O.
 
 Talks to kube-apiserver (the fleet, its gateway Service and admin-token Secret, prompt
-ConfigMaps, result ConfigMaps, the request's status; through the operator's counted `Kube` layer)
+ConfigMaps, result ConfigMaps, the request's status; through `rollfleet.kube`)
 and to the fleet's gateway (`<fleet>-gateway` Service: generation routes and
 `POST /v1/abort`, which stops an id on whatever engine runs it and says so truthfully).
 
@@ -21,6 +21,7 @@ before anything depends on them, so a sample is stored exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -29,25 +30,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from kubernetes.client.exceptions import ApiException
 
-from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
-from rollfleet.api.request import PLURAL, TERMINAL_PHASES, AbortRecord, Prompt, ResultsRef, RolloutRequest
-from rollfleet.contract import (
-    ANNOTATION_ABORT,
-    GATEWAY_PORT,
-    GROUP,
-    VERSION,
-    admin_token,
-    gateway_name,
-    secret_name,
-)
-from rollfleet.controller.kube import MERGE, Kube
+from rollfleet.api.request import TERMINAL_PHASES, AbortRecord, Prompt, ResultsRef, RolloutRequest
+from rollfleet.contract import ANNOTATION_ABORT, GATEWAY_PORT, admin_token, gateway_name, secret_name
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
 from rollfleet.controller.requests.results import ResultStore
 from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
 from rollfleet.controller.status import parse_time
+from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SECRET, SERVICE, ApiError, Conflict, Kube, NotFound
 
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
 FLUSH_INTERVAL_S = 0.5  # results wait at most this long before they are written
@@ -73,67 +64,37 @@ class FleetView:
     weight_version: str | None = None
 
 
-class RequestKube(Kube):
-    """The operator's API layer (counted calls, threads) plus the reads and writes a run needs."""
-
-    async def fleet(self, namespace: str, name: str) -> FleetView:
-        try:
-            fleet = await self._call("read fleet", self.custom.get_namespaced_custom_object, GROUP, VERSION,
-                                     namespace, FLEET_PLURAL, name)
-        except ApiException as err:
-            if err.status == 404:
-                return FleetView(exists=False)
-            raise
-        status = fleet.get("status") or {}
-        view = FleetView(exists=True, model=fleet["spec"]["model"]["servedName"],
-                         paused=(status.get("pause") or {}).get("mode"), weight_version=status.get("weightVersion"))
-        try:
-            svc = await self._call("read service", self.core.read_namespaced_service, gateway_name(name),
-                                    namespace)
-        except ApiException as err:
-            if err.status == 404:  # the fleet's operator has not created it yet
-                return view
-            raise
-        token = admin_token(await self.read_secret_data(namespace, secret_name(name)))
-        ip = svc.spec.cluster_ip
-        gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
-        return replace(view, gateway=gateway, token=token)
-
-    async def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
-        try:
-            cm = await self._call("read configmap", self.core.read_namespaced_config_map, name, namespace)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
-        return dict(cm.data or {})
-
-    async def patch_request_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        try:
-            await self._call("patch request status", self.custom.patch_namespaced_custom_object_status, GROUP,
-                             VERSION, namespace, PLURAL, name, {"status": status}, _content_type=MERGE)
-        except ApiException as err:
-            if err.status != 404:  # deleted meanwhile
-                raise
-
-    async def delete_request(self, namespace: str, name: str, uid: str) -> None:
-        try:
-            await self._call("delete request", self.custom.delete_namespaced_custom_object, GROUP, VERSION,
-                             namespace, PLURAL, name, body={"preconditions": {"uid": uid},
-                                                            "propagationPolicy": "Background"})
-        except ApiException as err:
-            if err.status not in (404, 409):  # gone, or a new object of that name: not ours to delete
-                raise
+async def read_fleet(kube: Kube, namespace: str, name: str) -> FleetView:
+    """The fleet, its gateway Service's address and its admin token, as they are now."""
+    try:
+        fleet = await kube.get(FLEET, namespace, name)
+    except NotFound:
+        return FleetView(exists=False)
+    status = fleet.get("status") or {}
+    view = FleetView(exists=True, model=fleet["spec"]["model"]["servedName"],
+                     paused=(status.get("pause") or {}).get("mode"), weight_version=status.get("weightVersion"))
+    try:
+        svc = await kube.get(SERVICE, namespace, gateway_name(name))
+    except NotFound:  # the fleet's operator has not created it yet
+        return view
+    try:
+        secret: dict[str, Any] = await kube.get(SECRET, namespace, secret_name(name))
+    except NotFound:
+        secret = {}
+    ip = svc["spec"].get("clusterIP")
+    gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
+    return replace(view, gateway=gateway, token=admin_token(secret.get("data") or {}))
 
 
-async def load_prompts(kube: RequestKube, namespace: str, rr: RolloutRequest) -> list[Prompt]:
+async def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[Prompt]:
     if rr.spec.prompts is not None:
         return list(rr.spec.prompts)
     prompts: list[Prompt] = []
     for src in rr.spec.prompts_from or []:
-        data = await kube.config_map_data(namespace, src.name)
-        if data is None:
-            raise PromptError(f"ConfigMap {src.name!r} (spec.promptsFrom) does not exist")
+        try:
+            data = (await kube.get(CONFIG_MAP, namespace, src.name)).get("data") or {}
+        except NotFound:
+            raise PromptError(f"ConfigMap {src.name!r} (spec.promptsFrom) does not exist") from None
         if src.key not in data:
             raise PromptError(f"ConfigMap {src.name!r} has no key {src.key!r} (spec.promptsFrom)")
         prompts += plan.prompts_from_jsonl(data[src.key], f"ConfigMap {src.name}/{src.key}")
@@ -145,7 +106,7 @@ async def load_prompts(kube: RequestKube, namespace: str, rr: RolloutRequest) ->
 class Run:
     """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
 
-    def __init__(self, kube: RequestKube, http: httpx.AsyncClient, body: Mapping[str, Any],
+    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any],
                  stopping: Callable[[], bool]) -> None:
         self.kube, self.http = kube, http
         self.body = body  # kopf's live view: annotations change under us
@@ -153,7 +114,7 @@ class Run:
         meta = body["metadata"]
         self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.rr = RolloutRequest.model_validate(dict(body))
-        self.store = ResultStore(kube.core, self.ns, self.name, self.uid)
+        self.store = ResultStore(kube, self.ns, self.name, self.uid)
         self.tally = Tally()
         self.prompts: list[Prompt] = []
         self.total = 0
@@ -223,7 +184,7 @@ class Run:
 
     async def _prepare(self) -> Verdict | None:
         """Load stored results and prompts; a verdict when the request cannot run at all."""
-        for r in await asyncio.to_thread(self.store.load):
+        for r in await self.store.load():
             self.tally.add(r)
         try:
             self.prompts = await load_prompts(self.kube, self.ns, self.rr)
@@ -239,8 +200,8 @@ class Run:
 
     async def _observe_fleet(self) -> None:
         try:
-            self.fleet = await self.kube.fleet(self.ns, self.rr.spec.fleet)
-        except ApiException as err:  # API hiccup: keep the last view
+            self.fleet = await read_fleet(self.kube, self.ns, self.rr.spec.fleet)
+        except ApiError as err:  # API hiccup: keep the last view
             log.warning("reading fleet %s/%s: %s", self.ns, self.rr.spec.fleet, err)
             return
         v = self.fleet.weight_version
@@ -387,8 +348,8 @@ class Run:
                                           or self.flush_rate.due(time.time())):
             return
         try:
-            await asyncio.to_thread(self.store.flush)
-        except ApiException as err:
+            await self.store.flush()
+        except ApiError as err:
             if urgent:
                 raise
             log.warning("writing results of %s/%s: %s (will retry)", self.ns, self.name, err)
@@ -406,7 +367,8 @@ class Run:
             in_flight=in_flight, generation=self.body["metadata"].get("generation"),
             now=datetime.now(UTC), results=self._results_ref(), digest=self.digest, start_time=self.start,
             abort=self.abort_record)
-        await self.kube.patch_request_status(self.ns, self.name, status)
+        with contextlib.suppress(NotFound):  # deleted meanwhile
+            await self.kube.patch(REQUEST, self.ns, self.name, {"status": status}, status=True)
         self.last_patched = self.verdict
 
     async def _finish(self, verdict: Verdict) -> Verdict:
@@ -417,7 +379,7 @@ class Run:
         return verdict
 
 
-async def expire(kube: RequestKube, body: Mapping[str, Any], wait: Callable[[float], Any],
+async def expire(kube: Kube, body: Mapping[str, Any], wait: Callable[[float], Any],
                  finished_at: float | None = None) -> None:
     """Delete a finished request once its ttlSecondsAfterFinished has passed (results go with it).
 
@@ -437,4 +399,6 @@ async def expire(kube: RequestKube, body: Mapping[str, Any], wait: Callable[[flo
     if left > 0 and await wait(left):  # True: the daemon was asked to stop first
         return
     meta = body["metadata"]
-    await kube.delete_request(meta["namespace"], meta["name"], meta["uid"])
+    with contextlib.suppress(NotFound, Conflict):  # gone, or a new object of that name: not ours to delete
+        await kube.delete(REQUEST, meta["namespace"], meta["name"],
+                          {"preconditions": {"uid": meta["uid"]}, "propagationPolicy": "Background"})
