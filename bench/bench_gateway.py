@@ -161,15 +161,52 @@ def wait_serving(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: fl
 def router_commands(engines: list[str], token_file: Path) -> dict[str, Callable[[int], list[str]]]:
     prom = [free_port(), free_port()]  # the Rust routers' Prometheus listeners (they cannot be turned off)
     return {
-        "rollfleet-gateway": lambda port: [str(BIN / "rollfleet"), "gateway", "--engines", ",".join(engines),
-                                           "--host", "127.0.0.1", "--port", str(port), "--token-file",
-                                           str(token_file), "--log-level", "warning"],
-        "vllm-router": lambda port: [str(BIN / "vllm-router"), "--worker-urls", *engines, "--host", "127.0.0.1",
-                                     "--port", str(port), "--policy", "power_of_two", "--log-level", "warning",
-                                     "--prometheus-port", str(prom[0])],
-        "sglang-router": lambda port: [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
-                                       *engines, "--host", "127.0.0.1", "--port", str(port), "--policy",
-                                       "power_of_two", "--log-level", "warn", "--prometheus-port", str(prom[1])],
+        "rollfleet-gateway": lambda port: [
+            str(BIN / "rollfleet"),
+            "gateway",
+            "--engines",
+            ",".join(engines),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--token-file",
+            str(token_file),
+            "--log-level",
+            "warning",
+        ],
+        "vllm-router": lambda port: [
+            str(BIN / "vllm-router"),
+            "--worker-urls",
+            *engines,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "power_of_two",
+            "--log-level",
+            "warning",
+            "--prometheus-port",
+            str(prom[0]),
+        ],
+        "sglang-router": lambda port: [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--worker-urls",
+            *engines,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "power_of_two",
+            "--log-level",
+            "warn",
+            "--prometheus-port",
+            str(prom[1]),
+        ],
     }
 
 
@@ -178,9 +215,14 @@ def measure(results: dict[str, list[Result]], name: str, url: str, args: argpars
     for mode, stream in (("json", False), ("stream", True)):
         result.latency_ms[mode] = asyncio.run(latency(url, stream, args.requests))
         result.rps[mode] = asyncio.run(throughput(url, stream, args.concurrency, args.duration))
-    print(f"  {name:<18} " + "  ".join(
-        f"{m}: p50 {p50:.2f} ms p99 {p99:.2f} ms {result.rps[m]:.0f} req/s"
-        for m, (p50, p99) in result.latency_ms.items()), flush=True)
+    print(
+        f"  {name:<18} "
+        + "  ".join(
+            f"{m}: p50 {p50:.2f} ms p99 {p99:.2f} ms {result.rps[m]:.0f} req/s"
+            for m, (p50, p99) in result.latency_ms.items()
+        ),
+        flush=True,
+    )
     results.setdefault(name, []).append(result)
 
 
@@ -188,8 +230,10 @@ def median_result(rounds: list[Result]) -> Result:
     """Per metric, the median over rounds: the host's other load drifts during a run."""
     out = Result(rounds[0].name)
     for mode in rounds[0].rps:
-        out.latency_ms[mode] = (statistics.median(r.latency_ms[mode][0] for r in rounds),
-                                statistics.median(r.latency_ms[mode][1] for r in rounds))
+        out.latency_ms[mode] = (
+            statistics.median(r.latency_ms[mode][0] for r in rounds),
+            statistics.median(r.latency_ms[mode][1] for r in rounds),
+        )
         out.rps[mode] = statistics.median(r.rps[mode] for r in rounds)
     return out
 
@@ -224,8 +268,13 @@ def main() -> int:
             port = free_port()
             log = tmp / f"sim-{i}.log"
             with log.open("wb") as out:
-                procs.append(subprocess.Popen([sys.executable, "-m", "rollfleet_dev.sim_engine", "--port",
-                                               str(port)], stdout=out, stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "rollfleet_dev.sim_engine", "--port", str(port)],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
             engines.append(f"http://127.0.0.1:{port}")
             wait_serving(engines[-1], procs[-1], log)
         print(f"upstreams: {engines} (simulated, 16 tokens per request)")
@@ -291,7 +340,8 @@ def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
                 theirs = float(t[f"{mode}_added_p50_ms"])
                 # An added latency within the noise of the direct measurement has no meaningful ratio.
                 o[f"{mode}_added_p50_ratio_vs_{r.name}"] = (
-                    round(float(o[f"{mode}_added_p50_ms"]) / theirs, 2) if theirs >= 0.05 else "n/a")
+                    round(float(o[f"{mode}_added_p50_ms"]) / theirs, 2) if theirs >= 0.05 else "n/a"
+                )
     for name, row in report.items():
         print(f"  {name:<18} " + ", ".join(f"{k}={v}" for k, v in row.items()))
     return report

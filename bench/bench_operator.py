@@ -79,8 +79,12 @@ def spec(engines: int) -> dict[str, Any]:
     return {
         "replicas": engines,
         "model": {"servedName": "standin", "imagePath": "/nonexistent"},
-        "engine": {"image": "python:3.12-slim", "command": ["python3", "-c", STANDIN], "gpusPerEngine": 0,
-                   "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}}},
+        "engine": {
+            "image": "python:3.12-slim",
+            "command": ["python3", "-c", STANDIN],
+            "gpusPerEngine": 0,
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+        },
         "placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
         "gateway": {"enabled": False},
         "drainTimeoutSeconds": 0,
@@ -103,9 +107,24 @@ def free_port() -> int:
 @contextmanager
 def operator(kubeconfig: Path, namespace: str, metrics_port: int) -> Iterator[subprocess.Popen[bytes]]:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    proc = subprocess.Popen([str(BIN / "rollfleet"), "operator", "-n", namespace, "--no-requests", "--listen",
-                             "127.0.0.1", "--health-port", "0", "--metrics-port", str(metrics_port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(BIN / "rollfleet"),
+            "operator",
+            "-n",
+            namespace,
+            "--no-requests",
+            "--listen",
+            "127.0.0.1",
+            "--health-port",
+            "0",
+            "--metrics-port",
+            str(metrics_port),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         yield proc
     finally:
@@ -115,8 +134,10 @@ def operator(kubeconfig: Path, namespace: str, metrics_port: int) -> Iterator[su
 
 def api_calls(metrics_port: int) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^rollfleet_operator_api_calls_total\{call="([^"]+)"\} (\S+)$', text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^rollfleet_operator_api_calls_total\{call="([^"]+)"\} (\S+)$', text, re.M)
+    }
 
 
 class PodWatch:
@@ -181,9 +202,18 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
             calls_before = sum(api_calls(port).values())
             with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
                 t0 = time.monotonic()
-                custom.create_namespaced_custom_object("rollfleet.dev", "v1alpha1", ns, "rolloutfleets", {
-                    "apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutFleet",
-                    "metadata": {"name": "bench"}, "spec": spec(engines)})
+                custom.create_namespaced_custom_object(
+                    "rollfleet.dev",
+                    "v1alpha1",
+                    ns,
+                    "rolloutfleets",
+                    {
+                        "apiVersion": "rollfleet.dev/v1alpha1",
+                        "kind": "RolloutFleet",
+                        "metadata": {"name": "bench"},
+                        "spec": spec(engines),
+                    },
+                )
 
                 def sample() -> None:
                     peak.append(rss_mib(op.pid))
@@ -195,9 +225,12 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
                     f = custom.get_namespaced_custom_object("rollfleet.dev", "v1alpha1", ns, "rolloutfleets", "bench")
                     st = f.get("status") or {}
                     conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
-                    return (st.get("readyReplicas") == engines and conds.get("Ready") == "True"
-                            and conds.get("Progressing") == "False"
-                            and st.get("observedGeneration") == f["metadata"]["generation"])
+                    return (
+                        st.get("readyReplicas") == engines
+                        and conds.get("Ready") == "True"
+                        and conds.get("Progressing") == "False"
+                        and st.get("observedGeneration") == f["metadata"]["generation"]
+                    )
 
                 wait_until(converged, 1800, "status converged", sample)
                 out["converged_s"] = time.monotonic() - t0
@@ -247,9 +280,12 @@ def baseline_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines:
     try:
         with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
             t0 = time.monotonic()
-            proc = subprocess.run([str(BIN / "kubectl"), f"--kubeconfig={kubeconfig}", "apply", "-f", "-"],
-                                  input=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}), text=True,
-                                  capture_output=True)
+            proc = subprocess.run(
+                [str(BIN / "kubectl"), f"--kubeconfig={kubeconfig}", "apply", "-f", "-"],
+                input=json.dumps({"apiVersion": "v1", "kind": "List", "items": pods}),
+                text=True,
+                capture_output=True,
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"kubectl apply failed: {proc.stderr[-2000:]}")
             wait_until(lambda: len(pw.added) >= engines, 900, "all pods created")
@@ -275,8 +311,9 @@ def main() -> int:
     if args.baseline:
         result["baseline_kubectl_apply"] = baseline_run(kubeconfig, client, args.engines)
         result["ratio_created"] = result["fleet"]["created_s"] / result["baseline_kubectl_apply"]["created_s"]
-        result["ratio_converged_vs_raw_ready"] = (result["fleet"]["converged_s"]
-                                                  / result["baseline_kubectl_apply"]["all_ready_or_failed_s"])
+        result["ratio_converged_vs_raw_ready"] = (
+            result["fleet"]["converged_s"] / result["baseline_kubectl_apply"]["all_ready_or_failed_s"]
+        )
     print(json.dumps(result, indent=2))
     return 0
 

@@ -53,8 +53,12 @@ def rss_mib(pid: int) -> float:
 @contextmanager
 def operator(kubeconfig: Path, namespace: str) -> Iterator[subprocess.Popen[bytes]]:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    proc = subprocess.Popen([str(BIN / "rollfleet"), "operator", "-n", namespace, "--health-port", "0",
-                             "--metrics-port", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(BIN / "rollfleet"), "operator", "-n", namespace, "--health-port", "0", "--metrics-port", "0"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         yield proc
     finally:
@@ -91,10 +95,19 @@ def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: i
             spec = {"fleet": "nosuch", "prompts": [{"text": "hello"}], "samplesPerPrompt": 4}
             start = time.monotonic()
             with ThreadPoolExecutor(8) as pool:
-                list(pool.map(lambda i: custom.create_namespaced_custom_object(
-                    GROUP, VERSION, ns, PLURAL, request_body(f"r{i:04d}", spec)), range(count)))
-            wait_until(lambda: sum(p in TERMINAL_PHASES for p in phases(custom, ns).values()) == count,
-                       timeout=600, what=f"{count} requests finished")
+                list(
+                    pool.map(
+                        lambda i: custom.create_namespaced_custom_object(
+                            GROUP, VERSION, ns, PLURAL, request_body(f"r{i:04d}", spec)
+                        ),
+                        range(count),
+                    )
+                )
+            wait_until(
+                lambda: sum(p in TERMINAL_PHASES for p in phases(custom, ns).values()) == count,
+                timeout=600,
+                what=f"{count} requests finished",
+            )
             took = time.monotonic() - start
             time.sleep(5)  # let daemons exit and their state go
             after_run = rss_mib(proc.pid)
@@ -104,8 +117,10 @@ def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: i
             kept = rss_mib(proc.pid)
         print(f"operator RSS idle (no requests)          {idle:8.1f} MiB")
         print(f"after running {count} (peak stays in RSS)  {after_run:8.1f} MiB  (+{after_run - idle:.1f} MiB)")
-        print(f"restarted, {count} finished kept          {kept:8.1f} MiB  (+{kept - idle:.1f} MiB, "
-              f"{(kept - idle) * 1024 / count:.1f} KiB per request)")
+        print(
+            f"restarted, {count} finished kept          {kept:8.1f} MiB  (+{kept - idle:.1f} MiB, "
+            f"{(kept - idle) * 1024 / count:.1f} KiB per request)"
+        )
         print(f"create -> terminal for {count}       {took:8.1f} s    ({count / took:.1f} requests/s)")
     finally:
         core.delete_namespace(ns)
@@ -113,8 +128,10 @@ def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: i
 
 async def direct(gateway: str, calls: list[plan.Call], parallelism: int) -> float:
     sem = asyncio.Semaphore(parallelism)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                 limits=httpx.Limits(max_connections=parallelism)) as http:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=parallelism)
+    ) as http:
+
         async def one(call: plan.Call) -> None:
             async with sem:
                 resp = await http.post(gateway + call.path, json=call.body, headers=call.headers)
@@ -125,14 +142,20 @@ async def direct(gateway: str, calls: list[plan.Call], parallelism: int) -> floa
         return time.monotonic() - start
 
 
-def bench_throughput(client: kubernetes.client.ApiClient, fleet: str, prompts: int, n: int, max_tokens: int,
-                     parallelism: int) -> None:
+def bench_throughput(
+    client: kubernetes.client.ApiClient, fleet: str, prompts: int, n: int, max_tokens: int, parallelism: int
+) -> None:
     ns, name = fleet.split("/", 1)
     custom = kubernetes.client.CustomObjectsApi(client)
     texts = [f"Question {i}: what comes after {i}?" for i in range(prompts)]
-    spec = {"fleet": name, "prompts": [{"text": t} for t in texts], "samplesPerPrompt": n,
-            "sampling": {"maxTokens": max_tokens, "minTokens": max_tokens, "temperature": 1.0, "ignoreEos": True},
-            "parallelism": parallelism, "ttlSecondsAfterFinished": 60}
+    spec = {
+        "fleet": name,
+        "prompts": [{"text": t} for t in texts],
+        "samplesPerPrompt": n,
+        "sampling": {"maxTokens": max_tokens, "minTokens": max_tokens, "temperature": 1.0, "ignoreEos": True},
+        "parallelism": parallelism,
+        "ttlSecondsAfterFinished": 60,
+    }
     rr = f"bench-{uuid.uuid4().hex[:6]}"
     start = time.monotonic()
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, request_body(rr, spec))
@@ -144,12 +167,17 @@ def bench_throughput(client: kubernetes.client.ApiClient, fleet: str, prompts: i
     assert view.gateway and view.model, f"fleet {fleet} has no gateway yet"
     parsed = RolloutRequestSpec.model_validate(spec)
     uid = f"direct-{uuid.uuid4().hex[:8]}"
-    calls = [plan.build_call(parsed, view.model, uid, (p, s), Prompt(text=texts[p]))
-             for p in range(prompts) for s in range(n)]
+    calls = [
+        plan.build_call(parsed, view.model, uid, (p, s), Prompt(text=texts[p]))
+        for p in range(prompts)
+        for s in range(n)
+    ]
     via_gateway = asyncio.run(direct(view.gateway, calls, parallelism))
     total = prompts * n
-    print(f"operator path   {total} samples in {via_operator:6.1f} s = {total / via_operator:7.1f} samples/s "
-          f"(phase {phase}; includes create, watch and status latency)")
+    print(
+        f"operator path   {total} samples in {via_operator:6.1f} s = {total / via_operator:7.1f} samples/s "
+        f"(phase {phase}; includes create, watch and status latency)"
+    )
     print(f"gateway direct  {total} samples in {via_gateway:6.1f} s = {total / via_gateway:7.1f} samples/s")
     print(f"operator / direct: {via_gateway / via_operator:.2f}")
 

@@ -31,19 +31,27 @@ ENGINE_START_S = 600.0
 
 
 def overlay() -> Path:
-    name = os.environ.get("ROLLFLEET_E2E_OVERLAY") or ("local" if os.environ.get(
-        "ROLLFLEET_E2E_PROVIDER", "local") == "local" else "kind")
+    name = os.environ.get("ROLLFLEET_E2E_OVERLAY") or (
+        "local" if os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") == "local" else "kind"
+    )
     return REPO / "manifests" / "overlays" / name
 
 
 def served_namespaces(cluster: Cluster) -> set[str]:
     """The namespaces the deployed operator serves now (none when it is not deployed)."""
-    out = cluster.kubectl("-n", OPERATOR_NS, "get", "deployment/rollfleet-operator", "-o",
-                          "jsonpath={.spec.template.spec.containers[0].args}", check=False)
+    out = cluster.kubectl(
+        "-n",
+        OPERATOR_NS,
+        "get",
+        "deployment/rollfleet-operator",
+        "-o",
+        "jsonpath={.spec.template.spec.containers[0].args}",
+        check=False,
+    )
     if out.returncode != 0 or not out.stdout.strip():
         return set()
     prefix = "--namespace="
-    return {a[len(prefix):] for a in json.loads(out.stdout) if a.startswith(prefix)}
+    return {a[len(prefix) :] for a in json.loads(out.stdout) if a.startswith(prefix)}
 
 
 def deploy_operator(cluster: Cluster, namespaces: list[str]) -> None:
@@ -57,21 +65,23 @@ def deploy_operator(cluster: Cluster, namespaces: list[str]) -> None:
     for doc in docs:
         if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "rollfleet-operator":
             doc["spec"]["template"]["spec"]["containers"][0]["args"] += [f"--namespace={n}" for n in served]
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs),
-                    timeout=180)
-    cluster.kubectl("-n", OPERATOR_NS, "rollout", "status", "deployment/rollfleet-operator", "--timeout=300s",
-                    timeout=320)
+    cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs), timeout=180
+    )
+    cluster.kubectl(
+        "-n", OPERATOR_NS, "rollout", "status", "deployment/rollfleet-operator", "--timeout=300s", timeout=320
+    )
 
 
 def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
-    out = cluster.kubectl("-n", OPERATOR_NS, "get", "pods", "-l", "app.kubernetes.io/component=operator",
-                          "-o", "json")
+    out = cluster.kubectl("-n", OPERATOR_NS, "get", "pods", "-l", "app.kubernetes.io/component=operator", "-o", "json")
     return [p for p in json.loads(out.stdout)["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
 def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dict[str, Any]:
     return {
-        "apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutFleet",
+        "apiVersion": "rollfleet.dev/v1alpha1",
+        "kind": "RolloutFleet",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "replicas": replicas,
@@ -95,8 +105,7 @@ class Fleet:
     namespace: str
 
     def get(self) -> dict[str, Any]:
-        return dict(json.loads(self.cluster.kubectl("-n", self.namespace, "get", "rf", self.name,
-                                                    "-o", "json").stdout))
+        return dict(json.loads(self.cluster.kubectl("-n", self.namespace, "get", "rf", self.name, "-o", "json").stdout))
 
     def status(self) -> dict[str, Any]:
         return dict(self.get().get("status") or {})
@@ -106,31 +115,53 @@ class Fleet:
 
     def wait(self, predicate: Any, what: str, timeout: float = ENGINE_START_S) -> dict[str, Any]:
         """Wait until `predicate(status)` holds; returns that status."""
+
         def check() -> dict[str, Any] | None:
             st = self.status()
             return st if predicate(st) else None
+
         return dict(wait_for(check, timeout=timeout, interval=0.5, what=f"{self.name}: {what}"))
 
     def wait_ready(self, replicas: int, timeout: float = ENGINE_START_S) -> dict[str, Any]:
         def ready(st: dict[str, Any]) -> bool:
             conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
-            return (st.get("readyReplicas") == replicas and st.get("replicas") == replicas
-                    and st.get("observedGeneration") == self.get()["metadata"]["generation"]
-                    and conds.get("Ready") == "True" and conds.get("Progressing") == "False")
+            return (
+                st.get("readyReplicas") == replicas
+                and st.get("replicas") == replicas
+                and st.get("observedGeneration") == self.get()["metadata"]["generation"]
+                and conds.get("Ready") == "True"
+                and conds.get("Progressing") == "False"
+            )
+
         return self.wait(ready, f"Ready with {replicas} engines", timeout)
 
     def pods(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("-n", self.namespace, "get", "pods", "-l",
-                                   f"rollfleet.dev/fleet={self.name},app.kubernetes.io/component=engine",
-                                   "-o", "json")
+        out = self.cluster.kubectl(
+            "-n",
+            self.namespace,
+            "get",
+            "pods",
+            "-l",
+            f"rollfleet.dev/fleet={self.name},app.kubernetes.io/component=engine",
+            "-o",
+            "json",
+        )
         return list(json.loads(out.stdout)["items"])
 
     def engine(self, name: str) -> dict[str, Any]:
         return next((e for e in self.status().get("engines", []) if e["name"] == name), {})
 
     def events(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("-n", self.namespace, "get", "events", "--field-selector",
-                                   f"involvedObject.kind=RolloutFleet,involvedObject.name={self.name}", "-o", "json")
+        out = self.cluster.kubectl(
+            "-n",
+            self.namespace,
+            "get",
+            "events",
+            "--field-selector",
+            f"involvedObject.kind=RolloutFleet,involvedObject.name={self.name}",
+            "-o",
+            "json",
+        )
         return list(json.loads(out.stdout)["items"])
 
     def engine_state(self, pod: str) -> dict[str, Any]:
@@ -156,8 +187,15 @@ class Stream:
         return self
 
     def _run(self) -> None:
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": self.max_tokens, "n": self.n,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "prompt": "Once upon a time",
+            "max_tokens": self.max_tokens,
+            "n": self.n,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=httpx.Timeout(600)) as r:
                 r.raise_for_status()
@@ -188,8 +226,14 @@ class Stream:
         assert self.error is None, f"stream failed after {self.tokens()} chunks: {self.error!r}"
 
 
-def signal_container(cluster: Cluster, namespace: str, pod: str, container: str, markers: list[bytes],
-                     sig: signal.Signals = signal.SIGKILL) -> None:
+def signal_container(
+    cluster: Cluster,
+    namespace: str,
+    pod: str,
+    container: str,
+    markers: list[bytes],
+    sig: signal.Signals = signal.SIGKILL,
+) -> None:
     """Signal a container's main process: SIGKILL as an OOM kill or a crash would, SIGSTOP as a hang.
 
     On the local cluster containers are local processes: the one whose argv holds all of

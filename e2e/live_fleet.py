@@ -64,13 +64,20 @@ class LiveFleet:
         self.fleet.wait_ready(2)
 
     def _reach(self, component: str, port: int) -> list[Endpoint]:
-        out = self.cluster.kubectl("-n", self.namespace, "get", "pods", "-l",
-                                   f"rollfleet.dev/fleet={NAME},app.kubernetes.io/component={component}",
-                                   "-o", "json")
-        pods = sorted(p["metadata"]["name"] for p in json.loads(out.stdout)["items"]
-                      if not p["metadata"].get("deletionTimestamp"))
-        return [Endpoint(pod, self.stack.enter_context(self.cluster.reach(self.namespace, pod, port)))
-                for pod in pods]
+        out = self.cluster.kubectl(
+            "-n",
+            self.namespace,
+            "get",
+            "pods",
+            "-l",
+            f"rollfleet.dev/fleet={NAME},app.kubernetes.io/component={component}",
+            "-o",
+            "json",
+        )
+        pods = sorted(
+            p["metadata"]["name"] for p in json.loads(out.stdout)["items"] if not p["metadata"].get("deletionTimestamp")
+        )
+        return [Endpoint(pod, self.stack.enter_context(self.cluster.reach(self.namespace, pod, port))) for pod in pods]
 
     def kill_engine(self, key: str) -> None:
         kill_engine_process(self.cluster, self.namespace, key)
@@ -94,8 +101,12 @@ class LiveFleet:
 
 def _warm(url: str) -> bool:
     try:
-        return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 2},
-                          timeout=300).status_code == 200
+        return (
+            httpx.post(
+                url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 2}, timeout=300
+            ).status_code
+            == 200
+        )
     except httpx.TransportError:
         return False
 
@@ -117,8 +128,7 @@ def live_fleet(cluster: Cluster) -> Iterator[LiveFleet]:
     fleet = Fleet(cluster, NAME, namespace)
     try:
         fleet.wait_ready(2)
-        secret = json.loads(cluster.kubectl("-n", namespace, "get", "secret", secret_name(NAME),
-                                            "-o", "json").stdout)
+        secret = json.loads(cluster.kubectl("-n", namespace, "get", "secret", secret_name(NAME), "-o", "json").stdout)
         with contextlib.ExitStack() as stack:
             token = admin_token(secret["data"])
             assert token, f"the Secret {secret_name(NAME)} holds no admin token"

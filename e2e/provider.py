@@ -57,8 +57,9 @@ class Cluster:
     def api_client(self) -> kubernetes.client.ApiClient:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
         return Kubectl(self.kubeconfig).run(*args, input=input, check=check, timeout=timeout)
 
     def container_log(self, namespace: str, pod: str, container: str) -> str:
@@ -88,8 +89,15 @@ class _PortForward:
     would leave a long-lived URL dead for the rest of the session."""
 
     def __init__(self, kubeconfig: Path, namespace: str, pod: str, port: int) -> None:
-        self.argv = ["kubectl", f"--kubeconfig={kubeconfig}", "-n", namespace, "port-forward", f"pod/{pod}",
-                     f"{_free_port()}:{port}"]
+        self.argv = [
+            "kubectl",
+            f"--kubeconfig={kubeconfig}",
+            "-n",
+            namespace,
+            "port-forward",
+            f"pod/{pod}",
+            f"{_free_port()}:{port}",
+        ]
         self.local_port = int(self.argv[-1].split(":")[0])
         self.what = f"{namespace}/{pod}:{port}"
         self.stop = threading.Event()

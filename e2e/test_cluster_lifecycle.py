@@ -19,8 +19,10 @@ from e2e.provider import Cluster, wait_for
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.last,
-    pytest.mark.skipif(os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") != "local",
-                       reason="stops the local cluster; kind clusters are deleted by their workflow"),
+    pytest.mark.skipif(
+        os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") != "local",
+        reason="stops the local cluster; kind clusters are deleted by their workflow",
+    ),
 ]
 
 
@@ -40,7 +42,11 @@ def test_down_leaves_no_process_or_port(cluster: Cluster) -> None:
     from rollfleet_dev.localcluster import controlplane
 
     marker = f"rollfleet-e2e-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("apply", "-f", "-", input=f"""
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=f"""
 apiVersion: v1
 kind: Pod
 metadata: {{name: survivor-check, namespace: default}}
@@ -50,7 +56,8 @@ spec:
   - name: sleeper
     image: python:3.11
     command: [python, -c, "import time, sys; time.sleep(3600)", {marker}]
-""")
+""",
+    )
     cluster.kubectl("wait", "--for=condition=Ready", "pod/survivor-check", "--timeout=60s")
     pod_pids = wait_for(lambda: _pids_with_arg(marker), 30, what="the pod's process")
     cluster_pids = [controlplane.running_pid(controlplane.Layout(), c) for c in controlplane.START_ORDER]
@@ -58,8 +65,11 @@ spec:
 
     subprocess.run([sys.executable, "-m", "rollfleet.cli", "cluster", "down"], check=True, timeout=120)
 
-    alive = [p for p in [*pod_pids, *cluster_pids] if p and Path(f"/proc/{p}").exists()
-             and Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0] != "Z"]
+    alive = [
+        p
+        for p in [*pod_pids, *cluster_pids]
+        if p and Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    ]
     assert alive == [], f"processes left behind: {alive}"
     busy = [port for port in controlplane.PORTS.values() if controlplane.port_in_use(port)]
     assert busy == [], f"ports left in use: {busy}"

@@ -31,8 +31,11 @@ def ns(core: kubernetes.client.CoreV1Api) -> Iterator[str]:
     name = f"nodes-e2e-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": name}})
     # Pods need the namespace's default ServiceAccount (made by the controller-manager).
-    wait_for(lambda: _exists(lambda: core.read_namespaced_service_account("default", name)), 30,
-             what="default ServiceAccount")
+    wait_for(
+        lambda: _exists(lambda: core.read_namespaced_service_account("default", name)),
+        30,
+        what="default ServiceAccount",
+    )
     yield name
     core.delete_namespace(name)
 
@@ -55,10 +58,18 @@ def _exists(read: Callable[[], Any]) -> bool:
 
 
 def _pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
-    container = {"name": spec.pop("container_name", "main"), "image": "busybox", "command": command,
-                 **spec.pop("container", {})}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **spec.pop("metadata", {})},
-            "spec": {"containers": [container], "terminationGracePeriodSeconds": 2, **spec}}
+    container = {
+        "name": spec.pop("container_name", "main"),
+        "image": "busybox",
+        "command": command,
+        **spec.pop("container", {}),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, **spec.pop("metadata", {})},
+        "spec": {"containers": [container], "terminationGracePeriodSeconds": 2, **spec},
+    }
 
 
 def _phase(core: kubernetes.client.CoreV1Api, ns: str, name: str) -> str:
@@ -80,16 +91,22 @@ def _log(ns: str, pod: str, container: str | None = None) -> str:
         return ""
 
 
-def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(core: kubernetes.client.CoreV1Api, ns: str,
-                                                       cluster: Cluster) -> None:
-    pod = _pod("gpu4", ["python", "-m", "http.server", "8000", "--bind", "$(POD_IP)"],
-               tolerations=[GPU_TOLERATION],
-               metadata={"labels": {"app": "gpu4"}},
-               container={"image": "python:3.11",
-                          "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                          "resources": {"limits": {"nvidia.com/gpu": "4"}},
-                          "ports": [{"containerPort": 8000, "name": "http"}],
-                          "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 1}})
+def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(
+    core: kubernetes.client.CoreV1Api, ns: str, cluster: Cluster
+) -> None:
+    pod = _pod(
+        "gpu4",
+        ["python", "-m", "http.server", "8000", "--bind", "$(POD_IP)"],
+        tolerations=[GPU_TOLERATION],
+        metadata={"labels": {"app": "gpu4"}},
+        container={
+            "image": "python:3.11",
+            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "resources": {"limits": {"nvidia.com/gpu": "4"}},
+            "ports": [{"containerPort": 8000, "name": "http"}],
+            "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 1},
+        },
+    )
     core.create_namespaced_pod(ns, pod)
     wait_for(lambda: _ready(core, ns, "gpu4"), 60, what="gpu4 ready")
     p = core.read_namespaced_pod("gpu4", ns)
@@ -101,9 +118,13 @@ def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(core: kubernetes.client.Cor
     if cluster.provider == "local":
         assert p.status.pod_ip.startswith("127.") and p.status.pod_ip != p.status.host_ip
         # A Service with a loopback ClusterIP is served by the agent's proxy.
-        svc = core.create_namespaced_service(ns, {
-            "metadata": {"name": "gpu4"},
-            "spec": {"selector": {"app": "gpu4"}, "ports": [{"port": 80, "targetPort": "http"}]}})
+        svc = core.create_namespaced_service(
+            ns,
+            {
+                "metadata": {"name": "gpu4"},
+                "spec": {"selector": {"app": "gpu4"}, "ports": [{"port": 80, "targetPort": "http"}]},
+            },
+        )
 
         def through_service() -> bool:
             try:
@@ -115,13 +136,22 @@ def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(core: kubernetes.client.Cor
 
 
 def test_nine_gpus_stay_pending_unschedulable(core: kubernetes.client.CoreV1Api, ns: str) -> None:
-    core.create_namespaced_pod(ns, _pod("gpu9", ["sleep", "300"], tolerations=[GPU_TOLERATION],
-                                        container={"resources": {"limits": {"nvidia.com/gpu": "9"}}}))
+    core.create_namespaced_pod(
+        ns,
+        _pod(
+            "gpu9",
+            ["sleep", "300"],
+            tolerations=[GPU_TOLERATION],
+            container={"resources": {"limits": {"nvidia.com/gpu": "9"}}},
+        ),
+    )
 
     def unschedulable() -> bool:
         p = core.read_namespaced_pod("gpu9", ns)
-        return any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
-                   for c in p.status.conditions or [])
+        return any(
+            c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+            for c in p.status.conditions or []
+        )
 
     wait_for(unschedulable, 30, what="gpu9 Unschedulable")
     p = core.read_namespaced_pod("gpu9", ns)
@@ -132,41 +162,67 @@ def test_pod_without_toleration_avoids_gpu_nodes(core: kubernetes.client.CoreV1A
     for i in range(3):
         core.create_namespaced_pod(ns, _pod(f"plain-{i}", ["sleep", "300"]))
     for i in range(3):
-        node = wait_for(lambda i=i: core.read_namespaced_pod(f"plain-{i}", ns).spec.node_name, 30,
-                        what=f"plain-{i} scheduled")
+        node = wait_for(
+            lambda i=i: core.read_namespaced_pod(f"plain-{i}", ns).spec.node_name, 30, what=f"plain-{i} scheduled"
+        )
         assert core.read_node(node).metadata.labels["rollfleet.dev/pool"] == "cpu"
     # Pinned to the GPU pool without the toleration: never scheduled.
     core.create_namespaced_pod(ns, _pod("pinned", ["sleep", "300"], nodeSelector={"rollfleet.dev/pool": "gpu"}))
-    wait_for(lambda: any(c.reason == "Unschedulable" for c in
-                         core.read_namespaced_pod("pinned", ns).status.conditions or []), 30,
-             what="pinned Unschedulable")
+    wait_for(
+        lambda: any(
+            c.reason == "Unschedulable" for c in core.read_namespaced_pod("pinned", ns).status.conditions or []
+        ),
+        30,
+        what="pinned Unschedulable",
+    )
     assert not core.read_namespaced_pod("pinned", ns).spec.node_name
 
 
-def test_deployment_ready_and_owner_deletion_collects_children(cluster: Cluster, core: kubernetes.client.CoreV1Api,
-                                                               ns: str) -> None:
+def test_deployment_ready_and_owner_deletion_collects_children(
+    cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str
+) -> None:
     apps = kubernetes.client.AppsV1Api(cluster.api_client())
-    apps.create_namespaced_deployment(ns, {
-        "metadata": {"name": "web"},
-        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
-                 "template": {"metadata": {"labels": {"app": "web"}}, "spec": {
-                     "terminationGracePeriodSeconds": 2,
-                     "containers": [{"name": "web", "image": "python:3.11",
-                                     "command": ["python", "-m", "http.server", "8080", "--bind", "$(POD_IP)"],
-                                     "env": [{"name": "POD_IP",
-                                              "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                                     "readinessProbe": {"httpGet": {"path": "/", "port": 8080},
-                                                        "periodSeconds": 1}}]}}},
-    })
-    wait_for(lambda: (apps.read_namespaced_deployment("web", ns).status.ready_replicas or 0) == 2, 90,
-             what="2 ready replicas")
+    apps.create_namespaced_deployment(
+        ns,
+        {
+            "metadata": {"name": "web"},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {
+                    "metadata": {"labels": {"app": "web"}},
+                    "spec": {
+                        "terminationGracePeriodSeconds": 2,
+                        "containers": [
+                            {
+                                "name": "web",
+                                "image": "python:3.11",
+                                "command": ["python", "-m", "http.server", "8080", "--bind", "$(POD_IP)"],
+                                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                                "readinessProbe": {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1},
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+    )
+    wait_for(
+        lambda: (apps.read_namespaced_deployment("web", ns).status.ready_replicas or 0) == 2,
+        90,
+        what="2 ready replicas",
+    )
     apps.delete_namespaced_deployment("web", ns, propagation_policy="Background")
-    wait_for(lambda: not core.list_namespaced_pod(ns, label_selector="app=web").items, 60,
-             what="the Deployment's pods garbage-collected")
+    wait_for(
+        lambda: not core.list_namespaced_pod(ns, label_selector="app=web").items,
+        60,
+        what="the Deployment's pods garbage-collected",
+    )
 
 
-def test_crashing_container_restarts_with_growing_count(core: kubernetes.client.CoreV1Api, ns: str,
-                                                        local: Cluster) -> None:
+def test_crashing_container_restarts_with_growing_count(
+    core: kubernetes.client.CoreV1Api, ns: str, local: Cluster
+) -> None:
     core.create_namespaced_pod(ns, _pod("crash", ["sh", "-c", "echo run; exit 3"]))
 
     def restarts() -> int:
@@ -177,8 +233,12 @@ def test_crashing_container_restarts_with_growing_count(core: kubernetes.client.
     s = core.read_namespaced_pod("crash", ns).status.container_statuses[0]
     assert s.last_state.terminated.exit_code == 3
     assert _phase(core, ns, "crash") == "Running"  # restartPolicy Always: it keeps being restarted
-    waiting = wait_for(lambda: (core.read_namespaced_pod("crash", ns).status.container_statuses[0].state.waiting),
-                       30, interval=0.1, what="CrashLoopBackOff")
+    waiting = wait_for(
+        lambda: core.read_namespaced_pod("crash", ns).status.container_statuses[0].state.waiting,
+        30,
+        interval=0.1,
+        what="CrashLoopBackOff",
+    )
     assert waiting.reason == "CrashLoopBackOff"
     from rollfleet_dev.localcluster.controlplane import Layout
     from rollfleet_dev.localcluster.nodeagent.logs import find_log
@@ -202,8 +262,14 @@ def test_deleted_pod_leaves_no_process(core: kubernetes.client.CoreV1Api, ns: st
     marker = f"ROLLFLEET_E2E_MARKER={uuid.uuid4().hex}"
     # A child that ignores SIGTERM and leaves the process group: the agent still gets it.
     script = "trap '' TERM; setsid sleep 300 & sleep 300"
-    core.create_namespaced_pod(ns, _pod("doomed", ["sh", "-c", script], container={
-        "env": [{"name": "ROLLFLEET_E2E_MARKER", "value": marker.split("=", 1)[1]}]}))
+    core.create_namespaced_pod(
+        ns,
+        _pod(
+            "doomed",
+            ["sh", "-c", script],
+            container={"env": [{"name": "ROLLFLEET_E2E_MARKER", "value": marker.split("=", 1)[1]}]},
+        ),
+    )
     wait_for(lambda: len(_processes_with(marker)) >= 3, 30, what="the pod's processes")
     core.delete_namespaced_pod("doomed", ns, grace_period_seconds=1)
     wait_for(lambda: not _exists(lambda: core.read_namespaced_pod("doomed", ns)), 30, what="pod gone")
@@ -224,24 +290,42 @@ RBAC_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_service_account_permissions_are_enforced(cluster: Cluster, core: kubernetes.client.CoreV1Api,
-                                                  ns: str) -> None:
+def test_service_account_permissions_are_enforced(cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str) -> None:
     rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
     for sa in ("reader", "nobody"):
         core.create_namespaced_service_account(ns, {"metadata": {"name": sa}})
-    rbac.create_namespaced_role(ns, {"metadata": {"name": "cm-reader"}, "rules": [
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}]})
-    rbac.create_namespaced_role_binding(ns, {
-        "metadata": {"name": "reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}]})
+    rbac.create_namespaced_role(
+        ns,
+        {
+            "metadata": {"name": "cm-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        ns,
+        {
+            "metadata": {"name": "reader"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-reader"},
+            "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}],
+        },
+    )
     for sa in ("reader", "nobody"):
-        core.create_namespaced_pod(ns, _pod(f"as-{sa}", ["python", "-c", RBAC_SCRIPT], restartPolicy="Never",
-                                            serviceAccountName=sa, container={"image": "python:3.11"}))
+        core.create_namespaced_pod(
+            ns,
+            _pod(
+                f"as-{sa}",
+                ["python", "-c", RBAC_SCRIPT],
+                restartPolicy="Never",
+                serviceAccountName=sa,
+                container={"image": "python:3.11"},
+            ),
+        )
     for sa in ("reader", "nobody"):
         wait_for(lambda sa=sa: _phase(core, ns, f"as-{sa}") in ("Succeeded", "Failed"), 60, what=f"as-{sa} done")
-    exit_code = {sa: core.read_namespaced_pod(f"as-{sa}", ns).status.container_statuses[0]
-                 .state.terminated.exit_code for sa in ("reader", "nobody")}
+    exit_code = {
+        sa: core.read_namespaced_pod(f"as-{sa}", ns).status.container_statuses[0].state.terminated.exit_code
+        for sa in ("reader", "nobody")
+    }
     assert exit_code == {"reader": 0, "nobody": 3}
     if cluster.provider == "local":
         assert "refused 403" in _log(ns, "as-nobody")
@@ -258,34 +342,54 @@ def test_env_and_volumes_reach_the_process(core: kubernetes.client.CoreV1Api, ns
         echo "labels=$(cat /etc/podinfo/labels)"
         touch /etc/cfg/x 2>/dev/null || echo "cfg read-only"
     """)
-    core.create_namespaced_pod(ns, _pod(
-        "envpod", ["sh", "-c", script], restartPolicy="Never", metadata={"labels": {"app": "envpod"}},
-        initContainers=[{"name": "init", "image": "busybox", "command": ["sh", "-c", "echo ok > /scratch/init.txt"],
-                          "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
-        volumes=[{"name": "scratch", "emptyDir": {}}, {"name": "cfg", "configMap": {"name": "cfg"}},
-                 {"name": "sec", "secret": {"secretName": "sec"}},
-                 {"name": "podinfo", "downwardAPI": {"items": [
-                     {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels['app']"}}]}}],
-        container={
-            "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
-            "env": [
-                {"name": "MY_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                {"name": "MY_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-                {"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "MY_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                {"name": "MY_APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
-                {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "greeting"}}},
-                {"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "password"}}},
-                {"name": "EXPANDED", "value": "$(GREETING)-$(MY_NAME)-$(NOT_SET)"},
-                {"name": "ESCAPED", "value": "$$(GREETING)"},
-                {"name": "CPU", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu", "divisor": "1m"}}},
+    core.create_namespaced_pod(
+        ns,
+        _pod(
+            "envpod",
+            ["sh", "-c", script],
+            restartPolicy="Never",
+            metadata={"labels": {"app": "envpod"}},
+            initContainers=[
+                {
+                    "name": "init",
+                    "image": "busybox",
+                    "command": ["sh", "-c", "echo ok > /scratch/init.txt"],
+                    "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+                }
             ],
-            "resources": {"limits": {"cpu": "500m"}},
-            "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"},
-                             {"name": "cfg", "mountPath": "/etc/cfg"},
-                             {"name": "sec", "mountPath": "/etc/sec", "readOnly": True},
-                             {"name": "podinfo", "mountPath": "/etc/podinfo"}],
-        }))
+            volumes=[
+                {"name": "scratch", "emptyDir": {}},
+                {"name": "cfg", "configMap": {"name": "cfg"}},
+                {"name": "sec", "secret": {"secretName": "sec"}},
+                {
+                    "name": "podinfo",
+                    "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels['app']"}}]},
+                },
+            ],
+            container={
+                "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
+                "env": [
+                    {"name": "MY_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "MY_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                    {"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "MY_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                    {"name": "MY_APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+                    {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "greeting"}}},
+                    {"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "password"}}},
+                    {"name": "EXPANDED", "value": "$(GREETING)-$(MY_NAME)-$(NOT_SET)"},
+                    {"name": "ESCAPED", "value": "$$(GREETING)"},
+                    {"name": "CPU", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu", "divisor": "1m"}}},
+                ],
+                "resources": {"limits": {"cpu": "500m"}},
+                "volumeMounts": [
+                    {"name": "scratch", "mountPath": "/scratch"},
+                    {"name": "cfg", "mountPath": "/etc/cfg"},
+                    {"name": "sec", "mountPath": "/etc/sec", "readOnly": True},
+                    {"name": "podinfo", "mountPath": "/etc/podinfo"},
+                ],
+            },
+        ),
+    )
     wait_for(lambda: _phase(core, ns, "envpod") == "Succeeded", 60, what="envpod Succeeded")
     p = core.read_namespaced_pod("envpod", ns)
     out = _log(ns, "envpod")
@@ -299,23 +403,38 @@ def test_env_and_volumes_reach_the_process(core: kubernetes.client.CoreV1Api, ns
 
 def test_probes_drive_readiness_and_liveness(core: kubernetes.client.CoreV1Api, ns: str) -> None:
     # Ready only once /tmp/ready-<pod> exists (created after a moment); liveness fails on /healthz.
-    core.create_namespaced_pod(ns, _pod(
-        "probed", ["sh", "-c", "sleep 2; touch /tmp/ready-$(POD); sleep 300"],
-        container={
-            "env": [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
-            "readinessProbe": {"exec": {"command": ["sh", "-c", "test -f /tmp/ready-$POD"]}, "periodSeconds": 1},
-        }))
+    core.create_namespaced_pod(
+        ns,
+        _pod(
+            "probed",
+            ["sh", "-c", "sleep 2; touch /tmp/ready-$(POD); sleep 300"],
+            container={
+                "env": [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
+                "readinessProbe": {"exec": {"command": ["sh", "-c", "test -f /tmp/ready-$POD"]}, "periodSeconds": 1},
+            },
+        ),
+    )
     wait_for(lambda: core.read_namespaced_pod("probed", ns).status.phase == "Running", 30, what="probed running")
     assert not _ready(core, ns, "probed")
     wait_for(lambda: _ready(core, ns, "probed"), 30, what="probed ready")
 
-    core.create_namespaced_pod(ns, _pod(
-        "unlive", ["python", "-m", "http.server", "8000", "--bind", "$(POD_IP)"],
-        container={"image": "python:3.11",
-                   "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                   "startupProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1, "failureThreshold": 30},
-                   "livenessProbe": {"httpGet": {"path": "/healthz", "port": 8000}, "periodSeconds": 1,
-                                     "failureThreshold": 2}}))
+    core.create_namespaced_pod(
+        ns,
+        _pod(
+            "unlive",
+            ["python", "-m", "http.server", "8000", "--bind", "$(POD_IP)"],
+            container={
+                "image": "python:3.11",
+                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                "startupProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1, "failureThreshold": 30},
+                "livenessProbe": {
+                    "httpGet": {"path": "/healthz", "port": 8000},
+                    "periodSeconds": 1,
+                    "failureThreshold": 2,
+                },
+            },
+        ),
+    )
 
     def restarted() -> bool:
         s = core.read_namespaced_pod("unlive", ns).status.container_statuses or []
@@ -339,8 +458,15 @@ def test_node_objects_look_like_gpu_nodes(core: kubernetes.client.CoreV1Api, loc
 
 
 def test_failing_init_container_fails_a_never_pod(core: kubernetes.client.CoreV1Api, ns: str) -> None:
-    core.create_namespaced_pod(ns, _pod("badinit", ["true"], restartPolicy="Never", initContainers=[
-        {"name": "init", "image": "busybox", "command": ["sh", "-c", "exit 7"]}]))
+    core.create_namespaced_pod(
+        ns,
+        _pod(
+            "badinit",
+            ["true"],
+            restartPolicy="Never",
+            initContainers=[{"name": "init", "image": "busybox", "command": ["sh", "-c", "exit 7"]}],
+        ),
+    )
     wait_for(lambda: _phase(core, ns, "badinit") == "Failed", 30, what="badinit Failed")
     p = core.read_namespaced_pod("badinit", ns)
     assert p.status.init_container_statuses[0].state.terminated.exit_code == 7

@@ -54,8 +54,11 @@ def _create(cluster: Cluster, manifest: dict[str, Any]) -> str:
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("tp-multiple", {"engine": {"gpusPerEngine": 3, "tensorParallelSize": 2}}, "must be a multiple of"),
     ("tp-without-gpu", {"engine": {"gpusPerEngine": 0, "tensorParallelSize": 2}}, "needs GPUs"),
-    ("no-surge-no-unavailable", {"updateStrategy": {"maxUnavailable": 0, "maxSurge": 0}},
-     "maxUnavailable must be at least 1 when maxSurge is 0"),
+    (
+        "no-surge-no-unavailable",
+        {"updateStrategy": {"maxUnavailable": 0, "maxSurge": 0}},
+        "maxUnavailable must be at least 1 when maxSurge is 0",
+    ),
     ("percent-zero", {"updateStrategy": {"maxUnavailable": "0%"}}, "maxUnavailable must be at least 1"),
     ("bad-percent", {"updateStrategy": {"maxSurge": "lots"}}, "should match"),
     ("reserved-flag", {"engine": {"args": ["--port=9000"]}}, "engine.args must not set"),
@@ -63,12 +66,18 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("negative-replicas", {"replicas": -1}, "greater than or equal to 0"),
     ("too-many-replicas", {"replicas": 5000}, "less than or equal to 1000"),
     ("bad-pull-policy", {"engine": {"imagePullPolicy": "Sometimes"}}, "Unsupported value"),
-    ("toleration-exists-value", {"placement": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
-     "leave value empty"),
+    (
+        "toleration-exists-value",
+        {"placement": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+        "leave value empty",
+    ),
     ("drain-timeout", {"drainTimeoutSeconds": -5}, "greater than or equal to 0"),
     ("bad-backend", {"weightSync": {"backend": "carrier-pigeon"}}, "Unsupported value"),
-    ("peer-ip-and-pods", {"networkPolicy": {"extraIngressFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
-                                                                  "podSelector": {}}]}}, "set ipBlock alone"),
+    (
+        "peer-ip-and-pods",
+        {"networkPolicy": {"extraIngressFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}},
+        "set ipBlock alone",
+    ),
 ]
 
 
@@ -105,27 +114,54 @@ def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> Non
         assert limits == {"nvidia.com/gpu": "1"}
         assert p["metadata"]["ownerReferences"][0]["kind"] == "RolloutFleet"
     st = fleet.status()
-    assert st["selector"] == ("app.kubernetes.io/name=rollfleet,app.kubernetes.io/component=engine,"
-                              "rollfleet.dev/fleet=e2e")
+    assert st["selector"] == (
+        "app.kubernetes.io/name=rollfleet,app.kubernetes.io/component=engine,rollfleet.dev/fleet=e2e"
+    )
     assert {e["phase"] for e in st["engines"]} == {"Ready"}
     assert st["gateway"]["endpoint"] == f"http://e2e-gateway.{NS}.svc:8080"
     reasons = {e["reason"] for e in fleet.events()}
     assert {"EngineCreated", "EngineReady", "ReadyTrue"} <= reasons
-    for kind, name in (("deployment", "e2e-gateway"), ("service", "e2e-gateway"), ("secret", "e2e-admin-token"),
-                       ("serviceaccount", "e2e-engine"), ("role", "e2e-gateway"), ("rolebinding", "e2e-gateway")):
+    for kind, name in (
+        ("deployment", "e2e-gateway"),
+        ("service", "e2e-gateway"),
+        ("secret", "e2e-admin-token"),
+        ("serviceaccount", "e2e-engine"),
+        ("role", "e2e-gateway"),
+        ("rolebinding", "e2e-gateway"),
+    ):
         cluster.kubectl("-n", NS, "get", kind, name)
     policy = json.loads(cluster.kubectl("-n", NS, "get", "networkpolicy", "e2e-engine", "-o", "json").stdout)
-    assert policy["spec"]["podSelector"] == {"matchLabels": {
-        "app.kubernetes.io/name": "rollfleet", "app.kubernetes.io/component": "engine", "rollfleet.dev/fleet": "e2e"}}
+    assert policy["spec"]["podSelector"] == {
+        "matchLabels": {
+            "app.kubernetes.io/name": "rollfleet",
+            "app.kubernetes.io/component": "engine",
+            "rollfleet.dev/fleet": "e2e",
+        }
+    }
     # The operator in the cluster knows its namespace (POD_NAMESPACE from the downward API).
     assert {"kubernetes.io/metadata.name": OPERATOR_NS} in [
-        (peer.get("namespaceSelector") or {}).get("matchLabels") for peer in policy["spec"]["ingress"][0]["from"]]
+        (peer.get("namespaceSelector") or {}).get("matchLabels") for peer in policy["spec"]["ingress"][0]["from"]
+    ]
 
     def switch_policy(enabled: bool) -> None:
-        cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p",
-                        json.dumps({"spec": {"networkPolicy": {"enabled": enabled}}}))
-        wait_for(lambda: (cluster.kubectl("-n", NS, "get", "networkpolicy", "e2e-engine", check=False).returncode
-                          == 0) == enabled, timeout=60, what=f"the NetworkPolicy {'back' if enabled else 'deleted'}")
+        cluster.kubectl(
+            "-n",
+            NS,
+            "patch",
+            "rf",
+            NAME,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"networkPolicy": {"enabled": enabled}}}),
+        )
+        wait_for(
+            lambda: (
+                (cluster.kubectl("-n", NS, "get", "networkpolicy", "e2e-engine", check=False).returncode == 0)
+                == enabled
+            ),
+            timeout=60,
+            what=f"the NetworkPolicy {'back' if enabled else 'deleted'}",
+        )
 
     # Switched off, the operator deletes it; switched on again, it is back (no engine restarts either way).
     switch_policy(False)
@@ -139,8 +175,11 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
     n, max_tokens = 2, 8000  # the core needs tens of seconds for these, the pause lands in a few
     with cluster.reach(NS, "e2e-engine-0", 8000) as url:
         stream = Stream(url, max_tokens=max_tokens, n=n).start()
-        wait_for(lambda: fleet.engine_state("e2e-engine-0")["running"] >= 1 or stream.done.is_set(), timeout=120,
-                 what="the request running on the engine")
+        wait_for(
+            lambda: fleet.engine_state("e2e-engine-0")["running"] >= 1 or stream.done.is_set(),
+            timeout=120,
+            what="the request running on the engine",
+        )
         cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=keep")
         st = fleet.wait(lambda s: (s.get("pause") or {}).get("pausedEngines") == 2, "both engines paused", 120)
         assert st["pause"]["mode"] == "keep"
@@ -160,8 +199,11 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
         # Re-applying the same value changes nothing; an invalid one warns and changes nothing.
         cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=keep", "--overwrite")
         cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=sometimes", "--overwrite")
-        fleet.wait(lambda s: any(c["reason"] == "InvalidPauseAnnotation" for c in s.get("conditions", [])),
-                   "the invalid value reported", 60)
+        fleet.wait(
+            lambda s: any(c["reason"] == "InvalidPauseAnnotation" for c in s.get("conditions", [])),
+            "the invalid value reported",
+            60,
+        )
         assert fleet.status()["pause"] == st["pause"]
         assert any(e["reason"] == "InvalidPauseAnnotation" and e["type"] == "Warning" for e in fleet.events())
         # No token was produced while the fleet was paused (the annotations above took seconds).
@@ -200,12 +242,16 @@ def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: F
         assert s.finish == dict.fromkeys(range(8), "length")
         assert s.completion_tokens == 8 * 600
     fleet.wait_ready(1)
-    wait_for(lambda: [p["metadata"]["name"] for p in fleet.pods()] == ["e2e-engine-0"], timeout=120,
-             what="only e2e-engine-0 left")
+    wait_for(
+        lambda: [p["metadata"]["name"] for p in fleet.pods()] == ["e2e-engine-0"],
+        timeout=120,
+        what="only e2e-engine-0 left",
+    )
     reasons = [e["reason"] for e in fleet.events()]
     assert reasons.count("EngineDraining") >= 2
-    drained = [e["message"] for e in fleet.events() if e["reason"] == "EngineDeleted" and "e2e-engine-2" in
-               e["message"]]
+    drained = [
+        e["message"] for e in fleet.events() if e["reason"] == "EngineDeleted" and "e2e-engine-2" in e["message"]
+    ]
     assert drained and "drained" in drained[-1], drained
 
 
@@ -217,12 +263,16 @@ def test_killed_engine_process_is_replaced_and_degraded_meanwhile(cluster: Clust
     fleet.wait_ready(1)
     old = fleet.pods()[0]
     kill_engine_process(cluster, NS, "e2e-engine-0")
-    degraded = fleet.wait(lambda s: any(c["type"] == "Degraded" and c["status"] == "True"
-                                        for c in s.get("conditions", [])), "Degraded", 120)
+    degraded = fleet.wait(
+        lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
+        "Degraded",
+        120,
+    )
     assert degraded["readyReplicas"] == 0
     assert next(c for c in degraded["conditions"] if c["type"] == "Ready")["status"] == "False"
-    wait_for(lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=120,
-             what="a new e2e-engine-0 pod")
+    wait_for(
+        lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=120, what="a new e2e-engine-0 pod"
+    )
     fleet.wait_ready(1)
     assert fleet.condition("Degraded")["status"] == "False"
     assert any(e["reason"] in ("EngineReplaced", "EngineFailed") for e in fleet.events())
@@ -232,10 +282,14 @@ def test_deleted_engine_pod_is_replaced_and_degraded_meanwhile(cluster: Cluster,
     fleet.wait_ready(1)
     old = fleet.pods()[0]
     cluster.kubectl("-n", NS, "delete", "pod", "e2e-engine-0", "--wait=false")
-    fleet.wait(lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
-               "Degraded", 120)
-    wait_for(lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=180,
-             what="a new e2e-engine-0 pod")
+    fleet.wait(
+        lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
+        "Degraded",
+        120,
+    )
+    wait_for(
+        lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=180, what="a new e2e-engine-0 pod"
+    )
     fleet.wait_ready(1)
     assert fleet.condition("Degraded")["status"] == "False"
 
@@ -246,15 +300,21 @@ def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluste
     cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=3")
     wait_for(lambda: len(fleet.pods()) >= 2, timeout=60, what="the scale-up under way")
     cluster.kubectl("-n", OPERATOR_NS, "delete", "pod", before["metadata"]["name"], "--wait=false")
-    wait_for(lambda: any(p["metadata"]["uid"] != before["metadata"]["uid"]
-                         and p.get("status", {}).get("phase") == "Running" for p in operator_pods(cluster)),
-             timeout=300, what="a new operator pod running")
+    wait_for(
+        lambda: any(
+            p["metadata"]["uid"] != before["metadata"]["uid"] and p.get("status", {}).get("phase") == "Running"
+            for p in operator_pods(cluster)
+        ),
+        timeout=300,
+        what="a new operator pod running",
+    )
     fleet.wait_ready(3)
     pods = fleet.pods()
     assert sorted(p["metadata"]["name"] for p in pods) == ["e2e-engine-0", "e2e-engine-1", "e2e-engine-2"]
     # No orphans: every engine pod in the namespace belongs to the fleet.
-    everything = json.loads(cluster.kubectl("-n", NS, "get", "pods", "-l", "app.kubernetes.io/component=engine",
-                                            "-o", "json").stdout)["items"]
+    everything = json.loads(
+        cluster.kubectl("-n", NS, "get", "pods", "-l", "app.kubernetes.io/component=engine", "-o", "json").stdout
+    )["items"]
     assert len(everything) == 3
     uid = fleet.get()["metadata"]["uid"]
     assert all(p["metadata"]["ownerReferences"][0]["uid"] == uid for p in everything)
@@ -268,4 +328,5 @@ def test_deleting_the_fleet_removes_everything_it_created(cluster: Cluster, flee
     def gone() -> bool:
         out = cluster.kubectl("-n", NS, "get", kinds, "-l", selector, "-o", "name").stdout.strip()
         return out == ""
+
     wait_for(gone, timeout=300, what=f"everything labelled {selector} deleted")

@@ -41,6 +41,7 @@ def fleet(live: LiveFleet) -> LiveFleet:
 
 # --- helpers ------------------------------------------------------------------------
 
+
 def tracked(engine: Endpoint, request_id: str) -> dict[str, Any] | None:
     r = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}")
     return r.json() if r.status_code == 200 else None
@@ -69,8 +70,13 @@ class Stream:
 
     def _run(self, fleet: LiveFleet, request_id: str, max_tokens: int) -> None:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", fleet.gateways[0].url + "/v1/completions", json=body, timeout=120,
-                          headers={"X-Request-Id": request_id}) as r:
+        with httpx.stream(
+            "POST",
+            fleet.gateways[0].url + "/v1/completions",
+            json=body,
+            timeout=120,
+            headers={"X-Request-Id": request_id},
+        ) as r:
             for piece in r.iter_text():  # not iter_lines(): see sse()
                 self.text += piece
                 if '"token_ids":[' in piece and '"token_ids":[]' not in piece:
@@ -84,12 +90,17 @@ class Stream:
 
 # --- acceptance -----------------------------------------------------------------------
 
+
 def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
     a, b = f"abort-a-{uuid.uuid4().hex[:6]}", f"abort-b-{uuid.uuid4().hex[:6]}"
     sa, sb = Stream(fleet, a, LONG), Stream(fleet, b, 200)
     assert sa.first.wait(60)
-    r = httpx.post(fleet.gateways[0].url + "/v1/abort", json={"request_ids": [a, "never-sent-xyz"]},
-                  headers=fleet.admin, timeout=30)
+    r = httpx.post(
+        fleet.gateways[0].url + "/v1/abort",
+        json={"request_ids": [a, "never-sent-xyz"]},
+        headers=fleet.admin,
+        timeout=30,
+    )
     assert r.json() == {"results": {a: "aborted", "never-sent-xyz": "unknown"}}
     ca = sa.chunks()
     assert ca[-1]["choices"][0]["finish_reason"] == "abort"
@@ -124,8 +135,11 @@ def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Liv
     def freed() -> bool:
         seen = [tracked(e, rid) for e in fleet.engines]
         ended = [s for s in seen if s is not None]
-        return (len(ended) == 1 and ended[0]["phase"] == "finished"
-                and all(engine_metric(e.url, "vllm:num_requests_running") == 0 for e in fleet.engines))
+        return (
+            len(ended) == 1
+            and ended[0]["phase"] == "finished"
+            and all(engine_metric(e.url, "vllm:num_requests_running") == 0 for e in fleet.engines)
+        )
 
     wait_for(freed, 10, what="the engine to drop the request of a client that left")
     ended = next(s for e in fleet.engines if (s := tracked(e, rid)) is not None)
@@ -133,8 +147,12 @@ def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Liv
 
 
 def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    r = httpx.post(fleet.gateways[0].url + "/v1/chat/completions", timeout=120, headers={"X-Session-Id": session},
-                   json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0})
+    r = httpx.post(
+        fleet.gateways[0].url + "/v1/chat/completions",
+        timeout=120,
+        headers={"X-Session-Id": session},
+        json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -153,8 +171,10 @@ def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: 
             out = _chat(fleet, session, messages)
             engines.extend(out["rollfleet"]["engines"])
             prompt_lens.append(len(out["prompt_token_ids"]))
-            messages += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": f"and turn {t + 1}?"}]
+            messages += [
+                {"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"and turn {t + 1}?"},
+            ]
         return engines, prompt_lens
 
     with ThreadPoolExecutor(8) as pool:
@@ -188,8 +208,11 @@ def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
     before = [engine_metric(e.url, "vllm:request_success_total") for e in fleet.engines]
 
     def one(i: int) -> str:
-        r = httpx.post(fleet.gateways[0].url + "/v1/completions", timeout=120,
-                       json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 16, "ignore_eos": True})
+        r = httpx.post(
+            fleet.gateways[0].url + "/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 16, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         return str(r.json()["rollfleet"]["engines"][0])
 
@@ -203,8 +226,9 @@ def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
     # The engines saw the same split (the gateway's report is not taken on trust); their
     # counters may trail the responses a little.
     def at_engines() -> list[float]:
-        return [engine_metric(e.url, "vllm:request_success_total") - b
-                for e, b in zip(fleet.engines, before, strict=True)]
+        return [
+            engine_metric(e.url, "vllm:request_success_total") - b for e, b in zip(fleet.engines, before, strict=True)
+        ]
 
     with contextlib.suppress(AssertionError):
         wait_for(lambda: at_engines() == counts, 10, what="the engines' request counters")
@@ -226,12 +250,12 @@ def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
     fleet: LiveFleet, path: str, content: bytes, headers: dict[str, str], status: int
 ) -> None:
     gateway = fleet.gateways[0].url
-    r = httpx.post(gateway + path, content=content, timeout=60,
-                   headers={"Content-Type": "application/json", **headers})
+    r = httpx.post(gateway + path, content=content, timeout=60, headers={"Content-Type": "application/json", **headers})
     assert r.status_code == status
     assert r.json()["error"]["message"]
-    ok = httpx.post(gateway + "/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 2},
-                    timeout=60)
+    ok = httpx.post(
+        gateway + "/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 2}, timeout=60
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
@@ -246,9 +270,15 @@ def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveF
     try:
         wait_for(lambda: all(engine_paused(e) for e in fleet.engines), 30, what="the operator to pause the engines")
         with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(httpx.post, fleet.gateways[0].url + "/v1/completions", timeout=120,
-                                   json={"model": "tiny", "prompt": f"held {i}", "max_tokens": 20, "ignore_eos": True})
-                       for i in range(4)]
+            futures = [
+                pool.submit(
+                    httpx.post,
+                    fleet.gateways[0].url + "/v1/completions",
+                    timeout=120,
+                    json={"model": "tiny", "prompt": f"held {i}", "max_tokens": 20, "ignore_eos": True},
+                )
+                for i in range(4)
+            ]
 
             def held() -> int:
                 views = [httpx.get(e.url + "/rollfleet/v1/requests").json()["in_flight"] for e in fleet.engines]
@@ -274,11 +304,20 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
     started = threading.Barrier(17)
 
     def run(i: int) -> Callable[[], tuple[list[int], str, dict[str, Any]]]:
-        body = {"model": "tiny", "prompt": f"long generation {i}", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": i % 2 == 0}
+        body = {
+            "model": "tiny",
+            "prompt": f"long generation {i}",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": i % 2 == 0,
+        }
         started.wait()
-        r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, timeout=300,
-                       headers={"X-Request-Id": f"long-{i}-{uuid.uuid4().hex[:6]}"})
+        r = httpx.post(
+            fleet.gateways[0].url + "/v1/completions",
+            json=body,
+            timeout=300,
+            headers={"X-Request-Id": f"long-{i}-{uuid.uuid4().hex[:6]}"},
+        )
         assert r.status_code == 200, r.text
         if body["stream"]:
             chunks = sse(r.text)
@@ -293,8 +332,9 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
         futures = [pool.submit(run, i) for i in range(16)]
         started.wait()
         victim = fleet.engines[0]
-        wait_for(lambda: engine_metric(victim.url, "vllm:num_requests_running") > 0, 60,
-                 what="the victim to be generating")
+        wait_for(
+            lambda: engine_metric(victim.url, "vllm:num_requests_running") > 0, 60, what="the victim to be generating"
+        )
         fleet.kill_engine(victim.key)
         results = [f.result(timeout=300)() for f in futures]
     for token_ids, finish, report in results:

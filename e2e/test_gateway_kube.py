@@ -38,21 +38,35 @@ def engine_pod(fleet: str, index: int, phase: str) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "labels": {"app.kubernetes.io/name": "rollfleet", "app.kubernetes.io/component": "engine",
-                       "rollfleet.dev/fleet": fleet},
+            "labels": {
+                "app.kubernetes.io/name": "rollfleet",
+                "app.kubernetes.io/component": "engine",
+                "rollfleet.dev/fleet": fleet,
+            },
             "annotations": {"rollfleet.dev/phase": phase},
         },
         "spec": {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 2,
-            "containers": [{
-                "name": "engine",
-                "image": "python:3.11",
-                "command": [sys.executable, "-m", "rollfleet_dev.sim_engine", "--host", "$(POD_IP)",
-                            "--port", "8000", "--name", name],
-                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
-            }],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "python:3.11",
+                    "command": [
+                        sys.executable,
+                        "-m",
+                        "rollfleet_dev.sim_engine",
+                        "--host",
+                        "$(POD_IP)",
+                        "--port",
+                        "8000",
+                        "--name",
+                        name,
+                    ],
+                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+                }
+            ],
         },
     }
 
@@ -73,11 +87,31 @@ def gateway(cluster: Cluster, ns: str, tmp_path_factory: pytest.TempPathFactory)
     log = tmp / "gateway.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rollfleet.gateway", "--fleet", "f", "--namespace", ns, "--kubeconfig",
-             str(cluster.kubeconfig), "--host", "127.0.0.1", "--port", str(port), "--token-file", str(tmp / "token"),
-             "--queue-timeout", "5"], stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "rollfleet.gateway",
+                "--fleet",
+                "f",
+                "--namespace",
+                ns,
+                "--kubeconfig",
+                str(cluster.kubeconfig),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--token-file",
+                str(tmp / "token"),
+                "--queue-timeout",
+                "5",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def ready() -> bool:
             assert proc.poll() is None, log.read_text()
             try:
@@ -140,31 +174,55 @@ def test_the_gateway_as_deployed_reads_pods_with_its_own_service_account(
 ) -> None:
     rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
     core.create_namespaced_service_account(ns, {"metadata": {"name": "g-gateway"}})
-    rbac.create_namespaced_role(ns, {"metadata": {"name": "g-gateway"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]})
-    rbac.create_namespaced_role_binding(ns, {
-        "metadata": {"name": "g-gateway"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "g-gateway"},
-        "subjects": [{"kind": "ServiceAccount", "name": "g-gateway", "namespace": ns}]})
+    rbac.create_namespaced_role(
+        ns,
+        {
+            "metadata": {"name": "g-gateway"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        ns,
+        {
+            "metadata": {"name": "g-gateway"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "g-gateway"},
+            "subjects": [{"kind": "ServiceAccount", "name": "g-gateway", "namespace": ns}],
+        },
+    )
     core.create_namespaced_secret(ns, {"metadata": {"name": "g-admin-token"}, "stringData": {"token": TOKEN}})
     core.create_namespaced_pod(ns, engine_pod("g", 0, "Ready"))
-    core.create_namespaced_pod(ns, {
-        "metadata": {"name": "g-gateway", "labels": {"app.kubernetes.io/component": "gateway"}},
-        "spec": {
-            "serviceAccountName": "g-gateway",
-            "terminationGracePeriodSeconds": 5,
-            "containers": [{
-                "name": "gateway",
-                "image": "rollfleet/gateway:dev",  # the node agent runs `rollfleet gateway` for it
-                "args": ["--fleet", "g", "--namespace", ns, "--port", "8080",
-                         "--token-file", "/var/run/secrets/rollfleet/token"],
-                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1},
-                "volumeMounts": [{"name": "token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True}],
-            }],
-            "volumes": [{"name": "token", "secret": {"secretName": "g-admin-token"}}],
+    core.create_namespaced_pod(
+        ns,
+        {
+            "metadata": {"name": "g-gateway", "labels": {"app.kubernetes.io/component": "gateway"}},
+            "spec": {
+                "serviceAccountName": "g-gateway",
+                "terminationGracePeriodSeconds": 5,
+                "containers": [
+                    {
+                        "name": "gateway",
+                        "image": "rollfleet/gateway:dev",  # the node agent runs `rollfleet gateway` for it
+                        "args": [
+                            "--fleet",
+                            "g",
+                            "--namespace",
+                            ns,
+                            "--port",
+                            "8080",
+                            "--token-file",
+                            "/var/run/secrets/rollfleet/token",
+                        ],
+                        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                        "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1},
+                        "volumeMounts": [
+                            {"name": "token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True}
+                        ],
+                    }
+                ],
+                "volumes": [{"name": "token", "secret": {"secretName": "g-admin-token"}}],
+            },
         },
-    })
+    )
 
     def gateway_url() -> str | None:
         pod = core.read_namespaced_pod("g-gateway", ns)
@@ -174,6 +232,7 @@ def test_the_gateway_as_deployed_reads_pods_with_its_own_service_account(
     url = wait_for(gateway_url, 90, what="the gateway pod to be ready")
     wait_for(lambda: routable(url) == 1, 90, what="the engine pod to be routable through the pod watch")
     assert served_by(url, 2) == {"g-engine-0"}
-    r = httpx.post(url + "/v1/abort", json={"request_ids": ["nothing-here"]},
-                   headers={"Authorization": f"Bearer {TOKEN}"})
+    r = httpx.post(
+        url + "/v1/abort", json={"request_ids": ["nothing-here"]}, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     assert r.json() == {"results": {"nothing-here": "unknown"}}  # the mounted token is the admin token

@@ -30,8 +30,10 @@ from rollfleet.contract import (
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.engine,
-    pytest.mark.skipif(os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") == "local",
-                       reason="the local cluster's pods share the host network: no plugin can enforce a policy"),
+    pytest.mark.skipif(
+        os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") == "local",
+        reason="the local cluster's pods share the host network: no plugin can enforce a policy",
+    ),
 ]
 
 # A TCP connect from inside a pod: "open", or why not ("refused" is the agent's reset).
@@ -50,16 +52,33 @@ except OSError as err:
 def probe_pod(fleet: LiveFleet, name: str, labels: dict[str, str]) -> str:
     """A pod that only sleeps, to connect from; any image with Python (the control-plane one)."""
     meta = {"name": name, "namespace": fleet.namespace, "labels": labels}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-           "spec": {"terminationGracePeriodSeconds": 0,
-                    "containers": [{"name": "probe", "image": DEFAULT_ROLLFLEET_IMAGE, "command": ["sleep", "3600"]}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "probe", "image": DEFAULT_ROLLFLEET_IMAGE, "command": ["sleep", "3600"]}],
+        },
+    }
     fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
     return name
 
 
 def connect(fleet: LiveFleet, pod: str, ip: str, container: str | None = None) -> str:
-    args = ["-n", fleet.namespace, "exec", pod, *(["-c", container] if container else []), "--",
-            "python", "-c", CONNECT, ip, str(ENGINE_PORT)]
+    args = [
+        "-n",
+        fleet.namespace,
+        "exec",
+        pod,
+        *(["-c", container] if container else []),
+        "--",
+        "python",
+        "-c",
+        CONNECT,
+        ip,
+        str(ENGINE_PORT),
+    ]
     return fleet.cluster.kubectl(*args, timeout=60).stdout.strip()
 
 
@@ -69,38 +88,79 @@ def probes(live: LiveFleet) -> Iterator[tuple[str, str]]:
     suffix = uuid.uuid4().hex[:5]
     stranger = probe_pod(live, f"stranger-{suffix}", {"app": "curious"})
     trainer = probe_pod(live, f"trainer-{suffix}", {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_FLEET: NAME})
-    live.cluster.kubectl("-n", live.namespace, "wait", "--for=condition=Ready", f"pod/{stranger}", f"pod/{trainer}",
-                         "--timeout=120s", timeout=130)
+    live.cluster.kubectl(
+        "-n",
+        live.namespace,
+        "wait",
+        "--for=condition=Ready",
+        f"pod/{stranger}",
+        f"pod/{trainer}",
+        "--timeout=120s",
+        timeout=130,
+    )
     yield stranger, trainer
     live.cluster.kubectl("-n", live.namespace, "delete", "pod", stranger, trainer, "--wait=false", check=False)
 
 
 def test_only_the_gateway_and_trainers_reach_the_engines_until_the_policy_is_switched_off(
-        live: LiveFleet, probes: tuple[str, str]) -> None:
+    live: LiveFleet, probes: tuple[str, str]
+) -> None:
     stranger, trainer = probes
-    engine_ips = [json.loads(live.cluster.kubectl("-n", live.namespace, "get", "pod", e.key, "-o", "json").stdout)
-                  ["status"]["podIP"] for e in live.engines]
+    engine_ips = [
+        json.loads(live.cluster.kubectl("-n", live.namespace, "get", "pod", e.key, "-o", "json").stdout)["status"][
+            "podIP"
+        ]
+        for e in live.engines
+    ]
     gateway = live.gateways[0].key
     for ip in engine_ips:
         # The agent applies a new pod's rules within moments of its IP appearing: wait, then hold.
-        wait_for(lambda ip=ip: connect(live, stranger, ip) == "refused", timeout=60, interval=1,
-                 what=f"the policy to keep {stranger} from {ip}")
+        wait_for(
+            lambda ip=ip: connect(live, stranger, ip) == "refused",
+            timeout=60,
+            interval=1,
+            what=f"the policy to keep {stranger} from {ip}",
+        )
         assert connect(live, trainer, ip) == "open"
         assert connect(live, gateway, ip) == "open"
 
     def switch(enabled: bool) -> None:
-        live.cluster.kubectl("-n", live.namespace, "patch", "rf", NAME, "--type=merge", "-p",
-                             json.dumps({"spec": {"networkPolicy": {"enabled": enabled}}}))
+        live.cluster.kubectl(
+            "-n",
+            live.namespace,
+            "patch",
+            "rf",
+            NAME,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"networkPolicy": {"enabled": enabled}}}),
+        )
 
     switch(False)
     try:
-        wait_for(lambda: live.cluster.kubectl("-n", live.namespace, "get", "networkpolicy", network_policy_name(NAME),
-                                              check=False).returncode != 0, timeout=60, what="the policy deleted")
+        wait_for(
+            lambda: (
+                live.cluster.kubectl(
+                    "-n", live.namespace, "get", "networkpolicy", network_policy_name(NAME), check=False
+                ).returncode
+                != 0
+            ),
+            timeout=60,
+            what="the policy deleted",
+        )
         for ip in engine_ips:
-            wait_for(lambda ip=ip: connect(live, stranger, ip) == "open", timeout=60, interval=1,
-                     what=f"{stranger} to reach {ip} with the policy off")
+            wait_for(
+                lambda ip=ip: connect(live, stranger, ip) == "open",
+                timeout=60,
+                interval=1,
+                what=f"{stranger} to reach {ip} with the policy off",
+            )
     finally:
         switch(True)
     for ip in engine_ips:
-        wait_for(lambda ip=ip: connect(live, stranger, ip) == "refused", timeout=60, interval=1,
-                 what=f"the policy back in force for {ip}")
+        wait_for(
+            lambda ip=ip: connect(live, stranger, ip) == "refused",
+            timeout=60,
+            interval=1,
+            what=f"the policy back in force for {ip}",
+        )

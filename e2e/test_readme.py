@@ -46,8 +46,10 @@ pytestmark = [
     pytest.mark.cluster,
     pytest.mark.engine,
     pytest.mark.cluster_wide,
-    pytest.mark.skipif(os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") != "local",
-                       reason="the README's walkthrough is the local cluster's (make demo)"),
+    pytest.mark.skipif(
+        os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") != "local",
+        reason="the README's walkthrough is the local cluster's (make demo)",
+    ),
 ]
 
 README = REPO / "README.md"
@@ -139,8 +141,11 @@ class Walk:
     cluster: Cluster
     failed: str | None = None  # the first command that failed: later ones would only time out
     # RolloutRequests that a later README command aborts: they are checked running, not finished.
-    aborted_later: set[str] = field(default_factory=lambda: {
-        m.group(1) for c in COMMANDS if (m := re.search(r"\bannotate rr[/ ](\S+) rollfleet\.dev/abort=", c.text))})
+    aborted_later: set[str] = field(
+        default_factory=lambda: {
+            m.group(1) for c in COMMANDS if (m := re.search(r"\bannotate rr[/ ](\S+) rollfleet\.dev/abort=", c.text))
+        }
+    )
 
     def fleet(self, name: str, namespace: str) -> Fleet:
         return Fleet(self.cluster, name, namespace)
@@ -154,9 +159,11 @@ class Walk:
 
     def request_in(self, namespace: str, name: str, phases: tuple[str, ...], timeout: float) -> dict[str, Any]:
         """Wait until the RolloutRequest's phase is one of `phases`; its status then."""
+
         def reached() -> dict[str, Any] | None:
             st = dict(self.get(namespace, "rr", name).get("status") or {})
             return st if st.get("phase") in phases else None
+
         st = wait_for(reached, timeout=timeout, interval=0.5, what=f"rr/{name} in {'|'.join(phases)}")
         assert st is not None
         return st
@@ -166,8 +173,7 @@ class Walk:
 
 
 def run(text: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-c", text], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=COMMAND_S)
+    return subprocess.run(["bash", "-c", text], cwd=REPO, env=env, capture_output=True, text=True, timeout=COMMAND_S)
 
 
 def readme_env(cluster: Cluster) -> dict[str, str]:
@@ -181,8 +187,10 @@ def table(out: str) -> list[dict[str, str]]:
     header, *rows = out.rstrip().splitlines()
     starts = [m.start() for m in re.finditer(r"\S+", header)]
     names = header.split()
-    return [{name: row[start:end].strip() for name, start, end in zip(names, starts, [*starts[1:], None], strict=True)}
-            for row in rows]
+    return [
+        {name: row[start:end].strip() for name, start, end in zip(names, starts, [*starts[1:], None], strict=True)}
+        for row in rows
+    ]
 
 
 # Checks: a check runs before its command (to note what the command should change) and
@@ -203,21 +211,28 @@ def check_export(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
         assert Path(kubeconfig) == walk.cluster.kubeconfig
         if "PATH=" in cmd.text:
             assert Path(kubectl).resolve() == (REPO / ".venv" / "bin" / "kubectl").resolve()
+
     return after
 
 
 def check_dry_run(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
     """A server-side dry run: the API server validated (and admitted) every object, persisting none."""
+
     def after(proc: subprocess.CompletedProcess[str]) -> None:
         lines = proc.stdout.strip().splitlines()
         assert lines and all(line.endswith("(server dry run)") for line in lines), proc.stdout
+
     return after
 
 
 def check_namespace(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
     def after(_: subprocess.CompletedProcess[str]) -> None:
-        wait_for(lambda: walk.get("default", "namespace", m.group(1)).get("status", {}).get("phase") == "Active",
-                 timeout=60, what=f"namespace {m.group(1)} Active")
+        wait_for(
+            lambda: walk.get("default", "namespace", m.group(1)).get("status", {}).get("phase") == "Active",
+            timeout=60,
+            what=f"namespace {m.group(1)} Active",
+        )
+
     return after
 
 
@@ -226,8 +241,11 @@ def check_applied_file(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
     a trainer pod's push moves the fleet's weight version."""
     namespace = cmd.namespace()
     docs = [d for d in yaml.safe_load_all((REPO / m.group(1)).read_text()) if d]
-    trainer_fleets = {d["metadata"]["labels"]["rollfleet.dev/fleet"] for d in docs if d["kind"] == "Pod"
-                      and d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "trainer"}
+    trainer_fleets = {
+        d["metadata"]["labels"]["rollfleet.dev/fleet"]
+        for d in docs
+        if d["kind"] == "Pod" and d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "trainer"
+    }
     versions_before = {f: walk.fleet(f, namespace).status().get("weightVersion") for f in trainer_fleets}
 
     def after(_: subprocess.CompletedProcess[str]) -> None:
@@ -242,6 +260,7 @@ def check_applied_file(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
             elif doc["kind"] == "Pod" and doc["metadata"]["labels"]["rollfleet.dev/fleet"] in trainer_fleets:
                 fleet = doc["metadata"]["labels"]["rollfleet.dev/fleet"]
                 wait_trainer_push(walk, namespace, name, walk.fleet(fleet, namespace), versions_before[fleet])
+
     return after
 
 
@@ -268,8 +287,12 @@ def _request_ids(walk: Walk, fleet: Fleet, prefix: str) -> tuple[list[str], dict
 def wait_request_on_engines(walk: Walk, namespace: str, name: str) -> None:
     rr = walk.get(namespace, "rr", name)
     fleet = walk.fleet(rr["spec"]["fleet"], namespace)
-    wait_for(lambda: _request_ids(walk, fleet, rr["metadata"]["uid"] + "-")[0], timeout=REQUEST_S, interval=0.5,
-             what=f"rr/{name}'s samples running on the engines")
+    wait_for(
+        lambda: _request_ids(walk, fleet, rr["metadata"]["uid"] + "-")[0],
+        timeout=REQUEST_S,
+        interval=0.5,
+        what=f"rr/{name}'s samples running on the engines",
+    )
 
 
 def wait_trainer_push(walk: Walk, namespace: str, pod: str, fleet: Fleet, before: str | None) -> None:
@@ -284,25 +307,31 @@ def wait_trainer_push(walk: Walk, namespace: str, pod: str, fleet: Fleet, before
         logs = {c: walk.cluster.container_log(namespace, pod, c)[-3000:] for c in ("trainer", "rollfleet-sync")}
         raise AssertionError(f"the trainer failed ({ended}):\n" + "\n".join(f"--- {c}:\n{t}" for c, t in logs.items()))
     spec_replicas = int(fleet.get()["spec"]["replicas"])
-    st = fleet.wait(lambda s: s.get("weightVersion") not in (None, before) and s.get("readyReplicas") == spec_replicas,
-                    f"weightVersion past {before!r} on {spec_replicas} ready engines", timeout=REQUEST_S)
+    st = fleet.wait(
+        lambda s: s.get("weightVersion") not in (None, before) and s.get("readyReplicas") == spec_replicas,
+        f"weightVersion past {before!r} on {spec_replicas} ready engines",
+        timeout=REQUEST_S,
+    )
     for pod_name in walk.engines(fleet):  # each engine serves the pushed weights, by its own word
         assert walk.engine_get(fleet, pod_name, STATE_PATH)["weight_version"] == st["weightVersion"], pod_name
 
 
 def check_get_rf(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
     """The columns the README names, and every fleet's READY at its DESIRED count."""
+
     def after(proc: subprocess.CompletedProcess[str]) -> None:
         rows = table(proc.stdout)
         assert rows, "no fleet listed"
         assert {"NAME", "READY", "DESIRED", "PAUSED", "WEIGHTS", "AGE"} <= set(rows[0]), proc.stdout
         for row in rows:
             assert row["READY"] == f"{row['DESIRED']}/{row['DESIRED']}", proc.stdout
+
     return after
 
 
 def check_get_rr(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
     """Each request's phase and progress as its status has them; finished ones complete."""
+
     def after(proc: subprocess.CompletedProcess[str]) -> None:
         rows = table(proc.stdout)
         assert rows, "no request listed"
@@ -313,6 +342,7 @@ def check_get_rr(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
             if row["PHASE"] == "Succeeded":
                 done, total = row["PROGRESS"].split("/")
                 assert done == total != "0", proc.stdout
+
     return after
 
 
@@ -329,6 +359,7 @@ def check_results(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
         for s in samples:
             assert s.request_id.startswith(rr["metadata"]["uid"] + "-"), s
             assert s.finish_reason in ("stop", "length") and s.token_ids and s.weight_version, s
+
     return after
 
 
@@ -343,10 +374,14 @@ def check_abort(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
         rr = walk.get(namespace, "rr", name)
         fleet = walk.fleet(rr["spec"]["fleet"], namespace)
         prefix = rr["metadata"]["uid"] + "-"
-        wait_for(lambda: not _request_ids(walk, fleet, prefix)[0], timeout=60,
-                 what=f"no sample of rr/{name} in flight on the engines")
+        wait_for(
+            lambda: not _request_ids(walk, fleet, prefix)[0],
+            timeout=60,
+            what=f"no sample of rr/{name} in flight on the engines",
+        )
         finished = _request_ids(walk, fleet, prefix)[1]
         assert "abort" in finished.values(), finished
+
     return after
 
 
@@ -357,11 +392,15 @@ def check_pause(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
     def after(_: subprocess.CompletedProcess[str]) -> None:
         fleet = walk.fleet(name, namespace)
         replicas = int(fleet.get()["spec"]["replicas"])
-        fleet.wait(lambda s: (s.get("pause") or {}).get("mode") == mode
-                   and s["pause"].get("pausedEngines") == replicas, f"pause {mode} on {replicas} engines", timeout=120)
+        fleet.wait(
+            lambda s: (s.get("pause") or {}).get("mode") == mode and s["pause"].get("pausedEngines") == replicas,
+            f"pause {mode} on {replicas} engines",
+            timeout=120,
+        )
         for pod in walk.engines(fleet):
             state = walk.engine_get(fleet, pod, STATE_PATH)
             assert state["paused"] and state["pause_mode"] == mode, (pod, state)
+
     return after
 
 
@@ -375,6 +414,7 @@ def check_resume(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
         fleet.wait(lambda s: not s.get("pause") and s.get("readyReplicas") == replicas, "resumed", timeout=120)
         for pod in walk.engines(fleet):
             assert not walk.engine_get(fleet, pod, STATE_PATH)["paused"], pod
+
     return after
 
 
@@ -383,6 +423,7 @@ def check_scale(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
         fleet = walk.fleet(m.group(1), cmd.namespace())
         fleet.wait_ready(int(m.group(2)), timeout=ENGINE_START_S)
         assert len(walk.engines(fleet)) == int(m.group(2))
+
     return after
 
 
@@ -390,6 +431,7 @@ def check_get_nodes(walk: Walk, cmd: Command, m: re.Match[str]) -> After:
     def after(proc: subprocess.CompletedProcess[str]) -> None:
         rows = table(proc.stdout)
         assert rows and all(r["STATUS"] == "Ready" for r in rows), proc.stdout
+
     return after
 
 

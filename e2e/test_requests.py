@@ -47,8 +47,12 @@ def operator(cluster: Cluster, ns: str, tmp_path_factory: pytest.TempPathFactory
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(BIN / "rollfleet"), "operator", "-n", ns, "--health-port", "0",
-                                 "--metrics-port", "0"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [str(BIN / "rollfleet"), "operator", "-n", ns, "--health-port", "0", "--metrics-port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     proc.log = log  # type: ignore[attr-defined]
     yield proc
     proc.terminate()
@@ -58,8 +62,9 @@ def operator(cluster: Cluster, ns: str, tmp_path_factory: pytest.TempPathFactory
         proc.kill()
 
 
-def status_in(cluster: Cluster, ns: str, name: str, phase: str,
-              operator: subprocess.Popen[bytes]) -> dict[str, Any] | None:
+def status_in(
+    cluster: Cluster, ns: str, name: str, phase: str, operator: subprocess.Popen[bytes]
+) -> dict[str, Any] | None:
     """The request's status once it is in `phase`; fails at once, with its log, if the operator exited."""
     if operator.poll() is not None:
         log = operator.log.read_text()[-3000:]  # type: ignore[attr-defined]
@@ -73,8 +78,12 @@ def custom(cluster: Cluster) -> kubernetes.client.CustomObjectsApi:
 
 
 def apply(cluster: Cluster, ns: str, name: str, spec: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    doc = {"apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutRequest",
-           "metadata": {"name": name, "namespace": ns}, "spec": spec}
+    doc = {
+        "apiVersion": "rollfleet.dev/v1alpha1",
+        "kind": "RolloutRequest",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
     return cluster.kubectl("apply", "-f", "-", input=json.dumps(doc), check=False)
 
 
@@ -82,19 +91,26 @@ def get_rr(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
     return dict(custom(cluster).get_namespaced_custom_object("rollfleet.dev", "v1alpha1", ns, PLURAL, name))
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ({"fleet": "tiny", "prompts": []}, "should have at least 1 items"),
-    ({"fleet": "tiny"}, "set exactly one of prompts (inline) or promptsFrom"),
-    ({"fleet": "tiny", "prompts": [{"text": "a", "tokenIds": [1]}]}, "exactly one of text, messages or tokenIds"),
-    ({"fleet": "tiny", "prompts": [{"text": "x" * 60_000}] * 3}, "put larger sets in a ConfigMap"),
-    ({"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"topP": 0}}, "sampling.topP must be in (0, 1]"),
-    ({"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"temperature": -1}}, "greater than or equal to 0"),
-    ({"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"maxTokens": 4, "minTokens": 8}},
-     "minTokens must not exceed sampling.maxTokens"),
-    ({"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"topK": 0}}, "topK must be -1"),
-], ids=["empty", "no-prompts", "two-forms", "oversized", "top-p", "temperature", "min-tokens", "top-k"])
-def test_invalid_requests_are_refused_with_a_clear_message(cluster: Cluster, ns: str, spec: dict[str, Any],
-                                                           message: str) -> None:
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"fleet": "tiny", "prompts": []}, "should have at least 1 items"),
+        ({"fleet": "tiny"}, "set exactly one of prompts (inline) or promptsFrom"),
+        ({"fleet": "tiny", "prompts": [{"text": "a", "tokenIds": [1]}]}, "exactly one of text, messages or tokenIds"),
+        ({"fleet": "tiny", "prompts": [{"text": "x" * 60_000}] * 3}, "put larger sets in a ConfigMap"),
+        ({"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"topP": 0}}, "sampling.topP must be in (0, 1]"),
+        ({"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"temperature": -1}}, "greater than or equal to 0"),
+        (
+            {"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"maxTokens": 4, "minTokens": 8}},
+            "minTokens must not exceed sampling.maxTokens",
+        ),
+        ({"fleet": "tiny", "prompts": [{"text": "a"}], "sampling": {"topK": 0}}, "topK must be -1"),
+    ],
+    ids=["empty", "no-prompts", "two-forms", "oversized", "top-p", "temperature", "min-tokens", "top-k"],
+)
+def test_invalid_requests_are_refused_with_a_clear_message(
+    cluster: Cluster, ns: str, spec: dict[str, Any], message: str
+) -> None:
     proc = apply(cluster, ns, "bad", spec)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
 
@@ -106,12 +122,17 @@ def test_spec_is_immutable(cluster: Cluster, ns: str) -> None:
     cluster.kubectl("-n", ns, "delete", "rr", "frozen")
 
 
-def test_requests_that_cannot_run_fail_with_the_reason(cluster: Cluster, ns: str,
-                                                       operator: subprocess.Popen[bytes]) -> None:
-    assert apply(cluster, ns, "nofleet", {"fleet": "nosuch", "prompts": [{"text": "hi"}],
-                                          "samplesPerPrompt": 2}).returncode == 0
+def test_requests_that_cannot_run_fail_with_the_reason(
+    cluster: Cluster, ns: str, operator: subprocess.Popen[bytes]
+) -> None:
+    assert (
+        apply(
+            cluster, ns, "nofleet", {"fleet": "nosuch", "prompts": [{"text": "hi"}], "samplesPerPrompt": 2}
+        ).returncode
+        == 0
+    )
     assert apply(cluster, ns, "nocm", {"fleet": "nosuch", "promptsFrom": [{"name": "missing"}]}).returncode == 0
-    cluster.kubectl("-n", ns, "create", "configmap", "badprompts", "--from-literal=prompts.jsonl={\"text\": 1}\n")
+    cluster.kubectl("-n", ns, "create", "configmap", "badprompts", '--from-literal=prompts.jsonl={"text": 1}\n')
     assert apply(cluster, ns, "badcm", {"fleet": "nosuch", "promptsFrom": [{"name": "badprompts"}]}).returncode == 0
     expected = {
         "nofleet": ("FleetNotFound", "RolloutFleet 'nosuch' does not exist"),
@@ -119,8 +140,9 @@ def test_requests_that_cannot_run_fail_with_the_reason(cluster: Cluster, ns: str
         "badcm": ("InvalidPrompts", "ConfigMap badprompts/prompts.jsonl line 1: not a prompt"),
     }
     for name, (reason, message) in expected.items():
-        status = wait_for(lambda n=name: status_in(cluster, ns, n, "Failed", operator), timeout=60,
-                          what=f"{name} Failed")
+        status = wait_for(
+            lambda n=name: status_in(cluster, ns, n, "Failed", operator), timeout=60, what=f"{name} Failed"
+        )
         assert status["reason"] == reason and message in status["message"], status
         failed = [c for c in status["conditions"] if c["type"] == "Failed"]
         assert failed and failed[0]["status"] == "True" and status["completionTime"]
@@ -129,23 +151,39 @@ def test_requests_that_cannot_run_fail_with_the_reason(cluster: Cluster, ns: str
 
 
 def test_results_store_chunks_survive_a_reload_print_and_go_with_their_request(
-        cluster: Cluster, ns: str, core: kubernetes.client.CoreV1Api) -> None:
+    cluster: Cluster, ns: str, core: kubernetes.client.CoreV1Api
+) -> None:
     # An owner the operator does not serve (a RolloutRequest named here but with no operator in the loop
     # would be run; so the owner is created in a namespace this module's operator does not watch).
     other = f"{ns}-store"
     core.create_namespace({"metadata": {"name": other}})
     try:
-        assert apply(cluster, other, "owner", {"fleet": "nosuch", "prompts": [{"text": "p"}] * 40,
-                                               "samplesPerPrompt": 8}).returncode == 0
+        assert (
+            apply(
+                cluster, other, "owner", {"fleet": "nosuch", "prompts": [{"text": "p"}] * 40, "samplesPerPrompt": 8}
+            ).returncode
+            == 0
+        )
         uid = get_rr(cluster, other, "owner")["metadata"]["uid"]
         kube = Kube(cluster.api_client())
         store = ResultStore(kube, other, "owner", uid, limit=64 * 1024)
         text = "lorem ipsum " * 150  # ~1.8 KB per line with the token ids: several chunks of 64 KiB
         for p in range(40):
             for s in range(8):
-                assert store.add(SampleResult(p, s, f"{uid}-{p}-{s}", "length", text=text, token_ids=list(range(64)),
-                                              weight_version="v1", weight_versions=["v1"], started_at=1.0,
-                                              finished_at=2.0))
+                assert store.add(
+                    SampleResult(
+                        p,
+                        s,
+                        f"{uid}-{p}-{s}",
+                        "length",
+                        text=text,
+                        token_ids=list(range(64)),
+                        weight_version="v1",
+                        weight_versions=["v1"],
+                        started_at=1.0,
+                        finished_at=2.0,
+                    )
+                )
             if p % 10 == 9:
                 asyncio.run(store.flush())
         assert not store.add(SampleResult(0, 0, f"{uid}-0-0", "stop"))  # one result per sample
@@ -161,26 +199,43 @@ def test_results_store_chunks_survive_a_reload_print_and_go_with_their_request(
         assert len(asyncio.run(ResultStore(kube, other, "owner", uid).load())) == 321
 
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-        out = subprocess.run([str(BIN / "rollfleet"), "results", "rr/owner", "-n", other], env=env,
-                             capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
+        out = subprocess.run(
+            [str(BIN / "rollfleet"), "results", "rr/owner", "-n", other],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.splitlines()
         rows = [json.loads(line) for line in out]
         assert len(rows) == 321 and len({(r["prompt"], r["sample"]) for r in rows}) == 321
         assert rows[0]["prompt"] == 0 and rows[0]["sample"] == 0 and rows[-1]["text"] == "late"
         assert {"text", "token_ids", "finish_reason", "weight_version", "latency_s"} <= set(rows[0])
 
         cluster.kubectl("-n", other, "delete", "rr", "owner")
-        wait_for(lambda: not asyncio.run(list_chunks(kube, other, uid)), timeout=90,
-                 what="result ConfigMaps garbage-collected")
+        wait_for(
+            lambda: not asyncio.run(list_chunks(kube, other, uid)),
+            timeout=90,
+            what="result ConfigMaps garbage-collected",
+        )
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
 
 
-def test_finished_requests_are_deleted_after_their_ttl(cluster: Cluster, ns: str,
-                                                       operator: subprocess.Popen[bytes]) -> None:
-    assert apply(cluster, ns, "ttl", {"fleet": "nosuch", "prompts": [{"text": "hi"}],
-                                      "ttlSecondsAfterFinished": 2}).returncode == 0
+def test_finished_requests_are_deleted_after_their_ttl(
+    cluster: Cluster, ns: str, operator: subprocess.Popen[bytes]
+) -> None:
+    assert (
+        apply(
+            cluster, ns, "ttl", {"fleet": "nosuch", "prompts": [{"text": "hi"}], "ttlSecondsAfterFinished": 2}
+        ).returncode
+        == 0
+    )
     wait_for(lambda: status_in(cluster, ns, "ttl", "Failed", operator), timeout=60, what="ttl request Failed")
     finished = time.monotonic()
-    wait_for(lambda: "NotFound" in cluster.kubectl("-n", ns, "get", "rr", "ttl", check=False).stderr, timeout=60,
-             what="request deleted after its TTL")
+    wait_for(
+        lambda: "NotFound" in cluster.kubectl("-n", ns, "get", "rr", "ttl", check=False).stderr,
+        timeout=60,
+        what="request deleted after its TTL",
+    )
     assert time.monotonic() - finished >= 1.0

@@ -44,10 +44,17 @@ def fleet(live: LiveFleet) -> LiveFleet:
 def create(fleet: LiveFleet, prompts: int, samples: int, **spec: Any) -> tuple[str, str]:
     """A RolloutRequest on the live fleet; its name and uid."""
     name = f"rr-{uuid.uuid4().hex[:6]}"
-    doc = {"apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutRequest",
-           "metadata": {"name": name, "namespace": fleet.namespace},
-           "spec": {"fleet": fleet.fleet.name, "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)],
-                    "samplesPerPrompt": samples, **spec}}
+    doc = {
+        "apiVersion": "rollfleet.dev/v1alpha1",
+        "kind": "RolloutRequest",
+        "metadata": {"name": name, "namespace": fleet.namespace},
+        "spec": {
+            "fleet": fleet.fleet.name,
+            "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)],
+            "samplesPerPrompt": samples,
+            **spec,
+        },
+    }
     fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
     return name, get(fleet, name)["metadata"]["uid"]
 
@@ -66,13 +73,19 @@ def wait_phase(fleet: LiveFleet, name: str, phase: str, timeout: float = 600) ->
         if st.get("phase") in ("Succeeded", "Failed", "Aborted") and st["phase"] != phase:
             raise AssertionError(f"{name} ended {st['phase']}, not {phase}: {st.get('message')}")
         return st if st.get("phase") == phase else None
+
     return dict(wait_for(reached, timeout, interval=0.5, what=f"{name} {phase}"))
 
 
 def results(fleet: LiveFleet, name: str) -> list[dict[str, Any]]:
     """`rollfleet results rr/<name>`: one JSON object per line."""
-    out = subprocess.run([ROLLFLEET, "results", f"rr/{name}", "-n", fleet.namespace], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "KUBECONFIG": str(fleet.cluster.kubeconfig)})
+    out = subprocess.run(
+        [ROLLFLEET, "results", f"rr/{name}", "-n", fleet.namespace],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KUBECONFIG": str(fleet.cluster.kubeconfig)},
+    )
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines()]
 
@@ -118,8 +131,12 @@ def test_abort_by_annotation_stops_every_in_flight_sample_on_the_engines(fleet: 
     tokens = 300
     name, uid = create(fleet, 16, 4, parallelism=16, sampling={"maxTokens": tokens, "ignoreEos": True})
     # Mid-run: a first wave completed, the next one decoding on the engines.
-    wait_for(lambda: status(fleet, name).get("counts", {}).get("completed", 0) >= 1 and running(fleet, uid),
-             300, interval=0.2, what="completed samples and samples in flight")
+    wait_for(
+        lambda: status(fleet, name).get("counts", {}).get("completed", 0) >= 1 and running(fleet, uid),
+        300,
+        interval=0.2,
+        what="completed samples and samples in flight",
+    )
     fleet.cluster.kubectl("-n", fleet.namespace, "annotate", "rr", name, f"{ANNOTATION_ABORT}=stop-1")
     wait_for(lambda: not running(fleet, uid), ABORT_LIVENESS_S, interval=0.1, what="engines to drop the samples")
 
@@ -170,14 +187,28 @@ def test_operator_then_gateway_killed_mid_run_still_one_result_per_sample(fleet:
     wait_for(lambda: completed() >= 8 and running(fleet, uid), 300, interval=0.2, what="the run under way")
     [op] = operator_pods(fleet.cluster)
     kubectl("-n", OPERATOR_NS, "delete", "pod", op["metadata"]["name"], "--grace-period=0", "--force")
-    wait_for(lambda: any(p["metadata"]["uid"] != op["metadata"]["uid"] and p["status"].get("phase") == "Running"
-                         for p in operator_pods(fleet.cluster)), 300, what="a new operator pod")
+    wait_for(
+        lambda: any(
+            p["metadata"]["uid"] != op["metadata"]["uid"] and p["status"].get("phase") == "Running"
+            for p in operator_pods(fleet.cluster)
+        ),
+        300,
+        what="a new operator pod",
+    )
     before_gateway_kill = completed()
     wait_for(lambda: completed() > before_gateway_kill, 300, what="the new operator to carry the run on")
     assert status(fleet, name)["phase"] == "Running"
 
-    kubectl("-n", fleet.namespace, "delete", "pod", "-l", f"rollfleet.dev/fleet={fleet.fleet.name},"
-            "app.kubernetes.io/component=gateway", "--grace-period=0", "--force")
+    kubectl(
+        "-n",
+        fleet.namespace,
+        "delete",
+        "pod",
+        "-l",
+        f"rollfleet.dev/fleet={fleet.fleet.name},app.kubernetes.io/component=gateway",
+        "--grace-period=0",
+        "--force",
+    )
     st = wait_phase(fleet, name, "Succeeded", timeout=600)
 
     total = prompts * samples

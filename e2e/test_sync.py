@@ -79,8 +79,11 @@ def trainer_pod() -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Pod",
         # The labels the fleet's NetworkPolicy admits to the engines.
-        "metadata": {"name": TRAINER, "namespace": NS,
-                     "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME}},
+        "metadata": {
+            "name": TRAINER,
+            "namespace": NS,
+            "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME},
+        },
         "spec": {
             "serviceAccountName": "rollfleet-trainer",
             "containers": [
@@ -213,9 +216,14 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
     signal_container(cluster, NS, ENGINES[1], "engine", ENGINE_MARKERS, signal.SIGSTOP)  # the push waits on it
     try:
         started = sync.push_dir(f"{MODELS}/{WEIGHTS_B_DIR}", "b-3", wait=False)
-        wait_for(lambda: any(e.name == ENGINES[0] and e.step is EngineStep.VERIFIED
-                             for e in sync.progress(started.generation).engines),
-                 timeout=120, what=f"{ENGINES[0]} holding b-3, paused")
+        wait_for(
+            lambda: any(
+                e.name == ENGINES[0] and e.step is EngineStep.VERIFIED
+                for e in sync.progress(started.generation).engines
+            ),
+            timeout=120,
+            what=f"{ENGINES[0]} holding b-3, paused",
+        )
         signal_container(cluster, NS, TRAINER, "rollfleet-sync", [b"sync"])  # its container restarts
     finally:
         signal_container(cluster, NS, ENGINES[1], "engine", ENGINE_MARKERS, signal.SIGCONT)
@@ -231,12 +239,16 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
 
     def truthful(st: dict[str, Any]) -> bool:
         # No engine is ever routable on other weights than the fleet's, in any status written meanwhile.
-        mixed = [e["name"] for e in st.get("engines", [])
-                 if e["phase"] in ROUTABLE_PHASES and e.get("weightVersion") != st.get("weightVersion")]
+        mixed = [
+            e["name"]
+            for e in st.get("engines", [])
+            if e["phase"] in ROUTABLE_PHASES and e.get("weightVersion") != st.get("weightVersion")
+        ]
         assert not mixed, f"routable on other weights than {st.get('weightVersion')}: {mixed} ({st})"
         return all_ready_on(final)(st)
 
     with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
+
         def serving_final() -> bool:  # as the engines themselves report it
             states = [httpx.get(f"{u}/rollfleet/v1/state", timeout=10).json() for u in (e0, e1)]
             return all((s["weight_version"], s["paused"]) == (final, False) for s in states)

@@ -108,8 +108,9 @@ def _kind_kubeconfig(args: argparse.Namespace) -> int:
 def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kind = sub.add_parser("kind", help="the e2e kind cluster (GPU node pools) on this machine, built offline")
     ksub = kind.add_subparsers(dest="kind_command", required=True)
-    ksub.add_parser("up", help="build the node image (once, cached), create the cluster, load the images; "
-                    "idempotent").set_defaults(func=_kind_up)
+    ksub.add_parser(
+        "up", help="build the node image (once, cached), create the cluster, load the images; idempotent"
+    ).set_defaults(func=_kind_up)
     ksub.add_parser("down", help="delete the cluster, its containers and network").set_defaults(func=_kind_down)
     ksub.add_parser("build", help="build the node image only").set_defaults(func=_kind_build)
     ksub.add_parser("kubeconfig", help="print the kubeconfig's path").set_defaults(func=_kind_kubeconfig)
@@ -121,5 +122,6 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
         return demo.main()
 
-    sub.add_parser("demo", help="the walkthrough (`make demo`): local cluster, operator, a fleet, every feature"
-                   ).set_defaults(func=run)
+    sub.add_parser(
+        "demo", help="the walkthrough (`make demo`): local cluster, operator, a fleet, every feature"
+    ).set_defaults(func=run)

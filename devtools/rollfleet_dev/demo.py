@@ -127,15 +127,27 @@ class _Stream:
         self.completion_tokens: int | None = None  # the final usage report
         self.finish_reason: str | None = None
         self.error: str | None = None
-        body = {"model": "tiny", "prompt": "def main():", "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "prompt": "def main():",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         self._thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
         self._thread.start()
 
     def _run(self, url: str, body: dict[str, Any]) -> None:
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600,
-                              headers={"X-Request-Id": f"demo-stream-{time.time_ns()}"}) as r:
+            with httpx.stream(
+                "POST",
+                url + "/v1/completions",
+                json=body,
+                timeout=600,
+                headers={"X-Request-Id": f"demo-stream-{time.time_ns()}"},
+            ) as r:
                 for line in jsonl.iter_lines(r.iter_bytes()):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -152,8 +164,12 @@ class _Stream:
 
 
 def _results(k: Kubectl, name: str) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "rollfleet.cli", "results", f"rr/{name}", "-n", NS,
-                          "--kubeconfig", str(k.kubeconfig)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rollfleet.cli", "results", f"rr/{name}", "-n", NS, "--kubeconfig", str(k.kubeconfig)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [json.loads(line) for line in jsonl.lines(out)]
 
 
@@ -176,8 +192,11 @@ def _push_weights(w: Walkthrough) -> None:
         w.say("  " + line[:200])
     if ended.get("exitCode") != 0:
         raise DemoFailed("the trainer's push failed (see its log above)")
-    w.wait("every engine serving weights step-1", lambda: (st := w.get("rf", FLEET)["status"])
-           .get("weightVersion") == "step-1" and st.get("readyReplicas") == 2, timeout=120)
+    w.wait(
+        "every engine serving weights step-1",
+        lambda: (st := w.get("rf", FLEET)["status"]).get("weightVersion") == "step-1" and st.get("readyReplicas") == 2,
+        timeout=120,
+    )
 
 
 def _engines_generated(w: Walkthrough) -> float:
@@ -211,8 +230,14 @@ def _step_fleet(w: Walkthrough) -> None:
         w.k.run("delete", "namespace", NS, "--ignore-not-found", "--wait=true", "--timeout=180s")
         w.k.run("create", "namespace", NS)
         w.sh("-n", NS, "apply", "-f", str(SAMPLES / "tiny-fleet.yaml"))
-        w.wait("2/2 engines and the gateway", lambda: (s := w.get("rf", FLEET).get("status", {}))
-               .get("readyReplicas") == 2 and (s.get("gateway") or {}).get("readyReplicas", 0) >= 1, timeout=900)
+        w.wait(
+            "2/2 engines and the gateway",
+            lambda: (
+                (s := w.get("rf", FLEET).get("status", {})).get("readyReplicas") == 2
+                and (s.get("gateway") or {}).get("readyReplicas", 0) >= 1
+            ),
+            timeout=900,
+        )
         w.sh("-n", NS, "get", "rf")
         w.sh("-n", NS, "get", "pods", "-o", "wide")
 
@@ -220,8 +245,11 @@ def _step_fleet(w: Walkthrough) -> None:
 def _step_batch(w: Walkthrough) -> None:
     with w.step("rollouts as a RolloutRequest: 16 prompts x 4 samples (a GRPO-style batch)"):
         w.sh("-n", NS, "apply", "-f", str(SAMPLES / "batch-request.yaml"))
-        done = w.wait("batch-1 to finish", lambda: (s := w.get("rr", "batch-1").get("status", {}))
-                      .get("phase") in TERMINAL_PHASES and s, timeout=600)
+        done = w.wait(
+            "batch-1 to finish",
+            lambda: (s := w.get("rr", "batch-1").get("status", {})).get("phase") in TERMINAL_PHASES and s,
+            timeout=600,
+        )
         if done["phase"] != "Succeeded":
             raise DemoFailed(f"batch-1 ended {done['phase']}: {json.dumps(done)[:2000]}")
         w.sh("-n", NS, "get", "rr")
@@ -236,10 +264,16 @@ def _step_abort(w: Walkthrough) -> None:
         w.wait("samples running on the engines", lambda: sum(_engines_running(w).values()) > 0, timeout=300)
         w.say(f"engines report running requests: {_engines_running(w)}")
         w.sh("-n", NS, "annotate", "rr/long", f"{ANNOTATION_ABORT}=demo-1")
-        st = w.wait("phase Aborted", lambda: (s := w.get("rr", "long").get("status", {})).get("phase") == "Aborted"
-                    and s, timeout=60)
-        running = w.wait("engines to show nothing running",
-                         lambda: (r := _engines_running(w)) and sum(r.values()) == 0 and r, timeout=30)
+        st = w.wait(
+            "phase Aborted",
+            lambda: (s := w.get("rr", "long").get("status", {})).get("phase") == "Aborted" and s,
+            timeout=60,
+        )
+        running = w.wait(
+            "engines to show nothing running",
+            lambda: (r := _engines_running(w)) and sum(r.values()) == 0 and r,
+            timeout=30,
+        )
         w.say(f"status.abort: {json.dumps(st.get('abort'))}")
         w.say(f"engines report running requests: {running}")
 
@@ -253,8 +287,11 @@ def _step_pause(w: Walkthrough) -> None:
         stream = _Stream(_gateway_url(w), max_tokens=tokens)
         w.wait("the stream to run on an engine", lambda: sum(_engines_running(w).values()) > 0, timeout=120)
         w.sh("-n", NS, "annotate", "rf", FLEET, f"{ANNOTATION_PAUSE}=keep")
-        w.wait("every engine paused", lambda: (w.get("rf", FLEET)["status"].get("pause") or {})
-               .get("pausedEngines") == 2, timeout=60)
+        w.wait(
+            "every engine paused",
+            lambda: (w.get("rf", FLEET)["status"].get("pause") or {}).get("pausedEngines") == 2,
+            timeout=60,
+        )
         w.sh("-n", NS, "get", "rf")
         counts = [_engines_generated(w)]
 
@@ -273,12 +310,15 @@ def _step_pause(w: Walkthrough) -> None:
         total = stream.completion_tokens
         w.say(f"after resume the stream finished: {total} tokens, finish_reason={stream.finish_reason}")
         if during != 0 or sum(held.values()) == 0 or total != tokens or stream.error:
-            raise DemoFailed(f"pause keep: {during:.0f} tokens made while paused, requests held {held}, "
-                             f"{total}/{tokens} in all, {stream.error}")
+            raise DemoFailed(
+                f"pause keep: {during:.0f} tokens made while paused, requests held {held}, "
+                f"{total}/{tokens} in all, {stream.error}"
+            )
 
 
 def _step_scale(w: Walkthrough) -> None:
     with w.step("kubectl scale: 2 → 3 → 2 (scale-down drains the engine first)"):
+
         def converged(n: int) -> bool:
             st = w.get("rf", FLEET)["status"]
             return bool(st.get("readyReplicas") == n and st.get("replicas") == n)
@@ -296,7 +336,14 @@ def _step_push(w: Walkthrough) -> None:
 
 
 STEPS: list[Callable[[Walkthrough], None]] = [
-    _step_nodes, _step_model, _step_operator, _step_fleet, _step_batch, _step_abort, _step_pause, _step_scale,
+    _step_nodes,
+    _step_model,
+    _step_operator,
+    _step_fleet,
+    _step_batch,
+    _step_abort,
+    _step_pause,
+    _step_scale,
     _step_push,
 ]
 
@@ -310,11 +357,13 @@ def run() -> None:
     w = Walkthrough(Kubectl(layout.kubeconfig), total=len(STEPS))
     for step in STEPS:
         step(w)
-    print(f"\n\033[1mDemo finished in {time.monotonic() - t_all:.0f}s.\033[0m The cluster is still up:\n"
-          f"    export KUBECONFIG={layout.kubeconfig}\n    export PATH={REPO}/.venv/bin:$PATH\n"
-          f"    kubectl -n {NS} get rf,rr,pods\n"
-          f"    rollfleet results rr/batch-1 -n {NS} | head\n"
-          "Stop it with: make down")
+    print(
+        f"\n\033[1mDemo finished in {time.monotonic() - t_all:.0f}s.\033[0m The cluster is still up:\n"
+        f"    export KUBECONFIG={layout.kubeconfig}\n    export PATH={REPO}/.venv/bin:$PATH\n"
+        f"    kubectl -n {NS} get rf,rr,pods\n"
+        f"    rollfleet results rr/batch-1 -n {NS} | head\n"
+        "Stop it with: make down"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

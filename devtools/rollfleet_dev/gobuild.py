@@ -72,8 +72,9 @@ def module_dir(module: str, version: str) -> Path:
     return Path(info["Dir"])
 
 
-def build_packages(workdir: Path, packages: Sequence[str], outdir: Path, *, ldflags: str, label: str,
-                   tags: str = "", cgo: bool = False) -> None:
+def build_packages(
+    workdir: Path, packages: Sequence[str], outdir: Path, *, ldflags: str, label: str, tags: str = "", cgo: bool = False
+) -> None:
     """`go build -v` into `outdir`, printing how many of the packages to compile are done. The
     binaries appear in `outdir` only when all of them built."""
     total = len(go(["list", "-deps", *packages], workdir, cgo).split())
@@ -150,8 +151,7 @@ def ensure_tool(tool: GoTool) -> Path:
             f"module rollfleet.dev/build/{tool.name}\n\n{go_directives(upstream)}\n\n"
             f"require {tool.module} {tool.version}\n\n{replaces}"
         )
-    build_packages(workdir, tool.packages, tool.outdir, ldflags=tool.ldflags, label=label, tags=tool.tags,
-                   cgo=tool.cgo)
+    build_packages(workdir, tool.packages, tool.outdir, ldflags=tool.ldflags, label=label, tags=tool.tags, cgo=tool.cgo)
     missing = [b for b in tool.binaries if not (tool.outdir / b).is_file()]
     if missing:
         raise BuildError(f"{label} built, but {', '.join(missing)} is not in {tool.outdir}")

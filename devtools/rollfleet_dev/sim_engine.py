@@ -25,8 +25,13 @@ Json = dict[str, Any]
 
 
 class SimEngine:
-    def __init__(self, name: str = "sim", token_delay_ms: float = 0.0, weight_version: str = "v1",
-                 die_after: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "sim",
+        token_delay_ms: float = 0.0,
+        weight_version: str = "v1",
+        die_after: dict[str, int] | None = None,
+    ) -> None:
         self.name = name
         self.token_delay_ms = token_delay_ms
         self.die_after = die_after or {}
@@ -58,8 +63,14 @@ class SimEngine:
         if rid not in self.versions:
             return web.json_response({"detail": "unknown"}, status=404)
         phase = "running" if rid in self.running else "finished"
-        return web.json_response({"request_id": rid, "phase": phase, "finish_reason": self.finished.get(rid),
-                                  "weight_versions": self.versions[rid]})
+        return web.json_response(
+            {
+                "request_id": rid,
+                "phase": phase,
+                "finish_reason": self.finished.get(rid),
+                "weight_versions": self.versions[rid],
+            }
+        )
 
     def _produced(self, rid: str) -> None:
         seen = self.versions.setdefault(rid, [])
@@ -114,8 +125,9 @@ class SimEngine:
     def _headers(self, rid: str) -> dict[str, str]:
         return {"X-Request-Id": rid, "X-Rollfleet-Weight-Version": self.weight_version}
 
-    async def _whole(self, path: str, rid: str, prompt: list[int], n: int, delay: float,
-                     flag: asyncio.Event) -> web.Response:
+    async def _whole(
+        self, path: str, rid: str, prompt: list[int], n: int, delay: float, flag: asyncio.Event
+    ) -> web.Response:
         tokens: list[int] = []
         for i in range(n):
             if flag.is_set():
@@ -128,21 +140,45 @@ class SimEngine:
         self.finished[rid] = reason
         text = "".join(f"t{t} " for t in tokens)
         choice: Json = {"index": 0, "finish_reason": reason, "token_ids": tokens}
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                 "total_tokens": len(prompt) + len(tokens)}
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(tokens),
+            "total_tokens": len(prompt) + len(tokens),
+        }
         if path == "/v1/chat/completions":
-            out: Json = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-                         "model": self.name, "choices": [{**choice, "message": {"role": "assistant", "content": text}}],
-                         "usage": usage}
+            out: Json = {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": [{**choice, "message": {"role": "assistant", "content": text}}],
+                "usage": usage,
+            }
         elif path == "/v1/completions":
-            out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": self.name,
-                   "choices": [{**choice, "text": text}], "usage": usage}
+            out = {
+                "id": f"cmpl-{rid}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.name,
+                "choices": [{**choice, "text": text}],
+                "usage": usage,
+            }
         else:
             out = {"request_id": rid, "choices": [choice], "usage": usage}
         return web.Response(body=orjson.dumps(out), content_type="application/json", headers=self._headers(rid))
 
-    async def _stream(self, request: web.Request, path: str, body: Json, rid: str, prompt: list[int], n: int,
-                      delay: float, die_after: int, flag: asyncio.Event) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        path: str,
+        body: Json,
+        rid: str,
+        prompt: list[int],
+        n: int,
+        delay: float,
+        die_after: int,
+        flag: asyncio.Event,
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**self._headers(rid), "Content-Type": "text/event-stream"})
         await resp.prepare(request)
         created = int(time.time())
@@ -161,8 +197,16 @@ class SimEngine:
                 reason = "length"
             token = (len(prompt) + i) % 97 + 3
             self._produced(rid)
-            chunk = self._chunk(path, body, rid, created, [] if reason == "abort" else [token],
-                                prompt if i == 0 else None, reason, output_mode=body.get("output_mode", "tokens"))
+            chunk = self._chunk(
+                path,
+                body,
+                rid,
+                created,
+                [] if reason == "abort" else [token],
+                prompt if i == 0 else None,
+                reason,
+                output_mode=body.get("output_mode", "tokens"),
+            )
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
             if reason is not None:
                 break
@@ -171,17 +215,36 @@ class SimEngine:
         await resp.write_eof()
         return resp
 
-    def _chunk(self, path: str, body: Json, rid: str, created: int, tokens: list[int], prompt: list[int] | None,
-               reason: str | None, output_mode: str) -> Json:
+    def _chunk(
+        self,
+        path: str,
+        body: Json,
+        rid: str,
+        created: int,
+        tokens: list[int],
+        prompt: list[int] | None,
+        reason: str | None,
+        output_mode: str,
+    ) -> Json:
         text = "".join(f"t{t} " for t in tokens)
         choice: Json = {"index": 0, "finish_reason": reason, "stop_reason": None, "token_ids": tokens}
         if path == "/v1/chat/completions":
-            return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": self.name,
-                    "choices": [{**choice, "delta": {"content": text}, "logprobs": None}],
-                    "prompt_token_ids": prompt}
+            return {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.name,
+                "choices": [{**choice, "delta": {"content": text}, "logprobs": None}],
+                "prompt_token_ids": prompt,
+            }
         if path == "/v1/completions":
-            return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": self.name,
-                    "choices": [{**choice, "text": text, "logprobs": None, "prompt_token_ids": prompt}]}
+            return {
+                "id": f"cmpl-{rid}",
+                "object": "text_completion",
+                "created": created,
+                "model": self.name,
+                "choices": [{**choice, "text": text, "logprobs": None, "prompt_token_ids": prompt}],
+            }
         if reason is not None:
             choice["weight_versions"] = [{"version": self.weight_version, "start": 0, "end": 1}]
         if output_mode == "text":
@@ -199,8 +262,9 @@ def main() -> None:
     import uvloop
 
     uvloop.install()
-    web.run_app(SimEngine(args.name, args.token_delay_ms).app(), host=args.host, port=args.port,
-                access_log=None, print=None)
+    web.run_app(
+        SimEngine(args.name, args.token_delay_ms).app(), host=args.host, port=args.port, access_log=None, print=None
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,15 @@ from rollfleet_engine.protocol import ENGINE_PORT, HTTP_WEIGHT_BACKEND
 # Defaults that let a small model run on a CPU-only host; any of them can be
 # overridden by the extra vLLM arguments after "--" (argparse keeps the last value).
 # float32: vLLM's bf16 CPU kernels crash on CPUs without AVX512-BF16 (these test hosts).
-CPU_VLLM_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--enforce-eager", "--max-model-len", "512",
-                     "--dtype", "float32"]
+CPU_VLLM_DEFAULTS = [
+    "--gpu-memory-utilization",
+    "0.3",
+    "--enforce-eager",
+    "--max-model-len",
+    "512",
+    "--dtype",
+    "float32",
+]
 CPU_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # "auto" pins every engine of a host to the same first cores (it cannot know about the

@@ -125,7 +125,7 @@ def engine_pod_name(fleet: str, index: int) -> str:
 def engine_index(pod_name: str, fleet: str) -> int | None:
     """The index in `<fleet>-engine-<index>`, or None for a name that is not an engine of this fleet."""
     prefix = f"{fleet}-{COMPONENT_ENGINE}-"
-    rest = pod_name[len(prefix):] if pod_name.startswith(prefix) else ""
+    rest = pod_name[len(prefix) :] if pod_name.startswith(prefix) else ""
     return int(rest) if rest.isdigit() and str(int(rest)) == rest else None
 
 

@@ -174,8 +174,14 @@ class EngineClient:
     # --- one call --------------------------------------------------------------------
 
     async def _answer(
-        self, model: type[Model], method: str, engine: EngineRef, path: str, policy: CallPolicy,
-        wait_s: float = 0.0, **kwargs: Any,
+        self,
+        model: type[Model],
+        method: str,
+        engine: EngineRef,
+        path: str,
+        policy: CallPolicy,
+        wait_s: float = 0.0,
+        **kwargs: Any,
     ) -> Model:
         """The engine's answer, parsed into `model`."""
         resp = await self._call(method, engine, path, policy, wait_s, **kwargs)

@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]  # an object as the API server serves it (JSON)
 Objs = list[Obj]  # also JSON patch operations (Kube.list shadows `list` in the class body's annotations)
 
-API_CALLS = prometheus_client.Counter("rollfleet_operator_api_calls", "Requests made to the API server "
-                                      "(kopf's watch streams not included)", ["call"])
+API_CALLS = prometheus_client.Counter(
+    "rollfleet_operator_api_calls", "Requests made to the API server (kopf's watch streams not included)", ["call"]
+)
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY = "application/apply-patch+yaml"
@@ -121,8 +122,24 @@ ROLE_BINDING = Kind("RoleBinding", "role_binding", "rolebindings", _RBAC)
 NETWORK_POLICY = Kind("NetworkPolicy", "network_policy", "networkpolicies", _NET)
 FLEET = Kind(fleet.KIND, "fleet", fleet.PLURAL, kubernetes.client.CustomObjectsApi, custom=True)
 REQUEST = Kind(request.KIND, "request", request.PLURAL, kubernetes.client.CustomObjectsApi, custom=True)
-_BY_KIND = {k.kind: k for k in (POD, NODE, SECRET, CONFIG_MAP, SERVICE, SERVICE_ACCOUNT, EVENT, DEPLOYMENT, ROLE,
-                                ROLE_BINDING, NETWORK_POLICY, FLEET, REQUEST)}
+_BY_KIND = {
+    k.kind: k
+    for k in (
+        POD,
+        NODE,
+        SECRET,
+        CONFIG_MAP,
+        SERVICE,
+        SERVICE_ACCOUNT,
+        EVENT,
+        DEPLOYMENT,
+        ROLE,
+        ROLE_BINDING,
+        NETWORK_POLICY,
+        FLEET,
+        REQUEST,
+    )
+}
 
 
 def kind_named(kind: str) -> Kind:
@@ -193,41 +210,60 @@ class Kube:
 
     async def create(self, manifest: Mapping[str, Any]) -> Obj:
         kind = kind_named(manifest["kind"])
-        return await self._call(f"create {kind.name}", self._method(kind, "create"), kind,
-                                manifest["metadata"].get("namespace"), None, manifest)
+        return await self._call(
+            f"create {kind.name}",
+            self._method(kind, "create"),
+            kind,
+            manifest["metadata"].get("namespace"),
+            None,
+            manifest,
+        )
 
     async def replace(self, manifest: Mapping[str, Any]) -> Obj:
         """A full update; conditional on metadata.resourceVersion when the manifest carries one."""
         kind, meta = kind_named(manifest["kind"]), manifest["metadata"]
-        return await self._call(f"replace {kind.name}", self._method(kind, "replace"), kind, meta["namespace"],
-                                meta["name"], manifest)
+        return await self._call(
+            f"replace {kind.name}", self._method(kind, "replace"), kind, meta["namespace"], meta["name"], manifest
+        )
 
-    async def patch(self, kind: Kind, namespace: str, name: str, patch: Mapping[str, Any],
-                    status: bool = False) -> Obj:
+    async def patch(self, kind: Kind, namespace: str, name: str, patch: Mapping[str, Any], status: bool = False) -> Obj:
         """A JSON merge patch (None deletes a key; a metadata.resourceVersion in it makes it conditional)."""
         what = f"patch {kind.name} status" if status else f"patch {kind.name}"
-        return await self._call(what, self._method(kind, "patch", status), kind, namespace, name, patch,
-                                _content_type=MERGE)
+        return await self._call(
+            what, self._method(kind, "patch", status), kind, namespace, name, patch, _content_type=MERGE
+        )
 
     async def json_patch(self, kind: Kind, namespace: str, name: str, ops: Objs) -> Obj:
         """An RFC 6902 JSON patch. A failed `test` operation is refused as 422 Invalid (`ApiError`), so a
         patch that opens with tests is a compare-and-swap on the fields it tests."""
-        return await self._call(f"patch {kind.name}", self._method(kind, "patch"), kind, namespace, name, ops,
-                                _content_type=JSON_PATCH)
+        return await self._call(
+            f"patch {kind.name}", self._method(kind, "patch"), kind, namespace, name, ops, _content_type=JSON_PATCH
+        )
 
     async def apply(self, manifest: Mapping[str, Any]) -> Obj:
         """Server-side apply as the operator's field manager: creates, or converges, the object."""
         kind, meta = kind_named(manifest["kind"]), manifest["metadata"]
-        return await self._call(f"apply {kind.name}", self._method(kind, "patch"), kind, meta["namespace"],
-                                meta["name"], manifest, field_manager=MANAGER, force=True, _content_type=APPLY)
+        return await self._call(
+            f"apply {kind.name}",
+            self._method(kind, "patch"),
+            kind,
+            meta["namespace"],
+            meta["name"],
+            manifest,
+            field_manager=MANAGER,
+            force=True,
+            _content_type=APPLY,
+        )
 
     async def delete(self, kind: Kind, namespace: str, name: str, options: Mapping[str, Any] | None = None) -> Obj:
         """Delete; `options` is a DeleteOptions body (preconditions, gracePeriodSeconds, propagationPolicy)."""
-        return await self._call(f"delete {kind.name}", self._method(kind, "delete"), kind, namespace, name,
-                                body=options)
+        return await self._call(
+            f"delete {kind.name}", self._method(kind, "delete"), kind, namespace, name, body=options
+        )
 
-    async def watch(self, kind: Kind, namespace: str, label_selector: str,
-                    timeout_s: int = WATCH_TIMEOUT_S) -> AsyncIterator[Listed | Changed]:
+    async def watch(
+        self, kind: Kind, namespace: str, label_selector: str, timeout_s: int = WATCH_TIMEOUT_S
+    ) -> AsyncIterator[Listed | Changed]:
         """List, then every change, until the consumer stops; re-lists on 410 Gone at once and after
         any other failure (an API error, a dropped connection) with a backoff of 0.5 s doubling to 10 s."""
         backoff = BACKOFF_MIN_S
@@ -241,8 +277,9 @@ class Kube:
                     async for event in self._stream(kind, namespace, label_selector, version, timeout_s):
                         obj = event["object"]
                         if event["type"] == "ERROR":
-                            raise api_error(int(obj.get("code") or 0), str(obj.get("reason", "")),
-                                            str(obj.get("message", obj)))
+                            raise api_error(
+                                int(obj.get("code") or 0), str(obj.get("reason", "")), str(obj.get("message", obj))
+                            )
                         version = obj["metadata"]["resourceVersion"]
                         if event["type"] != "BOOKMARK":
                             yield Changed(event["type"], obj)
@@ -275,11 +312,20 @@ class Kube:
         return tuple(a for a in (name, namespace if kind.namespaced else None) if a is not None)
 
     async def _list(self, kind: Kind, namespace: str | None, label_selector: str | None) -> Obj:
-        return await self._call(f"list {kind.plural}", self._method(kind, "list"), kind, namespace, None,
-                                label_selector=label_selector)
+        return await self._call(
+            f"list {kind.plural}", self._method(kind, "list"), kind, namespace, None, label_selector=label_selector
+        )
 
-    async def _call(self, what: str, method: Callable[..., Any], kind: Kind, namespace: str | None,
-                    name: str | None, *body: Any, **kwargs: Any) -> Obj:
+    async def _call(
+        self,
+        what: str,
+        method: Callable[..., Any],
+        kind: Kind,
+        namespace: str | None,
+        name: str | None,
+        *body: Any,
+        **kwargs: Any,
+    ) -> Obj:
         API_CALLS.labels(what).inc()
         # _preload_content=False: plain JSON, the same shape watch events (and kopf's) carry.
         call = functools.partial(method, *self._args(kind, namespace, name), *body, _preload_content=False, **kwargs)
@@ -289,17 +335,25 @@ class Kube:
             raise _mapped(err) from err
         return dict(json.loads(resp.data))
 
-    async def _stream(self, kind: Kind, namespace: str, label_selector: str, version: str,
-                      timeout_s: int) -> AsyncIterator[Obj]:
+    async def _stream(
+        self, kind: Kind, namespace: str, label_selector: str, version: str, timeout_s: int
+    ) -> AsyncIterator[Obj]:
         """One watch request's events. Read in a daemon thread of its own, not the pool: a stream blocks its
         reader for up to `timeout_s`, and the pool's threads are joined when the interpreter exits."""
         API_CALLS.labels(f"watch {kind.plural}").inc()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Obj | BaseException | None] = asyncio.Queue()
         stop = threading.Event()
-        call = functools.partial(self._method(kind, "list"), *self._args(kind, namespace, None),
-                                 label_selector=label_selector, watch=True, resource_version=version,
-                                 allow_watch_bookmarks=True, timeout_seconds=timeout_s, _preload_content=False)
+        call = functools.partial(
+            self._method(kind, "list"),
+            *self._args(kind, namespace, None),
+            label_selector=label_selector,
+            watch=True,
+            resource_version=version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=timeout_s,
+            _preload_content=False,
+        )
 
         def put(item: Obj | BaseException | None) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads any more

@@ -29,10 +29,16 @@ class Kubectl:
         if shutil.which(self.binary) is None:
             raise KubectlError(f"{self.binary} not found on PATH: run `make env` (kubectl is in .venv/bin)")
 
-    def run(self, *args: str, input: str | None = None, check: bool = True,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([self.binary, f"--kubeconfig={self.kubeconfig}", *args], input=input,
-                              capture_output=True, text=True, timeout=timeout)
+    def run(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [self.binary, f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and proc.returncode != 0:
             raise KubectlError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr.strip()}")
         return proc

@@ -63,9 +63,29 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
 def engine_command(model_dir: Path, host: str, port: int | str, token_file: Path, weight_version: str) -> list[str]:
     """The launcher's command for a test engine: the tiny model (float32 on CPU), a small batch, loopback."""
     return [
-        sys.executable, "-m", "rollfleet_engine", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
-        "--host", host, "--port", str(port), "--token-file", str(token_file), "--weight-version", weight_version,
-        "--", "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", str(TINY_MODEL_CONTEXT),
+        sys.executable,
+        "-m",
+        "rollfleet_engine",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--token-file",
+        str(token_file),
+        "--weight-version",
+        weight_version,
+        "--",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        str(TINY_MODEL_CONTEXT),
         "--disable-uvicorn-access-log",
     ]
 

@@ -192,8 +192,9 @@ def test_abort_non_streaming_returns_partial_output(engine: Engine) -> None:
 
     def call() -> None:
         body = {"model": engine.model, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
-        result["response"] = httpx.post(engine.url + "/v1/completions", json=body,
-                                        headers={"X-Request-Id": request_id}, timeout=120)
+        result["response"] = httpx.post(
+            engine.url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=120
+        )
 
     t = threading.Thread(target=call)
     t.start()

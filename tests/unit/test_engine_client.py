@@ -161,8 +161,10 @@ def test_abort_sends_the_protocols_body() -> None:
     asyncio.run(engines.abort(ENGINE, ["a"], wait_s=3.0))
     asyncio.run(engines.abort(ENGINE, ["a"]))
     assert seen[0].url.path == ABORT_PATH
-    assert [json.loads(r.content) for r in seen] == [{"request_ids": ["a"], "timeout_s": 3.0},
-                                                     {"request_ids": ["a"], "timeout_s": 10.0}]
+    assert [json.loads(r.content) for r in seen] == [
+        {"request_ids": ["a"], "timeout_s": 3.0},
+        {"request_ids": ["a"], "timeout_s": 10.0},
+    ]
 
 
 def test_weight_update_bodies() -> None:

@@ -22,8 +22,11 @@ def named_images() -> dict[str, set[str]]:
 
 
 def test_every_named_image_is_built_by_make_images() -> None:
-    unknown = {image: files for image, files in named_images().items()
-               if image not in SHIPPED_IMAGES and image not in USERS_OWN}
+    unknown = {
+        image: files
+        for image, files in named_images().items()
+        if image not in SHIPPED_IMAGES and image not in USERS_OWN
+    }
     assert unknown == {}
 
 

@@ -39,8 +39,10 @@ def test_safe_line_leaves_json_meaning_unchanged_and_is_idempotent() -> None:
 
 
 def test_result_lines_with_line_break_characters_survive_splitlines() -> None:
-    results = [SampleResult(prompt=0, sample=i, request_id=f"u-0-{i}", finish_reason="length", text=f"<{ch}>",
-                            token_ids=[i]) for i, ch in enumerate(BREAKS)]
+    results = [
+        SampleResult(prompt=0, sample=i, request_id=f"u-0-{i}", finish_reason="length", text=f"<{ch}>", token_ids=[i])
+        for i, ch in enumerate(BREAKS)
+    ]
     out = "".join(r.line() + "\n" for r in results)
     assert [SampleResult.from_line(line) for line in out.splitlines()] == results
 

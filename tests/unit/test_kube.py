@@ -51,8 +51,13 @@ class FakeApiServer:
             self.requests.append((method, parts.path, query, dict(headers or {})))
             status, body = self.answer(method, parts.path, query)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return urllib3.HTTPResponse(body=Body(data), status=status, reason="scripted", preload_content=False,
-                                    headers={"Content-Type": "application/json"})
+        return urllib3.HTTPResponse(
+            body=Body(data),
+            status=status,
+            reason="scripted",
+            preload_content=False,
+            headers={"Content-Type": "application/json"},
+        )
 
     def clear(self) -> None:
         pass
@@ -65,8 +70,14 @@ def kube_with(server: FakeApiServer) -> Kube:
 
 
 def status(code: int, reason: str, message: str) -> Answer:
-    return code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason,
-                  "message": message}
+    return code, {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
 
 
 def pod(name: str, rv: str) -> dict[str, Any]:
@@ -97,8 +108,9 @@ def test_a_create_that_lost_the_race_is_a_conflict_and_a_read_of_nothing_not_fou
     kube = kube_with(FakeApiServer(answer))
     try:
         with pytest.raises(Conflict):
-            asyncio.run(kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "e-0",
-                                                                                     "namespace": "ns"}}))
+            asyncio.run(
+                kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "e-0", "namespace": "ns"}})
+            )
         with pytest.raises(NotFound):
             asyncio.run(kube.get(FLEET, "ns", "f"))
     finally:
@@ -134,13 +146,17 @@ class Loaders:
         self.calls.append(f"kubeconfig {config_file}")
 
 
-@pytest.mark.parametrize(("kubeconfig", "in_pod", "expected"), [
-    ("/tmp/kc", True, ["kubeconfig /tmp/kc"]),  # an explicit kubeconfig wins, even in a pod
-    (None, True, ["in-cluster"]),
-    (None, False, ["in-cluster", "kubeconfig None"]),  # None: $KUBECONFIG, else ~/.kube/config
-])
-def test_the_loader_chooses_the_credentials(monkeypatch: pytest.MonkeyPatch, kubeconfig: str | None, in_pod: bool,
-                                            expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("kubeconfig", "in_pod", "expected"),
+    [
+        ("/tmp/kc", True, ["kubeconfig /tmp/kc"]),  # an explicit kubeconfig wins, even in a pod
+        (None, True, ["in-cluster"]),
+        (None, False, ["in-cluster", "kubeconfig None"]),  # None: $KUBECONFIG, else ~/.kube/config
+    ],
+)
+def test_the_loader_chooses_the_credentials(
+    monkeypatch: pytest.MonkeyPatch, kubeconfig: str | None, in_pod: bool, expected: list[str]
+) -> None:
     loaders = Loaders(in_pod)
     monkeypatch.setattr(kubernetes.config, "load_incluster_config", loaders.incluster)
     monkeypatch.setattr(kubernetes.config, "load_kube_config", loaders.kubeconfig)
@@ -170,8 +186,12 @@ def collect(kube: Kube, count: int) -> list[Listed | Changed]:
 
 
 def test_the_watch_resumes_where_it_stopped_and_re_lists_after_410_gone() -> None:
-    lists = iter([{"metadata": {"resourceVersion": "1"}, "items": [pod("a", "1")]},
-                  {"metadata": {"resourceVersion": "7"}, "items": [pod("c", "7")]}])
+    lists = iter(
+        [
+            {"metadata": {"resourceVersion": "1"}, "items": [pod("a", "1")]},
+            {"metadata": {"resourceVersion": "7"}, "items": [pod("c", "7")]},
+        ]
+    )
     streams = {
         "1": events(("ADDED", pod("b", "2")), ("BOOKMARK", {"metadata": {"resourceVersion": "3"}})),
         "3": events(("ERROR", {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"})),
@@ -186,16 +206,24 @@ def test_the_watch_resumes_where_it_stopped_and_re_lists_after_410_gone() -> Non
 
     server = FakeApiServer(answer)
     seen = collect(kube_with(server), 4)
-    assert seen == [Listed([pod("a", "1")]), Changed("ADDED", pod("b", "2")),
-                    Listed([pod("c", "7")]), Changed("MODIFIED", pod("c", "8"))]
+    assert seen == [
+        Listed([pod("a", "1")]),
+        Changed("ADDED", pod("b", "2")),
+        Listed([pod("c", "7")]),
+        Changed("MODIFIED", pod("c", "8")),
+    ]
     watched_from = [q["resourceVersion"][0] for _, _, q, _ in server.requests if "watch" in q]
     assert watched_from[:3] == ["1", "3", "7"]
 
 
 def test_the_watch_lists_again_after_a_backoff_when_the_api_server_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kube_mod, "BACKOFF_MIN_S", 0.01)
-    answers = iter([status(500, "InternalError", "etcd is away"),
-                    (200, {"metadata": {"resourceVersion": "4"}, "items": [pod("a", "4")]})])
+    answers = iter(
+        [
+            status(500, "InternalError", "etcd is away"),
+            (200, {"metadata": {"resourceVersion": "4"}, "items": [pod("a", "4")]}),
+        ]
+    )
 
     def answer(_: str, __: str, query: dict[str, list[str]]) -> Answer:
         return (200, b"") if "watch" in query else next(answers)

@@ -65,12 +65,15 @@ def cluster_config(node_image: str, model_dir: Path) -> dict[str, Any]:
     for node in config["nodes"]:
         node["image"] = node_image
         node.setdefault("extraMounts", []).append(
-            {"hostPath": str(model_dir), "containerPath": NODE_MODEL_DIR, "readOnly": True})
+            {"hostPath": str(model_dir), "containerPath": NODE_MODEL_DIR, "readOnly": True}
+        )
     config.setdefault("networking", {})["apiServerAddress"] = "127.0.0.1"
-    config.setdefault("kubeadmConfigPatches", []).extend([
-        "kind: ClusterConfiguration\netcd:\n  local:\n    imageTag: " + tools.ETCD_IMAGE_TAG + "\n",
-        "kind: KubeletConfiguration\nfailCgroupV1: false\n",
-    ])
+    config.setdefault("kubeadmConfigPatches", []).extend(
+        [
+            "kind: ClusterConfiguration\netcd:\n  local:\n    imageTag: " + tools.ETCD_IMAGE_TAG + "\n",
+            "kind: KubeletConfiguration\nfailCgroupV1: false\n",
+        ]
+    )
     return config
 
 
@@ -102,18 +105,32 @@ def load_images(kubectl: Kubectl) -> None:
     for image in (DEFAULT_ROLLFLEET_IMAGE, DEFAULT_ENGINE_IMAGE):
         if not nodeimage.image_exists(image):
             raise KindError(f"{image} is not built: run `make images` first")
-    gpu_nodes = [n.removeprefix("node/") for n in
-                 kubectl.run("get", "nodes", "-l", GPU_POOL_SELECTOR, "-o", "name").stdout.split()]
+    gpu_nodes = [
+        n.removeprefix("node/")
+        for n in kubectl.run("get", "nodes", "-l", GPU_POOL_SELECTOR, "-o", "name").stdout.split()
+    ]
     log(f"kind: loading {DEFAULT_ROLLFLEET_IMAGE} into every node")
     _run([_kind(), "load", "docker-image", "--name", CLUSTER_NAME, DEFAULT_ROLLFLEET_IMAGE], "kind load")
     log(f"kind: loading {DEFAULT_ENGINE_IMAGE} into the GPU pool ({', '.join(gpu_nodes)})")
-    _run([_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(gpu_nodes),
-          DEFAULT_ENGINE_IMAGE], "kind load")
+    _run(
+        [_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(gpu_nodes), DEFAULT_ENGINE_IMAGE],
+        "kind load",
+    )
     # `kind load` also names each import `import-<date>@<digest>`: after a rebuild those names keep
     # the previous image (GBs for the engine) alive on every node. The tags stay; those go.
     for node in _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split():
-        _run(["docker", "exec", node, "bash", "-c", "ctr -n k8s.io images ls -q | grep -E '^(import-|sha256:)' "
-              "| xargs -r ctr -n k8s.io images rm >/dev/null"], f"pruning old image names on {node}")
+        _run(
+            [
+                "docker",
+                "exec",
+                node,
+                "bash",
+                "-c",
+                "ctr -n k8s.io images ls -q | grep -E '^(import-|sha256:)' "
+                "| xargs -r ctr -n k8s.io images rm >/dev/null",
+            ],
+            f"pruning old image names on {node}",
+        )
 
 
 def up() -> Path:
@@ -126,16 +143,32 @@ def up() -> Path:
         down()
     if exists():
         log(f"kind: cluster {CLUSTER_NAME} is up")
-        _run([_kind(), "export", "kubeconfig", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig)],
-             "kind export kubeconfig")
+        _run(
+            [_kind(), "export", "kubeconfig", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig)],
+            "kind export kubeconfig",
+        )
     else:
         node = nodeimage.ensure_node_image()
         spec = cluster_config(node, ensure_tiny_model(default_model_dir()))
         config = kubeconfig.parent / "cluster.yaml"
         config.write_text(yaml.safe_dump(spec, sort_keys=False))
         log(f"kind: creating cluster {CLUSTER_NAME} from {node} ({len(spec['nodes'])} nodes)")
-        _run([_kind(), "create", "cluster", "--name", CLUSTER_NAME, "--config", str(config),
-              "--kubeconfig", str(kubeconfig), "--wait", "5m"], "kind create cluster")
+        _run(
+            [
+                _kind(),
+                "create",
+                "cluster",
+                "--name",
+                CLUSTER_NAME,
+                "--config",
+                str(config),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--wait",
+                "5m",
+            ],
+            "kind create cluster",
+        )
     kubectl = Kubectl(kubeconfig)
     advertise_gpus(kubectl)
     load_images(kubectl)
@@ -147,14 +180,17 @@ def down() -> None:
     """Delete the cluster and kind's network: no container, network or kubeconfig left behind."""
     require_docker()
     if exists():
-        _run([_kind(), "delete", "cluster", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig_path())],
-             "kind delete cluster")
+        _run(
+            [_kind(), "delete", "cluster", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig_path())],
+            "kind delete cluster",
+        )
     left = _run(["docker", "ps", "-aq", "--filter", f"label=io.x-k8s.kind.cluster={CLUSTER_NAME}"], "docker ps").split()
     if left:
         _run(["docker", "rm", "-f", "-v", *left], "removing the cluster's containers")
     # kind keeps its network for the next cluster; nothing else of ours uses it.
-    attached = subprocess.run(["docker", "network", "inspect", KIND_NETWORK, "-f", "{{len .Containers}}"],
-                              capture_output=True, text=True)
+    attached = subprocess.run(
+        ["docker", "network", "inspect", KIND_NETWORK, "-f", "{{len .Containers}}"], capture_output=True, text=True
+    )
     if attached.returncode == 0 and attached.stdout.strip() == "0":
         _run(["docker", "network", "rm", KIND_NETWORK], "removing the kind network")
     kubeconfig_path().unlink(missing_ok=True)

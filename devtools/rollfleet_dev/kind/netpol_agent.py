@@ -49,10 +49,12 @@ def selects(selector: Obj | None, labels: Mapping[str, str]) -> bool:
         return False
     for expr in selector.get("matchExpressions") or []:
         key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        ok = {"In": key in labels and labels[key] in values,
-              "NotIn": key not in labels or labels[key] not in values,
-              "Exists": key in labels,
-              "DoesNotExist": key not in labels}.get(op)
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }.get(op)
         if not ok:
             return False
     return True
@@ -88,8 +90,7 @@ def peer_sources(peer: Obj, policy_ns: str, pods: Iterable[Obj], namespaces: Map
     out = []
     for pod in pods:
         ns = pod["metadata"]["namespace"]
-        in_scope = (selects(ns_selector, _labels(namespaces.get(ns, {}))) if ns_selector is not None
-                    else ns == policy_ns)
+        in_scope = selects(ns_selector, _labels(namespaces.get(ns, {}))) if ns_selector is not None else ns == policy_ns
         ip = _pod_ip(pod)
         if ip and in_scope and selects(pod_selector, _labels(pod)):
             out.append(f"{ip}/32")
@@ -128,12 +129,20 @@ def port_matches(pod: Obj, ports: list[Obj] | None) -> list[str] | None:
 def render(node: str, pods: list[Obj], namespaces: Mapping[str, Obj], policies: list[Obj]) -> list[str]:
     """The rules of CHAIN (without `-A CHAIN`) for the pods of `node`."""
     rules = ["-m conntrack --ctstate ESTABLISHED,RELATED -j RETURN"]
-    local = [p for p in pods if p.get("spec", {}).get("nodeName") == node and _pod_ip(p)
-             and not p.get("spec", {}).get("hostNetwork")]
+    local = [
+        p
+        for p in pods
+        if p.get("spec", {}).get("nodeName") == node and _pod_ip(p) and not p.get("spec", {}).get("hostNetwork")
+    ]
     for pod in sorted(local, key=lambda p: (p["metadata"]["namespace"], p["metadata"]["name"])):
         ns, ip = pod["metadata"]["namespace"], _pod_ip(pod)
-        selecting = [pol for pol in policies if pol["metadata"]["namespace"] == ns
-                     and "Ingress" in policy_types(pol) and selects(pol["spec"].get("podSelector"), _labels(pod))]
+        selecting = [
+            pol
+            for pol in policies
+            if pol["metadata"]["namespace"] == ns
+            and "Ingress" in policy_types(pol)
+            and selects(pol["spec"].get("podSelector"), _labels(pod))
+        ]
         if not selecting:
             continue
         comment = f'-m comment --comment "{ns}/{pod["metadata"]["name"]}"'
@@ -141,10 +150,11 @@ def render(node: str, pods: list[Obj], namespaces: Mapping[str, Obj], policies: 
             for rule in pol["spec"].get("ingress") or []:
                 peers = rule.get("from")
                 sources: list[str | None] = (
-                    [s for peer in peers for s in peer_sources(peer, ns, pods, namespaces)] if peers else [None])
+                    [s for peer in peers for s in peer_sources(peer, ns, pods, namespaces)] if peers else [None]
+                )
                 matches = port_matches(pod, rule.get("ports"))
                 for source in sources:
-                    for match in (matches if matches is not None else [None]):
+                    for match in matches if matches is not None else [None]:
                         parts = [f"-d {ip}/32", f"-s {source}" if source else "", match or "", comment, "-j RETURN"]
                         rules.append(" ".join(p for p in parts if p))
         rules.append(f"-d {ip}/32 -p tcp {comment} -j REJECT --reject-with tcp-reset")
@@ -182,8 +192,9 @@ class Api:
 
     def watch(self, path: str, version: str) -> Iterator[Obj]:
         sep = "&" if "?" in path else "?"
-        with self._open(f"{path}{sep}watch=1&allowWatchBookmarks=true&resourceVersion={version}"
-                        "&timeoutSeconds=300", 330) as resp:
+        with self._open(
+            f"{path}{sep}watch=1&allowWatchBookmarks=true&resourceVersion={version}&timeoutSeconds=300", 330
+        ) as resp:
             for line in resp:
                 yield json.loads(line)
 
@@ -191,8 +202,11 @@ class Api:
 class Cache:
     """Every pod, namespace and policy; `changed` is set on any change."""
 
-    KINDS = {"pods": "/api/v1/pods", "namespaces": "/api/v1/namespaces",
-             "policies": "/apis/networking.k8s.io/v1/networkpolicies"}
+    KINDS = {
+        "pods": "/api/v1/pods",
+        "namespaces": "/api/v1/namespaces",
+        "policies": "/apis/networking.k8s.io/v1/networkpolicies",
+    }
 
     def __init__(self, api: Api) -> None:
         self.api = api
@@ -248,8 +262,9 @@ def iptables(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def replace_chain(rules: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["iptables-restore", "-w", "5", "--noflush"], input=restore_input(rules),
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ["iptables-restore", "-w", "5", "--noflush"], input=restore_input(rules), capture_output=True, text=True
+    )
 
 
 def ensure_jump() -> None:

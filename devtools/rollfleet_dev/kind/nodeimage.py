@@ -159,9 +159,21 @@ def _build_system_images(dirs: dict[str, Path], debian: str, kindnetd_tag: str, 
         names: list[str] = []
         for target, tags in system_images(kindnetd_tag).items():
             log(f"kind node image: system image {target}")
-            _docker(["build", "--build-arg", f"DEBIAN_IMAGE={debian}", "--target", target,
-                     "-f", str(DEVTOOLS_KIND / "system-images.Dockerfile"),
-                     *[a for tag in tags for a in ("-t", tag)], str(ctx)], f"building the {target} image", logfile)
+            _docker(
+                [
+                    "build",
+                    "--build-arg",
+                    f"DEBIAN_IMAGE={debian}",
+                    "--target",
+                    target,
+                    "-f",
+                    str(DEVTOOLS_KIND / "system-images.Dockerfile"),
+                    *[a for tag in tags for a in ("-t", tag)],
+                    str(ctx),
+                ],
+                f"building the {target} image",
+                logfile,
+            )
             names += tags
         return names
 
@@ -180,7 +192,8 @@ def _build_node_base(dirs: dict[str, Path], debian: str, kindnetd_image: str, ba
         (ctx / "manifests").mkdir()
         agent = (DEVTOOLS_KIND / "netpol-agent.yaml").read_text()
         (ctx / "manifests" / "default-cni.yaml").write_text(
-            default_cni_manifest(cni_go, kindnetd_image, agent, netpol_agent_image()))
+            default_cni_manifest(cni_go, kindnetd_image, agent, netpol_agent_image())
+        )
         (ctx / "version").write_text(_K8S + "\n")
         for name in ("containerd", "ctr"):
             _link(dirs["containerd"] / name, ctx / "bin" / name)
@@ -193,8 +206,20 @@ def _build_node_base(dirs: dict[str, Path], debian: str, kindnetd_image: str, ba
         for name in tools.CNI_PLUGINS.binaries:
             _link(dirs["cni-plugins"] / name, ctx / "cni" / name)
         log("kind node image: the node base (systemd, containerd, runc, kubelet, ...)")
-        _docker(["build", "--build-arg", f"DEBIAN_IMAGE={debian}", "-f", str(DEVTOOLS_KIND / "node.Dockerfile"),
-                 "-t", base, str(ctx)], "building the node base", logfile)
+        _docker(
+            [
+                "build",
+                "--build-arg",
+                f"DEBIAN_IMAGE={debian}",
+                "-f",
+                str(DEVTOOLS_KIND / "node.Dockerfile"),
+                "-t",
+                base,
+                str(ctx),
+            ],
+            "building the node base",
+            logfile,
+        )
 
 
 def _preload(base: str, images: Sequence[str], node: str, logfile: Path) -> None:
@@ -204,26 +229,76 @@ def _preload(base: str, images: Sequence[str], node: str, logfile: Path) -> None
     with tempfile.TemporaryDirectory(prefix="rollfleet-kind-preload-") as tmp:
         archive = Path(tmp) / "images.tar"
         _docker(["save", "-o", str(archive), *images], "saving the system images", logfile)
-        cid = _docker(["run", "-d", "--entrypoint=sleep", "--security-opt", "seccomp=unconfined", base, "infinity"],
-                      "starting the preload container", logfile).strip()
+        cid = _docker(
+            ["run", "-d", "--entrypoint=sleep", "--security-opt", "seccomp=unconfined", base, "infinity"],
+            "starting the preload container",
+            logfile,
+        ).strip()
         try:
-            _docker(["exec", cid, "bash", "-c", "nohup containerd >/tmp/containerd.log 2>&1 &"],
-                    "starting containerd in the preload container", logfile)
-            _docker(["exec", cid, "bash", "-c", "for i in $(seq 100); do ctr version >/dev/null 2>&1 && exit 0; "
-                     "sleep 0.1; done; cat /tmp/containerd.log; exit 1"], "waiting for containerd", logfile)
-            _docker(["exec", "-i", cid, "ctr", "--namespace=k8s.io", "images", "import",
-                     "--label=io.cri-containerd.pinned=pinned", "--all-platforms", "--no-unpack", "--digests", "-"],
-                    "importing the images into containerd", logfile, input_path=archive)
-            listed = set(_docker(["exec", cid, "ctr", "--namespace=k8s.io", "images", "ls", "-q"],
-                                 "listing the imported images", logfile).split())
+            _docker(
+                ["exec", cid, "bash", "-c", "nohup containerd >/tmp/containerd.log 2>&1 &"],
+                "starting containerd in the preload container",
+                logfile,
+            )
+            _docker(
+                [
+                    "exec",
+                    cid,
+                    "bash",
+                    "-c",
+                    "for i in $(seq 100); do ctr version >/dev/null 2>&1 && exit 0; "
+                    "sleep 0.1; done; cat /tmp/containerd.log; exit 1",
+                ],
+                "waiting for containerd",
+                logfile,
+            )
+            _docker(
+                [
+                    "exec",
+                    "-i",
+                    cid,
+                    "ctr",
+                    "--namespace=k8s.io",
+                    "images",
+                    "import",
+                    "--label=io.cri-containerd.pinned=pinned",
+                    "--all-platforms",
+                    "--no-unpack",
+                    "--digests",
+                    "-",
+                ],
+                "importing the images into containerd",
+                logfile,
+                input_path=archive,
+            )
+            listed = set(
+                _docker(
+                    ["exec", cid, "ctr", "--namespace=k8s.io", "images", "ls", "-q"],
+                    "listing the imported images",
+                    logfile,
+                ).split()
+            )
             missing = [i for i in images if i not in listed and f"docker.io/{i}" not in listed]
             if missing:
                 raise BuildError(f"kind node image: {', '.join(missing)} missing after the import; see {logfile}")
             # Stopped means exited: a zombie (nothing reaps it under `sleep`) has flushed its database.
-            _docker(["exec", cid, "bash", "-c", "pkill containerd; for i in $(seq 300); do ps -C containerd "
-                     "-o stat= | grep -qv Z || exit 0; sleep 0.1; done; exit 1"], "stopping containerd", logfile)
-            _docker(["commit", "--change", 'ENTRYPOINT [ "/usr/local/bin/entrypoint", "/sbin/init" ]', cid, node],
-                    "committing the node image", logfile)
+            _docker(
+                [
+                    "exec",
+                    cid,
+                    "bash",
+                    "-c",
+                    "pkill containerd; for i in $(seq 300); do ps -C containerd "
+                    "-o stat= | grep -qv Z || exit 0; sleep 0.1; done; exit 1",
+                ],
+                "stopping containerd",
+                logfile,
+            )
+            _docker(
+                ["commit", "--change", 'ENTRYPOINT [ "/usr/local/bin/entrypoint", "/sbin/init" ]', cid, node],
+                "committing the node image",
+                logfile,
+            )
         finally:
             subprocess.run(["docker", "rm", "-f", "-v", cid], capture_output=True)
 

@@ -28,31 +28,60 @@ KIND = GoTool("kind", "sigs.k8s.io/kind", KIND_VERSION, ("sigs.k8s.io/kind",), (
 _CONTAINERD_VERSION = "v2.3.4"
 _CONTAINERD_LDFLAGS = f"-s -w -X github.com/containerd/containerd/v2/version.Version={_CONTAINERD_VERSION}"
 CONTAINERD = GoTool(
-    "containerd", "github.com/containerd/containerd/v2", _CONTAINERD_VERSION,
+    "containerd",
+    "github.com/containerd/containerd/v2",
+    _CONTAINERD_VERSION,
     ("github.com/containerd/containerd/v2/cmd/containerd", "github.com/containerd/containerd/v2/cmd/ctr"),
-    ("containerd", "ctr"), ldflags=_CONTAINERD_LDFLAGS,
+    ("containerd", "ctr"),
+    ldflags=_CONTAINERD_LDFLAGS,
     tags="no_aufs,no_zfs,no_btrfs,no_devmapper,urfave_cli_no_docs",
 )
 # Upstream builds the shim apart, without gRPC (containerd's Makefile).
 CONTAINERD_SHIM = GoTool(
-    "containerd-shim", "github.com/containerd/containerd/v2", _CONTAINERD_VERSION,
-    ("github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",), ("containerd-shim-runc-v2",),
-    ldflags=_CONTAINERD_LDFLAGS, tags="urfave_cli_no_docs,no_grpc",
+    "containerd-shim",
+    "github.com/containerd/containerd/v2",
+    _CONTAINERD_VERSION,
+    ("github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",),
+    ("containerd-shim-runc-v2",),
+    ldflags=_CONTAINERD_LDFLAGS,
+    tags="urfave_cli_no_docs,no_grpc",
 )
 # runc needs cgo (its nsenter is C) and libseccomp's headers.
-RUNC = GoTool("runc", "github.com/opencontainers/runc", "v1.4.3", ("github.com/opencontainers/runc",), ("runc",),
-              tags="seccomp,urfave_cli_no_docs", cgo=True)
-CRICTL = GoTool("crictl", "sigs.k8s.io/cri-tools", "v1.36.0", ("sigs.k8s.io/cri-tools/cmd/crictl",), ("crictl",),
-                ldflags="-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=v1.36.0")
+RUNC = GoTool(
+    "runc",
+    "github.com/opencontainers/runc",
+    "v1.4.3",
+    ("github.com/opencontainers/runc",),
+    ("runc",),
+    tags="seccomp,urfave_cli_no_docs",
+    cgo=True,
+)
+CRICTL = GoTool(
+    "crictl",
+    "sigs.k8s.io/cri-tools",
+    "v1.36.0",
+    ("sigs.k8s.io/cri-tools/cmd/crictl",),
+    ("crictl",),
+    ldflags="-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=v1.36.0",
+)
 CNI_PLUGINS = GoTool(
-    "cni-plugins", "github.com/containernetworking/plugins", "v1.9.1",
-    tuple(f"github.com/containernetworking/plugins/plugins/{p}"
-          for p in ("ipam/host-local", "main/loopback", "main/ptp", "meta/portmap")),
+    "cni-plugins",
+    "github.com/containernetworking/plugins",
+    "v1.9.1",
+    tuple(
+        f"github.com/containernetworking/plugins/plugins/{p}"
+        for p in ("ipam/host-local", "main/loopback", "main/ptp", "meta/portmap")
+    ),
     ("host-local", "loopback", "ptp", "portmap"),
 )
 COREDNS = GoTool("coredns", "github.com/coredns/coredns", "v1.14.6", ("github.com/coredns/coredns",), ("coredns",))
-LOCAL_PATH = GoTool("local-path-provisioner", "github.com/rancher/local-path-provisioner", "v0.0.30",
-                    ("github.com/rancher/local-path-provisioner",), ("local-path-provisioner",))
+LOCAL_PATH = GoTool(
+    "local-path-provisioner",
+    "github.com/rancher/local-path-provisioner",
+    "v0.0.30",
+    ("github.com/rancher/local-path-provisioner",),
+    ("local-path-provisioner",),
+)
 
 _KINDNETD_SOURCE = Path(__file__).resolve().parents[2] / "kind" / "kindnetd"
 
@@ -63,8 +92,9 @@ def kindnetd() -> GoTool:
     for f in sorted(_KINDNETD_SOURCE.rglob("*")):
         if f.is_file():
             digest.update(f.relative_to(_KINDNETD_SOURCE).as_posix().encode() + f.read_bytes())
-    return GoTool("kindnetd", "rollfleet.dev/kindnetd", digest.hexdigest()[:12], (".",), ("kindnetd",),
-                  source=_KINDNETD_SOURCE)
+    return GoTool(
+        "kindnetd", "rollfleet.dev/kindnetd", digest.hexdigest()[:12], (".",), ("kindnetd",), source=_KINDNETD_SOURCE
+    )
 
 
 def go_tools() -> tuple[GoTool, ...]:
@@ -87,8 +117,21 @@ def pause_binary() -> Path:
         return out
     source = module_dir("k8s.io/kubernetes", kube_build.KUBERNETES_VERSION) / "build" / "pause" / "linux" / "pause.c"
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["gcc", "-Os", "-Wall", "-Werror", "-static", f'-DVERSION=v{PAUSE_VERSION}-rollfleet',
-                           "-o", str(out) + ".partial", str(source)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            "gcc",
+            "-Os",
+            "-Wall",
+            "-Werror",
+            "-static",
+            f"-DVERSION=v{PAUSE_VERSION}-rollfleet",
+            "-o",
+            str(out) + ".partial",
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise BuildError(f"gcc could not build {source}:\n{proc.stderr.strip()}")
     Path(str(out) + ".partial").replace(out)
@@ -104,8 +147,12 @@ def _ensure_c_toolchain() -> None:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise BuildError(f"runc and pause need a C compiler and libseccomp: install {' '.join(packages)}")
     log(f"installing {' '.join(packages)} (runc and pause are C)")
-    proc = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
-                          capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    proc = subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    )
     if proc.returncode != 0:
         raise BuildError(f"apt-get install {' '.join(packages)} failed:\n{proc.stderr.strip()[-2000:]}")
 

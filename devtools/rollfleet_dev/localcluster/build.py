@@ -94,8 +94,9 @@ def _version_ldflags(version: str) -> str:
     return "-s -w " + " ".join(flags)
 
 
-def build_kubernetes(version: str = KUBERNETES_VERSION, commands: Sequence[str] = KUBE_COMMANDS,
-                     outdir: Path | None = None) -> Path:
+def build_kubernetes(
+    version: str = KUBERNETES_VERSION, commands: Sequence[str] = KUBE_COMMANDS, outdir: Path | None = None
+) -> Path:
     """Build `commands` of k8s.io/kubernetes into `outdir` (default: the control plane's directory)."""
     outdir = outdir or binaries().kube_apiserver.parent
     workdir = cache_dir() / "build" / f"kubernetes-{version}"
@@ -105,8 +106,14 @@ def build_kubernetes(version: str = KUBERNETES_VERSION, commands: Sequence[str] 
     upstream = Path(info["GoMod"]).read_text()
     (workdir / "go.mod").write_text(kubernetes_gomod(version, upstream))
     go(["mod", "download"], workdir)
-    build_packages(workdir, [f"k8s.io/kubernetes/cmd/{c}" for c in commands], outdir,
-                   ldflags=_version_ldflags(version), tags="selinux,notest", label=f"kubernetes {version}")
+    build_packages(
+        workdir,
+        [f"k8s.io/kubernetes/cmd/{c}" for c in commands],
+        outdir,
+        ldflags=_version_ldflags(version),
+        tags="selinux,notest",
+        label=f"kubernetes {version}",
+    )
     return outdir
 
 
@@ -120,8 +127,14 @@ def build_etcd(version: str = ETCD_VERSION) -> None:
         f"module rollfleet.dev/localcluster/etcdbuild\n\n{go_directives(upstream)}\n\n"
         f"require go.etcd.io/etcd/server/v3 {version}\n"
     )
-    build_packages(workdir, ["go.etcd.io/etcd/server/v3"], binaries().etcd.parent, ldflags="-s -w",
-                   tags="selinux,notest", label=f"etcd {version}")
+    build_packages(
+        workdir,
+        ["go.etcd.io/etcd/server/v3"],
+        binaries().etcd.parent,
+        ldflags="-s -w",
+        tags="selinux,notest",
+        label=f"etcd {version}",
+    )
     # Go names the binary of module path .../server/v3 after "server".
     (binaries().etcd.parent / "server").replace(binaries().etcd)
 

@@ -34,8 +34,13 @@ HOST = "127.0.0.1"
 # Services get loopback ClusterIPs, so the node agent's service proxy can listen on them.
 SERVICE_CIDR = "127.96.0.0/16"
 FIRST_SERVICE_IP = "127.96.0.1"
-PORTS = {"etcd": 2379, "etcd-peer": 2380, "kube-apiserver": 6443, "kube-scheduler": 10259,
-         "kube-controller-manager": 10257}
+PORTS = {
+    "etcd": 2379,
+    "etcd-peer": 2380,
+    "kube-apiserver": 6443,
+    "kube-scheduler": 10259,
+    "kube-controller-manager": 10257,
+}
 START_ORDER = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "node-agent")
 DEFAULT_POOLS = Path(__file__).with_name("pools.yaml")
 
@@ -86,21 +91,32 @@ def component_args(layout: Layout, bins: build.Binaries, pools: Path) -> dict[st
     etcd_url = f"http://{HOST}:{PORTS['etcd']}"
     return {
         "etcd": [
-            str(bins.etcd), "--name=local", f"--data-dir={layout.etcd_data}",
-            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+            str(bins.etcd),
+            "--name=local",
+            f"--data-dir={layout.etcd_data}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
             f"--listen-peer-urls=http://{HOST}:{PORTS['etcd-peer']}",
             f"--initial-advertise-peer-urls=http://{HOST}:{PORTS['etcd-peer']}",
             f"--initial-cluster=local=http://{HOST}:{PORTS['etcd-peer']}",
             "--unsafe-no-fsync",  # a throwaway test cluster: durability is not worth the fsyncs
-            "--log-level=warn", "--quota-backend-bytes=4294967296",
+            "--log-level=warn",
+            "--quota-backend-bytes=4294967296",
         ],
         "kube-apiserver": [
-            str(bins.kube_apiserver), f"--etcd-servers={etcd_url}",
-            f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={PORTS['kube-apiserver']}",
-            f"--tls-cert-file={p.apiserver_crt}", f"--tls-private-key-file={p.apiserver_key}",
-            f"--client-ca-file={p.ca_crt}", f"--token-auth-file={p.token_file}",
-            "--authorization-mode=RBAC", "--anonymous-auth=false",
-            f"--service-account-key-file={p.sa_pub}", f"--service-account-signing-key-file={p.sa_key}",
+            str(bins.kube_apiserver),
+            f"--etcd-servers={etcd_url}",
+            f"--bind-address={HOST}",
+            f"--advertise-address={HOST}",
+            f"--secure-port={PORTS['kube-apiserver']}",
+            f"--tls-cert-file={p.apiserver_crt}",
+            f"--tls-private-key-file={p.apiserver_key}",
+            f"--client-ca-file={p.ca_crt}",
+            f"--token-auth-file={p.token_file}",
+            "--authorization-mode=RBAC",
+            "--anonymous-auth=false",
+            f"--service-account-key-file={p.sa_pub}",
+            f"--service-account-signing-key-file={p.sa_key}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--enable-admission-plugins=NamespaceLifecycle,LimitRanger,ServiceAccount,DefaultTolerationSeconds,"
@@ -108,33 +124,48 @@ def component_args(layout: Layout, bins: build.Binaries, pools: Path) -> dict[st
             # Endpoints may not hold loopback addresses; pods reach the API server through
             # KUBERNETES_SERVICE_HOST/PORT set by the node agent instead.
             "--endpoint-reconciler-type=none",
-            "--allow-privileged=true", "--profiling=false", "--v=1",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--v=1",
         ],
         "kube-scheduler": [
-            str(bins.kube_scheduler), f"--kubeconfig={layout.component_kubeconfig('scheduler')}",
+            str(bins.kube_scheduler),
+            f"--kubeconfig={layout.component_kubeconfig('scheduler')}",
             f"--authentication-kubeconfig={layout.component_kubeconfig('scheduler')}",
             f"--authorization-kubeconfig={layout.component_kubeconfig('scheduler')}",
-            "--leader-elect=false", f"--bind-address={HOST}", f"--secure-port={PORTS['kube-scheduler']}",
-            "--profiling=false", "--v=1",
+            "--leader-elect=false",
+            f"--bind-address={HOST}",
+            f"--secure-port={PORTS['kube-scheduler']}",
+            "--profiling=false",
+            "--v=1",
         ],
         "kube-controller-manager": [
             str(bins.kube_controller_manager),
             f"--kubeconfig={layout.component_kubeconfig('controller-manager')}",
             f"--authentication-kubeconfig={layout.component_kubeconfig('controller-manager')}",
             f"--authorization-kubeconfig={layout.component_kubeconfig('controller-manager')}",
-            "--leader-elect=false", f"--bind-address={HOST}", f"--secure-port={PORTS['kube-controller-manager']}",
-            f"--service-account-private-key-file={p.sa_key}", f"--root-ca-file={p.ca_crt}",
+            "--leader-elect=false",
+            f"--bind-address={HOST}",
+            f"--secure-port={PORTS['kube-controller-manager']}",
+            f"--service-account-private-key-file={p.sa_key}",
+            f"--root-ca-file={p.ca_crt}",
             "--use-service-account-credentials=true",
-            f"--cluster-signing-cert-file={p.ca_crt}", f"--cluster-signing-key-file={p.ca_key}",
+            f"--cluster-signing-cert-file={p.ca_crt}",
+            f"--cluster-signing-key-file={p.ca_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             # Faster than the defaults so node-loss tests take seconds, not minutes.
-            "--node-monitor-grace-period=20s", "--node-monitor-period=2s",
-            "--profiling=false", "--v=1",
+            "--node-monitor-grace-period=20s",
+            "--node-monitor-period=2s",
+            "--profiling=false",
+            "--v=1",
         ],
         "node-agent": [
-            sys.executable, "-m", "rollfleet_dev.localcluster.nodeagent",
+            sys.executable,
+            "-m",
+            "rollfleet_dev.localcluster.nodeagent",
             f"--kubeconfig={layout.component_kubeconfig('node-agent')}",
-            f"--pools={pools}", f"--state-dir={layout.nodes_dir}",
+            f"--pools={pools}",
+            f"--state-dir={layout.nodes_dir}",
         ],
     }
 
@@ -203,8 +234,12 @@ def _nodes_ready(admin_get: Callable[[str], tuple[int, str]]) -> bool:
     if code != 200:
         return False
     nodes = json.loads(body)["items"]
-    ready = [n for n in nodes for c in n.get("status", {}).get("conditions", [])
-             if c["type"] == "Ready" and c["status"] == "True"]
+    ready = [
+        n
+        for n in nodes
+        for c in n.get("status", {}).get("conditions", [])
+        if c["type"] == "Ready" and c["status"] == "True"
+    ]
     return bool(nodes) and len(ready) == len(nodes)
 
 
@@ -265,15 +300,27 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
         down(layout)
     busy = [f"{name} ({port})" for name, port in PORTS.items() if port_in_use(port)]
     if busy:
-        raise ClusterError(f"ports already in use: {', '.join(busy)}. Another cluster or program holds them; "
-                           "stop it (`rollfleet cluster down`) or free the ports.")
+        raise ClusterError(
+            f"ports already in use: {', '.join(busy)}. Another cluster or program holds them; "
+            "stop it (`rollfleet cluster down`) or free the ports."
+        )
     bins = build.ensure_built()
     started = time.monotonic()
     shutil.rmtree(layout.root, ignore_errors=True)
     for sub in ("run", "logs"):
         (layout.root / sub).mkdir(parents=True, exist_ok=True)
-    pki.create(layout.pki.dir, [HOST, FIRST_SERVICE_IP, "localhost", "kubernetes", "kubernetes.default",
-                                "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"])
+    pki.create(
+        layout.pki.dir,
+        [
+            HOST,
+            FIRST_SERVICE_IP,
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ],
+    )
     _write_kubeconfigs(layout)
     args = component_args(layout, bins, pools)
     checks = health_checks(layout)
@@ -295,8 +342,9 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
 
 def _spawn(argv: list[str], out: BinaryIO, layout: Layout) -> subprocess.Popen[bytes]:
     env = {**os.environ, "ROLLFLEET_CLUSTER_STATE": str(layout.root)}
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
+    return subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
 
 
 def _stop(pid: int, grace: float) -> None:

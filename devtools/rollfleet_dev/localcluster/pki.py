@@ -72,16 +72,54 @@ def create(pki_dir: Path, sans: list[str]) -> Pki:
     pki = Pki(pki_dir)
     pki_dir.mkdir(parents=True, exist_ok=True)
     pki_dir.chmod(0o700)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=rollfleet-local-ca",
-             "-keyout", str(pki.ca_key), "-out", str(pki.ca_crt))
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=rollfleet-local-ca",
+        "-keyout",
+        str(pki.ca_key),
+        "-out",
+        str(pki.ca_crt),
+    )
     san = ",".join(f"IP:{s}" if s[0].isdigit() else f"DNS:{s}" for s in sans)
     csr = pki_dir / "apiserver.csr"
     ext = pki_dir / "apiserver.ext"
     ext.write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-             "-keyout", str(pki.apiserver_key), "-out", str(csr))
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(pki.ca_crt), "-CAkey", str(pki.ca_key),
-             "-CAcreateserial", "-days", "3650", "-extfile", str(ext), "-out", str(pki.apiserver_crt))
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        str(pki.apiserver_key),
+        "-out",
+        str(csr),
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(pki.ca_crt),
+        "-CAkey",
+        str(pki.ca_key),
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        str(ext),
+        "-out",
+        str(pki.apiserver_crt),
+    )
     _openssl("genrsa", "-out", str(pki.sa_key), "2048")
     _openssl("rsa", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub))
     lines = []

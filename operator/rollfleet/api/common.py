@@ -59,8 +59,14 @@ class ApiModel(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-def cel(rule: str, message: str | None = None, *, message_expression: str | None = None,
-        field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
+def cel(
+    rule: str,
+    message: str | None = None,
+    *,
+    message_expression: str | None = None,
+    field_path: str | None = None,
+    reason: str | None = None,
+) -> dict[str, str]:
     """One `x-kubernetes-validations` entry; the message is what a person reads on refusal."""
     entry = {"rule": rule}
     if message is not None:
@@ -100,16 +106,20 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 class Condition(ApiModel):
     """The standard Kubernetes condition (metav1.Condition)."""
 
-    type: str = Field(description="Kind of condition, for example Ready, Progressing, Degraded, Paused.",
-                      max_length=316)
+    type: str = Field(
+        description="Kind of condition, for example Ready, Progressing, Degraded, Paused.", max_length=316
+    )
     status: ConditionStatus = Field(description="True, False or Unknown.")
-    reason: str = Field(default="", max_length=1024,
-                        description="One CamelCase word saying why the condition has its status.")
+    reason: str = Field(
+        default="", max_length=1024, description="One CamelCase word saying why the condition has its status."
+    )
     message: str = Field(default="", max_length=32768, description="What a person should know, in a sentence.")
-    last_transition_time: datetime | None = Field(default=None,
-                                                  description="When the status last changed (not reason or message).")
-    observed_generation: int | None = Field(default=None, ge=0,
-                                            description="The .metadata.generation the condition was computed for.")
+    last_transition_time: datetime | None = Field(
+        default=None, description="When the status last changed (not reason or message)."
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The .metadata.generation the condition was computed for."
+    )
 
 
 class ResourceRequirements(ApiModel):

@@ -55,93 +55,145 @@ class PvcSource(ApiModel):
     """Weights on a PersistentVolumeClaim in the fleet's namespace."""
 
     claim_name: str = Field(min_length=1, max_length=253, description="Name of the PersistentVolumeClaim.")
-    sub_path: str | None = Field(default=None, max_length=1024,
-                                 description="Directory inside the volume holding the model (default: its root).")
+    sub_path: str | None = Field(
+        default=None, max_length=1024, description="Directory inside the volume holding the model (default: its root)."
+    )
     read_only: bool = Field(default=True, description="Mount read-only (engines never write weights to disk).")
 
 
 class ModelSpec(ApiModel):
     """The model every engine serves, and where its weights come from (set exactly one source)."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("(has(self.hostPath) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.imagePath) ? 1 : 0) == 1",
-            "model: set exactly one of hostPath, pvc or imagePath (where the engines read the weights from)"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "(has(self.hostPath) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.imagePath) ? 1 : 0) == 1",
+                "model: set exactly one of hostPath, pvc or imagePath (where the engines read the weights from)",
+            ),
+        )
+    }
 
     served_name: str = Field(
-        min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$",
         description="Model name clients send in requests (vLLM --served-model-name).",
     )
-    host_path: str | None = Field(default=None, max_length=1024, pattern=r"^/",
-                                  description="Absolute directory on the node holding the model (mounted read-only).")
+    host_path: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=r"^/",
+        description="Absolute directory on the node holding the model (mounted read-only).",
+    )
     pvc: PvcSource | None = Field(default=None, description="A PersistentVolumeClaim holding the model.")
-    image_path: str | None = Field(default=None, max_length=1024, pattern=r"^/",
-                                   description="Absolute directory inside the engine image holding the model.")
+    image_path: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=r"^/",
+        description="Absolute directory inside the engine image holding the model.",
+    )
 
 
 class EngineSpec(ApiModel):
     """The vLLM engine each pod runs."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("self.gpusPerEngine % self.tensorParallelSize == 0",
-            "engine.gpusPerEngine must be a multiple of engine.tensorParallelSize: each model replica spans "
-            "tensorParallelSize GPUs"),
-        cel("self.gpusPerEngine > 0 || self.tensorParallelSize == 1",
-            "engine.tensorParallelSize above 1 needs GPUs: set engine.gpusPerEngine to a multiple of it"),
-        cel(f"!has(self.args) || self.args.all(a, !{_RESERVED_LIST}.exists(f, a == f || a.startsWith(f + '=')))",
-            "engine.args must not set " + ", ".join(RESERVED_ENGINE_FLAGS)
-            + ": the operator sets them from spec.model and spec.engine", field_path=".args"),
-        cel("!has(self.resources) || ((!has(self.resources.limits) || !(self.gpuResource in self.resources.limits))"
-            " && (!has(self.resources.requests) || !(self.gpuResource in self.resources.requests)))",
-            "do not request GPUs in engine.resources: set engine.gpusPerEngine (and engine.gpuResource)",
-            field_path=".resources"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "self.gpusPerEngine % self.tensorParallelSize == 0",
+                "engine.gpusPerEngine must be a multiple of engine.tensorParallelSize: each model replica spans "
+                "tensorParallelSize GPUs",
+            ),
+            cel(
+                "self.gpusPerEngine > 0 || self.tensorParallelSize == 1",
+                "engine.tensorParallelSize above 1 needs GPUs: set engine.gpusPerEngine to a multiple of it",
+            ),
+            cel(
+                f"!has(self.args) || self.args.all(a, !{_RESERVED_LIST}.exists(f, a == f || a.startsWith(f + '=')))",
+                "engine.args must not set "
+                + ", ".join(RESERVED_ENGINE_FLAGS)
+                + ": the operator sets them from spec.model and spec.engine",
+                field_path=".args",
+            ),
+            cel(
+                "!has(self.resources) || ((!has(self.resources.limits) || !(self.gpuResource in self.resources.limits))"
+                " && (!has(self.resources.requests) || !(self.gpuResource in self.resources.requests)))",
+                "do not request GPUs in engine.resources: set engine.gpusPerEngine (and engine.gpuResource)",
+                field_path=".resources",
+            ),
+        )
+    }
 
-    image: str = Field(default=DEFAULT_ENGINE_IMAGE, min_length=1, max_length=512,
-                       description="Engine image (vLLM plus the rollfleet_engine package).")
+    image: str = Field(
+        default=DEFAULT_ENGINE_IMAGE,
+        min_length=1,
+        max_length=512,
+        description="Engine image (vLLM plus the rollfleet_engine package).",
+    )
     image_pull_policy: PullPolicy = Field(default="IfNotPresent", description="When to pull the image.")
     command: list[CommandPart] | None = Field(
-        default=None, max_length=16,
+        default=None,
+        max_length=16,
         description="Replaces the image's entrypoint, for stand-in engines in tests and benchmarks. The operator's "
         "arguments (serve --model ... --host ... --port ...) are still passed.",
     )
     args: list[Arg] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="Extra vLLM arguments, passed after `--` (for example --enforce-eager, --dtype bfloat16).",
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
-    gpus_per_engine: int = Field(default=1, ge=0, le=64,
-                                 description="GPUs each engine requests; 0 runs engines on CPU nodes.")
-    gpu_resource: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253,
-                              description="Extended resource name of a GPU on this cluster's nodes.")
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64,
-                                      description="vLLM tensor parallel size; gpusPerEngine must be a multiple of it.")
-    max_model_len: int | None = Field(default=None, ge=16, le=10_000_000,
-                                      description="Maximum context length (vLLM --max-model-len).")
+    gpus_per_engine: int = Field(
+        default=1, ge=0, le=64, description="GPUs each engine requests; 0 runs engines on CPU nodes."
+    )
+    gpu_resource: str = Field(
+        default="nvidia.com/gpu",
+        min_length=1,
+        max_length=253,
+        description="Extended resource name of a GPU on this cluster's nodes.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="vLLM tensor parallel size; gpusPerEngine must be a multiple of it."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=10_000_000, description="Maximum context length (vLLM --max-model-len)."
+    )
     resources: ResourceRequirements | None = Field(
-        default=None, description="CPU and memory of the engine container (GPUs come from gpusPerEngine).")
+        default=None, description="CPU and memory of the engine container (GPUs come from gpusPerEngine)."
+    )
     startup_timeout_seconds: int = Field(
-        default=900, ge=30, le=86400,
-        description="How long an engine may take to load its model before it counts as failed and is replaced.")
+        default=900,
+        ge=30,
+        le=86400,
+        description="How long an engine may take to load its model before it counts as failed and is replaced.",
+    )
 
 
 class Toleration(ApiModel):
     """A toleration, as in a Pod."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("self.operator != 'Exists' || !has(self.value) || self.value == ''",
-            "a toleration with operator Exists matches every value: leave value empty"),
-        cel("has(self.key) || self.operator == 'Exists'",
-            "a toleration without a key must use operator Exists (it then tolerates every taint)"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                "a toleration with operator Exists matches every value: leave value empty",
+            ),
+            cel(
+                "has(self.key) || self.operator == 'Exists'",
+                "a toleration without a key must use operator Exists (it then tolerates every taint)",
+            ),
+        )
+    }
 
     key: str | None = Field(default=None, max_length=317, description="Taint key; empty with Exists matches all.")
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
     value: str | None = Field(default=None, max_length=63, description="Taint value for operator Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="Taint effect to match; empty matches all effects.")
-    toleration_seconds: int | None = Field(default=None, ge=0,
-                                           description="For NoExecute: how long the pod stays bound after the taint.")
+        default=None, description="Taint effect to match; empty matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="For NoExecute: how long the pod stays bound after the taint."
+    )
 
 
 class PlacementSpec(ApiModel):
@@ -151,8 +203,9 @@ class PlacementSpec(ApiModel):
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Extra tolerations.")
     affinity: FreeForm | None = Field(default=None, description="Pod affinity rules, as in a Pod's spec.affinity.")
     priority_class_name: str | None = Field(default=None, max_length=253, description="PriorityClass of engine pods.")
-    scheduler_name: str | None = Field(default=None, max_length=253,
-                                       description="Scheduler for engine pods (for example a gang scheduler).")
+    scheduler_name: str | None = Field(
+        default=None, max_length=253, description="Scheduler for engine pods (for example a gang scheduler)."
+    )
 
 
 class GatewaySpec(ApiModel):
@@ -160,11 +213,16 @@ class GatewaySpec(ApiModel):
 
     enabled: bool = Field(default=True, description="Deploy the gateway.")
     replicas: int = Field(default=1, ge=1, le=32, description="Gateway replicas.")
-    image: str = Field(default=DEFAULT_ROLLFLEET_IMAGE, min_length=1, max_length=512,
-                       description="Image that runs `rollfleet gateway`.")
+    image: str = Field(
+        default=DEFAULT_ROLLFLEET_IMAGE,
+        min_length=1,
+        max_length=512,
+        description="Image that runs `rollfleet gateway`.",
+    )
     image_pull_policy: PullPolicy = Field(default="IfNotPresent", description="When to pull the image.")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
-        default="ClusterIP", description="Type of the gateway Service.")
+        default="ClusterIP", description="Type of the gateway Service."
+    )
     args: list[Arg] = Field(default_factory=list, max_length=32, description="Extra `rollfleet gateway` arguments.")
     resources: ResourceRequirements | None = Field(default=None, description="Resources of the gateway container.")
 
@@ -172,32 +230,45 @@ class GatewaySpec(ApiModel):
 class UpdateStrategy(ApiModel):
     """How spec changes roll out: one engine at a time by default, draining each before it is deleted."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("!((self.maxUnavailable == 0 || self.maxUnavailable == '0%')"
-            " && (self.maxSurge == 0 || self.maxSurge == '0%'))",
-            "updateStrategy: maxUnavailable must be at least 1 when maxSurge is 0, or a rolling update could never "
-            "replace an engine (GPU fleets usually keep maxSurge 0 and maxUnavailable 1)"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "!((self.maxUnavailable == 0 || self.maxUnavailable == '0%')"
+                " && (self.maxSurge == 0 || self.maxSurge == '0%'))",
+                "updateStrategy: maxUnavailable must be at least 1 when maxSurge is 0, or a rolling update could never "
+                "replace an engine (GPU fleets usually keep maxSurge 0 and maxUnavailable 1)",
+            ),
+        )
+    }
 
     max_unavailable: IntOrPercent = Field(
         default=1,
-        description="Engines (or percent of replicas, rounded down) that may be unavailable during an update.")
+        description="Engines (or percent of replicas, rounded down) that may be unavailable during an update.",
+    )
     max_surge: IntOrPercent = Field(
-        default=0, description="Extra engines (or percent, rounded up) created during an update. Extra engines need "
-        "spare GPUs, so the default is 0.")
+        default=0,
+        description="Extra engines (or percent, rounded up) created during an update. Extra engines need "
+        "spare GPUs, so the default is 0.",
+    )
 
 
 class WeightSyncSpec(ApiModel):
     """How engines receive new weights from the trainer (through the sync sidecar)."""
 
     backend: Literal["http", "nccl", "none"] = Field(
-        default="http", description="Weight transfer backend: http (portable), nccl (GPU clusters), none (disabled).")
+        default="http", description="Weight transfer backend: http (portable), nccl (GPU clusters), none (disabled)."
+    )
     initial_version: str | None = Field(
-        default=None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="Version label of the weights engines load at start (engine --weight-version).")
+        default=None,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Version label of the weights engines load at start (engine --weight-version).",
+    )
     require_sync: bool = Field(
-        default=True, description="Engines whose weights are not at the fleet's version are PendingSync and get no "
-        "traffic until the sync sidecar updates them.")
+        default=True,
+        description="Engines whose weights are not at the fleet's version are PendingSync and get no "
+        "traffic until the sync sidecar updates them.",
+    )
 
 
 # Label values as Kubernetes accepts them: refused here rather than when the operator applies the policy.
@@ -209,10 +280,14 @@ Cidr = Annotated[str, StringConstraints(max_length=64, pattern=r"^[0-9A-Fa-f:.]+
 class LabelSelectorRequirement(ApiModel):
     """One expression of a label selector, as in Kubernetes."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("(self.operator == 'In' || self.operator == 'NotIn') == (has(self.values) && size(self.values) > 0)",
-            "matchExpressions: In and NotIn need values; Exists and DoesNotExist take none"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "(self.operator == 'In' || self.operator == 'NotIn') == (has(self.values) && size(self.values) > 0)",
+                "matchExpressions: In and NotIn need values; Exists and DoesNotExist take none",
+            ),
+        )
+    }
 
     key: LabelKey = Field(description="Label key.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="In, NotIn, Exists or DoesNotExist.")
@@ -224,7 +299,8 @@ class LabelSelector(ApiModel):
 
     match_labels: dict[str, LabelValue] | None = Field(default=None, description="Labels that must all match.")
     match_expressions: list[LabelSelectorRequirement] | None = Field(
-        default=None, max_length=16, description="Expressions that must all match.")
+        default=None, max_length=16, description="Expressions that must all match."
+    )
 
 
 class IPBlock(ApiModel):
@@ -233,22 +309,32 @@ class IPBlock(ApiModel):
     cidr: Cidr = Field(description="The range admitted, for example 10.0.0.0/16.")
     # `except` is a Python keyword: the field is `except_` in Python, `except` on the wire.
     except_: list[Cidr] | None = Field(
-        default=None, max_length=32, serialization_alias="except", validation_alias=AliasChoices("except", "except_"),
-        description="Ranges inside cidr that are not admitted.")
+        default=None,
+        max_length=32,
+        serialization_alias="except",
+        validation_alias=AliasChoices("except", "except_"),
+        description="Ranges inside cidr that are not admitted.",
+    )
 
 
 class NetworkPolicyPeer(ApiModel):
     """A source admitted to the engine port, as in a NetworkPolicy rule's `from`."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("has(self.ipBlock) != (has(self.podSelector) || has(self.namespaceSelector))",
-            "networkPolicy.extraIngressFrom: set ipBlock alone, or podSelector and/or namespaceSelector"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "has(self.ipBlock) != (has(self.podSelector) || has(self.namespaceSelector))",
+                "networkPolicy.extraIngressFrom: set ipBlock alone, or podSelector and/or namespaceSelector",
+            ),
+        )
+    }
 
     pod_selector: LabelSelector | None = Field(
-        default=None, description="Pods admitted (in the fleet's namespace, or in those namespaceSelector selects).")
+        default=None, description="Pods admitted (in the fleet's namespace, or in those namespaceSelector selects)."
+    )
     namespace_selector: LabelSelector | None = Field(
-        default=None, description="Namespaces whose pods are admitted (all of them, or those podSelector selects).")
+        default=None, description="Namespaces whose pods are admitted (all of them, or those podSelector selects)."
+    )
     ip_block: IPBlock | None = Field(default=None, description="Addresses admitted.")
 
 
@@ -263,9 +349,11 @@ class NetworkPolicySpec(ApiModel):
 
     enabled: bool = Field(default=True, description="Create the NetworkPolicy; false deletes it.")
     extra_ingress_from: list[NetworkPolicyPeer] = Field(
-        default_factory=list, max_length=16,
+        default_factory=list,
+        max_length=16,
         description="More sources admitted to the engine port (for example a Prometheus namespace, or a trainer "
-        "outside the cluster as an ipBlock).")
+        "outside the cluster as an ipBlock).",
+    )
 
 
 class RolloutFleetSpec(ApiModel):
@@ -278,11 +366,15 @@ class RolloutFleetSpec(ApiModel):
     gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The fleet's gateway.")
     update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy, description="How spec changes roll out.")
     drain_timeout_seconds: int = Field(
-        default=300, ge=0, le=86400,
-        description="On scale-down and update, how long an engine may finish its in-flight requests before deletion.")
+        default=300,
+        ge=0,
+        le=86400,
+        description="On scale-down and update, how long an engine may finish its in-flight requests before deletion.",
+    )
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="Weight update settings.")
     network_policy: NetworkPolicySpec = Field(
-        default_factory=NetworkPolicySpec, description="Which pods may connect to the engines.")
+        default_factory=NetworkPolicySpec, description="Which pods may connect to the engines."
+    )
 
 
 class EngineStatus(ApiModel):
@@ -293,8 +385,12 @@ class EngineStatus(ApiModel):
     phase: EnginePhase = Field(description="Starting, PendingSync, Ready, Paused, Syncing, Draining or Failed.")
     node: str | None = Field(default=None, description="Node the pod runs on.")
     # An explicit alias keeps Kubernetes' spelling; the choice keeps `pod_ip=` working for callers and mypy.
-    pod_ip: str | None = Field(default=None, serialization_alias="podIP",
-                               validation_alias=AliasChoices("podIP", "pod_ip"), description="Pod IP.")
+    pod_ip: str | None = Field(
+        default=None,
+        serialization_alias="podIP",
+        validation_alias=AliasChoices("podIP", "pod_ip"),
+        description="Pod IP.",
+    )
     updated: bool = Field(default=True, description="Whether the pod matches the current spec.")
     weight_version: str | None = Field(default=None, description="Weight version the engine reports.")
     in_flight: int | None = Field(default=None, ge=0, description="Requests running or waiting in the engine.")
@@ -328,13 +424,17 @@ class RolloutFleetStatus(ApiModel):
     selector: str = Field(default="", description="Label selector of the engine pods (for the scale subresource).")
     weight_version: str | None = Field(default=None, description="Weight version of the fleet.")
     engines: list[EngineStatus] = Field(
-        default_factory=list, description="Every engine pod.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+        default_factory=list,
+        description="Every engine pod.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     pause: PauseStatus | None = Field(default=None, description="Set while the fleet is paused.")
     gateway: GatewayStatus | None = Field(default=None, description="The gateway, when enabled.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded and Paused.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+        default_factory=list,
+        description="Ready, Progressing, Degraded and Paused.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
 
 
 class RolloutFleet(ApiModel):
@@ -368,11 +468,16 @@ CRD = CrdInfo(
     ),
     scalable=True,
     root_validations=(
-        cel("self.metadata.name.size() <= 40",
+        cel(
+            "self.metadata.name.size() <= 40",
             "RolloutFleet names are at most 40 characters: engine pods are named <fleet>-engine-<index>",
-            field_path=".metadata.name"),
-        cel("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+            field_path=".metadata.name",
+        ),
+        cel(
+            "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
             "RolloutFleet names must start with a letter and hold only lowercase letters, digits and '-': the "
-            "gateway Service is named after the fleet", field_path=".metadata.name"),
+            "gateway Service is named after the fleet",
+            field_path=".metadata.name",
+        ),
     ),
 )

@@ -44,22 +44,29 @@ class Message(ApiModel):
 class Prompt(ApiModel):
     """One prompt: set exactly one of text (completions), messages (chat) or tokenIds (token-in)."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("(has(self.text) ? 1 : 0) + (has(self.messages) ? 1 : 0) + (has(self.tokenIds) ? 1 : 0) == 1",
-            "a prompt sets exactly one of text, messages or tokenIds"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "(has(self.text) ? 1 : 0) + (has(self.messages) ? 1 : 0) + (has(self.tokenIds) ? 1 : 0) == 1",
+                "a prompt sets exactly one of text, messages or tokenIds",
+            ),
+        )
+    }
 
     text: ShortText | None = Field(default=None, description="A plain prompt, sent to /v1/completions.")
-    messages: list[Message] | None = Field(default=None, min_length=1, max_length=256,
-                                           description="Chat messages, sent to /v1/chat/completions.")
+    messages: list[Message] | None = Field(
+        default=None, min_length=1, max_length=256, description="Chat messages, sent to /v1/chat/completions."
+    )
     token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
-        default=None, min_length=1, max_length=65_536,
-        description="Prompt token ids, sent to the token-in/token-out route /inference/v1/generate.")
+        default=None,
+        min_length=1,
+        max_length=65_536,
+        description="Prompt token ids, sent to the token-in/token-out route /inference/v1/generate.",
+    )
 
     def size(self) -> int:
         """What the prompt counts against the inline budget (the same sum the CEL rule takes)."""
-        return (len(self.text or "") + sum(len(m.content) for m in self.messages or [])
-                + len(self.token_ids or []))
+        return len(self.text or "") + sum(len(m.content) for m in self.messages or []) + len(self.token_ids or [])
 
 
 class ConfigMapPrompts(ApiModel):
@@ -76,16 +83,30 @@ class ConfigMapPrompts(ApiModel):
 class SamplingParams(ApiModel):
     """Sampling settings of every sample (vLLM's names; unset ones take the engine's defaults)."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("!has(self.topP) || self.topP > 0.0", "sampling.topP must be in (0, 1]: 0 would allow no token",
-            field_path=".topP"),
-        cel("!has(self.topK) || self.topK == -1 || self.topK >= 1",
-            "sampling.topK must be -1 (all tokens) or at least 1", field_path=".topK"),
-        cel("!has(self.repetitionPenalty) || self.repetitionPenalty > 0.0",
-            "sampling.repetitionPenalty must be above 0 (1 means no penalty)", field_path=".repetitionPenalty"),
-        cel("!has(self.minTokens) || self.minTokens <= self.maxTokens",
-            "sampling.minTokens must not exceed sampling.maxTokens", field_path=".minTokens"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "!has(self.topP) || self.topP > 0.0",
+                "sampling.topP must be in (0, 1]: 0 would allow no token",
+                field_path=".topP",
+            ),
+            cel(
+                "!has(self.topK) || self.topK == -1 || self.topK >= 1",
+                "sampling.topK must be -1 (all tokens) or at least 1",
+                field_path=".topK",
+            ),
+            cel(
+                "!has(self.repetitionPenalty) || self.repetitionPenalty > 0.0",
+                "sampling.repetitionPenalty must be above 0 (1 means no penalty)",
+                field_path=".repetitionPenalty",
+            ),
+            cel(
+                "!has(self.minTokens) || self.minTokens <= self.maxTokens",
+                "sampling.minTokens must not exceed sampling.maxTokens",
+                field_path=".minTokens",
+            ),
+        )
+    }
 
     max_tokens: int = Field(default=256, ge=1, le=1_048_576, description="Tokens to generate at most per sample.")
     min_tokens: int | None = Field(default=None, ge=0, le=1_048_576, description="Tokens to generate at least.")
@@ -97,14 +118,19 @@ class SamplingParams(ApiModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description="OpenAI frequency penalty.")
     repetition_penalty: float | None = Field(default=None, le=100, description="vLLM repetition penalty (> 0).")
     seed: int | None = Field(
-        default=None, ge=0, le=2**31 - 1 - 1024,
-        description="Base seed: sample s of a prompt uses seed + s, so samples differ and reruns reproduce.")
+        default=None,
+        ge=0,
+        le=2**31 - 1 - 1024,
+        description="Base seed: sample s of a prompt uses seed + s, so samples differ and reruns reproduce.",
+    )
     stop: list[StopString] | None = Field(default=None, max_length=16, description="Stop strings.")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64,
-                                                                     description="Stop token ids.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, max_length=64, description="Stop token ids."
+    )
     ignore_eos: bool | None = Field(default=None, description="Keep generating past the end-of-sequence token.")
-    logprobs: int | None = Field(default=None, ge=0, le=20,
-                                 description="Log-probabilities of this many top tokens per output token.")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="Log-probabilities of this many top tokens per output token."
+    )
 
     def body(self, sample: int) -> dict[str, Any]:
         """vLLM request fields (snake_case), with this sample's seed."""
@@ -117,49 +143,80 @@ class SamplingParams(ApiModel):
 class RolloutRequestSpec(ApiModel):
     """The rollouts to run: which fleet, which prompts, how many samples, how, and for how long."""
 
-    model_config = ApiModel.model_config | {"json_schema_extra": validations(
-        cel("has(self.prompts) != has(self.promptsFrom)",
-            "set exactly one of prompts (inline) or promptsFrom (ConfigMaps, for larger sets)"),
-        cel("!has(self.prompts) || self.prompts.map(p, (has(p.text) ? size(p.text) : 0)"
-            " + (has(p.messages) ? p.messages.map(m, size(m.content)).sum() : 0)"
-            " + (has(p.tokenIds) ? size(p.tokenIds) : 0)).sum() <= " + str(INLINE_PROMPT_BUDGET),
-            f"inline prompts hold at most {INLINE_PROMPT_BUDGET} characters and token ids in all: put larger "
-            "sets in a ConfigMap (spec.promptsFrom)", field_path=".prompts"),
-        cel(f"!has(self.prompts) || size(self.prompts) * self.samplesPerPrompt <= {MAX_SAMPLES}",
-            f"prompts x samplesPerPrompt must be at most {MAX_SAMPLES} samples: split the request",
-            field_path=".prompts"),
-    )}
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "has(self.prompts) != has(self.promptsFrom)",
+                "set exactly one of prompts (inline) or promptsFrom (ConfigMaps, for larger sets)",
+            ),
+            cel(
+                "!has(self.prompts) || self.prompts.map(p, (has(p.text) ? size(p.text) : 0)"
+                " + (has(p.messages) ? p.messages.map(m, size(m.content)).sum() : 0)"
+                " + (has(p.tokenIds) ? size(p.tokenIds) : 0)).sum() <= " + str(INLINE_PROMPT_BUDGET),
+                f"inline prompts hold at most {INLINE_PROMPT_BUDGET} characters and token ids in all: put larger "
+                "sets in a ConfigMap (spec.promptsFrom)",
+                field_path=".prompts",
+            ),
+            cel(
+                f"!has(self.prompts) || size(self.prompts) * self.samplesPerPrompt <= {MAX_SAMPLES}",
+                f"prompts x samplesPerPrompt must be at most {MAX_SAMPLES} samples: split the request",
+                field_path=".prompts",
+            ),
+        )
+    }
 
-    fleet: str = Field(min_length=1, max_length=40, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
-                       description="Name of the RolloutFleet (same namespace) that runs the samples.")
-    model: str | None = Field(default=None, min_length=1, max_length=128,
-                              description="Model name sent to the gateway (default: the fleet's servedName).")
+    fleet: str = Field(
+        min_length=1,
+        max_length=40,
+        pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+        description="Name of the RolloutFleet (same namespace) that runs the samples.",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="Model name sent to the gateway (default: the fleet's servedName).",
+    )
     prompts: list[Prompt] | None = Field(
-        default=None, min_length=1, max_length=MAX_INLINE_PROMPTS,
+        default=None,
+        min_length=1,
+        max_length=MAX_INLINE_PROMPTS,
         description=f"Inline prompts (at most {MAX_INLINE_PROMPTS}, {INLINE_PROMPT_BUDGET} characters and token "
-        "ids in all).")
+        "ids in all).",
+    )
     prompts_from: list[ConfigMapPrompts] | None = Field(
-        default=None, min_length=1, max_length=64, description="ConfigMaps holding the prompts as JSONL, in order.")
+        default=None, min_length=1, max_length=64, description="ConfigMaps holding the prompts as JSONL, in order."
+    )
     # Not `n`: YAML 1.1 parsers (kubectl's among them) read the key `n` as the boolean false.
     samples_per_prompt: int = Field(default=1, ge=1, le=1024, description="Samples per prompt (OpenAI's n).")
     sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling settings.")
     stickiness: Stickiness = Field(
         default="Prompt",
         description="Prompt: the samples of a prompt (a GRPO group) go to one engine, sharing its prefix cache; "
-        "Request: the whole request goes to one engine; None: every sample is routed on its own.")
+        "Request: the whole request goes to one engine; None: every sample is routed on its own.",
+    )
     parallelism: int = Field(default=64, ge=1, le=4096, description="Samples in flight at once, at most.")
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, le=2_592_000,
+        default=None,
+        ge=1,
+        le=2_592_000,
         description="Seconds from the start after which in-flight samples are aborted and the request Fails "
-        "(reason DeadlineExceeded). Completed samples are kept.")
+        "(reason DeadlineExceeded). Completed samples are kept.",
+    )
     max_weight_staleness: int | None = Field(
-        default=None, ge=0, le=1_000_000,
+        default=None,
+        ge=0,
+        le=1_000_000,
         description="Fleet weight updates a sample may lag: a sample produced by weights more than this many "
-        "updates older than the fleet's current version is discarded and run again.")
+        "updates older than the fleet's current version is discarded and run again.",
+    )
     ttl_seconds_after_finished: int | None = Field(
-        default=None, ge=0, le=31_536_000,
+        default=None,
+        ge=0,
+        le=31_536_000,
         description="Seconds after the request finishes (Succeeded, Failed or Aborted) when it is deleted, with "
-        "its results.")
+        "its results.",
+    )
 
 
 class Counts(ApiModel):
@@ -167,8 +224,9 @@ class Counts(ApiModel):
 
     total: int = Field(default=0, ge=0, description="prompts x samplesPerPrompt.")
     completed: int = Field(default=0, ge=0, description="Samples that finished (stop or length).")
-    aborted: int = Field(default=0, ge=0, description="Samples stopped by an abort or the deadline (partial "
-                         "output kept).")
+    aborted: int = Field(
+        default=0, ge=0, description="Samples stopped by an abort or the deadline (partial output kept)."
+    )
     failed: int = Field(default=0, ge=0, description="Samples the gateway refused or that errored.")
     in_flight: int = Field(default=0, ge=0, description="Samples running now.")
 
@@ -193,23 +251,27 @@ class RolloutRequestStatus(ApiModel):
     """What the operator last observed; only the operator writes it."""
 
     observed_generation: int | None = Field(default=None, description="The .metadata.generation last acted on.")
-    phase: RequestPhase = Field(default="Pending", description="Pending, Running, Paused, Succeeded, Failed or "
-                                "Aborted.")
+    phase: RequestPhase = Field(
+        default="Pending", description="Pending, Running, Paused, Succeeded, Failed or Aborted."
+    )
     reason: str | None = Field(default=None, description="One CamelCase word: why the request is in its phase.")
     message: str | None = Field(default=None, description="What a person should know, in a sentence.")
     progress: str = Field(default="0/0", description="Finished samples / total, for kubectl get.")
     counts: Counts = Field(default_factory=Counts, description="Samples by outcome.")
     tokens: int = Field(default=0, ge=0, description="Output tokens generated by stored samples.")
-    weight_versions: list[str] = Field(default_factory=list, max_length=64,
-                                       description="Weight versions that produced stored samples, oldest first.")
+    weight_versions: list[str] = Field(
+        default_factory=list, max_length=64, description="Weight versions that produced stored samples, oldest first."
+    )
     prompts_digest: str | None = Field(default=None, description="sha256 of the prompts the run started with.")
     start_time: datetime | None = Field(default=None, description="When the first sample was sent.")
     completion_time: datetime | None = Field(default=None, description="When the request finished.")
     results: ResultsRef = Field(default_factory=ResultsRef, description="Where the results are.")
     abort: AbortRecord | None = Field(default=None, description="The abort acted on, if any.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Running, Paused, Complete, Failed and Aborted.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+        default_factory=list,
+        description="Running, Paused, Complete, Failed and Aborted.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
 
 
 class RolloutRequest(ApiModel):
@@ -243,11 +305,16 @@ CRD = CrdInfo(
         PrinterColumn("Failed", "integer", ".status.counts.failed", "Samples failed.", priority=1),
     ),
     root_validations=(
-        cel("self.metadata.name.size() <= 63",
+        cel(
+            "self.metadata.name.size() <= 63",
             "RolloutRequest names are at most 63 characters: result ConfigMaps are labelled with the name",
-            field_path=".metadata.name"),
-        cel("oldSelf.spec == self.spec",
+            field_path=".metadata.name",
+        ),
+        cel(
+            "oldSelf.spec == self.spec",
             "the spec of a RolloutRequest cannot change: delete it and create a new one (like a Job's template)",
-            field_path=".spec", reason="FieldValueForbidden"),
+            field_path=".spec",
+            reason="FieldValueForbidden",
+        ),
     ),
 )

@@ -73,14 +73,25 @@ class FleetRef:
     def owner_reference(self) -> Manifest:
         # controller=True makes the fleet the one manager; the garbage collector deletes
         # everything it owns when the fleet is deleted.
-        return {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
-                "controller": True, "blockOwnerDeletion": True}
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
 
 
 def _meta(ref: FleetRef, name: str, component: str, **extra: Any) -> Manifest:
     labels = component_labels(ref.name, component) | {LABEL_MANAGED_BY: MANAGER}
-    return {"name": name, "namespace": ref.namespace, "labels": labels,
-            "ownerReferences": [ref.owner_reference()], **extra}
+    return {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": labels,
+        "ownerReferences": [ref.owner_reference()],
+        **extra,
+    }
 
 
 def template_hash(spec: RolloutFleetSpec) -> str:
@@ -89,8 +100,9 @@ def template_hash(spec: RolloutFleetSpec) -> str:
     Replicas, the gateway, the update strategy and the drain timeout are left out:
     changing them must not restart engines.
     """
-    shaping = spec.model_dump(mode="json", by_alias=True, exclude_none=True,
-                              include={"model", "engine", "placement", "weight_sync"})
+    shaping = spec.model_dump(
+        mode="json", by_alias=True, exclude_none=True, include={"model", "engine", "placement", "weight_sync"}
+    )
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -98,9 +110,19 @@ def engine_args(spec: RolloutFleetSpec) -> list[str]:
     """Arguments of `python -m rollfleet_engine` (the engine image's entrypoint)."""
     model, engine, sync = spec.model, spec.engine, spec.weight_sync
     model_dir = model.image_path if model.image_path else MODEL_MOUNT
-    args = ["serve", "--model", model_dir, "--served-model-name", model.served_name,
-            "--port", str(ENGINE_PORT), "--token-file", TOKEN_FILE,
-            "--weight-backend", sync.backend]
+    args = [
+        "serve",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        model.served_name,
+        "--port",
+        str(ENGINE_PORT),
+        "--token-file",
+        TOKEN_FILE,
+        "--weight-backend",
+        sync.backend,
+    ]
     if sync.initial_version:
         args += ["--weight-version", sync.initial_version]
     vllm: list[str] = []
@@ -130,8 +152,12 @@ def _resources(requests: dict[str, Any] | None, limits: dict[str, Any] | None) -
 
 
 def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
-            "timeoutSeconds": 5}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
 
 
 def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], list[Manifest]]:
@@ -143,10 +169,13 @@ def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest],
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     elif spec.model.pvc:
         pvc = spec.model.pvc
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name,
-                                                                  "readOnly": pvc.read_only}})
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": pvc.read_only}
-                      | ({"subPath": pvc.sub_path} if pvc.sub_path else {}))
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}}
+        )
+        mounts.append(
+            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": pvc.read_only}
+            | ({"subPath": pvc.sub_path} if pvc.sub_path else {})
+        )
     # vLLM's engine core and its workers talk through shared-memory queues even at tensor
     # parallel 1 (and TP workers exchange tensors there); a container's default 64 MiB /dev/shm
     # fails its start-up check. Found on kind: the local cluster's processes use the host's.
@@ -192,9 +221,10 @@ def _engine_tolerations(spec: RolloutFleetSpec) -> list[Manifest]:
     if engine.gpus_per_engine:
         # What the ExtendedResourceToleration admission plugin would add: GPU nodes are tainted.
         tolerations.append({"key": engine.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
-    return tolerations + [{"key": key, "operator": "Exists", "effect": "NoExecute",
-                           "tolerationSeconds": NODE_LOST_TOLERATION_SECONDS}
-                          for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")]
+    return tolerations + [
+        {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": NODE_LOST_TOLERATION_SECONDS}
+        for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+    ]
 
 
 def _placement_fields(placement: PlacementSpec) -> Manifest:
@@ -225,34 +255,50 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = E
         **_placement_fields(spec.placement),
     }
     name = engine_pod_name(ref.name, index)
-    meta = _meta(ref, name, COMPONENT_ENGINE,
-                 annotations={ANNOTATION_PHASE: phase, ANNOTATION_TEMPLATE_HASH: template_hash(spec)})
+    meta = _meta(
+        ref,
+        name,
+        COMPONENT_ENGINE,
+        annotations={ANNOTATION_PHASE: phase, ANNOTATION_TEMPLATE_HASH: template_hash(spec)},
+    )
     meta["labels"][LABEL_INDEX] = str(index)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
 def admin_secret(ref: FleetRef, token: str) -> Manifest:
     """The fleet's admin token (engine control routes, gateway abort, sync sidecars)."""
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(ref, secret_name(ref.name), COMPONENT_ADMIN_TOKEN),
-            "data": admin_token_data(token)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(ref, secret_name(ref.name), COMPONENT_ADMIN_TOKEN),
+        "data": admin_token_data(token),
+    }
 
 
 def engine_service_account(ref: FleetRef) -> Manifest:
     # Engines never call the API server: no token is mounted.
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
-            "metadata": _meta(ref, engine_sa_name(ref.name), COMPONENT_ENGINE)}
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "automountServiceAccountToken": False,
+        "metadata": _meta(ref, engine_sa_name(ref.name), COMPONENT_ENGINE),
+    }
 
 
 def gateway_service_account(ref: FleetRef) -> Manifest:
-    return {"apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY)}
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
+    }
 
 
 def gateway_role(ref: FleetRef) -> Manifest:
     """The gateway lists and watches engine pods (to route on their phase annotations); nothing else."""
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
         "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
     }
@@ -261,7 +307,8 @@ def gateway_role(ref: FleetRef) -> Manifest:
 def gateway_role_binding(ref: FleetRef) -> Manifest:
     name = gateway_name(ref.name)
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
         "metadata": _meta(ref, name, COMPONENT_GATEWAY),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ref.namespace}],
@@ -276,24 +323,43 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
         "name": "gateway",
         "image": gw.image,
         "imagePullPolicy": gw.image_pull_policy,
-        "args": ["gateway", "--fleet", ref.name, "--namespace", ref.namespace, "--port", str(GATEWAY_PORT),
-                 "--token-file", TOKEN_FILE, *gw.args],
+        "args": [
+            "gateway",
+            "--fleet",
+            ref.name,
+            "--namespace",
+            ref.namespace,
+            "--port",
+            str(GATEWAY_PORT),
+            "--token-file",
+            TOKEN_FILE,
+            *gw.args,
+        ],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "readinessProbe": _http_probe("/ready", "http", 2, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
         "volumeMounts": [dict(_TOKEN_MOUNT)],
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     if gw.resources:
         container["resources"] = _resources(gw.resources.requests, gw.resources.limits)
     # Non-root as the image's user; fsGroup makes the token (mode 0440) readable to it.
     uid = ROLLFLEET_IMAGE_UID
-    pod_security = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
-                    "seccompProfile": {"type": "RuntimeDefault"}}
+    pod_security = {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
         "spec": {
             "replicas": gw.replicas,
@@ -301,9 +367,13 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {"serviceAccountName": gateway_name(ref.name), "enableServiceLinks": False,
-                         "securityContext": pod_security, "containers": [container],
-                         "volumes": [_token_volume(ref.name)]},
+                "spec": {
+                    "serviceAccountName": gateway_name(ref.name),
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security,
+                    "containers": [container],
+                    "volumes": [_token_volume(ref.name)],
+                },
             },
         },
     }
@@ -311,10 +381,14 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
 
 def gateway_service(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
-        "spec": {"type": spec.gateway.service_type, "selector": component_labels(ref.name, COMPONENT_GATEWAY),
-                 "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}]},
+        "spec": {
+            "type": spec.gateway.service_type,
+            "selector": component_labels(ref.name, COMPONENT_GATEWAY),
+            "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
     }
 
 
@@ -337,17 +411,25 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
     trainers = _pods({LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_FLEET: ref.name})
     sources = [_pods(component_labels(ref.name, COMPONENT_GATEWAY)), trainers]
     if operator_namespace:
-        sources.append({"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
-                        **_pods({LABEL_NAME: APP_NAME, LABEL_COMPONENT: "operator"})})
+        sources.append(
+            {
+                "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
+                **_pods({LABEL_NAME: APP_NAME, LABEL_COMPONENT: "operator"}),
+            }
+        )
     sources += [peer.wire() for peer in spec.network_policy.extra_ingress_from]
     ingress: list[Manifest] = [{"from": sources, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}]
     if spec.weight_sync.backend == "nccl":
         ingress.append({"from": [trainers, _pods(component_labels(ref.name, COMPONENT_ENGINE))]})
     return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
         "metadata": _meta(ref, network_policy_name(ref.name), COMPONENT_ENGINE),
-        "spec": {"podSelector": {"matchLabels": component_labels(ref.name, COMPONENT_ENGINE)},
-                 "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {
+            "podSelector": {"matchLabels": component_labels(ref.name, COMPONENT_ENGINE)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
     }
 
 
@@ -357,8 +439,13 @@ def owned_objects(ref: FleetRef, spec: RolloutFleetSpec, operator_namespace: str
     if spec.network_policy.enabled:
         objects.append(engine_network_policy(ref, spec, operator_namespace))
     if spec.gateway.enabled:
-        objects += [gateway_service_account(ref), gateway_role(ref), gateway_role_binding(ref),
-                    gateway_service(ref, spec), gateway_deployment(ref, spec)]
+        objects += [
+            gateway_service_account(ref),
+            gateway_role(ref),
+            gateway_role_binding(ref),
+            gateway_service(ref, spec),
+            gateway_deployment(ref, spec),
+        ]
     return objects
 
 

@@ -43,8 +43,10 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
     # admit this operator's pods to the engines by it.
     namespace = os.environ.get("POD_NAMESPACE") or None
     if namespace is None:
-        log.warning("POD_NAMESPACE is not set (not running in a pod?): fleets' NetworkPolicies admit no operator "
-                    "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom")
+        log.warning(
+            "POD_NAMESPACE is not set (not running in a pod?): fleets' NetworkPolicies admit no operator "
+            "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom"
+        )
     memo.kube = Kube(load_client())
     memo.fleets = Operator(memo.kube, engines, namespace)
     memo.engines = engines

@@ -14,11 +14,19 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--namespace", action="append", default=[],
-                   help="serve this namespace (repeatable; glob patterns allowed); default: all namespaces")
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="serve this namespace (repeatable; glob patterns allowed); default: all namespaces",
+    )
     p.add_argument("--kubeconfig", default=None, help="kubeconfig when not in a pod (default: $KUBECONFIG)")
-    p.add_argument("--listen", default="0.0.0.0",
-                   help="address of the health and metrics endpoints (in a pod: its IP; default: %(default)s)")
+    p.add_argument(
+        "--listen",
+        default="0.0.0.0",
+        help="address of the health and metrics endpoints (in a pod: its IP; default: %(default)s)",
+    )
     p.add_argument("--health-port", type=int, default=8081, help="kopf liveness endpoint /healthz (0 disables)")
     p.add_argument("--metrics-port", type=int, default=8082, help="Prometheus metrics /metrics (0 disables)")
     p.add_argument("--no-requests", action="store_true", help="serve RolloutFleets only, not RolloutRequests")
@@ -46,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
         # KUBERNETES_SERVICE_HOST (kopf's own service-account login assumes cluster DNS).
         return kopf.login_via_client(**kwargs)
 
-    asyncio.run(kopf.operator(
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=f"http://{args.listen}:{args.health_port}/healthz" if args.health_port else None,
-    ))
+    asyncio.run(
+        kopf.operator(
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=f"http://{args.listen}:{args.health_port}/healthz" if args.health_port else None,
+        )
+    )
     return 0

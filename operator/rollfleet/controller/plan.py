@@ -77,8 +77,16 @@ def drain_finished(engine: Engine, drain_timeout: float, now: datetime) -> str |
     return None
 
 
-def plan_pods(engines: Sequence[Engine], *, replicas: int, current_hash: str, max_unavailable: int,
-              max_surge: int, drain_timeout: float, now: datetime) -> list[PodAction]:
+def plan_pods(
+    engines: Sequence[Engine],
+    *,
+    replicas: int,
+    current_hash: str,
+    max_unavailable: int,
+    max_surge: int,
+    drain_timeout: float,
+    now: datetime,
+) -> list[PodAction]:
     """Pod actions that move the observed engines towards `replicas` up-to-date serving engines."""
     actions: list[PodAction] = []
     live: list[Engine] = []
@@ -110,8 +118,11 @@ def plan_pods(engines: Sequence[Engine], *, replicas: int, current_hash: str, ma
     if excess > 0:
         victims = sorted(live, key=lambda e: (e.serving, e.obs.template_hash == current_hash, -e.obs.index))[:excess]
         for e in victims:
-            actions.append(Drain(e.obs.name, "scale-down") if e.serving
-                           else Delete(e.obs.name, f"scale-down of a {e.phase} engine"))
+            actions.append(
+                Drain(e.obs.name, "scale-down")
+                if e.serving
+                else Delete(e.obs.name, f"scale-down of a {e.phase} engine")
+            )
         live = [e for e in live if e not in victims]
         old = [e for e in old if e not in victims]
 
@@ -122,7 +133,7 @@ def plan_pods(engines: Sequence[Engine], *, replicas: int, current_hash: str, ma
     taken = {e.obs.index for e in engines}
     free = [i for i in range(limit) if i not in taken]
     reason = "update" if old else f"{replicas} engines wanted, {len(live)} exist"
-    actions += [Create(i, reason) for i in free[:max(0, want)]]
+    actions += [Create(i, reason) for i in free[: max(0, want)]]
 
     # Roll: outdated engines that do not serve go at once; serving ones within maxUnavailable.
     if old:
@@ -150,8 +161,9 @@ def pause_request(annotations: Mapping[str, str], recorded: PauseStatus | None) 
     """`rollfleet.dev/pause=keep|wait|abort` pauses; removing it, or `rollfleet.dev/resume`, resumes."""
     raw = annotations.get(ANNOTATION_PAUSE)
     if ANNOTATION_RESUME in annotations:
-        return PauseRequest(None, remove_annotations=tuple(a for a in (ANNOTATION_RESUME, ANNOTATION_PAUSE)
-                                                           if a in annotations))
+        return PauseRequest(
+            None, remove_annotations=tuple(a for a in (ANNOTATION_RESUME, ANNOTATION_PAUSE) if a in annotations)
+        )
     if raw is None:
         return PauseRequest(None)
     mode = parse_pause_mode(raw)
@@ -161,14 +173,19 @@ def pause_request(annotations: Mapping[str, str], recorded: PauseStatus | None) 
     return PauseRequest(recorded.mode if recorded else None, invalid_value=raw)
 
 
-def pause_record(request: PauseRequest, recorded: PauseStatus | None, engines: Sequence[Engine],
-                 now: datetime) -> PauseStatus | None:
+def pause_record(
+    request: PauseRequest, recorded: PauseStatus | None, engines: Sequence[Engine], now: datetime
+) -> PauseStatus | None:
     """What status.pause becomes; while resuming, the record stays until no engine reports paused."""
     if request.mode is not None:
-        return PauseStatus(mode=request.mode, since=recorded.since if recorded else now,
-                           paused_engines=recorded.paused_engines if recorded else 0)
-    if recorded is not None and any(e.obs.state and e.obs.state.paused for e in engines
-                                    if e.phase not in (EnginePhase.DRAINING, EnginePhase.FAILED)):
+        return PauseStatus(
+            mode=request.mode,
+            since=recorded.since if recorded else now,
+            paused_engines=recorded.paused_engines if recorded else 0,
+        )
+    if recorded is not None and any(
+        e.obs.state and e.obs.state.paused for e in engines if e.phase not in (EnginePhase.DRAINING, EnginePhase.FAILED)
+    ):
         return recorded
     return None
 
@@ -184,8 +201,9 @@ class ResumeCall:
     name: str
 
 
-def engine_pause_calls(mode: PauseMode | None, record: PauseStatus | None,
-                       engines: Sequence[Engine]) -> list[PauseCall | ResumeCall]:
+def engine_pause_calls(
+    mode: PauseMode | None, record: PauseStatus | None, engines: Sequence[Engine]
+) -> list[PauseCall | ResumeCall]:
     """Engine control calls that make every reachable engine match the fleet's pause.
 
     Only a fleet pause is undone: an engine paused by the sync sidecar for a weight
@@ -207,6 +225,11 @@ def engine_pause_calls(mode: PauseMode | None, record: PauseStatus | None,
 def phase_updates(engines: Sequence[Engine], actions: Sequence[PodAction]) -> dict[str, str]:
     """Engines whose `rollfleet.dev/phase` annotation must change (the gateway routes on it)."""
     leaving = {a.name for a in actions if isinstance(a, Drain | Delete)}
-    return {e.obs.name: e.phase for e in engines
-            if e.phase != e.obs.annotated_phase and e.obs.name not in leaving
-            and not e.obs.terminating and e.phase != EnginePhase.FAILED}
+    return {
+        e.obs.name: e.phase
+        for e in engines
+        if e.phase != e.obs.annotated_phase
+        and e.obs.name not in leaving
+        and not e.obs.terminating
+        and e.phase != EnginePhase.FAILED
+    }

@@ -88,14 +88,25 @@ def _rfc3339(t: datetime) -> str:
 def event_manifest(ref: desired.FleetRef, type_: str, reason: str, message: str, now: datetime) -> desired.Manifest:
     """A core/v1 Event on the fleet (`kubectl describe rf` and `kubectl get events` show it)."""
     return {
-        "apiVersion": "v1", "kind": "Event",
+        "apiVersion": "v1",
+        "kind": "Event",
         "metadata": {"name": f"{ref.name}.{uuid.uuid4().hex[:16]}", "namespace": ref.namespace},
-        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": ref.name,
-                           "namespace": ref.namespace, "uid": ref.uid},
-        "type": type_, "reason": reason, "message": message[:1024],
-        "firstTimestamp": _rfc3339(now), "lastTimestamp": _rfc3339(now), "count": 1,
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": ref.name,
+            "namespace": ref.namespace,
+            "uid": ref.uid,
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "firstTimestamp": _rfc3339(now),
+        "lastTimestamp": _rfc3339(now),
+        "count": 1,
         "source": {"component": MANAGER},
-        "reportingComponent": MANAGER, "reportingInstance": INSTANCE,
+        "reportingComponent": MANAGER,
+        "reportingInstance": INSTANCE,
     }
 
 
@@ -119,8 +130,10 @@ class NodeHealth:
                 return
             nodes = await self._kube.list(NODE)
             self._ready = {
-                n["metadata"]["name"]: any(c.get("type") == "Ready" and c.get("status") == "True"
-                                           for c in (n.get("status") or {}).get("conditions") or [])
+                n["metadata"]["name"]: any(
+                    c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in (n.get("status") or {}).get("conditions") or []
+                )
                 for n in nodes
             }
             self._at = time.monotonic()
@@ -219,8 +232,9 @@ class FleetLoop:
 
     # ---- one pass --------------------------------------------------------------------------
 
-    async def _observe_engines(self, spec: RolloutFleetSpec,
-                               annotations: Mapping[str, str]) -> tuple[list[EngineObs], bool]:
+    async def _observe_engines(
+        self, spec: RolloutFleetSpec, annotations: Mapping[str, str]
+    ) -> tuple[list[EngineObs], bool]:
         """The fleet's engine pods as observations with the engines' own state, and whether the
         fleet is busy (engines coming and going: 1 s passes; settled engines are re-read every 10 s)."""
         cache = self.shared.pods.get(self.key, {})
@@ -233,10 +247,12 @@ class FleetLoop:
         pods = list(cache.values())
         if any(_unwell(p) for p in pods):
             await self.shared.nodes.refresh()
-        observed = [o for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None)
-                                for p in pods) if o is not None]
-        busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready
-                                                     for o in observed)
+        observed = [
+            o
+            for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None) for p in pods)
+            if o is not None
+        ]
+        busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready for o in observed)
         sync_record = annotations.get(ANNOTATION_SYNC_STATE)
         if sync_record != self._sync_record:
             # A push started or committed: engines' weight versions just changed; cached states would
@@ -271,8 +287,11 @@ class FleetLoop:
         observed, busy = await self._observe_engines(spec, annotations)
 
         # Engines whose state is unknown (still loading) do not make the fleet's version unknown.
-        versions: dict[str, str | None] = {o.name: o.state.weight_version for o in observed
-                                           if o.state is not None and not (o.terminating or o.draining)}
+        versions: dict[str, str | None] = {
+            o.name: o.state.weight_version
+            for o in observed
+            if o.state is not None and not (o.terminating or o.draining)
+        }
         fv = fleet_weight_version(annotations, versions)
         weights = WeightView(fv.version, frozenset(fv.pending_sync), fv.syncing_to is not None)
         recorded = previous.pause if previous else None
@@ -282,14 +301,24 @@ class FleetLoop:
 
         current_hash = desired.template_hash(spec)
         max_unavailable, max_surge = plan.rollout_budget(spec.update_strategy, spec.replicas)
-        actions = plan.plan_pods(engines, replicas=spec.replicas, current_hash=current_hash,
-                                 max_unavailable=max_unavailable, max_surge=max_surge,
-                                 drain_timeout=spec.drain_timeout_seconds, now=now)
+        actions = plan.plan_pods(
+            engines,
+            replicas=spec.replicas,
+            current_hash=current_hash,
+            max_unavailable=max_unavailable,
+            max_surge=max_surge,
+            drain_timeout=spec.drain_timeout_seconds,
+            now=now,
+        )
         by_name = {e.obs.name: e for e in engines}
         await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
         phase_changes = plan.phase_updates(engines, actions)
-        await asyncio.gather(*(annotate_pod(kube, self.ref.namespace, name, {ANNOTATION_PHASE: phase})
-                               for name, phase in phase_changes.items()))
+        await asyncio.gather(
+            *(
+                annotate_pod(kube, self.ref.namespace, name, {ANNOTATION_PHASE: phase})
+                for name, phase in phase_changes.items()
+            )
+        )
         for call in plan.engine_pause_calls(request.mode, record, engines):
             ip = by_name[call.name].obs.pod_ip
             if call.name not in self._calls and ip is not None:
@@ -298,11 +327,18 @@ class FleetLoop:
         await self._pause_bookkeeping(request)
 
         status = fleet_status(
-            spec=spec, generation=meta.get("generation"), current_hash=current_hash,
-            selector=engine_selector(self.ref.name), engines=engines, weights=weights,
-            pause=PauseView(record, request.invalid_value), gateway=self.shared.gateways.get(self.key),
-            gateway_endpoint=gateway_endpoint(self.ref.name, self.ref.namespace), gateway_enabled=spec.gateway.enabled,
-            previous=previous, now=now,
+            spec=spec,
+            generation=meta.get("generation"),
+            current_hash=current_hash,
+            selector=engine_selector(self.ref.name),
+            engines=engines,
+            weights=weights,
+            pause=PauseView(record, request.invalid_value),
+            gateway=self.shared.gateways.get(self.key),
+            gateway_endpoint=gateway_endpoint(self.ref.name, self.ref.namespace),
+            gateway_enabled=spec.gateway.enabled,
+            previous=previous,
+            now=now,
         )
         interval = BUSY_RESYNC_S if busy or actions or phase_changes or self._calls else IDLE_RESYNC_S
         if status != previous:
@@ -374,17 +410,29 @@ class FleetLoop:
                 state = None
             self._states[o.name] = (time.monotonic(), state)
 
-        due = [o for o in obs if o.pod_ip and o.ready and o.pod_phase == "Running" and not o.terminating
-               and (o.name not in self._states or o.draining or now - self._states[o.name][0] >= max_age
-                    or self._states[o.name][1] is None)]
+        due = [
+            o
+            for o in obs
+            if o.pod_ip
+            and o.ready
+            and o.pod_phase == "Running"
+            and not o.terminating
+            and (
+                o.name not in self._states
+                or o.draining
+                or now - self._states[o.name][0] >= max_age
+                or self._states[o.name][1] is None
+            )
+        ]
         await asyncio.gather(*(fetch(o) for o in due))
         for o in obs:  # an engine that is not ready has no state worth keeping
             if not o.ready:
                 self._states.pop(o.name, None)
         return {name: st for name, (_, st) in self._states.items()}
 
-    async def _act(self, action: plan.PodAction, spec: RolloutFleetSpec, engines: Mapping[str, Engine],
-                   now: datetime) -> None:
+    async def _act(
+        self, action: plan.PodAction, spec: RolloutFleetSpec, engines: Mapping[str, Engine], now: datetime
+    ) -> None:
         kube, ns = self.shared.kube, self.ref.namespace
         if isinstance(action, plan.Create):
             pod = desired.engine_pod(self.ref, spec, action.index)
@@ -394,18 +442,28 @@ class FleetLoop:
                 return
             self.event("Normal", "EngineCreated", f"{pod['metadata']['name']} created ({action.reason})")
         elif isinstance(action, plan.Drain):
-            await annotate_pod(kube, ns, action.name, {ANNOTATION_PHASE: EnginePhase.DRAINING,
-                                                       ANNOTATION_DRAINING_SINCE: _rfc3339(now)})
+            await annotate_pod(
+                kube,
+                ns,
+                action.name,
+                {ANNOTATION_PHASE: EnginePhase.DRAINING, ANNOTATION_DRAINING_SINCE: _rfc3339(now)},
+            )
             e = engines[action.name]
-            self.event("Normal", "EngineDraining",
-                       f"{action.name} draining ({action.reason}): {e.obs.in_flight} requests in flight, up to "
-                       f"{spec.drain_timeout_seconds}s")
+            self.event(
+                "Normal",
+                "EngineDraining",
+                f"{action.name} draining ({action.reason}): {e.obs.in_flight} requests in flight, up to "
+                f"{spec.drain_timeout_seconds}s",
+            )
         else:
             with contextlib.suppress(NotFound):
                 await kube.delete(POD, ns, action.name, {"gracePeriodSeconds": 0} if action.force else None)
             failed = engines[action.name].phase == EnginePhase.FAILED
-            self.event("Warning" if failed else "Normal", "EngineReplaced" if failed else "EngineDeleted",
-                       f"{action.name} deleted: {action.reason}")
+            self.event(
+                "Warning" if failed else "Normal",
+                "EngineReplaced" if failed else "EngineDeleted",
+                f"{action.name} deleted: {action.reason}",
+            )
             self._states.pop(action.name, None)
 
     async def _control(self, call: plan.PauseCall | plan.ResumeCall, ip: str, token: str) -> None:
@@ -424,9 +482,11 @@ class FleetLoop:
 
     async def _pause_bookkeeping(self, request: plan.PauseRequest) -> None:
         if request.invalid_value is not None and request.invalid_value != self._warned_pause:
-            self.event("Warning", "InvalidPauseAnnotation",
-                       f"{ANNOTATION_PAUSE}={request.invalid_value!r} is not keep, wait or abort: ignored, "
-                       "nothing changed")
+            self.event(
+                "Warning",
+                "InvalidPauseAnnotation",
+                f"{ANNOTATION_PAUSE}={request.invalid_value!r} is not keep, wait or abort: ignored, nothing changed",
+            )
         self._warned_pause = request.invalid_value
         if request.remove_annotations:
             await self._patch_fleet({"metadata": {"annotations": dict.fromkeys(request.remove_annotations)}})
@@ -460,8 +520,11 @@ class FleetLoop:
         old_phases = {e.name: e.phase for e in previous.engines}
         for e in status.engines:
             if old_phases.get(e.name) not in (None, e.phase):
-                self.event("Warning" if e.phase == EnginePhase.FAILED else "Normal", f"Engine{e.phase}",
-                           f"{e.name}: {old_phases[e.name]} -> {e.phase}" + (f" ({e.message})" if e.message else ""))
+                self.event(
+                    "Warning" if e.phase == EnginePhase.FAILED else "Normal",
+                    f"Engine{e.phase}",
+                    f"{e.name}: {old_phases[e.name]} -> {e.phase}" + (f" ({e.message})" if e.message else ""),
+                )
 
 
 def _parse_status(raw: Any) -> RolloutFleetStatus | None:
@@ -481,16 +544,18 @@ def _unwell(pod: Mapping[str, Any]) -> bool:
     """A pod whose node might be lost: running but not ready, stuck terminating, or of unknown phase."""
     status = pod.get("status") or {}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    return (status.get("phase") == "Running" and not ready) or status.get("phase") == "Unknown" \
+    return (
+        (status.get("phase") == "Running" and not ready)
+        or status.get("phase") == "Unknown"
         or (pod.get("metadata") or {}).get("deletionTimestamp") is not None
+    )
 
 
 class Operator:
     """The fleet loops and the caches they share; kopf's handlers call the `on_*` methods."""
 
     def __init__(self, kube: Kube, engines: EngineClient, operator_namespace: str | None) -> None:
-        self.shared = Shared(kube=kube, engines=engines, nodes=NodeHealth(kube),
-                             operator_namespace=operator_namespace)
+        self.shared = Shared(kube=kube, engines=engines, nodes=NodeHealth(kube), operator_namespace=operator_namespace)
         self.fleets: dict[Key, FleetLoop] = {}
         self._stopping: set[asyncio.Task[None]] = set()
 

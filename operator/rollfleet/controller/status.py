@@ -144,8 +144,9 @@ def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sy
         return Engine(obs, EnginePhase.STARTING, "waiting for the engine's state")
     # Before Paused: a paused engine is routable (it holds requests), one on other weights must not be.
     if require_sync and obs.name in weights.pending_sync:
-        return Engine(obs, EnginePhase.PENDING_SYNC,
-                      f"weights {obs.state.weight_version} are not the fleet's {weights.version}")
+        return Engine(
+            obs, EnginePhase.PENDING_SYNC, f"weights {obs.state.weight_version} are not the fleet's {weights.version}"
+        )
     if obs.state.paused:
         return Engine(obs, EnginePhase.SYNCING if weights.syncing and not fleet_paused else EnginePhase.PAUSED)
     if fleet_paused and obs.annotated_phase in (None, EnginePhase.STARTING):
@@ -160,13 +161,26 @@ class GatewayObs:
     ready_replicas: int
 
 
-def _condition(previous: Sequence[Condition], type_: str, status: bool, reason: str, message: str,
-               generation: int | None, now: datetime) -> Condition:
+def _condition(
+    previous: Sequence[Condition],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: datetime,
+) -> Condition:
     value: ConditionStatus = "True" if status else "False"
     old = next((c for c in previous if c.type == type_), None)
     since = old.last_transition_time if old is not None and old.status == value else now
-    return Condition(type=type_, status=value, reason=reason, message=message, last_transition_time=since,
-                     observed_generation=generation)
+    return Condition(
+        type=type_,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
 
 
 @dataclass(frozen=True)
@@ -183,8 +197,11 @@ CondValue = tuple[bool, str, str]
 
 def _ready_condition(ready: int, desired: int, gateway: GatewayObs | None, gateway_enabled: bool) -> CondValue:
     gateway_ready = not gateway_enabled or (gateway is not None and gateway.ready_replicas > 0)
-    gateway_note = (f"; gateway {gateway.ready_replicas if gateway else 0}/{gateway.replicas if gateway else 0} ready"
-                    if gateway_enabled else "")
+    gateway_note = (
+        f"; gateway {gateway.ready_replicas if gateway else 0}/{gateway.replicas if gateway else 0} ready"
+        if gateway_enabled
+        else ""
+    )
     message = f"{ready}/{desired} engines serve{gateway_note}"
     if ready < desired:
         return False, "EnginesNotReady", message
@@ -207,16 +224,23 @@ def _progress_condition(staying: int, leaving: int, updated: int, ready: int, de
     return False, "Complete", f"{desired} engines, all up to date"
 
 
-def _degraded_condition(engines: Sequence[Engine], staying: Sequence[Engine], ready: int, desired: int,
-                        generation: int | None, previous: RolloutFleetStatus | None) -> CondValue:
+def _degraded_condition(
+    engines: Sequence[Engine],
+    staying: Sequence[Engine],
+    ready: int,
+    desired: int,
+    generation: int | None,
+    previous: RolloutFleetStatus | None,
+) -> CondValue:
     """An engine failed, or the fleet served fully for this spec and no longer does. It stays
     set (status is the memory, across operator restarts) until every engine serves."""
     failed = [e for e in engines if e.phase == EnginePhase.FAILED]
     if failed:
         return True, "EngineFailed", "; ".join(f"{e.obs.name}: {e.message}" for e in failed)
     was_degraded = any(c.type == "Degraded" and c.status == "True" for c in (previous.conditions if previous else []))
-    converged_before = (previous is not None and previous.observed_generation == generation
-                        and previous.ready_replicas >= desired)
+    converged_before = (
+        previous is not None and previous.observed_generation == generation and previous.ready_replicas >= desired
+    )
     if ready < desired and (was_degraded or converged_before):
         lost = ", ".join(f"{e.obs.name} ({e.phase}: {e.message})" for e in staying if not e.serving) or "pods missing"
         return True, "EnginesLost", f"{ready}/{desired} engines serve; replacing {lost}"
@@ -231,9 +255,12 @@ def _pause_condition(pause: PauseView, paused_engines: int, staying: int) -> Con
         cond = (False, "Running", "not paused")
     if pause.invalid_value is None:
         return cond
-    return (cond[0], "InvalidPauseAnnotation",
-            f"{ANNOTATION_PAUSE}={pause.invalid_value!r} is not keep, wait or abort; ignored ("
-            + ("fleet stays paused)" if pause.status else "fleet keeps running)"))
+    return (
+        cond[0],
+        "InvalidPauseAnnotation",
+        f"{ANNOTATION_PAUSE}={pause.invalid_value!r} is not keep, wait or abort; ignored ("
+        + ("fleet stays paused)" if pause.status else "fleet keeps running)"),
+    )
 
 
 def fleet_status(
@@ -260,10 +287,17 @@ def fleet_status(
     updated = sum(e.obs.template_hash == current_hash for e in staying)
 
     entries = [
-        EngineStatus(name=e.obs.name, index=e.obs.index, phase=e.phase, node=e.obs.node, pod_ip=e.obs.pod_ip,
-                     updated=e.obs.template_hash == current_hash,
-                     weight_version=e.obs.state.weight_version if e.obs.state else None,
-                     in_flight=e.obs.in_flight, message=e.message)
+        EngineStatus(
+            name=e.obs.name,
+            index=e.obs.index,
+            phase=e.phase,
+            node=e.obs.node,
+            pod_ip=e.obs.pod_ip,
+            updated=e.obs.template_hash == current_hash,
+            weight_version=e.obs.state.weight_version if e.obs.state else None,
+            in_flight=e.obs.in_flight,
+            message=e.message,
+        )
         for e in sorted(engines, key=lambda e: e.obs.index)
     ]
     paused_engines = sum(e.phase == EnginePhase.PAUSED for e in staying)
@@ -287,7 +321,12 @@ def fleet_status(
         weight_version=weights.version,
         engines=entries,
         pause=pause_status,
-        gateway=GatewayStatus(endpoint=gateway_endpoint, replicas=gateway.replicas if gateway else 0,
-                              ready_replicas=gateway.ready_replicas if gateway else 0) if gateway_enabled else None,
+        gateway=GatewayStatus(
+            endpoint=gateway_endpoint,
+            replicas=gateway.replicas if gateway else 0,
+            ready_replicas=gateway.ready_replicas if gateway else 0,
+        )
+        if gateway_enabled
+        else None,
         conditions=conditions,
     )

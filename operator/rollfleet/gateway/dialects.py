@@ -166,8 +166,11 @@ class Template:
     @classmethod
     def of(cls, route: Route, chunk: Json, fallback: Template) -> Template:
         key = "request_id" if route is Route.GENERATE else "id"
-        return cls(chunk.get(key) or fallback.id, chunk.get("created") or fallback.created,
-                   chunk.get("model") or fallback.model)
+        return cls(
+            chunk.get(key) or fallback.id,
+            chunk.get("created") or fallback.created,
+            chunk.get("model") or fallback.model,
+        )
 
 
 @dataclass
@@ -223,8 +226,13 @@ def closing_chunk(route: Route, tpl: Template, indexes: list[int], finish_reason
         return {"request_id": tpl.id, "choices": [{**base, "index": i} for i in indexes]}
     if route is Route.CHAT:
         choices = [{**base, "index": i, "delta": {}} for i in indexes]
-        return {"id": tpl.id, "object": "chat.completion.chunk", "created": tpl.created, "model": tpl.model,
-                "choices": choices}
+        return {
+            "id": tpl.id,
+            "object": "chat.completion.chunk",
+            "created": tpl.created,
+            "model": tpl.model,
+            "choices": choices,
+        }
     choices = [{**base, "index": i, "text": ""} for i in indexes]
     return {"id": tpl.id, "object": "text_completion", "created": tpl.created, "model": tpl.model, "choices": choices}
 
@@ -303,20 +311,37 @@ class Assembler:
         }
         choices = [self._choice(i, s) for i, s in sorted(self.seqs.items())]
         if self.route is Route.GENERATE:
-            out: Json = {"request_id": tpl.id, "model": tpl.model, "created": tpl.created,
-                         "output_mode": self.output_mode, "choices": choices, "usage": usage}
+            out: Json = {
+                "request_id": tpl.id,
+                "model": tpl.model,
+                "created": tpl.created,
+                "output_mode": self.output_mode,
+                "choices": choices,
+                "usage": usage,
+            }
         else:
             obj = "chat.completion" if self.route is Route.CHAT else "text_completion"
-            out = {"id": tpl.id, "object": obj, "created": tpl.created, "model": tpl.model,
-                   "choices": choices, "usage": usage}
+            out = {
+                "id": tpl.id,
+                "object": obj,
+                "created": tpl.created,
+                "model": tpl.model,
+                "choices": choices,
+                "usage": usage,
+            }
         if self.prompt_token_ids is not None:
             out["prompt_token_ids"] = self.prompt_token_ids
         out.update(extra)
         return out
 
     def _choice(self, index: int, s: _Sequence) -> Json:
-        base: Json = {"index": index, "finish_reason": s.finish_reason, "stop_reason": s.stop_reason,
-                      "token_ids": s.token_ids, "logprobs": s.logprobs}
+        base: Json = {
+            "index": index,
+            "finish_reason": s.finish_reason,
+            "stop_reason": s.stop_reason,
+            "token_ids": s.token_ids,
+            "logprobs": s.logprobs,
+        }
         if self.route is Route.CHAT:
             message: Json = {"role": "assistant", "content": "".join(s.text) if s.text or not s.tool_calls else None}
             if s.reasoning:

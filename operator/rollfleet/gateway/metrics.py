@@ -10,8 +10,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "rollfleet_gateway_requests", "Routed requests by route and outcome (finish reason, error, rejected)",
-            ["route", "outcome"], registry=r
+            "rollfleet_gateway_requests",
+            "Routed requests by route and outcome (finish reason, error, rejected)",
+            ["route", "outcome"],
+            registry=r,
         )
         self.latency = Histogram(
             "rollfleet_gateway_request_seconds",
@@ -21,7 +23,9 @@ class Metrics:
             registry=r,
         )
         self.attempts = Counter(
-            "rollfleet_gateway_upstream_attempts", "Upstream attempts by engine and result", ["engine", "result"],
+            "rollfleet_gateway_upstream_attempts",
+            "Upstream attempts by engine and result",
+            ["engine", "result"],
             registry=r,
         )
         self.failovers = Counter(

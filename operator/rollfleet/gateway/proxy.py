@@ -111,9 +111,13 @@ class StreamWriter:
 
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
-        await self.send({"type": "http.response.start", "status": 200,
-                         "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                                     *headers]})
+        await self.send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *headers],
+            }
+        )
 
     async def chunks(self, batch: list[tuple[Json, bytes | None]]) -> None:
         self.sent_any = True
@@ -172,15 +176,26 @@ def error_body(message: str, status: int) -> Json:
 
 async def send_json(send: Send, status: int, body: Json, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = orjson.dumps(body)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
 class Proxy:
-    def __init__(self, registry: Registry, router: Router, inflight: InFlightTable, token: str,
-                 config: ProxyConfig, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        router: Router,
+        inflight: InFlightTable,
+        token: str,
+        config: ProxyConfig,
+        metrics: Metrics,
+    ) -> None:
         self.registry = registry
         self.router = router
         self.inflight = inflight
@@ -293,8 +308,11 @@ class _Exchange:
                 if entry.stop is not None:
                     continue
                 tried = f" other than {', '.join(entry.engines)} (failed)" if entry.engines else ""
-                return await self._fail(503, f"no routable engine{tried} within {cfg.queue_timeout_s:.0f}s "
-                                             "(engines starting, syncing or draining)")
+                return await self._fail(
+                    503,
+                    f"no routable engine{tried} within {cfg.queue_timeout_s:.0f}s "
+                    "(engines starting, syncing or draining)",
+                )
             engine, decision = picked
             plan = self._plan()
             if plan is None:
@@ -312,8 +330,9 @@ class _Exchange:
             if result.outcome is Outcome.REJECTED:
                 continuing = plan[2] is not None
                 if not continuing and not self.writer.started:
-                    await send_json(self.writer.send, result.status, _error_json(result.body, result.status),
-                                    self._headers())
+                    await send_json(
+                        self.writer.send, result.status, _error_json(result.body, result.status), self._headers()
+                    )
                     self.writer.responded = True
                     return "rejected"
                 if continuing and result.status == 404 and not self.continuation_refused:
@@ -326,8 +345,14 @@ class _Exchange:
                     continue
                 return await self._fail(502, f"engine refused the continuation: {result.detail}")
             last_failure = f"{engine.key}: {result.detail}"
-            log.warning("request %s failed on %s (%s); %d/%d attempts used", self.req.request_id, engine.key,
-                        result.detail, self.attempts, cfg.max_attempts)
+            log.warning(
+                "request %s failed on %s (%s); %d/%d attempts used",
+                self.req.request_id,
+                engine.key,
+                result.detail,
+                self.attempts,
+                cfg.max_attempts,
+            )
             # An engine that only looked dead (a cut connection) aborts the request when it
             # notices the disconnect; tell it now, without holding up the continuation.
             self.proxy.background(self.proxy.abort_quietly(engine, self.req.request_id))
@@ -376,8 +401,9 @@ class _Exchange:
             return engine, decision
         return None
 
-    async def _attempt(self, engine: Engine, decision: Decision, path: str, body: Json,
-                       cont: ContinuationState | None) -> AttemptResult:
+    async def _attempt(
+        self, engine: Engine, decision: Decision, path: str, body: Json, cont: ContinuationState | None
+    ) -> AttemptResult:
         p, entry = self.proxy, self.entry
         entry.engine = engine.key
         entry.engines.append(engine.key)
@@ -400,8 +426,13 @@ class _Exchange:
         """Abort the caller id on the engine, then give its stream `stop_grace_s` to deliver the end."""
         p = self.proxy
         status = await p.abort_on_engine(engine, [self.req.request_id], p.config.abort_timeout_s)
-        log.info("request %s stopped (%s): engine %s says %s", self.req.request_id, self.entry.stop, engine.key,
-                 status[self.req.request_id].value)
+        log.info(
+            "request %s stopped (%s): engine %s says %s",
+            self.req.request_id,
+            self.entry.stop,
+            engine.key,
+            status[self.req.request_id].value,
+        )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(task), p.config.stop_grace_s)
         if not task.done():
@@ -461,8 +492,9 @@ class _Exchange:
         p.registry.eject(engine.key)
         return AttemptResult(Outcome.FAILED, "the engine's stream ended before the request finished")
 
-    def _forward(self, payload: bytes, cont: ContinuationState | None,
-                 batch: list[tuple[Json, bytes | None]]) -> AttemptResult | None:
+    def _forward(
+        self, payload: bytes, cont: ContinuationState | None, batch: list[tuple[Json, bytes | None]]
+    ) -> AttemptResult | None:
         """Track one upstream chunk and queue it in the client's dialect; a result if it was an error."""
         obj = orjson.loads(payload)
         error = obj.get("error")
@@ -527,8 +559,11 @@ class _Exchange:
         return len(done) >= self.n
 
     def _report(self) -> Json:
-        return {"weight_versions": list(self.entry.versions), "engines": list(self.entry.engines),
-                "attempts": self.attempts}
+        return {
+            "weight_versions": list(self.entry.versions),
+            "engines": list(self.entry.engines),
+            "attempts": self.attempts,
+        }
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         entry = self.entry

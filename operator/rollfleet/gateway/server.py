@@ -25,21 +25,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="default", help="namespace of the fleet (default: %(default)s)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, else ~/.kube/config)")
     p.add_argument("--engines", help="comma-separated engine base URLs: static mode, no Kubernetes")
-    p.add_argument("--host", default=serving_host(os.environ.get("POD_IP")),
-                   help="address to bind (default: every address; $POD_IP where pods share the host's loopback)")
+    p.add_argument(
+        "--host",
+        default=serving_host(os.environ.get("POD_IP")),
+        help="address to bind (default: every address; $POD_IP where pods share the host's loopback)",
+    )
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--token-file", default=DEFAULT_TOKEN_FILE, help="fleet admin token (default: %(default)s)")
     p.add_argument("--api-key-file", help="if given, inference routes need this bearer token (or the admin token)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     p.add_argument("--request-timeout", type=float, default=3600.0, help="default per-request deadline, seconds")
-    p.add_argument("--queue-timeout", type=float, default=60.0,
-                   help="how long a request waits for a routable engine before 503 (default: %(default)s s)")
-    p.add_argument("--eject-seconds", type=float, default=5.0,
-                   help="how long an engine that dropped a connection gets no new requests (default: %(default)s)")
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=60.0,
+        help="how long a request waits for a routable engine before 503 (default: %(default)s s)",
+    )
+    p.add_argument(
+        "--eject-seconds",
+        type=float,
+        default=5.0,
+        help="how long an engine that dropped a connection gets no new requests (default: %(default)s)",
+    )
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per request, failovers included")
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a sticky session is dropped")
-    p.add_argument("--imbalance-abs", type=int, default=8,
-                   help="move a session when its engine has this many more outstanding requests than the least loaded")
+    p.add_argument(
+        "--imbalance-abs",
+        type=int,
+        default=8,
+        help="move a session when its engine has this many more outstanding requests than the least loaded",
+    )
     p.add_argument("--imbalance-rel", type=float, default=1.5, help="... and this many times its load")
     p.add_argument("--log-level", default="info")
 
@@ -57,8 +72,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         eject_s=args.eject_seconds,
         request_timeout_s=args.request_timeout,
-        routing=RoutingPolicy(session_ttl_s=args.session_ttl, imbalance_abs=args.imbalance_abs,
-                              imbalance_rel=args.imbalance_rel),
+        routing=RoutingPolicy(
+            session_ttl_s=args.session_ttl, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel
+        ),
         proxy=ProxyConfig(max_attempts=args.max_attempts, queue_timeout_s=args.queue_timeout),
     )
 
@@ -70,6 +86,14 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.token_file).exists():
         raise SystemExit(f"rollfleet gateway: token file {args.token_file} does not exist")
     app = build_app(config_from_args(args))
-    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools", access_log=False,
-                log_level=args.log_level, timeout_keep_alive=75)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level=args.log_level,
+        timeout_keep_alive=75,
+    )
     return 0

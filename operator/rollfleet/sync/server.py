@@ -44,9 +44,12 @@ _CHUNK = 4 << 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet", required=True, help="RolloutFleet name")
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
-    p.add_argument("--host", default=pod_local_host(os.environ.get("POD_IP")),
-                   help="address of the trainer API (default: localhost, the same pod only; $POD_IP where "
-                   "pods share the host's loopback)")
+    p.add_argument(
+        "--host",
+        default=pod_local_host(os.environ.get("POD_IP")),
+        help="address of the trainer API (default: localhost, the same pod only; $POD_IP where "
+        "pods share the host's loopback)",
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--token-file", default=TOKEN_FILE, help="the fleet's admin token (engine control routes)")
     p.add_argument(
@@ -140,8 +143,9 @@ async def _unavailable_on_failure(request: web.Request, handler: Handler) -> web
         return await handler(request)
     except RollfleetError as err:
         log.exception("%s %s failed", request.method, request.path)
-        return web.json_response({"error": f"{type(err).__name__}: {err}; retry, or read this sidecar's log"},
-                                 status=503)
+        return web.json_response(
+            {"error": f"{type(err).__name__}: {err}; retry, or read this sidecar's log"}, status=503
+        )
 
 
 def _kubernetes(args: argparse.Namespace) -> tuple[RecordStore, Discovery]:

@@ -135,7 +135,8 @@ def record_patch(before: Mapping[str, str], changes: Mapping[str, str | None]) -
     if ANNOTATION_SYNC_STATE not in before:
         return None
     ops: list[dict[str, Any]] = [
-        {"op": "test", "path": _pointer(ANNOTATION_SYNC_STATE), "value": before[ANNOTATION_SYNC_STATE]}]
+        {"op": "test", "path": _pointer(ANNOTATION_SYNC_STATE), "value": before[ANNOTATION_SYNC_STATE]}
+    ]
     for key, value in changes.items():
         if value is not None:
             ops.append({"op": "add", "path": _pointer(key), "value": value})  # add replaces an existing key

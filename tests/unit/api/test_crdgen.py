@@ -137,8 +137,15 @@ def test_generic_path_converts_pydantic_constructs() -> None:
     assert p["raw"] == {"description": "Anything.", "type": "object", "x-kubernetes-preserve-unknown-fields": True}
     assert p["items"]["items"]["properties"]["size"]["minimum"] == 0
 
-    info = CrdInfo(kind="Toy", plural="toys", short_names=("ty",), description="Toys.", spec_model=_Toy,
-                   status_model=_Inner, printer_columns=(PrinterColumn("Mode", "string", ".spec.mode", "m"),))
+    info = CrdInfo(
+        kind="Toy",
+        plural="toys",
+        short_names=("ty",),
+        description="Toys.",
+        spec_model=_Toy,
+        status_model=_Inner,
+        printer_columns=(PrinterColumn("Mode", "string", ".spec.mode", "m"),),
+    )
     doc = crdgen.crd(info)
     assert doc["metadata"]["name"] == "toys.rollfleet.dev"
     assert "scale" not in doc["spec"]["versions"][0]["subresources"]

@@ -42,13 +42,22 @@ def test_bounds_are_checked_in_python_too() -> None:
 
 
 def test_network_policy_peers_keep_kubernetes_spelling() -> None:
-    spec = RolloutFleetSpec.model_validate({"model": {"servedName": "tiny", "imagePath": "/m"}, "networkPolicy": {
-        "extraIngressFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]}})
+    spec = RolloutFleetSpec.model_validate(
+        {
+            "model": {"servedName": "tiny", "imagePath": "/m"},
+            "networkPolicy": {"extraIngressFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]},
+        }
+    )
     assert spec.network_policy.extra_ingress_from[0].wire() == {
-        "ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}
+        "ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}
+    }
     with pytest.raises(ValidationError):
-        RolloutFleetSpec.model_validate({"model": {"servedName": "tiny", "imagePath": "/m"}, "networkPolicy": {
-            "extraIngressFrom": [{"podSelector": {"matchLabels": {"app": "not a label value"}}}]}})
+        RolloutFleetSpec.model_validate(
+            {
+                "model": {"servedName": "tiny", "imagePath": "/m"},
+                "networkPolicy": {"extraIngressFrom": [{"podSelector": {"matchLabels": {"app": "not a label value"}}}]},
+            }
+        )
 
 
 def test_reserved_flags_are_the_ones_the_operator_sets() -> None:

@@ -21,14 +21,23 @@ def test_engine_pod_has_stable_name_owner_labels_and_gpu_request() -> None:
     meta = pod["metadata"]
     assert meta["name"] == "tiny-engine-3"
     assert meta["labels"] == {
-        "app.kubernetes.io/name": "rollfleet", "app.kubernetes.io/component": "engine",
-        "rollfleet.dev/fleet": "tiny", "app.kubernetes.io/managed-by": "rollfleet-operator",
+        "app.kubernetes.io/name": "rollfleet",
+        "app.kubernetes.io/component": "engine",
+        "rollfleet.dev/fleet": "tiny",
+        "app.kubernetes.io/managed-by": "rollfleet-operator",
         "rollfleet.dev/engine-index": "3",
     }
     assert meta["annotations"][ANNOTATION_PHASE] == "Starting"
-    assert meta["ownerReferences"] == [{"apiVersion": "rollfleet.dev/v1alpha1", "kind": "RolloutFleet",
-                                        "name": "tiny", "uid": "uid-1", "controller": True,
-                                        "blockOwnerDeletion": True}]
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "rollfleet.dev/v1alpha1",
+            "kind": "RolloutFleet",
+            "name": "tiny",
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     c = pod["spec"]["containers"][0]
     assert c["name"] == "engine" and "command" not in c
     assert c["resources"] == {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}}
@@ -42,21 +51,31 @@ def test_engine_pod_has_stable_name_owner_labels_and_gpu_request() -> None:
 
 
 def test_engine_args_follow_the_engine_cli_contract() -> None:
-    s = spec(engine={"maxModelLen": 512, "args": ["--enforce-eager"]},
-             weightSync={"initialVersion": "step-0"})
+    s = spec(engine={"maxModelLen": 512, "args": ["--enforce-eager"]}, weightSync={"initialVersion": "step-0"})
     args = desired.engine_pod(REF, s, 0)["spec"]["containers"][0]["args"]
     # No --host: the engine binds by the kind of pod network it finds (rollfleet_engine.listen).
-    assert args[:10] == ["serve", "--model", "/models", "--served-model-name", "tiny",
-                         "--port", "8000", "--token-file", TOKEN_FILE, "--weight-backend"]
+    assert args[:10] == [
+        "serve",
+        "--model",
+        "/models",
+        "--served-model-name",
+        "tiny",
+        "--port",
+        "8000",
+        "--token-file",
+        TOKEN_FILE,
+        "--weight-backend",
+    ]
     assert args[args.index("--weight-version") + 1] == "step-0"
-    assert args[args.index("--") + 1:] == ["--max-model-len", "512", "--enforce-eager"]
+    assert args[args.index("--") + 1 :] == ["--max-model-len", "512", "--enforce-eager"]
 
 
 def test_model_sources_mount_or_point_into_the_image() -> None:
     host = desired.engine_pod(REF, spec(), 0)["spec"]
     assert {"name": "model", "hostPath": {"path": "/models/tiny", "type": "Directory"}} in host["volumes"]
     pvc_spec = RolloutFleetSpec.model_validate(
-        {"model": {"servedName": "m", "pvc": {"claimName": "weights", "subPath": "llama"}}})
+        {"model": {"servedName": "m", "pvc": {"claimName": "weights", "subPath": "llama"}}}
+    )
     pvc = desired.engine_pod(REF, pvc_spec, 0)["spec"]
     mount = next(m for m in pvc["containers"][0]["volumeMounts"] if m["name"] == "model")
     assert mount["subPath"] == "llama" and mount["readOnly"] is True
@@ -67,10 +86,18 @@ def test_model_sources_mount_or_point_into_the_image() -> None:
 
 
 def test_cpu_engines_request_no_gpu_and_keep_placement() -> None:
-    s = spec(engine={"gpusPerEngine": 0, "command": ["python3", "-c", "pass"],
-                     "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}},
-             placement={"nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "x", "operator": "Exists"}],
-                        "priorityClassName": "rollouts"})
+    s = spec(
+        engine={
+            "gpusPerEngine": 0,
+            "command": ["python3", "-c", "pass"],
+            "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        },
+        placement={
+            "nodeSelector": {"pool": "cpu"},
+            "tolerations": [{"key": "x", "operator": "Exists"}],
+            "priorityClassName": "rollouts",
+        },
+    )
     pod = desired.engine_pod(REF, s, 0)["spec"]
     c = pod["containers"][0]
     assert c["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"}}
@@ -111,14 +138,25 @@ def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
     assert no_gw[0]["automountServiceAccountToken"] is False  # the engines' own, with no token mounted
 
 
-ENGINES = {"app.kubernetes.io/name": "rollfleet", "app.kubernetes.io/component": "engine",
-           "rollfleet.dev/fleet": "tiny"}
-GATEWAY = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollfleet",
-                                           "app.kubernetes.io/component": "gateway", "rollfleet.dev/fleet": "tiny"}}}
+ENGINES = {
+    "app.kubernetes.io/name": "rollfleet",
+    "app.kubernetes.io/component": "engine",
+    "rollfleet.dev/fleet": "tiny",
+}
+GATEWAY = {
+    "podSelector": {
+        "matchLabels": {
+            "app.kubernetes.io/name": "rollfleet",
+            "app.kubernetes.io/component": "gateway",
+            "rollfleet.dev/fleet": "tiny",
+        }
+    }
+}
 TRAINERS = {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": "tiny"}}}
-OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rollfleet-system"}},
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollfleet",
-                                            "app.kubernetes.io/component": "operator"}}}
+OPERATOR = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rollfleet-system"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "rollfleet", "app.kubernetes.io/component": "operator"}},
+}
 
 
 def test_network_policy_admits_only_gateway_trainers_and_operator_to_the_engine_port() -> None:
@@ -133,8 +171,9 @@ def test_network_policy_admits_only_gateway_trainers_and_operator_to_the_engine_
     # ... ingress only (egress stays open: engines pull weights from the trainer pod) ...
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     # ... and one rule: the engine port, from the fleet's gateway and trainers and the operator's pods.
-    assert policy["spec"]["ingress"] == [{"from": [GATEWAY, TRAINERS, OPERATOR],
-                                          "ports": [{"protocol": "TCP", "port": contract.ENGINE_PORT}]}]
+    assert policy["spec"]["ingress"] == [
+        {"from": [GATEWAY, TRAINERS, OPERATOR], "ports": [{"protocol": "TCP", "port": contract.ENGINE_PORT}]}
+    ]
     gateway_pods = desired.gateway_deployment(REF, spec())["spec"]["template"]["metadata"]["labels"]
     assert GATEWAY["podSelector"]["matchLabels"].items() <= gateway_pods.items()
 
@@ -145,9 +184,11 @@ def test_network_policy_without_a_known_operator_namespace_names_no_operator_pod
 
 
 def test_network_policy_admits_extra_peers_on_the_engine_port() -> None:
-    extra = [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},
-             {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
-             {"podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["bench"]}]}}]
+    extra = [
+        {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},
+        {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+        {"podSelector": {"matchExpressions": [{"key": "role", "operator": "In", "values": ["bench"]}]}},
+    ]
     policy = desired.engine_network_policy(REF, spec(networkPolicy={"extraIngressFrom": extra}), "ops")
     rule = policy["spec"]["ingress"][0]
     assert rule["from"][3:] == extra

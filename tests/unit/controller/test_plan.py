@@ -17,10 +17,18 @@ from rollfleet.controller.status import Engine, WeightView
 OLD = "h-old"
 
 
-def run(engines: Sequence[Engine], replicas: int, max_unavailable: int = 1, max_surge: int = 0,
-        drain_timeout: float = 60) -> list[plan.PodAction]:
-    return plan.plan_pods(engines, replicas=replicas, current_hash=HASH, max_unavailable=max_unavailable,
-                          max_surge=max_surge, drain_timeout=drain_timeout, now=NOW)
+def run(
+    engines: Sequence[Engine], replicas: int, max_unavailable: int = 1, max_surge: int = 0, drain_timeout: float = 60
+) -> list[plan.PodAction]:
+    return plan.plan_pods(
+        engines,
+        replicas=replicas,
+        current_hash=HASH,
+        max_unavailable=max_unavailable,
+        max_surge=max_surge,
+        drain_timeout=drain_timeout,
+        now=NOW,
+    )
 
 
 def test_new_fleet_creates_every_engine_by_index() -> None:
@@ -37,8 +45,10 @@ def test_scale_up_fills_the_lowest_free_index() -> None:
 
 
 def test_scale_down_drains_highest_indices_and_deletes_unready_ones_at_once() -> None:
-    assert run([engine(0), engine(1), engine(2)], 1) == [Drain("f-engine-2", "scale-down"),
-                                                           Drain("f-engine-1", "scale-down")]
+    assert run([engine(0), engine(1), engine(2)], 1) == [
+        Drain("f-engine-2", "scale-down"),
+        Drain("f-engine-1", "scale-down"),
+    ]
     starting = engine(1, ready=False, annotated="Starting")
     assert run([engine(0), starting, engine(2)], 2) == [Delete("f-engine-1", "scale-down of a Starting engine")]
 
@@ -98,12 +108,15 @@ def test_outdated_engines_that_do_not_serve_are_replaced_without_budget() -> Non
     assert run([engine(0), old_starting], 2) == [Delete("f-engine-1", "update of a Starting engine")]
 
 
-@pytest.mark.parametrize(("strategy", "replicas", "expected"), [
-    ({}, 4, (1, 0)),
-    ({"maxUnavailable": "25%", "maxSurge": "25%"}, 10, (2, 3)),
-    ({"maxUnavailable": "10%", "maxSurge": 0}, 4, (1, 0)),  # both would be 0: one may be unavailable
-    ({"maxUnavailable": 0, "maxSurge": 2}, 4, (0, 2)),
-])
+@pytest.mark.parametrize(
+    ("strategy", "replicas", "expected"),
+    [
+        ({}, 4, (1, 0)),
+        ({"maxUnavailable": "25%", "maxSurge": "25%"}, 10, (2, 3)),
+        ({"maxUnavailable": "10%", "maxSurge": 0}, 4, (1, 0)),  # both would be 0: one may be unavailable
+        ({"maxUnavailable": 0, "maxSurge": 2}, 4, (0, 2)),
+    ],
+)
 def test_rollout_budget(strategy: dict[str, Any], replicas: int, expected: tuple[int, int]) -> None:
     assert plan.rollout_budget(UpdateStrategy.model_validate(strategy), replicas) == expected
 

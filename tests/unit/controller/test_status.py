@@ -25,8 +25,15 @@ SPEC = RolloutFleetSpec.model_validate({"replicas": 2, "model": {"servedName": "
 
 def pod(name: str = "f-engine-1", phase: str = "Running", ready: str = "True", **extra: Any) -> dict[str, Any]:
     return {
-        "metadata": {"name": name, "annotations": {ANNOTATION_PHASE: "Draining", ANNOTATION_TEMPLATE_HASH: "h1",
-                                                   ANNOTATION_DRAINING_SINCE: "2026-01-01T11:59:00Z"}, **extra},
+        "metadata": {
+            "name": name,
+            "annotations": {
+                ANNOTATION_PHASE: "Draining",
+                ANNOTATION_TEMPLATE_HASH: "h1",
+                ANNOTATION_DRAINING_SINCE: "2026-01-01T11:59:00Z",
+            },
+            **extra,
+        },
         "spec": {"nodeName": "gpu-1"},
         "status": {"phase": phase, "podIP": "127.10.0.9", "conditions": [{"type": "Ready", "status": ready}]},
     }
@@ -35,8 +42,14 @@ def pod(name: str = "f-engine-1", phase: str = "Running", ready: str = "True", *
 def test_observe_pod_reads_the_facts_the_operator_decides_on() -> None:
     o = observe_pod(pod(), "f", node_lost=False, state=None)
     assert o is not None
-    assert (o.index, o.template_hash, o.ready, o.draining, o.node, o.pod_ip) == (1, "h1", True, True, "gpu-1",
-                                                                               "127.10.0.9")
+    assert (o.index, o.template_hash, o.ready, o.draining, o.node, o.pod_ip) == (
+        1,
+        "h1",
+        True,
+        True,
+        "gpu-1",
+        "127.10.0.9",
+    )
     assert o.draining_since == NOW - timedelta(minutes=1)
     assert observe_pod(pod(name="f-gateway-x"), "f", False, None) is None
 
@@ -47,8 +60,14 @@ def test_observe_pod_explains_why_an_engine_is_not_running() -> None:
     o = observe_pod(p, "f", False, None)
     assert o is not None and o.reason == "engine exited with code 137 (Error)"
     pending = pod(phase="Pending", ready="False")
-    pending["status"]["conditions"].append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                            "message": "0/3 nodes have free nvidia.com/gpu"})
+    pending["status"]["conditions"].append(
+        {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": "0/3 nodes have free nvidia.com/gpu",
+        }
+    )
     o = observe_pod(pending, "f", False, None)
     assert o is not None and o.reason == "Unschedulable: 0/3 nodes have free nvidia.com/gpu"
 
@@ -82,12 +101,27 @@ def test_a_new_engine_in_a_paused_fleet_gets_no_traffic_until_paused() -> None:
     assert engine(0, annotated="Ready", fleet_paused=True).phase == "Ready"  # a running one being paused
 
 
-def status(engines: list[Engine], previous: RolloutFleetStatus | None = None, spec: RolloutFleetSpec = SPEC,
-           pause: PauseView = NOT_PAUSED, generation: int = 1) -> RolloutFleetStatus:
-    return fleet_status(spec=spec, generation=generation, current_hash=HASH, selector="sel", engines=engines,
-                        weights=NO_WEIGHTS, pause=pause, gateway=GatewayObs(1, 1),
-                        gateway_endpoint="http://f-gateway.ns.svc:8080", gateway_enabled=True,
-                        previous=previous, now=NOW)
+def status(
+    engines: list[Engine],
+    previous: RolloutFleetStatus | None = None,
+    spec: RolloutFleetSpec = SPEC,
+    pause: PauseView = NOT_PAUSED,
+    generation: int = 1,
+) -> RolloutFleetStatus:
+    return fleet_status(
+        spec=spec,
+        generation=generation,
+        current_hash=HASH,
+        selector="sel",
+        engines=engines,
+        weights=NO_WEIGHTS,
+        pause=pause,
+        gateway=GatewayObs(1, 1),
+        gateway_endpoint="http://f-gateway.ns.svc:8080",
+        gateway_enabled=True,
+        previous=previous,
+        now=NOW,
+    )
 
 
 def conditions(s: RolloutFleetStatus) -> dict[str, tuple[str, str]]:
@@ -97,8 +131,12 @@ def conditions(s: RolloutFleetStatus) -> dict[str, tuple[str, str]]:
 def test_converged_fleet() -> None:
     s = status([engine(0), engine(1)])
     assert (s.replicas, s.ready_replicas, s.updated_replicas, s.ready) == (2, 2, 2, "2/2")
-    assert conditions(s) == {"Ready": ("True", "AllEnginesReady"), "Progressing": ("False", "Complete"),
-                             "Degraded": ("False", "AsExpected"), "Paused": ("False", "Running")}
+    assert conditions(s) == {
+        "Ready": ("True", "AllEnginesReady"),
+        "Progressing": ("False", "Complete"),
+        "Degraded": ("False", "AsExpected"),
+        "Paused": ("False", "Running"),
+    }
     assert [e.name for e in s.engines] == ["f-engine-0", "f-engine-1"]
     assert s.gateway is not None and s.gateway.ready_replicas == 1
 
@@ -113,8 +151,7 @@ def test_scale_down_in_progress_counts_draining_engines_apart() -> None:
 def test_scale_up_is_progress_not_degradation() -> None:
     converged = status([engine(0), engine(1)])
     bigger = SPEC.model_copy(update={"replicas": 3})
-    s = status([engine(0), engine(1), engine(2, ready=False, annotated="Starting")], converged, bigger,
-               generation=2)
+    s = status([engine(0), engine(1), engine(2, ready=False, annotated="Starting")], converged, bigger, generation=2)
     assert conditions(s)["Ready"] == ("False", "EnginesNotReady")
     assert conditions(s)["Degraded"] == ("False", "AsExpected")
     assert conditions(s)["Progressing"] == ("True", "EnginesStarting")
@@ -122,8 +159,9 @@ def test_scale_up_is_progress_not_degradation() -> None:
 
 def test_losing_an_engine_degrades_until_its_replacement_serves() -> None:
     converged = status([engine(0), engine(1)])
-    failed = status([engine(0), engine(1, phase="Failed", ready=False, reason="engine exited with code 137")],
-                    converged)
+    failed = status(
+        [engine(0), engine(1, phase="Failed", ready=False, reason="engine exited with code 137")], converged
+    )
     assert conditions(failed)["Degraded"] == ("True", "EngineFailed")
     assert "137" in next(c.message for c in failed.conditions if c.type == "Degraded")
     # The failed pod is gone and its replacement is starting: still degraded (the status remembers).
@@ -138,22 +176,55 @@ def test_losing_an_engine_degrades_until_its_replacement_serves() -> None:
 
 def test_condition_transition_time_changes_only_with_status() -> None:
     first = status([engine(0), engine(1)])
-    later = fleet_status(spec=SPEC, generation=1, current_hash=HASH, selector="sel", engines=[engine(0), engine(1)],
-                         weights=NO_WEIGHTS, pause=PauseView(None), gateway=GatewayObs(2, 1),
-                         gateway_endpoint="e", gateway_enabled=True, previous=first, now=NOW + timedelta(hours=1))
+    later = fleet_status(
+        spec=SPEC,
+        generation=1,
+        current_hash=HASH,
+        selector="sel",
+        engines=[engine(0), engine(1)],
+        weights=NO_WEIGHTS,
+        pause=PauseView(None),
+        gateway=GatewayObs(2, 1),
+        gateway_endpoint="e",
+        gateway_enabled=True,
+        previous=first,
+        now=NOW + timedelta(hours=1),
+    )
     assert [c.last_transition_time for c in later.conditions] == [c.last_transition_time for c in first.conditions]
     assert first.conditions[0].message != later.conditions[0].message  # the gateway count changed
 
 
 def test_ready_needs_a_ready_gateway_when_one_is_enabled() -> None:
     engines = [engine(0), engine(1)]
-    no_gateway = fleet_status(spec=SPEC, generation=1, current_hash=HASH, selector="sel", engines=engines,
-                              weights=NO_WEIGHTS, pause=NOT_PAUSED, gateway=GatewayObs(1, 0), gateway_endpoint="e",
-                              gateway_enabled=True, previous=None, now=NOW)
+    no_gateway = fleet_status(
+        spec=SPEC,
+        generation=1,
+        current_hash=HASH,
+        selector="sel",
+        engines=engines,
+        weights=NO_WEIGHTS,
+        pause=NOT_PAUSED,
+        gateway=GatewayObs(1, 0),
+        gateway_endpoint="e",
+        gateway_enabled=True,
+        previous=None,
+        now=NOW,
+    )
     assert conditions(no_gateway)["Ready"] == ("False", "GatewayNotReady")
-    disabled = fleet_status(spec=SPEC, generation=1, current_hash=HASH, selector="sel", engines=engines,
-                            weights=NO_WEIGHTS, pause=NOT_PAUSED, gateway=None, gateway_endpoint="e",
-                            gateway_enabled=False, previous=None, now=NOW)
+    disabled = fleet_status(
+        spec=SPEC,
+        generation=1,
+        current_hash=HASH,
+        selector="sel",
+        engines=engines,
+        weights=NO_WEIGHTS,
+        pause=NOT_PAUSED,
+        gateway=None,
+        gateway_endpoint="e",
+        gateway_enabled=False,
+        previous=None,
+        now=NOW,
+    )
     assert conditions(disabled)["Ready"] == ("True", "AllEnginesReady") and disabled.gateway is None
 
 
@@ -163,8 +234,9 @@ def test_pause_shows_mode_count_and_invalid_values() -> None:
     half = status([paused, engine(1)], pause=PauseView(record))
     assert half.pause is not None and half.pause.paused_engines == 1
     assert conditions(half)["Paused"] == ("True", "Pausing")
-    both = status([paused, engine(1, engine=state(paused=True, mode="keep"), fleet_paused=True)],
-                  pause=PauseView(record))
+    both = status(
+        [paused, engine(1, engine=state(paused=True, mode="keep"), fleet_paused=True)], pause=PauseView(record)
+    )
     assert conditions(both)["Paused"] == ("True", "Paused")
     assert conditions(both)["Ready"] == ("True", "AllEnginesReady")  # paused engines hold requests: they serve
     invalid = status([engine(0), engine(1)], pause=PauseView(None, invalid_value="soon"))

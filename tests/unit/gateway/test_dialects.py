@@ -53,12 +53,26 @@ def test_first_attempt_streams_with_token_ids_even_for_a_non_streaming_client() 
 
 
 def test_chat_continuation_carries_sampling_and_the_remaining_budget() -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10,
-            "temperature": 0.5, "stop": ["\n"], "logprobs": True, "top_logprobs": 2, "min_tokens": 5}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 10,
+        "temperature": 0.5,
+        "stop": ["\n"],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "min_tokens": 5,
+    }
     out = continuation_body(Route.CHAT, body, [1, 2], [7, 8, 9])
     assert out["token_ids"] == [1, 2, 7, 8, 9] and out["output_mode"] == "text" and out["model"] == "tiny"
-    assert out["sampling_params"] == {"temperature": 0.5, "stop": ["\n"], "max_tokens": 7, "logprobs": 2,
-                                      "min_tokens": 2, "n": 1}
+    assert out["sampling_params"] == {
+        "temperature": 0.5,
+        "stop": ["\n"],
+        "max_tokens": 7,
+        "logprobs": 2,
+        "min_tokens": 2,
+        "n": 1,
+    }
 
 
 def test_completions_continuation_uses_vllms_default_budget_when_none_is_set() -> None:
@@ -82,11 +96,22 @@ def test_prompt_ids_come_from_where_each_dialect_puts_them() -> None:
 
 GEN_TEXT_CHUNK = {
     "request_id": "generate-tokens-x",
-    "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [5, 6], "text": "ab",
-                 "weight_versions": [{"version": "v2", "start": 0, "end": 2}],
-                 "logprobs": {"content": [
-                     {"token": "a", "logprob": -1.0, "top_logprobs": [{"token": "a", "logprob": -1.0}]},
-                     {"token": "b", "logprob": -2.0, "top_logprobs": []}]}}],
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": [5, 6],
+            "text": "ab",
+            "weight_versions": [{"version": "v2", "start": 0, "end": 2}],
+            "logprobs": {
+                "content": [
+                    {"token": "a", "logprob": -1.0, "top_logprobs": [{"token": "a", "logprob": -1.0}]},
+                    {"token": "b", "logprob": -2.0, "top_logprobs": []},
+                ]
+            },
+        }
+    ],
 }
 
 
@@ -96,8 +121,12 @@ def test_continuation_chunk_as_a_completions_chunk_with_completions_logprobs() -
     assert out["id"] == "cmpl-r1" and out["object"] == "text_completion" and out["model"] == "tiny"
     choice = out["choices"][0]
     assert choice["text"] == "ab" and choice["token_ids"] == [5, 6] and choice["finish_reason"] == "length"
-    assert choice["logprobs"] == {"text_offset": [4, 5], "token_logprobs": [-1.0, -2.0], "tokens": ["a", "b"],
-                                  "top_logprobs": [{"a": -1.0}, {}]}
+    assert choice["logprobs"] == {
+        "text_offset": [4, 5],
+        "token_logprobs": [-1.0, -2.0],
+        "tokens": ["a", "b"],
+        "top_logprobs": [{"a": -1.0}, {}],
+    }
     assert state.text_offset == 6
 
 
@@ -113,18 +142,50 @@ def test_continuation_chunk_as_chat_and_as_generate() -> None:
 def test_assembled_chat_response_merges_content_tool_calls_and_logprobs() -> None:
     asm = Assembler(Route.CHAT)
     asm.add({"prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-    asm.add({"choices": [{"index": 0, "delta": {"content": "he"}, "token_ids": [7],
-                          "logprobs": {"content": [{"token": "he", "logprob": -1}]}}]})
-    asm.add({"choices": [{"index": 0, "delta": {"tool_calls": [
-        {"index": 0, "id": "call1", "function": {"name": "f", "arguments": "{\"a\""}}]}, "token_ids": [8]}]})
-    asm.add({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
-                          "token_ids": [9], "finish_reason": "tool_calls",
-                          "logprobs": {"content": [{"token": "x", "logprob": -2}]}}]})
+    asm.add(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "he"},
+                    "token_ids": [7],
+                    "logprobs": {"content": [{"token": "he", "logprob": -1}]},
+                }
+            ]
+        }
+    )
+    asm.add(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [{"index": 0, "id": "call1", "function": {"name": "f", "arguments": '{"a"'}}]
+                    },
+                    "token_ids": [8],
+                }
+            ]
+        }
+    )
+    asm.add(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]},
+                    "token_ids": [9],
+                    "finish_reason": "tool_calls",
+                    "logprobs": {"content": [{"token": "x", "logprob": -2}]},
+                }
+            ]
+        }
+    )
     out = asm.response(Template("chatcmpl-r", 1, "tiny"), 2, {"rollfleet": {"attempts": 1}})
     choice = out["choices"][0]
     assert choice["message"]["content"] == "he" and choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"] == [
-        {"id": "call1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]
+        {"id": "call1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    ]
     assert choice["token_ids"] == [7, 8, 9] and [e["logprob"] for e in choice["logprobs"]["content"]] == [-1, -2]
     assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     assert out["prompt_token_ids"] == [1, 2] and out["rollfleet"] == {"attempts": 1}

@@ -39,12 +39,15 @@ async def ask(answer: httpx.Response | type[httpx.TransportError]) -> dict[str, 
         await proxy.close()
 
 
-@pytest.mark.parametrize("answer", [
-    httpx.ConnectError,
-    httpx.ReadError,
-    httpx.Response(503, text="engine is shutting down"),
-    httpx.Response(200, text="not json"),
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.ConnectError,
+        httpx.ReadError,
+        httpx.Response(503, text="engine is shutting down"),
+        httpx.Response(200, text="not json"),
+    ],
+)
 def test_an_engine_that_could_not_be_asked_says_unknown_for_every_id(
     answer: httpx.Response | type[httpx.TransportError],
 ) -> None:

@@ -48,8 +48,11 @@ def test_non_streaming_answer_is_assembled_with_token_ids_and_a_report(gw: Stack
 def test_an_engine_dying_mid_stream_is_continued_on_the_other_from_its_tokens(gw: Stack, stream: bool) -> None:
     for sim in gw.sims:
         sim.die_after = {"/v1/completions": 4}  # first attempts die; continuations (generate route) do not
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10, "stream": stream},
-                   headers={"X-Request-Id": f"failover-{stream}"})
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 10, "stream": stream},
+        headers={"X-Request-Id": f"failover-{stream}"},
+    )
     assert r.status_code == 200, r.text
     if stream:
         chunks = sse_chunks(r.text)
@@ -71,8 +74,11 @@ def test_without_the_generate_route_a_non_streaming_request_starts_over_on_the_o
     victim.die_after = {"/v1/completions": 4}
     for sim in gw.sims:
         sim.refuse = {"/inference/v1/generate"}
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10},
-                   headers={"X-Request-Id": "no-generate-route"})
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 10},
+        headers={"X-Request-Id": "no-generate-route"},
+    )
     assert r.status_code == 200, r.text
     choice, report = r.json()["choices"][0], r.json()["rollfleet"]
     assert choice["token_ids"] == [(3 + i) % 97 + 3 for i in range(10)] and choice["finish_reason"] == "length"
@@ -95,8 +101,12 @@ def test_a_request_spanning_a_weight_update_reports_both_versions(gw: Stack, str
     out: dict = {}
 
     def run() -> None:
-        out["r"] = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 120, "stream": stream},
-                              headers={"X-Request-Id": f"span-{stream}"}, timeout=30)
+        out["r"] = httpx.post(
+            gw.url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 120, "stream": stream},
+            headers={"X-Request-Id": f"span-{stream}"},
+            timeout=30,
+        )
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -116,8 +126,13 @@ def test_short_requests_trust_the_engines_header(gw: Stack) -> None:
 
 def _start_stream(gw: Stack, rid: str, out: dict) -> threading.Thread:
     def run() -> None:
-        with httpx.stream("POST", gw.url + "/v1/completions", headers={"X-Request-Id": rid},
-                          json={"prompt": "x", "max_tokens": 2000, "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST",
+            gw.url + "/v1/completions",
+            headers={"X-Request-Id": rid},
+            json={"prompt": "x", "max_tokens": 2000, "stream": True},
+            timeout=30,
+        ) as r:
             out["text"] = r.read().decode()
 
     thread = threading.Thread(target=run)
@@ -146,8 +161,12 @@ def test_abort_of_an_id_served_elsewhere_fans_out_to_the_engines(gw: Stack) -> N
     out: dict = {}
 
     def run() -> None:  # straight to an engine, as another gateway replica would have sent it
-        r = httpx.post(gw.sim_urls[1] + "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True},
-                       headers={"X-Request-Id": "elsewhere-1"}, timeout=30)
+        r = httpx.post(
+            gw.sim_urls[1] + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2000, "stream": True},
+            headers={"X-Request-Id": "elsewhere-1"},
+            timeout=30,
+        )
         out["text"] = r.text
 
     thread = threading.Thread(target=run)
@@ -163,8 +182,12 @@ def test_a_non_streaming_client_that_disconnects_frees_the_engine_request(gw: St
     for sim in gw.sims:
         sim.token_delay_ms = 5
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2000},
-                   headers={"X-Request-Id": "gone-1"}, timeout=0.5)
+        httpx.post(
+            gw.url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2000},
+            headers={"X-Request-Id": "gone-1"},
+            timeout=0.5,
+        )
     wait_until(lambda: any(s.finished.get("gone-1") == "abort" for s in gw.sims))
     assert not any("gone-1" in s.running for s in gw.sims)
 
@@ -172,8 +195,12 @@ def test_a_non_streaming_client_that_disconnects_frees_the_engine_request(gw: St
 def test_a_request_past_its_deadline_returns_its_partial_output_with_abort(gw: Stack) -> None:
     for sim in gw.sims:
         sim.token_delay_ms = 5
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2000},
-                   headers={"X-Request-Id": "late-1", "X-Rollfleet-Timeout": "0.3"}, timeout=10)
+    r = httpx.post(
+        gw.url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 2000},
+        headers={"X-Request-Id": "late-1", "X-Rollfleet-Timeout": "0.3"},
+        timeout=10,
+    )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
     assert any(s.finished.get("late-1") == "abort" for s in gw.sims)

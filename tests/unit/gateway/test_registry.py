@@ -10,15 +10,22 @@ import pytest
 from rollfleet.gateway.registry import Engine, Registry, engine_from_pod
 
 
-def pod(name: str = "f-engine-0", phase: str | None = "Ready", ready: bool = True, ip: str | None = "127.10.0.5",
-        deleting: bool = False) -> dict[str, Any]:
+def pod(
+    name: str = "f-engine-0",
+    phase: str | None = "Ready",
+    ready: bool = True,
+    ip: str | None = "127.10.0.5",
+    deleting: bool = False,
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}", "annotations": {}}
     if phase is not None:
         meta["annotations"]["rollfleet.dev/phase"] = phase
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return {"metadata": meta,
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "metadata": meta,
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
 
 
 @pytest.mark.parametrize(

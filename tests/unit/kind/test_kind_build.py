@@ -13,7 +13,7 @@ from rollfleet_dev.kind import cluster, nodeimage, tools
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR
 
 # The shape of kind v0.33.0's images/base/files/etc/containerd/config.toml (abridged).
-KIND_CONTAINERD_CONFIG = '''# explicitly use v2 config format
+KIND_CONTAINERD_CONFIG = """# explicitly use v2 config format
 version = 2
 
 [proxy_plugins]
@@ -26,9 +26,9 @@ version = 2
   sandbox_image = "registry.k8s.io/pause:3.10"
   # restrict_oom_score_adj needs to be true when running inside UserNS (rootless)
   restrict_oom_score_adj = false
-'''
+"""
 
-KIND_CONST_CNI = '''package nodeimage
+KIND_CONST_CNI = """package nodeimage
 
 const kindnetdImage = "docker.io/kindest/kindnetd:v20260820-69b56db7"
 
@@ -41,7 +41,7 @@ const defaultCNIManifest = `
         - name: POD_SUBNET
           value: {{ .PodSubnet }}
 `
-'''
+"""
 
 
 def test_containerd_config_drops_the_rootless_plugin_and_clamps_oom_scores() -> None:

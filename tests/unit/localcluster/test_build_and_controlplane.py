@@ -29,7 +29,10 @@ replace (
 
 def test_staging_modules_map_to_published_v0_twins() -> None:
     assert build.staging_replaces(UPSTREAM_GOMOD, "v1.37.1") == {
-        "k8s.io/api": "v0.37.1", "k8s.io/client-go": "v0.37.1", "k8s.io/streaming": "v0.37.1"}
+        "k8s.io/api": "v0.37.1",
+        "k8s.io/client-go": "v0.37.1",
+        "k8s.io/streaming": "v0.37.1",
+    }
 
 
 def test_generated_gomod_requires_release_and_keeps_its_go_lines() -> None:

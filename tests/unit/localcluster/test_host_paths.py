@@ -16,26 +16,29 @@ SAMPLES = Path(__file__).resolve().parents[3] / "manifests" / "samples"
 
 
 def pools_with(*mounts: tuple[str, str]) -> config.PoolsFile:
-    return config.PoolsFile.model_validate({
-        "pools": [], "extraMounts": [{"containerPath": c, "hostPath": h} for c, h in mounts]})
+    return config.PoolsFile.model_validate(
+        {"pools": [], "extraMounts": [{"containerPath": c, "hostPath": h} for c, h in mounts]}
+    )
 
 
-@pytest.mark.parametrize(("path", "expected"), [
-    ("/var/lib/rollfleet", "/cache"),
-    ("/var/lib/rollfleet/", "/cache"),
-    ("/var/lib/rollfleet/models/tiny-v2", "/cache/models/tiny-v2"),
-    ("/var/lib/rollfleet-sync", "/var/lib/rollfleet-sync"),  # whole components only
-    ("/var/lib", "/var/lib"),
-    ("/data/x", "/data/x"),
-])
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/var/lib/rollfleet", "/cache"),
+        ("/var/lib/rollfleet/", "/cache"),
+        ("/var/lib/rollfleet/models/tiny-v2", "/cache/models/tiny-v2"),
+        ("/var/lib/rollfleet-sync", "/var/lib/rollfleet-sync"),  # whole components only
+        ("/var/lib", "/var/lib"),
+        ("/data/x", "/data/x"),
+    ],
+)
 def test_paths_under_a_mount_move_to_its_host_path(path: str, expected: str) -> None:
     pools = pools_with(("/var/lib/rollfleet", "{cache}"))
     assert pools.host_path(path, Path("/cache")) == Path(expected)
 
 
 def test_the_longest_mount_wins_whatever_the_order() -> None:
-    pools = pools_with(("/var/lib/rollfleet", "/big"), ("/var/lib/rollfleet/models", "/models-disk"),
-                       ("/var", "/v"))
+    pools = pools_with(("/var/lib/rollfleet", "/big"), ("/var/lib/rollfleet/models", "/models-disk"), ("/var", "/v"))
     assert pools.host_path("/var/lib/rollfleet/models/m", Path("/c")) == Path("/models-disk/m")
     assert pools.host_path("/var/lib/rollfleet/other", Path("/c")) == Path("/big/other")
     assert pools.host_path("/var/log", Path("/c")) == Path("/v/log")
@@ -53,8 +56,9 @@ def test_default_pools_keep_the_samples_model_in_the_cache(monkeypatch: pytest.M
     monkeypatch.setenv("ROLLFLEET_CACHE", str(tmp_path))
     pools = config.load()
     assert pools.host_path(NODE_MODEL_DIR, tmp_path) == default_model_dir() == tmp_path / "models" / "tiny-v2"
-    sample_paths = [doc["spec"]["model"]["hostPath"] for doc in yaml.safe_load_all(
-        (SAMPLES / "tiny-fleet.yaml").read_text())]
+    sample_paths = [
+        doc["spec"]["model"]["hostPath"] for doc in yaml.safe_load_all((SAMPLES / "tiny-fleet.yaml").read_text())
+    ]
     trainer = yaml.safe_load((SAMPLES / "demo-trainer.yaml").read_text())
     sample_paths += [v["hostPath"]["path"] for v in trainer["spec"]["volumes"] if "hostPath" in v]
     assert sample_paths == [NODE_MODEL_DIR, f"{NODE_MODEL_DIR}/{WEIGHTS_B_DIR}"]

@@ -19,8 +19,14 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need
 
 
 def _spec(tmp_path: Path, argv: list[str], mounts: list[dict] | None = None) -> dict[str, object]:
-    return {"argv": argv, "env": {"PATH": "/usr/bin:/bin"}, "cwd": str(tmp_path / "work"), "hostname": "podname",
-            "private_roots": ["/var/run/secrets"], "mounts": mounts or []}
+    return {
+        "argv": argv,
+        "env": {"PATH": "/usr/bin:/bin"},
+        "cwd": str(tmp_path / "work"),
+        "hostname": "podname",
+        "private_roots": ["/var/run/secrets"],
+        "mounts": mounts or [],
+    }
 
 
 async def _start(tmp_path: Path, spec: dict[str, object]) -> tuple[ContainerProcess, str]:
@@ -43,8 +49,9 @@ def test_mounts_are_private_and_read_only(tmp_path: Path) -> None:
     script = f"cat {target}/f; echo; hostname; touch {target}/g 2>/dev/null || echo ro; pwd"
 
     async def main() -> int:
-        proc, error = await _start(tmp_path, _spec(tmp_path, ["sh", "-c", script],
-                                                   [{"source": str(src), "target": target, "read_only": True}]))
+        proc, error = await _start(
+            tmp_path, _spec(tmp_path, ["sh", "-c", script], [{"source": str(src), "target": target, "read_only": True}])
+        )
         assert error == ""
         return (await proc.wait()).code
 
@@ -81,8 +88,9 @@ def test_leftovers_of_an_earlier_agent_are_killed(tmp_path: Path) -> None:
     pod_dir.mkdir(parents=True)
 
     async def main() -> None:
-        proc = await ContainerProcess.start(_spec(tmp_path, ["sleep", "300"]), pod_dir / "c.spec.json",
-                                            pod_dir / "c.log", pod_dir / "c.pid")
+        proc = await ContainerProcess.start(
+            _spec(tmp_path, ["sleep", "300"]), pod_dir / "c.spec.json", pod_dir / "c.log", pod_dir / "c.pid"
+        )
         await proc.started()
         assert (pod_dir / "c.pid").exists()
         assert await kill_leftovers(tmp_path / "pods", grace_s=2) == 1

@@ -22,16 +22,18 @@ def test_default_pools() -> None:
     assert pools.node_names() == ["gpu-0", "gpu-1", "cpu-0"]
     gpu = pools.pools[0]
     assert gpu.capacity["nvidia.com/gpu"] == "8" and gpu.labels["nvidia.com/gpu.present"] == "true"
-    assert [t.to_api() for t in gpu.taints] == [{"key": "nvidia.com/gpu", "value": "present",
-                                                 "effect": "NoSchedule"}]
+    assert [t.to_api() for t in gpu.taints] == [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
     assert not pools.pools[1].taints
 
 
-@pytest.mark.parametrize(("image", "entrypoint"), [
-    ("rollfleet/engine:dev", ["python", "-m", "rollfleet_engine"]),
-    ("ghcr.io/acme/rollfleet/operator:1.0", ["rollfleet"]),
-    ("docker.io/library/busybox:1.36", []),
-])
+@pytest.mark.parametrize(
+    ("image", "entrypoint"),
+    [
+        ("rollfleet/engine:dev", ["python", "-m", "rollfleet_engine"]),
+        ("ghcr.io/acme/rollfleet/operator:1.0", ["rollfleet"]),
+        ("docker.io/library/busybox:1.36", []),
+    ],
+)
 def test_image_rules(image: str, entrypoint: list[str]) -> None:
     rule = config.load().image_rule(image)
     assert rule is not None and rule.entrypoint == entrypoint
@@ -92,23 +94,36 @@ def test_node_status_and_taints() -> None:
 
 
 def _svc(ip: str = "127.96.0.9", **spec: object) -> dict:
-    return {"metadata": {"namespace": "ns", "name": "web"},
-            "spec": {"clusterIP": ip, "selector": {"app": "web"},
-                     "ports": [{"name": "http", "port": 80, "targetPort": "http"}], **spec}}
+    return {
+        "metadata": {"namespace": "ns", "name": "web"},
+        "spec": {
+            "clusterIP": ip,
+            "selector": {"app": "web"},
+            "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
+            **spec,
+        },
+    }
 
 
 def _pod(ip: str, ready: bool = True, **meta: object) -> dict:
-    return {"metadata": {"namespace": "ns", "labels": {"app": "web"}, **meta},
-            "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "metadata": {"namespace": "ns", "labels": {"app": "web"}, **meta},
+        "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
 
 
 def test_service_proxy_selection() -> None:
     assert {(k.ip, k.port) for k in wanted_listeners([_svc(), _svc(ip="10.0.0.1"), _svc(ip="None")])} == {
-        ("127.96.0.9", 80)}
-    pods = [_pod("127.10.0.3"), _pod("127.10.0.2"), _pod("127.10.0.4", ready=False),
-            _pod("127.10.0.5", deletionTimestamp="now"), {**_pod("127.10.0.6"), "metadata": {"namespace": "other",
-                                                                                            "labels": {"app": "web"}}}]
+        ("127.96.0.9", 80)
+    }
+    pods = [
+        _pod("127.10.0.3"),
+        _pod("127.10.0.2"),
+        _pod("127.10.0.4", ready=False),
+        _pod("127.10.0.5", deletionTimestamp="now"),
+        {**_pod("127.10.0.6"), "metadata": {"namespace": "other", "labels": {"app": "web"}}},
+    ]
     assert backends(_svc(), "http", pods) == [("127.10.0.2", 8000), ("127.10.0.3", 8000)]
     assert backends(_svc(), "other-port", pods) == []
 
@@ -126,8 +141,9 @@ def test_logs_lookup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         find_log(tmp_path / "pods", "ns", "web", "side", False)
     with pytest.raises(LogsError):
         find_log(tmp_path / "pods", "ns", "we", None, False)  # no prefix matches
-    args = argparse.Namespace(state_dir=str(tmp_path), namespace="ns", pod="web", container=None, previous=True,
-                              follow=False)
+    args = argparse.Namespace(
+        state_dir=str(tmp_path), namespace="ns", pod="web", container=None, previous=True, follow=False
+    )
     assert logs_command(args) == 0
 
 

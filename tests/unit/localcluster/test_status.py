@@ -31,32 +31,41 @@ def done(code: int, name: str = "c") -> ContainerObs:
 
 
 def crashloop(name: str = "c") -> ContainerObs:
-    return ContainerObs(name, "img", Waiting("CrashLoopBackOff"), last_state=Terminated(1, "Error", T0, T0),
-                        restart_count=1)
+    return ContainerObs(
+        name, "img", Waiting("CrashLoopBackOff"), last_state=Terminated(1, "Error", T0, T0), restart_count=1
+    )
 
 
-@pytest.mark.parametrize(("policy", "init", "main", "phase"), [
-    ("Always", [], [ContainerObs("c", "img")], "Pending"),
-    ("Always", [], [run()], "Running"),
-    ("Always", [], [crashloop()], "Running"),
-    ("Always", [], [done(0)], "Running"),
-    ("OnFailure", [], [done(0)], "Succeeded"),
-    ("OnFailure", [], [done(1)], "Running"),
-    ("Never", [], [done(0)], "Succeeded"),
-    ("Never", [], [done(0, "a"), done(2, "b")], "Failed"),
-    ("Never", [], [done(0, "a"), run("b")], "Running"),
-    ("Never", [done(1, "i")], [ContainerObs("c", "img")], "Failed"),
-    ("Always", [done(1, "i")], [ContainerObs("c", "img")], "Pending"),
-    ("Always", [done(0, "i")], [run()], "Running"),
-    ("Always", [ContainerObs("i", "img", Running(T0))], [ContainerObs("c", "img")], "Pending"),
-])
+@pytest.mark.parametrize(
+    ("policy", "init", "main", "phase"),
+    [
+        ("Always", [], [ContainerObs("c", "img")], "Pending"),
+        ("Always", [], [run()], "Running"),
+        ("Always", [], [crashloop()], "Running"),
+        ("Always", [], [done(0)], "Running"),
+        ("OnFailure", [], [done(0)], "Succeeded"),
+        ("OnFailure", [], [done(1)], "Running"),
+        ("Never", [], [done(0)], "Succeeded"),
+        ("Never", [], [done(0, "a"), done(2, "b")], "Failed"),
+        ("Never", [], [done(0, "a"), run("b")], "Running"),
+        ("Never", [done(1, "i")], [ContainerObs("c", "img")], "Failed"),
+        ("Always", [done(1, "i")], [ContainerObs("c", "img")], "Pending"),
+        ("Always", [done(0, "i")], [run()], "Running"),
+        ("Always", [ContainerObs("i", "img", Running(T0))], [ContainerObs("c", "img")], "Pending"),
+    ],
+)
 def test_phase_like_kubelet(policy: str, init: list[ContainerObs], main: list[ContainerObs], phase: str) -> None:
     assert pod_phase(policy, init, main) == phase
 
 
 def view(**kw: object) -> PodView:
-    base = {"restart_policy": "Always", "pod_ip": "127.10.0.2", "host_ip": "127.10.0.1", "start_time": T0,
-            "sandbox_ready": True}
+    base = {
+        "restart_policy": "Always",
+        "pod_ip": "127.10.0.2",
+        "host_ip": "127.10.0.1",
+        "start_time": T0,
+        "sandbox_ready": True,
+    }
     return PodView(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -67,8 +76,10 @@ def conds(status: dict) -> dict[str, dict]:
 def test_ready_conditions_and_transition_times_kept() -> None:
     s1 = pod_status(view(), [], [run("a"), run("b", ready=False)], {}, T0)
     c = conds(s1)
-    assert c["ContainersReady"]["status"] == "False" and c["ContainersReady"]["message"] == \
-        "containers with unready status: [b]"
+    assert (
+        c["ContainersReady"]["status"] == "False"
+        and c["ContainersReady"]["message"] == "containers with unready status: [b]"
+    )
     assert c["Initialized"]["status"] == "True" and c["Initialized"]["reason"] is None
     assert s1["podIP"] == "127.10.0.2" and s1["podIPs"] == [{"ip": "127.10.0.2"}]
     later = T0 + timedelta(seconds=30)

@@ -18,15 +18,28 @@ from rollfleet_dev.localcluster.nodeagent.volumes import (
     write_atomic,
 )
 
-POD = {"metadata": {"name": "p", "namespace": "ns", "uid": "u", "labels": {"a": "1"}},
-       "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "250m"}}}]}}
+POD = {
+    "metadata": {"name": "p", "namespace": "ns", "uid": "u", "labels": {"a": "1"}},
+    "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "250m"}}}]},
+}
 
-KUBE_API_ACCESS = {"name": "kube-api-access-x", "projected": {"defaultMode": 420, "sources": [
-    {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
-    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-    {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1",
-                                                                   "fieldPath": "metadata.namespace"}}]}},
-]}}
+KUBE_API_ACCESS = {
+    "name": "kube-api-access-x",
+    "projected": {
+        "defaultMode": 420,
+        "sources": [
+            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+            {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            {
+                "downwardAPI": {
+                    "items": [
+                        {"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}
+                    ]
+                }
+            },
+        ],
+    },
+}
 
 
 def test_default_service_account_volume() -> None:
@@ -48,9 +61,17 @@ def test_config_map_items_modes_and_missing() -> None:
 
 
 def test_downward_volume_resources() -> None:
-    vol = {"downwardAPI": {"items": [
-        {"path": "cpu", "resourceFieldRef": {"containerName": "c", "resource": "requests.cpu", "divisor": "1m"}},
-        {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}
+    vol = {
+        "downwardAPI": {
+            "items": [
+                {
+                    "path": "cpu",
+                    "resourceFieldRef": {"containerName": "c", "resource": "requests.cpu", "divisor": "1m"},
+                },
+                {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+            ]
+        }
+    }
     files = volume_files(vol, POD, Refs(), {}, {})
     assert files == {"cpu": (b"250", 0o644), "labels": (b'a="1"', 0o644)}
 
@@ -79,13 +100,19 @@ def test_host_volumes(tmp_path: Path) -> None:
 
 
 def test_mount_plan() -> None:
-    container = {"volumeMounts": [{"name": "data", "mountPath": "/data", "subPath": "x"},
-                                  {"name": "cfg", "mountPath": "/etc/cfg"},
-                                  {"name": "data", "mountPath": "/ro", "readOnly": True}]}
+    container = {
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/data", "subPath": "x"},
+            {"name": "cfg", "mountPath": "/etc/cfg"},
+            {"name": "data", "mountPath": "/ro", "readOnly": True},
+        ]
+    }
     sources = {"data": ("/state/data", False), "cfg": ("/state/cfg", True)}
-    assert mount_plan(container, sources) == [Mount("/state/data/x", "/data", False),
-                                              Mount("/state/cfg", "/etc/cfg", True),
-                                              Mount("/state/data", "/ro", True)]
+    assert mount_plan(container, sources) == [
+        Mount("/state/data/x", "/data", False),
+        Mount("/state/cfg", "/etc/cfg", True),
+        Mount("/state/data", "/ro", True),
+    ]
     with pytest.raises(VolumeError, match="invalid subPath"):
         mount_plan({"volumeMounts": [{"name": "data", "mountPath": "/d", "subPath": "../etc"}]}, sources)
     with pytest.raises(VolumeError, match="names no volume"):

@@ -50,11 +50,22 @@ def test_calls_pick_the_route_by_prompt_form_and_carry_id_group_and_seed() -> No
     s = spec(sampling={"maxTokens": 8, "seed": 100, "temperature": 0.7}, stickiness="Prompt")
     c = plan.build_call(s, "tiny", UID, (2, 3), Prompt(text="hello"))
     assert c.path == plan.COMPLETIONS
-    assert c.body == {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0.7, "seed": 103,
-                      "return_token_ids": True}
+    assert c.body == {
+        "model": "tiny",
+        "prompt": "hello",
+        "max_tokens": 8,
+        "temperature": 0.7,
+        "seed": 103,
+        "return_token_ids": True,
+    }
     assert c.headers == {"X-Request-Id": f"{UID}-2-3", "X-Group-Id": f"{UID}-2"}
-    chat = plan.build_call(spec(stickiness="None"), "tiny", UID, (0, 0),
-                           Prompt.model_validate({"messages": [{"role": "user", "content": "hi"}]}))
+    chat = plan.build_call(
+        spec(stickiness="None"),
+        "tiny",
+        UID,
+        (0, 0),
+        Prompt.model_validate({"messages": [{"role": "user", "content": "hi"}]}),
+    )
     assert chat.path == plan.CHAT and chat.body["messages"] == [{"role": "user", "content": "hi"}]
     assert "X-Group-Id" not in chat.headers
     gen = plan.build_call(spec(stickiness="Request"), "tiny", UID, (0, 1), Prompt(token_ids=[5, 6]), timeout_s=3)
@@ -69,7 +80,11 @@ def test_answers_are_interpreted_without_trusting_a_broken_call() -> None:
     outcome, result = plan.interpret(200, ok, {"x-rollfleet-weight-version": "v1,v2"}, abort_wanted=False, **kw)
     assert outcome is Outcome.COMPLETED and result is not None
     assert (result.text, result.token_ids, result.weight_version, result.weight_versions) == (
-        "hi", [1, 2, 3], "v1", ["v1", "v2"])
+        "hi",
+        [1, 2, 3],
+        "v1",
+        ["v1", "v2"],
+    )
     chat = {"choices": [{"message": {"content": "yo"}, "token_ids": [4], "finish_reason": "stop"}]}
     assert plan.interpret(200, chat, {}, abort_wanted=False, **kw)[1].text == "yo"  # type: ignore[union-attr]
     aborted = {"choices": [{"text": "par", "token_ids": [9], "finish_reason": "abort"}]}
@@ -84,8 +99,18 @@ def test_answers_are_interpreted_without_trusting_a_broken_call() -> None:
 
 
 def test_result_lines_round_trip() -> None:
-    r = SampleResult(prompt=1, sample=2, request_id=f"{UID}-1-2", finish_reason="stop", text="é", token_ids=[1],
-                     weight_version="v1", weight_versions=["v1"], started_at=1.0, finished_at=3.25)
+    r = SampleResult(
+        prompt=1,
+        sample=2,
+        request_id=f"{UID}-1-2",
+        finish_reason="stop",
+        text="é",
+        token_ids=[1],
+        weight_version="v1",
+        weight_versions=["v1"],
+        started_at=1.0,
+        finished_at=3.25,
+    )
     line = r.line()
     assert json.loads(line)["latency_s"] == 2.25 and "\n" not in line
     assert SampleResult.from_line(line) == r

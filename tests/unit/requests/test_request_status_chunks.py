@@ -12,16 +12,29 @@ from rollfleet.controller.requests.status import Tally, Verdict, finished_verdic
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
 
-def result(p: int, s: int, reason: str = "stop", error: str | None = None, tokens: int = 3,
-           version: str = "v1") -> SampleResult:
-    return SampleResult(p, s, f"u-{p}-{s}", reason, token_ids=list(range(tokens)), weight_version=version,
-                        weight_versions=[version], error=error)
+def result(
+    p: int, s: int, reason: str = "stop", error: str | None = None, tokens: int = 3, version: str = "v1"
+) -> SampleResult:
+    return SampleResult(
+        p,
+        s,
+        f"u-{p}-{s}",
+        reason,
+        token_ids=list(range(tokens)),
+        weight_version=version,
+        weight_versions=[version],
+        error=error,
+    )
 
 
 def test_tally_counts_outcomes_tokens_and_versions() -> None:
     t = Tally()
-    for r in [result(0, 0), result(0, 1, "length", version="v2"), result(1, 0, "abort", tokens=1),
-              result(1, 1, "error", error="HTTP 400: bad", tokens=0)]:
+    for r in [
+        result(0, 0),
+        result(0, 1, "length", version="v2"),
+        result(1, 0, "abort", tokens=1),
+        result(1, 1, "error", error="HTTP 400: bad", tokens=0),
+    ]:
         t.add(r)
     assert (t.completed, t.aborted, t.failed, t.tokens, t.stored) == (2, 1, 1, 7, 4)
     assert t.versions == ["v1", "v2"] and t.first_error == "HTTP 400: bad"
@@ -35,8 +48,18 @@ def test_status_has_progress_counts_conditions_and_keeps_transition_times() -> N
     t = Tally()
     t.add(result(0, 0))
     running = Verdict("Running", "Running", "3 samples in flight")
-    wire = request_status(None, verdict=running, tally=t, total=8, in_flight=3, generation=1, now=T0,
-                          results=ResultsRef(config_maps=["x-0000"], samples=1), digest="d", start_time=T0)
+    wire = request_status(
+        None,
+        verdict=running,
+        tally=t,
+        total=8,
+        in_flight=3,
+        generation=1,
+        now=T0,
+        results=ResultsRef(config_maps=["x-0000"], samples=1),
+        digest="d",
+        start_time=T0,
+    )
     assert wire["phase"] == "Running" and wire["progress"] == "1/8"
     assert wire["counts"] == {"total": 8, "completed": 1, "aborted": 0, "failed": 0, "inFlight": 3}
     assert {c["type"]: c["status"] for c in wire["conditions"]} == {"Running": "True", "Paused": "False"}
@@ -44,8 +67,17 @@ def test_status_has_progress_counts_conditions_and_keeps_transition_times() -> N
     prev = RolloutRequestStatus.model_validate(wire)
     later = T0 + timedelta(seconds=5)
     record = AbortRecord(token="t1", time=later, stopped=3)
-    done = request_status(prev, verdict=Verdict("Aborted", "AbortRequested", "aborted"), tally=t, total=8,
-                          in_flight=0, generation=1, now=later, results=ResultsRef(), abort=record)
+    done = request_status(
+        prev,
+        verdict=Verdict("Aborted", "AbortRequested", "aborted"),
+        tally=t,
+        total=8,
+        in_flight=0,
+        generation=1,
+        now=later,
+        results=ResultsRef(),
+        abort=record,
+    )
     conds = {c["type"]: c for c in done["conditions"]}
     assert conds["Aborted"]["status"] == "True" and conds["Running"]["status"] == "False"
     assert conds["Paused"]["lastTransitionTime"] == wire["conditions"][1]["lastTransitionTime"]  # unchanged
@@ -73,8 +105,11 @@ def test_layout_fills_chunks_up_to_the_limit_then_seals_them() -> None:
 
 
 def test_stored_chunks_parse_back_and_names_carry_the_uid() -> None:
-    cm = {"metadata": {"labels": {"rollfleet.dev/chunk": "2"}, "resourceVersion": "7"},
-          "data": {"samples.jsonl": "a\nb\n"}, "immutable": True}
+    cm = {
+        "metadata": {"labels": {"rollfleet.dev/chunk": "2"}, "resourceVersion": "7"},
+        "data": {"samples.jsonl": "a\nb\n"},
+        "immutable": True,
+    }
     c = parse_chunk(cm)
     assert (c.index, c.lines, c.sealed, c.dirty, c.resource_version) == (2, ["a", "b"], True, False, "7")
     layout = Layout(100, [c, Chunk(index=0, lines=["z"], written=1)])

@@ -89,10 +89,16 @@ class Agent:
                 tasks.append(asyncio.create_task(node.keeper.keep_alive()))
             synced: set[str] = set()
             for node in self.nodes.values():
-                tasks.append(asyncio.create_task(api.informer(
-                    "/api/v1/pods", functools.partial(self._on_pod, shared, node),
-                    on_synced=functools.partial(self._on_synced, node.info.name, synced),
-                    fieldSelector=f"spec.nodeName={node.info.name}")))
+                tasks.append(
+                    asyncio.create_task(
+                        api.informer(
+                            "/api/v1/pods",
+                            functools.partial(self._on_pod, shared, node),
+                            on_synced=functools.partial(self._on_synced, node.info.name, synced),
+                            fieldSelector=f"spec.nodeName={node.info.name}",
+                        )
+                    )
+                )
             tasks.append(asyncio.create_task(self._control_loop(shared)))
             tasks.append(asyncio.create_task(self._maybe_proxy(api, (host, port))))
             log.info("node agent running: %s", ", ".join(f"{n.info.name} ({n.info.ip})" for n in self.nodes.values()))
@@ -109,8 +115,9 @@ class Agent:
     def _add_node(self, api: Api, pool: Pool, name: str, index: int, version: str) -> None:
         ip = ipam.node_ip(index)
         keeper = NodeKeeper(api, pool, name, ip, version)
-        self.nodes[name] = NodeRuntime(keeper=keeper, info=NodeInfo(name, ip, dict(pool.capacity)),
-                                       ips=ipam.PodIPs(index))
+        self.nodes[name] = NodeRuntime(
+            keeper=keeper, info=NodeInfo(name, ip, dict(pool.capacity)), ips=ipam.PodIPs(index)
+        )
 
     async def _on_synced(self, node: str, synced: set[str]) -> None:
         """Once every node's pods are listed: drop the volumes of pods that no longer exist."""
@@ -164,8 +171,9 @@ class Agent:
         except Exception:
             log.exception("%s: pod worker failed", worker.ref)
 
-    async def _finish(self, node: NodeRuntime, worker: PodWorker, grace_s: float | None, delete: bool,
-                      mute: bool = False) -> None:
+    async def _finish(
+        self, node: NodeRuntime, worker: PodWorker, grace_s: float | None, delete: bool, mute: bool = False
+    ) -> None:
         """Stop the pod's processes, then (if asked) force-delete it and free its resources."""
         node.finishing.add(worker.uid)
         try:
@@ -195,8 +203,10 @@ class Agent:
     async def _delete(api: Api, pod: Obj) -> None:
         meta = pod["metadata"]
         try:
-            await api.delete(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", {
-                "gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
+            await api.delete(
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
+            )
         except ApiError as e:
             if e.status not in (404, 409):  # gone already, or a new pod of the same name
                 log.warning("%s/%s: force delete failed: %s", meta["namespace"], meta["name"], e)

@@ -58,11 +58,15 @@ class ExtraMount(_Model):
     Pods' hostPath volumes at or under `containerPath` read the same place under `hostPath`.
     """
 
-    container_path: str = Field(alias="containerPath", pattern=r"^/",
-                                description="the node path that pods' hostPath volumes name")
-    host_path: str = Field(alias="hostPath", pattern=r"^(/|\{cache\})",
-                           description="the directory of this machine behind it; `{cache}` stands for the cache "
-                           "dir ($ROLLFLEET_CACHE, default ~/.cache/rollfleet)")
+    container_path: str = Field(
+        alias="containerPath", pattern=r"^/", description="the node path that pods' hostPath volumes name"
+    )
+    host_path: str = Field(
+        alias="hostPath",
+        pattern=r"^(/|\{cache\})",
+        description="the directory of this machine behind it; `{cache}` stands for the cache "
+        "dir ($ROLLFLEET_CACHE, default ~/.cache/rollfleet)",
+    )
 
 
 class PoolsFile(_Model):

@@ -15,11 +15,22 @@ from rollfleet.errors import RollfleetError
 Obj = dict[str, Any]
 
 _SUFFIXES = {
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": Decimal(1),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
 }
 _QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)$")
 
@@ -64,8 +75,9 @@ def field_value(pod: Obj, path: str) -> str:
     raise FieldError(f"unsupported fieldPath {path!r}")
 
 
-def resource_value(pod: Obj, container_name: str, resource: str, divisor: str | None,
-                   node_allocatable: dict[str, str]) -> str:
+def resource_value(
+    pod: Obj, container_name: str, resource: str, divisor: str | None, node_allocatable: dict[str, str]
+) -> str:
     """A `resourceFieldRef`: requests/limits of a container, divided and rounded up like kubelet.
 
     A limit that is not set reads as the node's allocatable amount; a request that is not set as 0.

@@ -37,7 +37,7 @@ def expand(text: str, lookup: Callable[[str], str | None]) -> str:
             if nxt == "(":
                 close = text.find(")", i + 2)
                 if close != -1:
-                    name = text[i + 2:close]
+                    name = text[i + 2 : close]
                     value = lookup(name)
                     out.append(value if value is not None else f"$({name})")
                     i = close + 1
@@ -114,12 +114,13 @@ def _from_key(kind: str, data: dict[str, str] | None, ref: Obj) -> str | None:
     if ref["key"] not in data:
         if optional:
             return None
-        raise EnvError(f'couldn\'t find key {ref["key"]} in {kind} {ref["name"]}')
+        raise EnvError(f"couldn't find key {ref['key']} in {kind} {ref['name']}")
     return data[ref["key"]]
 
 
-def container_env(pod: Obj, container: Obj, refs: Refs, base: Mapping[str, str],
-                  node_allocatable: dict[str, str]) -> dict[str, str]:
+def container_env(
+    pod: Obj, container: Obj, refs: Refs, base: Mapping[str, str], node_allocatable: dict[str, str]
+) -> dict[str, str]:
     """The environment of one container: `base` (PATH, KUBERNETES_SERVICE_*, ...), then envFrom,
     then env in order, each `value` expanded against what is defined before it."""
     env = dict(base)
@@ -151,8 +152,13 @@ def container_env(pod: Obj, container: Obj, refs: Refs, base: Mapping[str, str],
         elif "resourceFieldRef" in vf:
             ref = vf["resourceFieldRef"]
             try:
-                value = resource_value(pod, ref.get("containerName") or container["name"], ref["resource"],
-                                       ref.get("divisor"), node_allocatable)
+                value = resource_value(
+                    pod,
+                    ref.get("containerName") or container["name"],
+                    ref["resource"],
+                    ref.get("divisor"),
+                    node_allocatable,
+                )
             except FieldError as e:
                 raise EnvError(str(e)) from e
         elif "configMapKeyRef" in vf:

@@ -72,10 +72,16 @@ def load_kubeconfig(path: Path) -> KubeConfig:
     if "client-certificate-data" in user or "client-certificate" in user:
         with tempfile.TemporaryDirectory() as tmp:
             cert, key = Path(tmp, "c"), Path(tmp, "k")
-            cert.write_bytes(base64.b64decode(user["client-certificate-data"]) if "client-certificate-data" in user
-                             else Path(resolve(user["client-certificate"])).read_bytes())
-            key.write_bytes(base64.b64decode(user["client-key-data"]) if "client-key-data" in user
-                            else Path(resolve(user["client-key"])).read_bytes())
+            cert.write_bytes(
+                base64.b64decode(user["client-certificate-data"])
+                if "client-certificate-data" in user
+                else Path(resolve(user["client-certificate"])).read_bytes()
+            )
+            key.write_bytes(
+                base64.b64decode(user["client-key-data"])
+                if "client-key-data" in user
+                else Path(resolve(user["client-key"])).read_bytes()
+            )
             context.load_cert_chain(cert, key)
     return KubeConfig(server=cluster["server"].rstrip("/"), token=user.get("token"), ssl=context)
 
@@ -87,18 +93,31 @@ class Api:
         self.config = config
         headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
         self._session = aiohttp.ClientSession(
-            base_url=config.server, headers=headers,
+            base_url=config.server,
+            headers=headers,
             connector=aiohttp.TCPConnector(ssl=config.ssl, limit=32),
         )
 
     async def close(self) -> None:
         await self._session.close()
 
-    async def request(self, method: str, path: str, body: Any = None, *, params: dict[str, str] | None = None,
-                      content_type: str = "application/json", limit_s: float = 30) -> Obj:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+        limit_s: float = 30,
+    ) -> Obj:
         data = None if body is None else json.dumps(body)
         async with self._session.request(
-            method, path, data=data, params=params, headers={"Content-Type": content_type},
+            method,
+            path,
+            data=data,
+            params=params,
+            headers={"Content-Type": content_type},
             timeout=aiohttp.ClientTimeout(total=limit_s),
         ) as resp:
             text = await resp.text()
@@ -131,7 +150,8 @@ class Api:
 
     async def _watch_stream(self, path: str, params: dict[str, str]) -> AsyncIterator[Obj]:
         async with self._session.get(
-            path, params={**params, "watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": "300"},
+            path,
+            params={**params, "watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": "300"},
             timeout=aiohttp.ClientTimeout(total=None, sock_read=330),
         ) as resp:
             if resp.status >= 400:
@@ -140,8 +160,13 @@ class Api:
                 if line.strip():
                     yield json.loads(line)
 
-    async def informer(self, path: str, on_event: Callable[[str, Obj], Awaitable[None]],
-                       on_synced: Callable[[], Awaitable[None]] | None = None, **params: str) -> None:
+    async def informer(
+        self,
+        path: str,
+        on_event: Callable[[str, Obj], Awaitable[None]],
+        on_synced: Callable[[], Awaitable[None]] | None = None,
+        **params: str,
+    ) -> None:
         """List then watch `path` forever, calling `on_event(type, obj)` for ADDED/MODIFIED/DELETED.
 
         After a re-list (watch expired, connection lost) objects that vanished meanwhile are
@@ -159,7 +184,8 @@ class Api:
                         await on_event("DELETED", obj)
                 for uid, obj in current.items():
                     if known.get(uid, {}).get("metadata", {}).get("resourceVersion") != obj["metadata"].get(
-                            "resourceVersion"):
+                        "resourceVersion"
+                    ):
                         known[uid] = obj
                         await on_event("ADDED", obj)
                 if not synced and on_synced is not None:

@@ -33,8 +33,16 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
-                       flags, data.encode() if data else None), f"mount {source} on {target}")
+    _check(
+        _libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
+        ),
+        f"mount {source} on {target}",
+    )
 
 
 def _bind(source: str, target: str, read_only: bool) -> None:

@@ -47,11 +47,14 @@ def find_log(pods_dir: Path, namespace: str, pod: str, container: str | None, pr
     if not previous:
         path = pod_dir / f"{container}.log"
         if not path.exists():
-            raise LogsError(f'container "{container}" of pod "{pod}" has no log (yet); files: '
-                            f'{sorted(p.name for p in pod_dir.glob("*.log"))}')
+            raise LogsError(
+                f'container "{container}" of pod "{pod}" has no log (yet); files: '
+                f"{sorted(p.name for p in pod_dir.glob('*.log'))}"
+            )
         return path
-    runs = sorted((int(p.name.split(".")[-2]), p) for p in pod_dir.glob(f"{container}.*.log")
-                  if p.name.split(".")[-2].isdigit())
+    runs = sorted(
+        (int(p.name.split(".")[-2]), p) for p in pod_dir.glob(f"{container}.*.log") if p.name.split(".")[-2].isdigit()
+    )
     if not runs:
         raise LogsError(f'previous terminated container "{container}" in pod "{pod}" not found')
     return runs[-1][1]

@@ -51,8 +51,14 @@ def node_status(pool: Pool, ip: str, kubelet_version: str, ready: bool, now: dat
     ts = rfc3339(now)
 
     def cond(ctype: str, status: bool, reason: str, message: str) -> Obj:
-        return {"type": ctype, "status": "True" if status else "False", "reason": reason, "message": message,
-                "lastHeartbeatTime": ts, "lastTransitionTime": ts}
+        return {
+            "type": ctype,
+            "status": "True" if status else "False",
+            "reason": reason,
+            "message": message,
+            "lastHeartbeatTime": ts,
+            "lastTransitionTime": ts,
+        }
 
     return {
         "capacity": dict(pool.capacity),
@@ -61,16 +67,26 @@ def node_status(pool: Pool, ip: str, kubelet_version: str, ready: bool, now: dat
             cond("MemoryPressure", False, "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
             cond("DiskPressure", False, "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
             cond("PIDPressure", False, "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
-            cond("Ready", ready, "KubeletReady" if ready else "KubeletNotReady",
-                 "rollfleet node agent is posting ready status" if ready else "node agent stopped"),
+            cond(
+                "Ready",
+                ready,
+                "KubeletReady" if ready else "KubeletNotReady",
+                "rollfleet node agent is posting ready status" if ready else "node agent stopped",
+            ),
         ],
         "addresses": [{"type": "InternalIP", "address": ip}],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
         "nodeInfo": {
-            "machineID": boot_id.replace("-", ""), "systemUUID": boot_id, "bootID": boot_id,
-            "kernelVersion": platform.release(), "osImage": "rollfleet local node",
-            "containerRuntimeVersion": AGENT_VERSION, "kubeletVersion": kubelet_version,
-            "kubeProxyVersion": kubelet_version, "operatingSystem": "linux", "architecture": _arch(),
+            "machineID": boot_id.replace("-", ""),
+            "systemUUID": boot_id,
+            "bootID": boot_id,
+            "kernelVersion": platform.release(),
+            "osImage": "rollfleet local node",
+            "containerRuntimeVersion": AGENT_VERSION,
+            "kubeletVersion": kubelet_version,
+            "kubeProxyVersion": kubelet_version,
+            "operatingSystem": "linux",
+            "architecture": _arch(),
         },
     }
 
@@ -106,21 +122,36 @@ class NodeKeeper:
         status = node_status(self.pool, self.ip, self.kubelet_version, True, datetime.now(UTC), self.boot_id)
         node = await self.api.get_or_none(path)
         if node is None:
-            node = await self.api.create("/api/v1/nodes", {
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": self.name, "labels": node_labels(self.pool, self.name),
-                             "annotations": {"node.alpha.kubernetes.io/ttl": "0"}},
-                "spec": {"taints": wanted_taints, "podCIDR": f"{self.ip.rsplit('.', 2)[0]}.0.0/16",
-                         "podCIDRs": [f"{self.ip.rsplit('.', 2)[0]}.0.0/16"]},
-                "status": status,
-            })
+            node = await self.api.create(
+                "/api/v1/nodes",
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": self.name,
+                        "labels": node_labels(self.pool, self.name),
+                        "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
+                    },
+                    "spec": {
+                        "taints": wanted_taints,
+                        "podCIDR": f"{self.ip.rsplit('.', 2)[0]}.0.0/16",
+                        "podCIDRs": [f"{self.ip.rsplit('.', 2)[0]}.0.0/16"],
+                    },
+                    "status": status,
+                },
+            )
             log.info("node %s registered (%s)", self.name, self.ip)
         else:
-            node = await self.api.merge_patch(path, {
-                "metadata": {"labels": node_labels(self.pool, self.name)},
-                "spec": {"taints": merge_taints(node.get("spec", {}).get("taints") or [], wanted_taints),
-                         "unschedulable": None},
-            })
+            node = await self.api.merge_patch(
+                path,
+                {
+                    "metadata": {"labels": node_labels(self.pool, self.name)},
+                    "spec": {
+                        "taints": merge_taints(node.get("spec", {}).get("taints") or [], wanted_taints),
+                        "unschedulable": None,
+                    },
+                },
+            )
             log.info("node %s already registered; labels and taints updated", self.name)
         self._uid = node["metadata"]["uid"]
         await self.post_status(True)
@@ -133,19 +164,26 @@ class NodeKeeper:
         path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.name}"
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         try:
-            await self.api.merge_patch(path, {"spec": {"holderIdentity": self.name, "renewTime": now,
-                                                       "leaseDurationSeconds": LEASE_DURATION_S}})
+            await self.api.merge_patch(
+                path,
+                {"spec": {"holderIdentity": self.name, "renewTime": now, "leaseDurationSeconds": LEASE_DURATION_S}},
+            )
         except ApiError as e:
             if e.status != 404:
                 raise
-            await self.api.create("/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", {
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": "kube-node-lease",
-                             "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name,
-                                                  "uid": self._uid}]},
-                "spec": {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_DURATION_S,
-                         "renewTime": now},
-            })
+            await self.api.create(
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                {
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {
+                        "name": self.name,
+                        "namespace": "kube-node-lease",
+                        "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self._uid}],
+                    },
+                    "spec": {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_DURATION_S, "renewTime": now},
+                },
+            )
 
     async def keep_alive(self) -> None:
         """Renew the Lease every 10 s and post status every 30 s while the node runs; a stopped

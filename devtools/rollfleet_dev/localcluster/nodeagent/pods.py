@@ -79,15 +79,17 @@ def base_env(shared: Shared, hostname: str, image_env: dict[str, str]) -> dict[s
     """What every container's environment starts with, before the pod's own env."""
     env = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, g) for g in shared.config.pass_env)}
     env.update(image_env)
-    env.update({
-        # The project's Python environment first, so `python -m ...` and `rollfleet ...` work.
-        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        "HOSTNAME": hostname,
-        "KUBERNETES_SERVICE_HOST": shared.api_host,
-        "KUBERNETES_SERVICE_PORT": str(shared.api_port),
-        "KUBERNETES_SERVICE_PORT_HTTPS": str(shared.api_port),
-        "KUBERNETES_PORT": f"tcp://{shared.api_host}:{shared.api_port}",
-    })
+    env.update(
+        {
+            # The project's Python environment first, so `python -m ...` and `rollfleet ...` work.
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "HOSTNAME": hostname,
+            "KUBERNETES_SERVICE_HOST": shared.api_host,
+            "KUBERNETES_SERVICE_PORT": str(shared.api_port),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(shared.api_port),
+            "KUBERNETES_PORT": f"tcp://{shared.api_host}:{shared.api_port}",
+        }
+    )
     return env
 
 
@@ -130,11 +132,16 @@ class PodWorker:
         self._refs = envmod.Refs()
         spec = pod["spec"]
         self.restart_policy: str = spec.get("restartPolicy", "Always")
-        previous = {c["name"]: c for c in (pod.get("status", {}).get("containerStatuses") or [])
-                    + (pod.get("status", {}).get("initContainerStatuses") or [])}
+        previous = {
+            c["name"]: c
+            for c in (pod.get("status", {}).get("containerStatuses") or [])
+            + (pod.get("status", {}).get("initContainerStatuses") or [])
+        }
         init_wait = "PodInitializing" if spec.get("initContainers") else "ContainerCreating"
-        self.init = [ContainerRun(c, self._adopt(c, previous.get(c["name"]), "PodInitializing"))
-                     for c in spec.get("initContainers") or []]
+        self.init = [
+            ContainerRun(c, self._adopt(c, previous.get(c["name"]), "PodInitializing"))
+            for c in spec.get("initContainers") or []
+        ]
         self.main = [ContainerRun(c, self._adopt(c, previous.get(c["name"]), init_wait)) for c in spec["containers"]]
 
     def _adopt(self, spec: Obj, previous: Obj | None, waiting: str) -> ContainerObs:
@@ -147,12 +154,18 @@ class PodWorker:
         obs.restart_count = int(previous.get("restartCount", 0))
         if "terminated" in state:
             t = state["terminated"]
-            obs.state = Terminated(int(t.get("exitCode", 0)), t.get("reason", ""), _ts(t.get("startedAt")),
-                                   _ts(t.get("finishedAt")) or datetime.now(UTC), t.get("message", ""))
+            obs.state = Terminated(
+                int(t.get("exitCode", 0)),
+                t.get("reason", ""),
+                _ts(t.get("startedAt")),
+                _ts(t.get("finishedAt")) or datetime.now(UTC),
+                t.get("message", ""),
+            )
         elif "running" in state:
             now = datetime.now(UTC)
-            obs.last_state = Terminated(137, "Error", _ts(state["running"].get("startedAt")), now,
-                                        "killed: the node agent restarted")
+            obs.last_state = Terminated(
+                137, "Error", _ts(state["running"].get("startedAt")), now, "killed: the node agent restarted"
+            )
             if self.restart_policy == "Never":
                 obs.state = obs.last_state
             else:
@@ -170,12 +183,20 @@ class PodWorker:
 
     def compute_status(self) -> Obj:
         view = PodView(
-            restart_policy=self.restart_policy, pod_ip=self.pod_ip, host_ip=self.node.ip,
-            start_time=self.start_time, sandbox_ready=self.sandbox_ready,
+            restart_policy=self.restart_policy,
+            pod_ip=self.pod_ip,
+            host_ip=self.node.ip,
+            start_time=self.start_time,
+            sandbox_ready=self.sandbox_ready,
             readiness_gates=tuple(g["conditionType"] for g in self.pod["spec"].get("readinessGates") or []),
         )
-        return pod_status(view, [c.obs for c in self.init], [c.obs for c in self.main],
-                          self.pod.get("status") or {}, datetime.now(UTC))
+        return pod_status(
+            view,
+            [c.obs for c in self.init],
+            [c.obs for c in self.main],
+            self.pod.get("status") or {},
+            datetime.now(UTC),
+        )
 
     async def status_loop(self) -> None:
         """Patch pods/status whenever the computed status differs from what was last sent."""
@@ -225,15 +246,19 @@ class PodWorker:
         out = {}
         for audience, seconds in volumes.token_requests(self.pod):
             body = {
-                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                "spec": {"audiences": [audience] if audience else [], "expirationSeconds": seconds,
-                         "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"],
-                                            "uid": self.uid}},
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "audiences": [audience] if audience else [],
+                    "expirationSeconds": seconds,
+                    "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": self.uid},
+                },
             }
             if not audience:
                 del body["spec"]["audiences"]  # type: ignore[attr-defined]
             resp = await self.shared.api.create(
-                f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{sa}/token", body)
+                f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{sa}/token", body
+            )
             out[(audience, seconds)] = resp["status"]["token"]
         return out
 
@@ -254,8 +279,7 @@ class PodWorker:
             sources[vol["name"]] = (str(vol_dir), True)
         self._volume_sources = sources
 
-    async def _retry(self, what: str, action: Callable[[], Awaitable[None]],
-                     on_error: Callable[[str], None]) -> bool:
+    async def _retry(self, what: str, action: Callable[[], Awaitable[None]], on_error: Callable[[str], None]) -> bool:
         """Run `action` until it succeeds (True) or the pod is terminating (False)."""
         delay = 0.5
         while not self.terminating.is_set():
@@ -275,12 +299,18 @@ class PodWorker:
     async def _prepare(self) -> bool:
         meta = self.pod["metadata"]
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "pod.json").write_text(json.dumps({
-            "namespace": meta["namespace"], "name": meta["name"], "uid": self.uid,
-            "containers": [c["name"] for c in self.pod["spec"]["containers"]],
-            "initContainers": [c["name"] for c in self.pod["spec"].get("initContainers") or []],
-            "defaultContainer": (meta.get("annotations") or {}).get("kubectl.kubernetes.io/default-container"),
-        }))
+        (self.dir / "pod.json").write_text(
+            json.dumps(
+                {
+                    "namespace": meta["namespace"],
+                    "name": meta["name"],
+                    "uid": self.uid,
+                    "containers": [c["name"] for c in self.pod["spec"]["containers"]],
+                    "initContainers": [c["name"] for c in self.pod["spec"].get("initContainers") or []],
+                    "defaultContainer": (meta.get("annotations") or {}).get("kubectl.kubernetes.io/default-container"),
+                }
+            )
+        )
         old_ip = (self.pod.get("status") or {}).get("podIP")
         if self.pod["spec"].get("hostNetwork"):
             self.pod_ip = self.node.ip
@@ -320,8 +350,10 @@ class PodWorker:
         meta = self.pod["metadata"]
         rule = self.shared.config.image_rule(spec.get("image", ""))
         if not spec.get("command") and rule is None:
-            return None, (f"image {spec.get('image')!r} has no local entrypoint: give the container a `command`, "
-                          "or add an `images:` rule for it to the node agent's pools file (docs/local-cluster.md)")
+            return None, (
+                f"image {spec.get('image')!r} has no local entrypoint: give the container a `command`, "
+                "or add an `images:` rule for it to the node agent's pools file (docs/local-cluster.md)"
+            )
         hostname = self.pod["spec"].get("hostname") or meta["name"]
         base = base_env(self.shared, hostname, rule.env if rule else {})
         c.env = envmod.container_env(self.pod_with_ips(), spec, self._refs, base, self.node.allocatable)
@@ -331,7 +363,11 @@ class PodWorker:
         c.cwd = spec.get("workingDir") or str(self.dir / "work")
         mounts = volumes.mount_plan(spec, self._volume_sources)
         return {
-            "argv": argv, "env": c.env, "cwd": c.cwd, "hostname": hostname, "private_roots": PRIVATE_ROOTS,
+            "argv": argv,
+            "env": c.env,
+            "cwd": c.cwd,
+            "hostname": hostname,
+            "private_roots": PRIVATE_ROOTS,
             "mounts": [m.__dict__ for m in mounts],
         }, ""
 
@@ -360,8 +396,9 @@ class PodWorker:
             log_file.rename(self.dir / f"{name}.{c.obs.restart_count - 1}.log")
         started_at = datetime.now(UTC)
         c.kill_reason = ""
-        c.proc = await ContainerProcess.start(launch, self.dir / f"{name}.spec.json", log_file,
-                                              self.dir / f"{name}.pid")
+        c.proc = await ContainerProcess.start(
+            launch, self.dir / f"{name}.spec.json", log_file, self.dir / f"{name}.pid"
+        )
         error = await c.proc.started()
         if error:
             await c.proc.wait()
@@ -415,13 +452,17 @@ class PodWorker:
                 if not should_restart(policy, exit_.code):
                     return exit_.code == 0
                 assert isinstance(c.obs.state, Terminated)
-                ran = (c.obs.state.finished_at - c.obs.state.started_at).total_seconds() \
-                    if c.obs.state.started_at else 0
+                ran = (
+                    (c.obs.state.finished_at - c.obs.state.started_at).total_seconds() if c.obs.state.started_at else 0
+                )
                 delay = backoff_delay(delay, ran)
                 c.obs.last_state = c.obs.state
-                c.obs.state = Waiting("CrashLoopBackOff", f"back-off {delay:g}s restarting failed container="
-                                      f"{c.spec['name']} pod={self.pod['metadata']['name']}_"
-                                      f"{self.pod['metadata']['namespace']}({self.uid})")
+                c.obs.state = Waiting(
+                    "CrashLoopBackOff",
+                    f"back-off {delay:g}s restarting failed container="
+                    f"{c.spec['name']} pod={self.pod['metadata']['name']}_"
+                    f"{self.pod['metadata']['namespace']}({self.uid})",
+                )
                 self.publish()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.terminating.wait(), delay)
@@ -437,8 +478,11 @@ class PodWorker:
             c.obs.started = True
             c.obs.ready = "readinessProbe" not in spec
             self.publish()
-        loops = [self._probe_loop(c, kind, spec[f"{kind}Probe"]) for kind in ("readiness", "liveness")
-                 if f"{kind}Probe" in spec]
+        loops = [
+            self._probe_loop(c, kind, spec[f"{kind}Probe"])
+            for kind in ("readiness", "liveness")
+            if f"{kind}Probe" in spec
+        ]
         await asyncio.gather(*loops)
 
     async def _probe_loop(self, c: ContainerRun, kind: str, probe: Obj) -> bool:
@@ -461,8 +505,7 @@ class PodWorker:
                 c.obs.ready = tracker.result
                 self.publish()
             if kind in ("startup", "liveness") and tracker.failed_out:
-                log.info("%s: container %s failed its %s probe: %s; killing it", self.ref, c.spec["name"], kind,
-                         msg)
+                log.info("%s: container %s failed its %s probe: %s; killing it", self.ref, c.spec["name"], kind, msg)
                 c.kill_reason = f"{kind} probe failed: {msg}"
                 await self._stop(c, float(probe.get("terminationGracePeriodSeconds") or grace_seconds(self.pod)))
                 return False

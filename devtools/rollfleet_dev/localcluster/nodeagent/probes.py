@@ -81,8 +81,9 @@ def _port(value: int | str, container: Obj) -> int:
     raise ValueError(f"no container port named {value!r}")
 
 
-async def check(probe: Obj, container: Obj, pod_ip: str, session: aiohttp.ClientSession,
-                exec_in: ExecFn) -> tuple[bool, str]:
+async def check(
+    probe: Obj, container: Obj, pod_ip: str, session: aiohttp.ClientSession, exec_in: ExecFn
+) -> tuple[bool, str]:
     """Run one check; (ok, message on failure)."""
     timeout = ProbeTiming.of(probe).timeout_s
     try:
@@ -92,14 +93,20 @@ async def check(probe: Obj, container: Obj, pod_ip: str, session: aiohttp.Client
             host = h.get("host") or pod_ip
             url = f"{scheme}://{host}:{_port(h['port'], container)}{h.get('path', '/')}"
             headers = {x["name"]: x["value"] for x in h.get("httpHeaders") or []}
-            async with session.get(url, headers=headers, ssl=_NO_VERIFY if scheme == "https" else True,
-                                   timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False) as resp:
+            async with session.get(
+                url,
+                headers=headers,
+                ssl=_NO_VERIFY if scheme == "https" else True,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                allow_redirects=False,
+            ) as resp:
                 ok = 200 <= resp.status < 400
                 return ok, "" if ok else f"HTTP probe failed with statuscode: {resp.status}"
         if "tcpSocket" in probe:
             t = probe["tcpSocket"]
             _, writer = await asyncio.wait_for(
-                asyncio.open_connection(t.get("host") or pod_ip, _port(t["port"], container)), timeout)
+                asyncio.open_connection(t.get("host") or pod_ip, _port(t["port"], container)), timeout
+            )
             writer.close()
             return True, ""
         if "exec" in probe:

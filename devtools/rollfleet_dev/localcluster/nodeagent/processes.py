@@ -109,9 +109,17 @@ class ContainerProcess:
         out = _open_files(spec_file, {**spec, "error_fd": error_w}, log_file)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", str(LAUNCHER), str(spec_file),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=(error_w,),
-                start_new_session=True, env={},
+                sys.executable,
+                "-I",
+                "-S",
+                str(LAUNCHER),
+                str(spec_file),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                pass_fds=(error_w,),
+                start_new_session=True,
+                env={},
             )
         finally:
             os.close(out)
@@ -149,9 +157,19 @@ class ContainerProcess:
 async def exec_in(ident: Identity, argv: list[str], env: dict[str, str], cwd: str, limit_s: float) -> int:
     """Run a command inside a running container (exec probes); its exit code, -1 on timeout."""
     proc = await asyncio.create_subprocess_exec(
-        NSENTER, "-t", str(ident.pid), "-m", "-u", f"--wd={cwd}", "--", *argv,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        env=env, start_new_session=True,
+        NSENTER,
+        "-t",
+        str(ident.pid),
+        "-m",
+        "-u",
+        f"--wd={cwd}",
+        "--",
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
     try:
         return await asyncio.wait_for(proc.wait(), limit_s)

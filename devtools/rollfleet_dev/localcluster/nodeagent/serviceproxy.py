@@ -56,8 +56,11 @@ def wanted_listeners(services: list[Obj]) -> set[ListenerKey]:
                 continue
             for p in spec.get("ports") or []:
                 if p.get("protocol", "TCP") == "TCP":
-                    out.add(ListenerKey(ip, int(p["port"]), svc["metadata"]["namespace"], svc["metadata"]["name"],
-                                        p.get("name", "")))
+                    out.add(
+                        ListenerKey(
+                            ip, int(p["port"]), svc["metadata"]["namespace"], svc["metadata"]["name"], p.get("name", "")
+                        )
+                    )
     return out
 
 
@@ -147,7 +150,8 @@ class ServiceProxy:
         for key in wanted - set(self._servers):
             try:
                 self._servers[key] = await asyncio.start_server(
-                    functools.partial(self._forward, key), key.ip, key.port, reuse_address=True)
+                    functools.partial(self._forward, key), key.ip, key.port, reuse_address=True
+                )
                 self._rr[key] = itertools.count()
                 log.info("service proxy: %s/%s on %s:%d", key.namespace, key.service, key.ip, key.port)
             except OSError as e:
@@ -156,8 +160,14 @@ class ServiceProxy:
     def _targets(self, key: ListenerKey) -> list[tuple[str, int]]:
         if (key.namespace, key.service) == ("default", "kubernetes"):
             return [self.api_address]
-        service = next((s for s in self._services.values() if s["metadata"]["namespace"] == key.namespace
-                        and s["metadata"]["name"] == key.service), None)
+        service = next(
+            (
+                s
+                for s in self._services.values()
+                if s["metadata"]["namespace"] == key.namespace and s["metadata"]["name"] == key.service
+            ),
+            None,
+        )
         return backends(service, key.port_name, list(self._pods.values())) if service else []
 
     async def _forward(self, key: ListenerKey, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

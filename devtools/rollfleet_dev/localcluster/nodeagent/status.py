@@ -99,10 +99,13 @@ def _state_api(state: State) -> Obj:
 
 def container_status_api(obs: ContainerObs) -> Obj:
     out: Obj = {
-        "name": obs.name, "image": obs.image, "imageID": obs.image,
+        "name": obs.name,
+        "image": obs.image,
+        "imageID": obs.image,
         "state": _state_api(obs.state),
         "lastState": _state_api(obs.last_state) if obs.last_state else {},
-        "ready": obs.ready, "restartCount": obs.restart_count,
+        "ready": obs.ready,
+        "restartCount": obs.restart_count,
         "started": obs.started,
     }
     if obs.container_id:
@@ -167,8 +170,7 @@ class PodView:
     readiness_gates: tuple[str, ...] = ()
 
 
-def pod_status(view: PodView, init: list[ContainerObs], main: list[ContainerObs],
-               previous: Obj, now: datetime) -> Obj:
+def pod_status(view: PodView, init: list[ContainerObs], main: list[ContainerObs], previous: Obj, now: datetime) -> Obj:
     """The fields of the pod's `status` that the node owns, given the old status for transition times.
 
     Only the node's own conditions are listed: the agent sends this as a strategic merge patch,
@@ -186,19 +188,35 @@ def pod_status(view: PodView, init: list[ContainerObs], main: list[ContainerObs]
     containers_ready = not unready
     gates_ok = all(prev_conds.get(g, {}).get("status") == "True" for g in view.readiness_gates)
     ours = {
-        "PodReadyToStartContainers": _condition("PodReadyToStartContainers", view.sandbox_ready and not terminal,
-                                                "", "", prev_conds, ts),
-        "Initialized": _condition("Initialized", init_done, done_reason or "ContainersNotInitialized",
-                                  "" if terminal else f"containers with incomplete status: [{' '.join(pending_init)}]",
-                                  prev_conds, ts),
-        "ContainersReady": _condition("ContainersReady", containers_ready, done_reason or "ContainersNotReady",
-                                      "" if terminal else f"containers with unready status: [{' '.join(unready)}]",
-                                      prev_conds, ts),
-        "Ready": _condition("Ready", containers_ready and gates_ok,
-                            done_reason or ("ContainersNotReady" if not containers_ready else "ReadinessGatesNotReady"),
-                            "" if terminal else (f"containers with unready status: [{' '.join(unready)}]"
-                                                 if unready else "readiness gates not ready"),
-                            prev_conds, ts),
+        "PodReadyToStartContainers": _condition(
+            "PodReadyToStartContainers", view.sandbox_ready and not terminal, "", "", prev_conds, ts
+        ),
+        "Initialized": _condition(
+            "Initialized",
+            init_done,
+            done_reason or "ContainersNotInitialized",
+            "" if terminal else f"containers with incomplete status: [{' '.join(pending_init)}]",
+            prev_conds,
+            ts,
+        ),
+        "ContainersReady": _condition(
+            "ContainersReady",
+            containers_ready,
+            done_reason or "ContainersNotReady",
+            "" if terminal else f"containers with unready status: [{' '.join(unready)}]",
+            prev_conds,
+            ts,
+        ),
+        "Ready": _condition(
+            "Ready",
+            containers_ready and gates_ok,
+            done_reason or ("ContainersNotReady" if not containers_ready else "ReadinessGatesNotReady"),
+            ""
+            if terminal
+            else (f"containers with unready status: [{' '.join(unready)}]" if unready else "readiness gates not ready"),
+            prev_conds,
+            ts,
+        ),
     }
     status: Obj = {
         "phase": phase,

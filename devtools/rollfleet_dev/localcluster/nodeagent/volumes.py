@@ -87,17 +87,24 @@ def _downward(pod: Obj, items: list[Obj], default_mode: int, allocatable: dict[s
     return out
 
 
-def volume_files(volume: Obj, pod: Obj, refs: Refs, tokens: dict[TokenKey, str],
-                 allocatable: dict[str, str]) -> Files | None:
+def volume_files(
+    volume: Obj, pod: Obj, refs: Refs, tokens: dict[TokenKey, str], allocatable: dict[str, str]
+) -> Files | None:
     """The files of an API-backed volume (relative path -> content, mode); None for other kinds."""
     if "configMap" in volume:
         src = volume["configMap"]
-        return _items("configmap", src["name"], refs.config_map_data(src["name"]), src,
-                      int(src.get("defaultMode", DEFAULT_MODE)))
+        return _items(
+            "configmap", src["name"], refs.config_map_data(src["name"]), src, int(src.get("defaultMode", DEFAULT_MODE))
+        )
     if "secret" in volume:
         src = volume["secret"]
-        return _items("secret", src["secretName"], refs.secret_data(src["secretName"]), src,
-                      int(src.get("defaultMode", DEFAULT_MODE)))
+        return _items(
+            "secret",
+            src["secretName"],
+            refs.secret_data(src["secretName"]),
+            src,
+            int(src.get("defaultMode", DEFAULT_MODE)),
+        )
     if "downwardAPI" in volume:
         src = volume["downwardAPI"]
         return _downward(pod, src.get("items") or [], int(src.get("defaultMode", DEFAULT_MODE)), allocatable)

@@ -34,9 +34,10 @@ async def open_clients(memo: kopf.Memo, **_: Any) -> None:
     # Clients of their own, apart from the fleets': a busy request does not queue fleet calls.
     memo.request_kube = Kube(load_client())
     # No read timeout: a sample may wait out a long weight sync on a paused engine; deadlines are ours.
-    memo.request_http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                          limits=httpx.Limits(max_connections=MAX_CONNECTIONS,
-                                                              max_keepalive_connections=256))
+    memo.request_http = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0),
+        limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
+    )
 
 
 @kopf.on.cleanup()

@@ -48,7 +48,7 @@ def parse_sample_id(uid: str, request_id: str) -> SampleKey | None:
     prefix = f"{uid}-"
     if not request_id.startswith(prefix):
         return None
-    parts = request_id[len(prefix):].split("-")
+    parts = request_id[len(prefix) :].split("-")
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         return None
     return int(parts[0]), int(parts[1])
@@ -100,8 +100,9 @@ class Call:
     headers: dict[str, str]
 
 
-def build_call(spec: RolloutRequestSpec, model: str, uid: str, key: SampleKey, prompt: Prompt,
-               timeout_s: float | None = None) -> Call:
+def build_call(
+    spec: RolloutRequestSpec, model: str, uid: str, key: SampleKey, prompt: Prompt, timeout_s: float | None = None
+) -> Call:
     """The gateway call that produces sample `key` (one sample per call: each has its own id)."""
     sampling = spec.sampling.body(key[1])
     headers = {REQUEST_ID_HEADER: sample_id(uid, key)}
@@ -161,11 +162,18 @@ class SampleResult:
 
     def line(self) -> str:
         out = {
-            "prompt": self.prompt, "sample": self.sample, "request_id": self.request_id,
-            "finish_reason": self.finish_reason, "text": self.text, "token_ids": self.token_ids,
-            "prompt_token_ids": self.prompt_token_ids, "weight_version": self.weight_version,
-            "weight_versions": self.weight_versions, "started_at": round(self.started_at, 3),
-            "finished_at": round(self.finished_at, 3), "latency_s": round(self.finished_at - self.started_at, 3),
+            "prompt": self.prompt,
+            "sample": self.sample,
+            "request_id": self.request_id,
+            "finish_reason": self.finish_reason,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_token_ids": self.prompt_token_ids,
+            "weight_version": self.weight_version,
+            "weight_versions": self.weight_versions,
+            "started_at": round(self.started_at, 3),
+            "finished_at": round(self.finished_at, 3),
+            "latency_s": round(self.finished_at - self.started_at, 3),
             "error": self.error,
         }
         return jsonl.dumps(out)
@@ -181,9 +189,17 @@ def versions_from_header(value: str | None) -> list[str]:
     return [v for v in (value or "").split(",") if v]
 
 
-def interpret(status: int, body: Mapping[str, Any] | None, headers: Mapping[str, str], *, uid: str,
-              key: SampleKey, started_at: float, finished_at: float, abort_wanted: bool,
-              ) -> tuple[Outcome, SampleResult | None]:
+def interpret(
+    status: int,
+    body: Mapping[str, Any] | None,
+    headers: Mapping[str, str],
+    *,
+    uid: str,
+    key: SampleKey,
+    started_at: float,
+    finished_at: float,
+    abort_wanted: bool,
+) -> tuple[Outcome, SampleResult | None]:
     """What a gateway answer means for the sample; a result when it is to be stored."""
     rid = sample_id(uid, key)
     if status == 409 or status >= 500 or body is None:
@@ -193,8 +209,15 @@ def interpret(status: int, body: Mapping[str, Any] | None, headers: Mapping[str,
         return Outcome.RETRY, None
     if status >= 400:
         message = str((body.get("error") or {}).get("message") or body.get("detail") or body)[:2000]
-        return Outcome.FAILED, SampleResult(key[0], key[1], rid, "error", started_at=started_at,
-                                            finished_at=finished_at, error=f"HTTP {status}: {message}")
+        return Outcome.FAILED, SampleResult(
+            key[0],
+            key[1],
+            rid,
+            "error",
+            started_at=started_at,
+            finished_at=finished_at,
+            error=f"HTTP {status}: {message}",
+        )
     choices = body.get("choices") or []
     if not choices:
         return Outcome.UNSURE, None
@@ -209,10 +232,17 @@ def interpret(status: int, body: Mapping[str, Any] | None, headers: Mapping[str,
     versions = versions_from_header(headers.get("x-rollfleet-weight-version"))
     prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
     result = SampleResult(
-        prompt=key[0], sample=key[1], request_id=rid, finish_reason=str(reason), text=text,
-        token_ids=list(choice.get("token_ids") or []), prompt_token_ids=prompt_ids,
-        weight_version=versions[0] if versions else None, weight_versions=versions,
-        started_at=started_at, finished_at=finished_at,
+        prompt=key[0],
+        sample=key[1],
+        request_id=rid,
+        finish_reason=str(reason),
+        text=text,
+        token_ids=list(choice.get("token_ids") or []),
+        prompt_token_ids=prompt_ids,
+        weight_version=versions[0] if versions else None,
+        weight_versions=versions,
+        started_at=started_at,
+        finished_at=finished_at,
     )
     return result.outcome, result
 
@@ -239,7 +269,8 @@ class Schedule:
         finished = set(done)
         self.total = prompts * n
         self._pending: deque[SampleKey] = deque(
-            (p, s) for p in range(prompts) for s in range(n) if (p, s) not in finished)
+            (p, s) for p in range(prompts) for s in range(n) if (p, s) not in finished
+        )
         self.in_flight: set[SampleKey] = set()
 
     def __len__(self) -> int:

@@ -100,8 +100,15 @@ def parse_chunk(cm: dict[str, Any]) -> Chunk:
     text = (cm.get("data") or {}).get(DATA_KEY, "")
     lines = jsonl.lines(text)
     sealed = bool(cm.get("immutable"))
-    return Chunk(index=int(meta["labels"][LABEL_CHUNK]), lines=lines, size=len(text.encode()), sealed=sealed,
-                 written=len(lines), sealed_written=sealed, resource_version=meta.get("resourceVersion"))
+    return Chunk(
+        index=int(meta["labels"][LABEL_CHUNK]),
+        lines=lines,
+        size=len(text.encode()),
+        sealed=sealed,
+        written=len(lines),
+        sealed_written=sealed,
+        resource_version=meta.get("resourceVersion"),
+    )
 
 
 class ResultStore:
@@ -146,15 +153,26 @@ class ResultStore:
         meta: dict[str, Any] = {
             "name": chunk_name(self.name, self.uid, chunk.index),
             "namespace": self.namespace,
-            "labels": {LABEL_NAME: APP_NAME, LABEL_COMPONENT: COMPONENT_RESULTS, LABEL_MANAGED_BY: MANAGER,
-                       LABEL_REQUEST: self.name, LABEL_REQUEST_UID: self.uid, LABEL_CHUNK: str(chunk.index)},
-            "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid,
-                                 "controller": True}],
+            "labels": {
+                LABEL_NAME: APP_NAME,
+                LABEL_COMPONENT: COMPONENT_RESULTS,
+                LABEL_MANAGED_BY: MANAGER,
+                LABEL_REQUEST: self.name,
+                LABEL_REQUEST_UID: self.uid,
+                LABEL_CHUNK: str(chunk.index),
+            },
+            "ownerReferences": [
+                {"apiVersion": API_VERSION, "kind": KIND, "name": self.name, "uid": self.uid, "controller": True}
+            ],
         }
         if chunk.resource_version is not None:
             meta["resourceVersion"] = chunk.resource_version
-        body: dict[str, Any] = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-                                "data": {DATA_KEY: chunk.text()}}
+        body: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta,
+            "data": {DATA_KEY: chunk.text()},
+        }
         if chunk.sealed:
             body["immutable"] = True
         return body

@@ -71,8 +71,12 @@ async def read_fleet(kube: Kube, namespace: str, name: str) -> FleetView:
     except NotFound:
         return FleetView(exists=False)
     status = fleet.get("status") or {}
-    view = FleetView(exists=True, model=fleet["spec"]["model"]["servedName"],
-                     paused=(status.get("pause") or {}).get("mode"), weight_version=status.get("weightVersion"))
+    view = FleetView(
+        exists=True,
+        model=fleet["spec"]["model"]["servedName"],
+        paused=(status.get("pause") or {}).get("mode"),
+        weight_version=status.get("weightVersion"),
+    )
     try:
         svc = await kube.get(SERVICE, namespace, gateway_name(name))
     except NotFound:  # the fleet's operator has not created it yet
@@ -106,8 +110,9 @@ async def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[P
 class Run:
     """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
 
-    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any],
-                 stopping: Callable[[], bool]) -> None:
+    def __init__(
+        self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any], stopping: Callable[[], bool]
+    ) -> None:
         self.kube, self.http = kube, http
         self.body = body  # kopf's live view: annotations change under us
         self.stopping = stopping
@@ -142,8 +147,9 @@ class Run:
         schedule = plan.Schedule(len(self.prompts), self.rr.spec.samples_per_prompt, self.store.results)
         if self.start is not None:  # an earlier run sent samples: stop any that may still run
             bound = len(self.store.results) + self.rr.spec.parallelism + MAX_UNFLUSHED
-            self.unsure = set(plan.maybe_sent(len(self.prompts), self.rr.spec.samples_per_prompt,
-                                              self.store.results, bound))
+            self.unsure = set(
+                plan.maybe_sent(len(self.prompts), self.rr.spec.samples_per_prompt, self.store.results, bound)
+            )
         while True:
             now = time.time()
             if self.stopping():
@@ -167,19 +173,30 @@ class Run:
         if schedule.idle and not self.unsure:
             return finished_verdict(self.tally, self.total)
         if not self.fleet.exists:
-            return Verdict("Failed", "FleetNotFound", f"RolloutFleet {self.rr.spec.fleet!r} does not exist in "
-                           f"namespace {self.ns!r}")
-        token = plan.new_abort_token(self.body["metadata"].get("annotations"),
-                                     self.abort_record.token if self.abort_record else None, ANNOTATION_ABORT)
+            return Verdict(
+                "Failed",
+                "FleetNotFound",
+                f"RolloutFleet {self.rr.spec.fleet!r} does not exist in namespace {self.ns!r}",
+            )
+        token = plan.new_abort_token(
+            self.body["metadata"].get("annotations"),
+            self.abort_record.token if self.abort_record else None,
+            ANNOTATION_ABORT,
+        )
         if token is not None:
             self.abort_token = token
             return Verdict("Aborted", "AbortRequested", f"aborted by annotation {ANNOTATION_ABORT}={token}")
-        left = plan.deadline_left(self.start.timestamp() if self.start else None,
-                                  self.rr.spec.active_deadline_seconds, now)
+        left = plan.deadline_left(
+            self.start.timestamp() if self.start else None, self.rr.spec.active_deadline_seconds, now
+        )
         if left is not None and left <= 0:
             self.abort_token = "deadline"
-            return Verdict("Failed", "DeadlineExceeded", f"the request ran longer than activeDeadlineSeconds="
-                           f"{self.rr.spec.active_deadline_seconds}; in-flight samples were aborted")
+            return Verdict(
+                "Failed",
+                "DeadlineExceeded",
+                f"the request ran longer than activeDeadlineSeconds="
+                f"{self.rr.spec.active_deadline_seconds}; in-flight samples were aborted",
+            )
         return None
 
     async def _prepare(self) -> Verdict | None:
@@ -194,8 +211,12 @@ class Run:
         self.digest = plan.prompts_digest(self.prompts)
         recorded = self.rr.status.prompts_digest if self.rr.status else None
         if recorded is not None and recorded != self.digest:
-            return Verdict("Failed", "PromptsChanged", "the prompt ConfigMaps changed after the run started; "
-                           "results would mix prompt sets (create a new RolloutRequest)")
+            return Verdict(
+                "Failed",
+                "PromptsChanged",
+                "the prompt ConfigMaps changed after the run started; "
+                "results would mix prompt sets (create a new RolloutRequest)",
+            )
         return None
 
     async def _observe_fleet(self) -> None:
@@ -212,12 +233,16 @@ class Run:
     def _dispatch(self, schedule: plan.Schedule, now: float) -> None:
         f = self.fleet
         if not f.gateway or not f.model:
-            self.verdict = Verdict("Pending", "WaitingForGateway", f"waiting for the gateway of fleet "
-                                   f"{self.rr.spec.fleet!r}")
+            self.verdict = Verdict(
+                "Pending", "WaitingForGateway", f"waiting for the gateway of fleet {self.rr.spec.fleet!r}"
+            )
             return
         if f.paused:
-            self.verdict = Verdict("Paused", "FleetPaused", f"fleet {self.rr.spec.fleet!r} is paused "
-                                   f"(mode {f.paused}); samples resume when it resumes")
+            self.verdict = Verdict(
+                "Paused",
+                "FleetPaused",
+                f"fleet {self.rr.spec.fleet!r} is paused (mode {f.paused}); samples resume when it resumes",
+            )
             return
         if self.start is not None:
             self.verdict = Verdict("Running", "Running", f"{len(schedule.in_flight)} samples in flight")
@@ -232,11 +257,13 @@ class Run:
             self.tasks[task] = key
 
     async def _sample(self, key: SampleKey, gateway: str, model: str) -> tuple[Outcome, SampleResult | None]:
-        left = plan.deadline_left(self.start.timestamp() if self.start else None,
-                                  self.rr.spec.active_deadline_seconds, time.time())
+        left = plan.deadline_left(
+            self.start.timestamp() if self.start else None, self.rr.spec.active_deadline_seconds, time.time()
+        )
         # The gateway stops the sample by itself a little after the deadline, should this operator be gone.
-        call = plan.build_call(self.rr.spec, model, self.uid, key, self.prompts[key[0]],
-                               timeout_s=None if left is None else left + 5)
+        call = plan.build_call(
+            self.rr.spec, model, self.uid, key, self.prompts[key[0]], timeout_s=None if left is None else left + 5
+        )
         started = time.time()
         try:
             resp = await self.http.post(gateway + call.path, json=call.body, headers=call.headers)
@@ -246,8 +273,16 @@ class Run:
             body = resp.json()
         except ValueError:
             body = None
-        return plan.interpret(resp.status_code, body, resp.headers, uid=self.uid, key=key, started_at=started,
-                              finished_at=time.time(), abort_wanted=self.aborting)
+        return plan.interpret(
+            resp.status_code,
+            body,
+            resp.headers,
+            uid=self.uid,
+            key=key,
+            started_at=started,
+            finished_at=time.time(),
+            abort_wanted=self.aborting,
+        )
 
     async def _collect(self, schedule: plan.Schedule, wait_s: float = TICK_S) -> None:
         if not self.tasks:
@@ -260,8 +295,11 @@ class Run:
             self._record(schedule, key, outcome, result)
 
     def _record(self, schedule: plan.Schedule, key: SampleKey, outcome: Outcome, result: SampleResult | None) -> None:
-        if result is not None and outcome is Outcome.COMPLETED \
-                and plan.is_stale(result, self.history, self.rr.spec.max_weight_staleness):
+        if (
+            result is not None
+            and outcome is Outcome.COMPLETED
+            and plan.is_stale(result, self.history, self.rr.spec.max_weight_staleness)
+        ):
             outcome, result = Outcome.RETRY, None  # the id finished: it is free to run again
         if result is not None:
             schedule.finished(key)
@@ -286,9 +324,12 @@ class Run:
             if ready.status_code != 200:  # its engine list is not synced: "unknown" would mean nothing
                 return None
             for i in range(0, len(ids), ABORT_BATCH):
-                resp = await self.http.post(f.gateway + "/v1/abort", timeout=timeout_s + 10,
-                                            headers={"Authorization": f"Bearer {f.token}"},
-                                            json={"request_ids": ids[i:i + ABORT_BATCH], "timeout_s": timeout_s})
+                resp = await self.http.post(
+                    f.gateway + "/v1/abort",
+                    timeout=timeout_s + 10,
+                    headers={"Authorization": f"Bearer {f.token}"},
+                    json={"request_ids": ids[i : i + ABORT_BATCH], "timeout_s": timeout_s},
+                )
                 if resp.status_code != 200:
                     log.warning("gateway abort answered %s: %s", resp.status_code, resp.text[:300])
                     return None
@@ -344,8 +385,9 @@ class Run:
 
     # --- recording ------------------------------------------------------------------
     async def _flush(self, urgent: bool) -> None:
-        if not self.store.pending or not (urgent or self.store.pending >= MAX_UNFLUSHED // 2
-                                          or self.flush_rate.due(time.time())):
+        if not self.store.pending or not (
+            urgent or self.store.pending >= MAX_UNFLUSHED // 2 or self.flush_rate.due(time.time())
+        ):
             return
         try:
             await self.store.flush()
@@ -355,18 +397,29 @@ class Run:
             log.warning("writing results of %s/%s: %s (will retry)", self.ns, self.name, err)
 
     def _results_ref(self) -> ResultsRef:
-        return ResultsRef(config_maps=self.store.names(), samples=len(self.store.results) - self.store.pending,
-                          command=f"rollfleet results rr/{self.name} -n {self.ns}")
+        return ResultsRef(
+            config_maps=self.store.names(),
+            samples=len(self.store.results) - self.store.pending,
+            command=f"rollfleet results rr/{self.name} -n {self.ns}",
+        )
 
     async def _patch_status(self, in_flight: int, urgent: bool = False) -> None:
         changed = self.last_patched is None or self.last_patched.phase != self.verdict.phase
         if not self.status_rate.due(time.time(), urgent=urgent or changed):
             return
         status = request_status(
-            self.rr.status, verdict=self.verdict, tally=self.tally, total=self.total,
-            in_flight=in_flight, generation=self.body["metadata"].get("generation"),
-            now=datetime.now(UTC), results=self._results_ref(), digest=self.digest, start_time=self.start,
-            abort=self.abort_record)
+            self.rr.status,
+            verdict=self.verdict,
+            tally=self.tally,
+            total=self.total,
+            in_flight=in_flight,
+            generation=self.body["metadata"].get("generation"),
+            now=datetime.now(UTC),
+            results=self._results_ref(),
+            digest=self.digest,
+            start_time=self.start,
+            abort=self.abort_record,
+        )
         with contextlib.suppress(NotFound):  # deleted meanwhile
             await self.kube.patch(REQUEST, self.ns, self.name, {"status": status}, status=True)
         self.last_patched = self.verdict
@@ -379,8 +432,9 @@ class Run:
         return verdict
 
 
-async def expire(kube: Kube, body: Mapping[str, Any], wait: Callable[[float], Any],
-                 finished_at: float | None = None) -> None:
+async def expire(
+    kube: Kube, body: Mapping[str, Any], wait: Callable[[float], Any], finished_at: float | None = None
+) -> None:
     """Delete a finished request once its ttlSecondsAfterFinished has passed (results go with it).
 
     `finished_at` comes from a run that just ended: kopf's view of the body may not show
@@ -400,5 +454,9 @@ async def expire(kube: Kube, body: Mapping[str, Any], wait: Callable[[float], An
         return
     meta = body["metadata"]
     with contextlib.suppress(NotFound, Conflict):  # gone, or a new object of that name: not ours to delete
-        await kube.delete(REQUEST, meta["namespace"], meta["name"],
-                          {"preconditions": {"uid": meta["uid"]}, "propagationPolicy": "Background"})
+        await kube.delete(
+            REQUEST,
+            meta["namespace"],
+            meta["name"],
+            {"preconditions": {"uid": meta["uid"]}, "propagationPolicy": "Background"},
+        )

@@ -71,8 +71,9 @@ class Verdict:
 def finished_verdict(tally: Tally, total: int) -> Verdict:
     """Every sample has a result: Succeeded, or Failed when some sample failed (their errors are stored)."""
     if tally.failed:
-        return Verdict("Failed", "SamplesFailed", f"{tally.failed} of {total} samples failed; first: "
-                       f"{tally.first_error}")
+        return Verdict(
+            "Failed", "SamplesFailed", f"{tally.failed} of {total} samples failed; first: {tally.first_error}"
+        )
     return Verdict("Succeeded", "Completed", f"all {total} samples completed")
 
 
@@ -93,25 +94,39 @@ def request_status(
     """The status subresource (wire form) for one moment of the run."""
     prev = previous or RolloutRequestStatus()
     conditions = [
-        _condition(prev.conditions, "Running", verdict.phase == "Running",
-                   verdict.reason if verdict.phase == "Running" else "NotRunning",
-                   verdict.message if verdict.phase == "Running" else "", generation, now),
-        _condition(prev.conditions, "Paused", verdict.phase == "Paused",
-                   verdict.reason if verdict.phase == "Paused" else "NotPaused",
-                   verdict.message if verdict.phase == "Paused" else "", generation, now),
+        _condition(
+            prev.conditions,
+            "Running",
+            verdict.phase == "Running",
+            verdict.reason if verdict.phase == "Running" else "NotRunning",
+            verdict.message if verdict.phase == "Running" else "",
+            generation,
+            now,
+        ),
+        _condition(
+            prev.conditions,
+            "Paused",
+            verdict.phase == "Paused",
+            verdict.reason if verdict.phase == "Paused" else "NotPaused",
+            verdict.message if verdict.phase == "Paused" else "",
+            generation,
+            now,
+        ),
     ]
     for phase, ctype in (("Succeeded", "Complete"), ("Failed", "Failed"), ("Aborted", "Aborted")):
         if verdict.phase == phase:
-            conditions.append(_condition(prev.conditions, ctype, True, verdict.reason, verdict.message,
-                                         generation, now))
+            conditions.append(
+                _condition(prev.conditions, ctype, True, verdict.reason, verdict.message, generation, now)
+            )
     status = RolloutRequestStatus(
         observed_generation=generation,
         phase=verdict.phase,
         reason=verdict.reason,
         message=verdict.message,
         progress=f"{tally.stored}/{total}",
-        counts=Counts(total=total, completed=tally.completed, aborted=tally.aborted, failed=tally.failed,
-                      in_flight=in_flight),
+        counts=Counts(
+            total=total, completed=tally.completed, aborted=tally.aborted, failed=tally.failed, in_flight=in_flight
+        ),
         tokens=tally.tokens,
         weight_versions=list(tally.versions),
         prompts_digest=digest or prev.prompts_digest,
