@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 PYTEST_ARGS ?=
+PY_SOURCES := operator engine_image devtools tests e2e bench
 
 .PHONY: help
 help: ## list targets
@@ -60,8 +61,9 @@ kind-down: ## delete the kind cluster: no container, network or kubeconfig left
 	@if [ -x $(BIN)/rollfleet ]; then rollfleet kind down; fi
 
 .PHONY: lint
-lint: env ## ruff, mypy (strict), import contracts, actionlint (the same checks as .pre-commit-config.yaml)
-	ruff check operator engine_image devtools tests e2e bench
+lint: env ## ruff (lint and format), mypy (strict), import contracts, actionlint (as .pre-commit-config.yaml)
+	ruff check $(PY_SOURCES)
+	ruff format --check $(PY_SOURCES)
 	mypy
 	lint-imports
 	hack/actionlint.sh
