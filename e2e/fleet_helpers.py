@@ -22,6 +22,7 @@ import yaml
 
 from e2e.provider import Cluster, wait_for
 from rollfleet import jsonl
+from rollfleet.contract import ENGINE_PORT, STATE_PATH, admin_token, secret_name
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,8 +166,22 @@ class Fleet:
         return list(json.loads(out.stdout)["items"])
 
     def engine_state(self, pod: str) -> dict[str, Any]:
-        with self.cluster.reach(self.namespace, pod, 8000) as url:
-            return dict(httpx.get(f"{url}/rollfleet/v1/state", timeout=10).json())
+        with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
+            return dict(httpx.get(f"{url}{STATE_PATH}", timeout=10).json())
+
+    def admin_token(self) -> str:
+        secret = json.loads(
+            self.cluster.kubectl("-n", self.namespace, "get", "secret", secret_name(self.name), "-o", "json").stdout
+        )
+        token = admin_token(secret.get("data") or {})
+        assert token, f"the Secret {secret_name(self.name)} holds no admin token"
+        return token
+
+    def engine_control(self, pod: str, path: str) -> None:
+        """A control call (pause, resume) made straight to one engine, with the fleet's token."""
+        with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
+            r = httpx.post(url + path, headers={"Authorization": f"Bearer {self.admin_token()}"}, timeout=60)
+            assert r.status_code == 200, (path, r.status_code, r.text)
 
 
 @dataclass
@@ -231,15 +246,15 @@ def signal_container(
     namespace: str,
     pod: str,
     container: str,
-    markers: list[bytes],
     sig: signal.Signals = signal.SIGKILL,
 ) -> None:
-    """Signal a container's main process: SIGKILL as an OOM kill or a crash would, SIGSTOP as a hang.
+    """Signal a container's main process, found through its container runtime: SIGKILL as an OOM
+    kill or a crash would, SIGSTOP as a hang.
 
-    On the local cluster containers are local processes: the one whose argv holds all of
-    `markers` and the pod's IP (every Rollfleet container binds it). On kind, the container's
-    main process signalled from its node (a Docker container named after the node): inside the
-    container it is PID 1, which ignores signals it has no handler for, even SIGKILL.
+    On the local cluster the runtime is the node agent, whose pid file per container names the
+    process (its pid and start time, so a reused pid is never signalled). On kind the process is
+    signalled from its node (a Docker container named after the node), by the pid crictl reports:
+    inside the container it is PID 1, which ignores signals it has no handler for, even SIGKILL.
     """
     import kubernetes
 
@@ -247,18 +262,16 @@ def signal_container(
     if cluster.provider != "local":
         _signal_on_kind_node(found, container, sig)
         return
-    ip = found.status.pod_ip.encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if all(m in argv for m in markers) and any(a == ip or a.endswith(b"=" + ip) for a in argv):
-            os.kill(int(proc.name), sig)
-            return
-    raise AssertionError(f"no process of {namespace}/{pod} container {container} found")
+    from rollfleet_dev.localcluster.nodeagent.logs import nodes_state_dir, pod_dir_name
+    from rollfleet_dev.localcluster.nodeagent.processes import Identity
+
+    pid_file = nodes_state_dir() / "pods" / pod_dir_name(namespace, pod, found.metadata.uid) / f"{container}.pid"
+    try:
+        ident = Identity(**json.loads(pid_file.read_text()))
+    except FileNotFoundError:
+        raise AssertionError(f"{namespace}/{pod} container {container} is not running ({pid_file} is absent)") from None
+    assert ident.alive(), f"{namespace}/{pod} container {container}: process {ident.pid} has exited"
+    os.kill(ident.pid, sig)
 
 
 def _signal_on_kind_node(pod: Any, container: str, sig: signal.Signals) -> None:
@@ -274,4 +287,4 @@ def _signal_on_kind_node(pod: Any, container: str, sig: signal.Signals) -> None:
 
 
 def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
-    signal_container(cluster, namespace, pod, "engine", [b"rollfleet_engine", b"serve"])
+    signal_container(cluster, namespace, pod, "engine")
