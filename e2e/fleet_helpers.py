@@ -22,7 +22,7 @@ import yaml
 
 from e2e.provider import Cluster, wait_for
 from rollfleet import jsonl
-from rollfleet.contract import ENGINE_PORT, STATE_PATH, admin_token, secret_name
+from rollfleet.contract import ENGINE_PORT, REQUEST_ID_HEADER, STATE_PATH, admin_token, secret_name
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,6 +191,7 @@ class Stream:
     url: str
     max_tokens: int
     n: int = 1
+    request_id: str | None = None  # the caller's id (X-Request-Id), to look the request up at the engine
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, choice index)
     finish: dict[int, str] = field(default_factory=dict)
     completion_tokens: int | None = None  # from the final usage chunk
@@ -212,7 +213,10 @@ class Stream:
             "stream_options": {"include_usage": True},
         }
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=httpx.Timeout(600)) as r:
+            headers = {REQUEST_ID_HEADER: self.request_id} if self.request_id else {}
+            with httpx.stream(
+                "POST", f"{self.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(600)
+            ) as r:
                 r.raise_for_status()
                 for line in jsonl.iter_lines(r.iter_bytes()):
                     self._event(line)

@@ -8,9 +8,11 @@ wait is on an observable condition (status, pods, token streams), never a fixed 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from e2e.fleet_helpers import (
@@ -23,7 +25,9 @@ from e2e.fleet_helpers import (
     operator_pods,
 )
 from e2e.provider import Cluster, wait_for
+from rollfleet.contract import REQUESTS_PATH
 from rollfleet_dev.engine_metrics import engine_metric
+from rollfleet_engine.tiny_model import LONG_GENERATION
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -218,6 +222,30 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
     # operator may see both engines paused at its first look, and then records no "Pausing").
     paused = [e["message"].split(":")[0] for e in fleet.events() if e["reason"] == "PausedTrue"]
     assert paused.count("Pausing") <= 1 and paused.count("Paused") == 1, paused
+
+
+def test_pause_abort_ends_in_flight_requests_checked_at_the_engines(cluster: Cluster, fleet: Fleet) -> None:
+    """`pause=abort` ends what the engines run: the caller gets finish_reason abort with its partial
+    output, and the engine itself records the request finished by an abort, with nothing running."""
+    fleet.wait_ready(2)
+    request_id = f"pause-abort-{uuid.uuid4().hex[:8]}"
+    with cluster.reach(NS, "e2e-engine-0", 8000) as url:
+        stream = Stream(url, max_tokens=LONG_GENERATION, request_id=request_id).start()
+        wait_for(
+            lambda: fleet.engine_state("e2e-engine-0")["running"] >= 1 or stream.done.is_set(),
+            timeout=120,
+            what="the request running on the engine",
+        )
+        cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=abort")
+        st = fleet.wait(lambda s: (s.get("pause") or {}).get("pausedEngines") == 2, "both engines paused", 120)
+        assert st["pause"]["mode"] == "abort"
+        stream.wait(timeout=120)
+        assert stream.finish == {0: "abort"} and 0 < stream.tokens() < LONG_GENERATION, (stream.finish, stream.tokens())
+        seen = httpx.get(f"{url}{REQUESTS_PATH}/{request_id}", timeout=10).raise_for_status().json()
+        assert seen["phase"] == "finished" and seen["finish_reason"] == "abort", seen
+        assert fleet.engine_state("e2e-engine-0")["running"] == 0
+    cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause-")
+    fleet.wait(lambda s: "pause" not in s and all(e["phase"] == "Ready" for e in s["engines"]), "resumed", 120)
 
 
 def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: Fleet) -> None:

@@ -27,6 +27,7 @@ from rollfleet_engine.protocol import ABORT_PATH as ABORT_PATH
 from rollfleet_engine.protocol import ENGINE_PORT as ENGINE_PORT
 from rollfleet_engine.protocol import PAUSE_MODES as PAUSE_MODES
 from rollfleet_engine.protocol import READY_PATH as READY_PATH
+from rollfleet_engine.protocol import REQUEST_ID_HEADER as REQUEST_ID_HEADER
 from rollfleet_engine.protocol import REQUESTS_PATH as REQUESTS_PATH
 from rollfleet_engine.protocol import STATE_PATH as STATE_PATH
 from rollfleet_engine.protocol import PauseMode as PauseMode

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -22,6 +22,7 @@ from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 
 START_TIMEOUT_S = 300
 TOKEN = "engine-test-token"
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class Engine:
     model: str
     model_dir: Path
     log: Path
+    # One client for the tests' own calls, made before any stream starts. A client made per call
+    # builds a TLS context (certifi's bundle) first; in a process whose threads read streams at
+    # hundreds of chunks/s that took up to 4.9 s (measured), and the engine kept decoding meanwhile:
+    # a pause "during" a stream could land after it ended. No keep-alive: the engine may close a
+    # connection after an error answer, and a reused one would then be reset.
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(limits=NO_KEEPALIVE), compare=False, repr=False)
 
     @property
     def auth(self) -> dict[str, str]:
@@ -101,11 +108,12 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     cmd = engine_command(model_dir, host, port, token_file, "a-0")
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://{host}:{port}"
+    engine = Engine(url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=log)
     try:
-        wait_ready(url, proc, log, START_TIMEOUT_S)
-        yield Engine(url=url, token=TOKEN, model="tiny", model_dir=model_dir, log=log)
+        wait_ready(engine.url, proc, log, START_TIMEOUT_S)
+        yield engine
     finally:
+        engine.client.close()
         proc.terminate()
         try:
             proc.wait(timeout=30)

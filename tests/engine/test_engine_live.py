@@ -90,25 +90,25 @@ def rid(prefix: str) -> str:
 
 
 def state(engine: Engine) -> dict[str, Any]:
-    return httpx.get(engine.url + "/rollfleet/v1/state").raise_for_status().json()
+    return engine.client.get(engine.url + "/rollfleet/v1/state").raise_for_status().json()
 
 
 def tracked(engine: Engine, request_id: str) -> dict[str, Any]:
-    return httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}").raise_for_status().json()
+    return engine.client.get(f"{engine.url}/rollfleet/v1/requests/{request_id}").raise_for_status().json()
 
 
 def in_flight_ids(engine: Engine) -> set[str]:
-    view = httpx.get(engine.url + "/rollfleet/v1/requests").raise_for_status().json()
+    view = engine.client.get(engine.url + "/rollfleet/v1/requests").raise_for_status().json()
     return {r["request_id"] for r in view["in_flight"]}
 
 
 def control(engine: Engine, path: str, **kwargs: Any) -> httpx.Response:
-    return httpx.post(engine.url + path, headers=engine.auth, timeout=120, **kwargs)
+    return engine.client.post(engine.url + path, headers=engine.auth, timeout=120, **kwargs)
 
 
 def complete(engine: Engine, prompt: list[int], max_tokens: int, **extra: Any) -> httpx.Response:
     body = {"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-    return httpx.post(engine.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=120)
+    return engine.client.post(engine.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=120)
 
 
 def test_completions_and_chat_stream_and_complete(engine: Engine) -> None:
