@@ -199,29 +199,47 @@ def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: 
     assert covered(), (hits(), per_engine_expected)
 
 
-def test_sessionless_load_spreads_within_20_percent(fleet: LiveFleet) -> None:
-    """Waves of 8 concurrent requests: least-outstanding puts 4 on each engine whatever their speed.
+def test_sessionless_load_spreads_evenly(fleet: LiveFleet) -> None:
+    """8 sessionless requests outstanding at once: least-outstanding routing puts 4 on each engine.
 
-    (With a steady stream instead, a slower engine rightly gets fewer requests: on this shared
-    2-core host one engine is sometimes 2-3x slower than the other.)
+    Each engine holds what it gets (a keep-pause of that engine, made here; the operator leaves
+    such a pause alone) until all 8 are in, so the split cannot depend on how fast an engine
+    finishes a request; then both resume and every request completes.
     """
+    prefix = f"spread-{uuid.uuid4().hex[:6]}"
     before = [engine_metric(e.url, "vllm:request_success_total") for e in fleet.engines]
 
     def one(i: int) -> str:
         r = httpx.post(
             fleet.gateways[0].url + "/v1/completions",
             timeout=120,
+            headers={"X-Request-Id": f"{prefix}-{i}"},
             json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 16, "ignore_eos": True},
         )
         assert r.status_code == 200, r.text
         return str(r.json()["rollfleet"]["engines"][0])
 
-    served: list[str] = []
-    with ThreadPoolExecutor(8) as pool:
-        for wave in range(8):
-            served += pool.map(one, range(wave * 8, wave * 8 + 8))
+    def control(path: str) -> None:
+        for e in fleet.engines:
+            assert httpx.post(e.url + path, headers=fleet.admin, timeout=60).status_code == 200, (e.key, path)
+
+    control("/pause?mode=keep")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(one, i) for i in range(8)]
+
+            def all_held() -> dict[str, list[str]] | None:
+                held = fleet.in_flight(prefix)
+                return held if sum(map(len, held.values())) == 8 else None
+
+            held = wait_for(all_held, timeout=60, what="the 8 requests held by the engines")
+            assert sorted(len(ids) for ids in held.values()) == [4, 4], held
+            control("/resume")
+            served = [f.result() for f in futures]
+    finally:
+        control("/resume")
     counts = [served.count(e.key) for e in fleet.engines]
-    assert abs(counts[0] - counts[1]) <= 0.2 * len(served), counts
+    assert counts == [4, 4], counts
 
     # The engines saw the same split (the gateway's report is not taken on trust); their
     # counters may trail the responses a little.

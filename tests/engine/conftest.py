@@ -1,7 +1,10 @@
-"""One real engine (vLLM on CPU with the tiny model) per test session, as a subprocess.
+"""One real engine (vLLM on CPU with the tiny model) for the tests of this package, as a subprocess.
 
 Engine start costs 30-60 s on a 2-core host, so every test in tests/engine shares it;
-tests that change its state (pause, weights) restore what the next test relies on.
+tests that change its state (pause, weights) restore what the next test relies on. It stops
+when the package's tests end (package scope), not at the end of the session: an engine holds
+about 3 GB, and the end-to-end suite that runs next needs that memory for its own fleets (with
+three such engines left running, the API server stalled for minutes under memory pressure).
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def engine_command(model_dir: Path, host: str, port: int | str, token_file: Path
     ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     model_dir = ensure_tiny_model()
     tmp = tmp_path_factory.mktemp("engine")

@@ -1,8 +1,8 @@
 """Two real engines (vLLM on CPU, tiny model, weight set A labelled "A") and a sync sidecar in static mode.
 
-The engines are local subprocesses started once per session (30-60 s each on a 2-core
-host) and shared by every test; a test that kills one restarts it. The sidecar is a
-subprocess too (``rollfleet sync --engines ...``), so a test can kill it mid-push and
+The engines are local subprocesses started once for this package (30-60 s each on a 2-core
+host; stopped when it ends, see tests/engine/conftest.py) and shared by every test; a test
+that kills one restarts it. The sidecar is a subprocess too (``rollfleet sync --engines ...``), so a test can kill it mid-push and
 start it again on the same record file and spool, as Kubernetes restarts a container.
 """
 
@@ -106,14 +106,14 @@ def _engine_cmd(engine: Engine, token_file: Path) -> list[str]:
     return engine_command(engine.model_dir, host, port, token_file, INITIAL_VERSION)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("sync-token") / "token"
     path.write_text(TOKEN + "\n")
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engines(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[list[EngineProcess]]:
     model_dir = ensure_tiny_model()
     tmp = tmp_path_factory.mktemp("sync-engines")
@@ -135,7 +135,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Itera
             e.kill()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sidecar(
     tmp_path_factory: pytest.TempPathFactory, engines: list[EngineProcess], token_file: Path
 ) -> Iterator[Sidecar]:
@@ -182,7 +182,7 @@ def sidecar(
             car.proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def weights_dirs() -> dict[str, Path]:
     root = ensure_tiny_model()
     return {"A": root, "B": root / WEIGHTS_B_DIR}

@@ -31,7 +31,7 @@ GREEDY_TOKENS = 12
 ROLLOUT_TOKENS = 1800  # long enough that every rollout is still decoding when the push lands
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def references(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
     refs = {name: _reference_greedy(str(d), PROMPTS, GREEDY_TOKENS) for name, d in weights_dirs.items()}
     assert refs["A"] != refs["B"]
