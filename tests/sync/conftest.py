@@ -2,8 +2,9 @@
 
 The engines are local subprocesses started once for this package (30-60 s each on a 2-core
 host; stopped when it ends, see tests/engine/conftest.py) and shared by every test; a test
-that kills one restarts it. The sidecar is a subprocess too (``rollfleet sync --engines ...``), so a test can kill it mid-push and
-start it again on the same record file and spool, as Kubernetes restarts a container.
+that kills one restarts it. The sidecar is a subprocess too (``rollfleet sync --engines ...``),
+so a test can kill it mid-push and start it again on the same record file and spool, as
+Kubernetes restarts a container.
 """
 
 from __future__ import annotations
