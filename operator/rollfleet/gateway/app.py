@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 from starlette.types import Receive, Scope, Send
 
+from rollfleet.errors import RollfleetError
 from rollfleet.gateway import abort as abort_mod
 from rollfleet.gateway.dialects import BadRequest, Route, validate
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable
@@ -85,7 +86,7 @@ class _ProxyResponse(Response):
         await self.proxy.serve(self.req, self.entry, send, receive)
 
 
-class _Refused(Exception):
+class _Refused(RollfleetError):
     """A request the gateway answers itself, with this status and message (OpenAI's error shape)."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from rollfleet.errors import RollfleetError
+
 ABORT = "abort"
 
 
@@ -25,7 +27,7 @@ class StopReason(StrEnum):
     DEADLINE = "deadline"  # the request passed its deadline
 
 
-class IdInUse(Exception):
+class IdInUse(RollfleetError):
     """A request with this caller id is still in flight here; ids must not be reused while they may run."""
 
 

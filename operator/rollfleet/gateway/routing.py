@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rollfleet.errors import RollfleetError
 
-class NoEngine(Exception):
+
+class NoEngine(RollfleetError):
     """No routable engine is left for this request (after exclusions)."""
 
 
