@@ -73,7 +73,11 @@ unit: env ## fast tests, no cluster and no engine
 	pytest -q tests/unit $(PYTEST_ARGS)
 
 .PHONY: test
-test: env build lint ## everything: unit, engine and end-to-end tests on the local cluster
+test: env build lint ## everything: unit, engine and e2e tests on the local cluster, then the acceptance subset on kind
+	@PYTEST_ARGS="$(PYTEST_ARGS)" hack/test.sh
+
+.PHONY: test-local
+test-local: env build lint ## everything on the local cluster only (no Docker needed)
 	pytest $(PYTEST_ARGS)
 
 .PHONY: bench

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import kubernetes
 
 from rollfleet.kubectl import Kubectl
@@ -122,13 +123,26 @@ class _PortForward:
         if not re.search(r"Forwarding from", line):
             raise AssertionError(f"port-forward to {self.what} failed: {line}")
         threading.Thread(target=self._supervise, daemon=True, name=f"port-forward {self.what}").start()
-        return f"http://127.0.0.1:{self.local_port}"
+        url = f"http://127.0.0.1:{self.local_port}"
+        # kubectl says "Forwarding" before it has a stream into the pod; the first connection can still
+        # be dropped (and kubectl then exits, to be restarted above). Every port forwarded here speaks
+        # HTTP: the way in is usable once any HTTP answer comes back through it.
+        wait_for(lambda: _answers(url), timeout=60, what=f"an HTTP answer through the port-forward to {self.what}")
+        return url
 
     def __exit__(self, *_: object) -> None:
         self.stop.set()
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/", timeout=5)
+    except httpx.TransportError:
+        return False
+    return True
 
 
 def _free_port() -> int:

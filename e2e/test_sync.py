@@ -30,7 +30,7 @@ from e2e.fleet_helpers import (
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
-from rollfleet.contract import ROUTABLE_PHASES
+from rollfleet.contract import ROUTABLE_PHASES, SYNC_API_PORT, SYNC_HEALTH_PORT
 from rollfleet.sync.client import SyncClient
 from rollfleet.sync.models import EngineStep, PushState
 from rollfleet.sync.protocol import PushPhase, decode_record
@@ -91,7 +91,7 @@ def trainer_pod() -> dict[str, Any]:
                     "image": DEFAULT_ROLLFLEET_IMAGE,
                     "args": args,
                     "env": env,
-                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8471}, "periodSeconds": 1},
+                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": SYNC_HEALTH_PORT}, "periodSeconds": 1},
                     "volumeMounts": [
                         {"name": "fleet-token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True},
                         {"name": "sync-spool", "mountPath": "/var/lib/rollfleet-sync"},
@@ -114,7 +114,7 @@ def trainer_pod() -> dict[str, Any]:
 def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
     cluster.kubectl("apply", "-f", "-", input=json.dumps(trainer_pod()))
     cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
-    with cluster.reach(NS, TRAINER, 8471) as url, SyncClient(url) as client:
+    with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
         wait_for(lambda: client.fleet_version().version == "A", timeout=60, what="the sidecar sees version A")
         yield client
 

@@ -79,12 +79,14 @@ def ensure_tiny_model(out: Path | None = None) -> Path:
     """
     target = out or default_model_dir()
     if (target / _MARKER).exists():
+        _make_readable(target)  # a build made before this rule
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         _build(tmp)
         (tmp / _MARKER).write_text("1\n")
+        _make_readable(tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -95,6 +97,15 @@ def ensure_tiny_model(out: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _make_readable(root: Path) -> None:
+    """Readable by every user: pods that mount it from a node directory may run as non-root (the sync
+    sidecar, uid 65532, reads the second weight set), and the model holds no secret."""
+    for path in [root, *root.rglob("*")]:
+        mode = 0o755 if path.is_dir() else 0o644
+        if path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def _build(root: Path) -> None:

@@ -100,6 +100,12 @@ ROUTABLE_PHASES: frozenset[str] = frozenset({EnginePhase.READY, EnginePhase.PAUS
 
 # --- ports (ENGINE_PORT, above, is the engine package's) ----------------------------
 GATEWAY_PORT = 8080
+# The sync sidecar in a trainer pod: its trainer API (localhost: the pod's own containers only),
+# the weights server engines pull from (the pod IP), and /healthz for kubelet's probes (the pod
+# network, where kubelet reaches it; nothing else is served there).
+SYNC_API_PORT = 8471
+SYNC_WEIGHTS_PORT = 8472
+SYNC_HEALTH_PORT = 8473
 
 # --- the admin token ----------------------------------------------------------------
 # Where the admin-token Secret is mounted in gateways and engines, and its one key.

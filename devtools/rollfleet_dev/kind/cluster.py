@@ -9,8 +9,10 @@ every node, the engine image on the GPU pool only (it is the large one). Talks t
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ CLUSTER_CONFIG = nodeimage.REPO / "e2e" / "kind" / "cluster.yaml"
 GPU_POOL_SELECTOR = "rollfleet.dev/pool=gpu"
 GPUS_PER_NODE = 8
 KIND_NETWORK = "kind"
+RESTART_TIMEOUT_S = 180.0
 
 
 class KindError(RollfleetError, RuntimeError):
@@ -82,10 +85,48 @@ def exists() -> bool:
     return CLUSTER_NAME in out.split()
 
 
-def _nodes_running() -> bool:
+def _node_containers() -> dict[str, tuple[str, bool]]:
+    """The cluster's node containers: name -> (image, running)."""
     names = _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split()
-    running = _run(["docker", "ps", "--format", "{{.Names}}"], "docker ps").split()
-    return bool(names) and all(n in running for n in names)
+    if not names:
+        return {}
+    out = _run(["docker", "inspect", "-f", "{{.Name}} {{.Config.Image}} {{.State.Running}}", *names], "docker inspect")
+    rows = (line.split() for line in out.splitlines())
+    return {name.lstrip("/"): (image, running == "true") for name, image, running in rows}
+
+
+def _wait_nodes_ready(kubectl: Kubectl, count: int, timeout_s: float = RESTART_TIMEOUT_S) -> bool:
+    """Whether the API server answers and `count` nodes are Ready within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            proc = kubectl.run("get", "nodes", "-o", "json", check=False, timeout=20)
+        except subprocess.TimeoutExpired:
+            continue
+        if proc.returncode == 0:
+            nodes = json.loads(proc.stdout)["items"]
+            ready = [
+                n
+                for n in nodes
+                if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+            ]
+            if len(ready) == count:
+                return True
+        time.sleep(2)  # polling a condition: node containers are booting
+    return False
+
+
+def _restart(kubeconfig: Path, nodes: list[str]) -> bool:
+    """Start the stopped node containers of an unchanged cluster (kind's entrypoint fixes up a changed
+    node IP); True once every node is Ready again. Much cheaper than a new cluster: the images stay."""
+    log(f"kind: starting the cluster's stopped node containers ({', '.join(nodes)})")
+    if subprocess.run(["docker", "start", *nodes], capture_output=True).returncode != 0:
+        return False
+    _run(
+        [_kind(), "export", "kubeconfig", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig)],
+        "kind export kubeconfig",
+    )
+    return _wait_nodes_ready(Kubectl(kubeconfig), len(nodes))
 
 
 def advertise_gpus(kubectl: Kubectl, count: int = GPUS_PER_NODE) -> list[str]:
@@ -134,13 +175,24 @@ def load_images(kubectl: Kubectl) -> None:
 
 
 def up() -> Path:
-    """Bring the cluster up (or leave a running one as it is), then advertise GPUs and load images."""
+    """Bring the cluster up and advertise GPUs and load images. Idempotent: a running cluster of the
+    current node image and config is kept; a stopped one (Docker restarted) is started again; one of
+    another node image or config is made anew."""
     require_docker()
     kubeconfig = kubeconfig_path()
     kubeconfig.parent.mkdir(parents=True, exist_ok=True)
-    if exists() and not _nodes_running():
-        log(f"kind: cluster {CLUSTER_NAME} exists but not all its nodes run: recreating it")
-        down()
+    node = nodeimage.ensure_node_image()
+    spec = yaml.safe_dump(cluster_config(node, ensure_tiny_model(default_model_dir())), sort_keys=False)
+    config = kubeconfig.parent / "cluster.yaml"
+    if exists():
+        containers = _node_containers()
+        stale = config.read_text() != spec if config.exists() else True
+        if stale or any(image != node for image, _ in containers.values()):
+            log(f"kind: cluster {CLUSTER_NAME} was made from another node image or config: making it anew")
+            down()
+        elif not all(running for _, running in containers.values()) and not _restart(kubeconfig, list(containers)):
+            log(f"kind: cluster {CLUSTER_NAME} did not come back: making it anew")
+            down()
     if exists():
         log(f"kind: cluster {CLUSTER_NAME} is up")
         _run(
@@ -148,11 +200,8 @@ def up() -> Path:
             "kind export kubeconfig",
         )
     else:
-        node = nodeimage.ensure_node_image()
-        spec = cluster_config(node, ensure_tiny_model(default_model_dir()))
-        config = kubeconfig.parent / "cluster.yaml"
-        config.write_text(yaml.safe_dump(spec, sort_keys=False))
-        log(f"kind: creating cluster {CLUSTER_NAME} from {node} ({len(spec['nodes'])} nodes)")
+        config.write_text(spec)
+        log(f"kind: creating cluster {CLUSTER_NAME} from {node}")
         _run(
             [
                 _kind(),

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from rollfleet.contract import SYNC_API_PORT
 from rollfleet.errors import RollfleetError
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, FleetVersionView, PushDirRequest, PushState, PushStatus
 from rollfleet_engine.protocol import WeightManifest
@@ -46,7 +47,7 @@ class PushFailed(SyncError):
 
 
 class SyncClient:
-    def __init__(self, url: str = "http://127.0.0.1:8471", timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str = f"http://127.0.0.1:{SYNC_API_PORT}", timeout_s: float = 60.0) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -151,7 +152,14 @@ class Orchestrator:
     ) -> PushStatus:
         """Stage ``source`` and record the push; the fleet is then driven in the background."""
         self._refuse_if_running()
-        if not _has_weights(str(source)):
+        try:
+            has_weights = _has_weights(str(source))
+        except OSError as err:
+            raise PushRefused(
+                f"cannot read {source} ({err.strerror}): the sidecar runs as uid {os.getuid()}; "
+                "make the directory readable to it"
+            ) from err
+        if not has_weights:
             raise PushRefused(f"no .safetensors files in {source}")
         async with self._lock:
             t0 = self.clock()

@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import ValidationError
 
-from rollfleet.contract import PAUSE_MODES, TOKEN_FILE
+from rollfleet.contract import PAUSE_MODES, SYNC_API_PORT, SYNC_HEALTH_PORT, SYNC_WEIGHTS_PORT, TOKEN_FILE
 from rollfleet.engine_client import TRANSFER, EngineClient
 from rollfleet.errors import RollfleetError
 from rollfleet.kube import Kube, load_client
@@ -31,12 +31,10 @@ from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import FileStore, FleetStore, RecordStore
 from rollfleet_engine.access import read_token
-from rollfleet_engine.listen import pod_local_host
+from rollfleet_engine.listen import pod_local_host, serving_host
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8471
-DEFAULT_WEIGHTS_PORT = 8472
 DEFAULT_SPOOL = "/var/lib/rollfleet-sync"
 _CHUNK = 4 << 20
 
@@ -50,14 +48,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="address of the trainer API (default: localhost, the same pod only; $POD_IP where "
         "pods share the host's loopback)",
     )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=SYNC_API_PORT)
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=SYNC_HEALTH_PORT,
+        help="GET /healthz on the pod network, for kubelet's probes (the trainer API stays on localhost)",
+    )
     p.add_argument("--token-file", default=TOKEN_FILE, help="the fleet's admin token (engine control routes)")
     p.add_argument(
         "--weights-host",
         default=os.environ.get("POD_IP", "127.0.0.1"),
         help="address engines pull weights from: the pod IP ($POD_IP) by default",
     )
-    p.add_argument("--weights-port", type=int, default=DEFAULT_WEIGHTS_PORT)
+    p.add_argument("--weights-port", type=int, default=SYNC_WEIGHTS_PORT)
     p.add_argument(
         "--spool-dir",
         default=DEFAULT_SPOOL,
@@ -86,9 +90,7 @@ def build_app(orch: Orchestrator) -> web.Application:
     def refused(err: Exception) -> web.Response:
         return web.json_response({"error": str(err)}, status=409)
 
-    @routes.get("/healthz")
-    async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+    routes.get("/healthz")(_healthz)
 
     @routes.post("/v1/pushes")
     async def push_dir(request: web.Request) -> web.Response:
@@ -176,12 +178,34 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
     )
 
 
+async def _healthz(_: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+def _health_app() -> web.Application:
+    """Only /healthz, on the pod network: kubelet's probes cannot reach the trainer API on localhost."""
+    app = web.Application()
+    app.router.add_get("/healthz", _healthz)
+    return app
+
+
 async def serve(args: argparse.Namespace) -> None:
     orch = build_orchestrator(args)
     runner = web.AppRunner(build_app(orch), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    log.info("rollfleet sync for fleet %s on http://%s:%d", args.fleet, args.host, args.port)
+    health = web.AppRunner(_health_app(), access_log=None)
+    await health.setup()
+    health_host = serving_host(os.environ.get("POD_IP"))
+    await web.TCPSite(health, health_host, args.health_port).start()
+    log.info(
+        "rollfleet sync for fleet %s on http://%s:%d (health: http://%s:%d/healthz)",
+        args.fleet,
+        args.host,
+        args.port,
+        health_host,
+        args.health_port,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -191,6 +215,7 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         reconcile.cancel()
+        await health.cleanup()
         await runner.cleanup()
         await orch.api.aclose()
         orch.publisher.stop()
