@@ -1,12 +1,13 @@
-"""The node pools and what runs on them: scheduling on GPU nodes, pods as processes, env and
+"""The local cluster's node agent: scheduling on its GPU node pools, pods as processes, env and
 volumes, probes, restarts, deletion, ServiceAccounts with RBAC, Services.
 
-Cluster-agnostic where it can be (kind's fake GPU nodes pass the scheduling tests);
-tests that look at local processes or logs skip on other providers.
+Local cluster only: on kind, kubelet and containerd run the pods, and the suite's fleets on the
+GPU pool (e2e/test_fleet.py) cover the scheduling there.
 """
 
 from __future__ import annotations
 
+import os
 import textwrap
 import time
 import urllib.request
@@ -21,7 +22,13 @@ from kubernetes.client import ApiException
 
 from e2e.provider import Cluster, wait_for
 
-pytestmark = pytest.mark.cluster
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(
+        os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") != "local",
+        reason="tests the local cluster's node agent; on kind, kubelet runs the pods",
+    ),
+]
 
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
@@ -38,13 +45,6 @@ def ns(core: kubernetes.client.CoreV1Api) -> Iterator[str]:
     )
     yield name
     core.delete_namespace(name)
-
-
-@pytest.fixture
-def local(cluster: Cluster) -> Cluster:
-    if cluster.provider != "local":
-        pytest.skip("looks at local processes and logs of the local cluster's node agent")
-    return cluster
 
 
 def _exists(read: Callable[[], Any]) -> bool:
@@ -115,24 +115,23 @@ def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(
     assert node.metadata.labels["nvidia.com/gpu.present"] == "true"
     with cluster.reach(ns, "gpu4", 8000) as url:
         assert urllib.request.urlopen(url, timeout=10).status == 200
-    if cluster.provider == "local":
-        assert p.status.pod_ip.startswith("127.") and p.status.pod_ip != p.status.host_ip
-        # A Service with a loopback ClusterIP is served by the agent's proxy.
-        svc = core.create_namespaced_service(
-            ns,
-            {
-                "metadata": {"name": "gpu4"},
-                "spec": {"selector": {"app": "gpu4"}, "ports": [{"port": 80, "targetPort": "http"}]},
-            },
-        )
+    assert p.status.pod_ip.startswith("127.") and p.status.pod_ip != p.status.host_ip
+    # A Service with a loopback ClusterIP is served by the agent's proxy.
+    svc = core.create_namespaced_service(
+        ns,
+        {
+            "metadata": {"name": "gpu4"},
+            "spec": {"selector": {"app": "gpu4"}, "ports": [{"port": 80, "targetPort": "http"}]},
+        },
+    )
 
-        def through_service() -> bool:
-            try:
-                return urllib.request.urlopen(f"http://{svc.spec.cluster_ip}:80/", timeout=5).status == 200
-            except OSError:
-                return False
+    def through_service() -> bool:
+        try:
+            return urllib.request.urlopen(f"http://{svc.spec.cluster_ip}:80/", timeout=5).status == 200
+        except OSError:
+            return False
 
-        wait_for(through_service, 30, what="the Service answering on its ClusterIP")
+    wait_for(through_service, 30, what="the Service answering on its ClusterIP")
 
 
 def test_nine_gpus_stay_pending_unschedulable(core: kubernetes.client.CoreV1Api, ns: str) -> None:
@@ -220,9 +219,7 @@ def test_deployment_ready_and_owner_deletion_collects_children(
     )
 
 
-def test_crashing_container_restarts_with_growing_count(
-    core: kubernetes.client.CoreV1Api, ns: str, local: Cluster
-) -> None:
+def test_crashing_container_restarts_with_growing_count(core: kubernetes.client.CoreV1Api, ns: str) -> None:
     core.create_namespaced_pod(ns, _pod("crash", ["sh", "-c", "echo run; exit 3"]))
 
     def restarts() -> int:
@@ -258,7 +255,7 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-def test_deleted_pod_leaves_no_process(core: kubernetes.client.CoreV1Api, ns: str, local: Cluster) -> None:
+def test_deleted_pod_leaves_no_process(core: kubernetes.client.CoreV1Api, ns: str) -> None:
     marker = f"ROLLFLEET_E2E_MARKER={uuid.uuid4().hex}"
     # A child that ignores SIGTERM and leaves the process group: the agent still gets it.
     script = "trap '' TERM; setsid sleep 300 & sleep 300"
@@ -327,11 +324,10 @@ def test_service_account_permissions_are_enforced(cluster: Cluster, core: kubern
         for sa in ("reader", "nobody")
     }
     assert exit_code == {"reader": 0, "nobody": 3}
-    if cluster.provider == "local":
-        assert "refused 403" in _log(ns, "as-nobody")
+    assert "refused 403" in _log(ns, "as-nobody")
 
 
-def test_env_and_volumes_reach_the_process(core: kubernetes.client.CoreV1Api, ns: str, local: Cluster) -> None:
+def test_env_and_volumes_reach_the_process(core: kubernetes.client.CoreV1Api, ns: str) -> None:
     core.create_namespaced_config_map(ns, {"metadata": {"name": "cfg"}, "data": {"greeting": "hello", "mode": "x"}})
     core.create_namespaced_secret(ns, {"metadata": {"name": "sec"}, "stringData": {"password": "s3cret"}})
     script = textwrap.dedent("""
@@ -443,7 +439,7 @@ def test_probes_drive_readiness_and_liveness(core: kubernetes.client.CoreV1Api, 
     wait_for(restarted, 60, what="unlive restarted by its liveness probe")
 
 
-def test_node_objects_look_like_gpu_nodes(core: kubernetes.client.CoreV1Api, local: Cluster) -> None:
+def test_node_objects_look_like_gpu_nodes(core: kubernetes.client.CoreV1Api) -> None:
     nodes = {n.metadata.name: n for n in core.list_node().items}
     assert {"gpu-0", "gpu-1", "cpu-0"} <= set(nodes)
     gpu = nodes["gpu-0"]

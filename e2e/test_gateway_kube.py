@@ -2,19 +2,17 @@
 
 Engine pods here are labelled like the operator's (`rollfleet.dev/fleet`,
 `app.kubernetes.io/component=engine`) and run the vLLM-compatible simulator
-(devtools/rollfleet_dev/sim_engine.py) as their process: what is under test is discovery and
-routability (pod Ready + `rollfleet.dev/phase`), which does not need a real model. The
-test flips the phase annotation as the operator would and checks, through requests,
-that the gateway follows within seconds (watch, not poll). The gateway runs as a
-local process with the admin kubeconfig, and as a pod the way the operator deploys it
-(in-cluster config, a ServiceAccount allowed only to read pods, the token Secret
-mounted). Real engines behind the gateway are e2e/test_gateway.py.
+(devtools/rollfleet_dev/sim_engine.py, mounted from a ConfigMap) in the control-plane image:
+what is under test is discovery and routability (pod Ready + `rollfleet.dev/phase`), which
+does not need a real model. The gateway runs as a pod the way the operator deploys it
+(in-cluster config, a ServiceAccount allowed only to read pods, the token Secret mounted).
+The test flips the phase annotation as the operator would and checks, through requests,
+that the gateway follows within seconds (watch, not poll). Real engines behind the gateway
+are e2e/test_gateway.py.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +22,14 @@ import httpx
 import kubernetes
 import pytest
 
-from e2e.provider import Cluster, _free_port, wait_for
+from e2e.provider import Cluster, wait_for
+from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
+SIM_ENGINE = ROOT / "devtools" / "rollfleet_dev" / "sim_engine.py"
 TOKEN = "gateway-kube-token"
+GATEWAY_PORT = 8080
 
 
 def engine_pod(fleet: str, index: int, phase: str) -> dict[str, Any]:
@@ -51,11 +52,10 @@ def engine_pod(fleet: str, index: int, phase: str) -> dict[str, Any]:
             "containers": [
                 {
                     "name": "engine",
-                    "image": "python:3.11",
+                    "image": DEFAULT_ROLLFLEET_IMAGE,  # Python with aiohttp and orjson, what the simulator needs
                     "command": [
-                        sys.executable,
-                        "-m",
-                        "rollfleet_dev.sim_engine",
+                        "python",
+                        "/sim/sim_engine.py",
                         "--host",
                         "$(POD_IP)",
                         "--port",
@@ -65,8 +65,10 @@ def engine_pod(fleet: str, index: int, phase: str) -> dict[str, Any]:
                     ],
                     "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                     "readinessProbe": {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 1},
+                    "volumeMounts": [{"name": "sim", "mountPath": "/sim", "readOnly": True}],
                 }
             ],
+            "volumes": [{"name": "sim", "configMap": {"name": "sim-engine"}}],
         },
     }
 
@@ -75,55 +77,76 @@ def engine_pod(fleet: str, index: int, phase: str) -> dict[str, Any]:
 def ns(cluster: Cluster, core: kubernetes.client.CoreV1Api) -> Iterator[str]:
     name = f"gw-e2e-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": name}})
+    core.create_namespaced_config_map(
+        name, {"metadata": {"name": "sim-engine"}, "data": {"sim_engine.py": SIM_ENGINE.read_text()}}
+    )
     yield name
     core.delete_namespace(name)
 
 
+def deploy_gateway(cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str, fleet: str, *args: str) -> str:
+    """A gateway pod for `fleet` as the operator makes one: its own ServiceAccount, allowed only
+    to read pods, and the fleet's token Secret mounted. Returns the pod's name once it is Ready."""
+    name = f"{fleet}-gateway"
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
+    core.create_namespaced_service_account(ns, {"metadata": {"name": name}})
+    rbac.create_namespaced_role(
+        ns,
+        {
+            "metadata": {"name": name},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        ns,
+        {
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+        },
+    )
+    core.create_namespaced_secret(ns, {"metadata": {"name": f"{fleet}-admin-token"}, "stringData": {"token": TOKEN}})
+    core.create_namespaced_pod(
+        ns,
+        {
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/component": "gateway"}},
+            "spec": {
+                "serviceAccountName": name,
+                "terminationGracePeriodSeconds": 5,
+                "containers": [
+                    {
+                        "name": "gateway",
+                        "image": DEFAULT_ROLLFLEET_IMAGE,
+                        "args": [
+                            "gateway",
+                            *("--fleet", fleet, "--namespace", ns, "--port", str(GATEWAY_PORT)),
+                            *("--token-file", "/var/run/secrets/rollfleet/token", *args),
+                        ],
+                        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                        "readinessProbe": {"httpGet": {"path": "/ready", "port": GATEWAY_PORT}, "periodSeconds": 1},
+                        "volumeMounts": [
+                            {"name": "token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True}
+                        ],
+                    }
+                ],
+                "volumes": [{"name": "token", "secret": {"secretName": f"{fleet}-admin-token"}}],
+            },
+        },
+    )
+
+    def ready() -> bool:
+        pod = core.read_namespaced_pod(name, ns)
+        return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+    wait_for(ready, 120, what=f"the gateway pod {name} to be ready (its first LIST of engine pods)")
+    return name
+
+
 @pytest.fixture(scope="module")
-def gateway(cluster: Cluster, ns: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("gateway-kube")
-    (tmp / "token").write_text(TOKEN + "\n")
-    port = _free_port()
-    log = tmp / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rollfleet.gateway",
-                "--fleet",
-                "f",
-                "--namespace",
-                ns,
-                "--kubeconfig",
-                str(cluster.kubeconfig),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--token-file",
-                str(tmp / "token"),
-                "--queue-timeout",
-                "5",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(url + "/ready").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, 60, what="the gateway's first LIST of engine pods")
+def gateway(cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str) -> Iterator[str]:
+    pod = deploy_gateway(cluster, core, ns, "f", "--queue-timeout", "5")
+    with cluster.reach(ns, pod, GATEWAY_PORT) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def routable(url: str) -> int:
@@ -172,67 +195,11 @@ def test_the_gateway_routes_only_to_ready_engine_pods_and_follows_phase_changes(
 def test_the_gateway_as_deployed_reads_pods_with_its_own_service_account(
     cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str
 ) -> None:
-    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client())
-    core.create_namespaced_service_account(ns, {"metadata": {"name": "g-gateway"}})
-    rbac.create_namespaced_role(
-        ns,
-        {
-            "metadata": {"name": "g-gateway"},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
-        },
-    )
-    rbac.create_namespaced_role_binding(
-        ns,
-        {
-            "metadata": {"name": "g-gateway"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "g-gateway"},
-            "subjects": [{"kind": "ServiceAccount", "name": "g-gateway", "namespace": ns}],
-        },
-    )
-    core.create_namespaced_secret(ns, {"metadata": {"name": "g-admin-token"}, "stringData": {"token": TOKEN}})
     core.create_namespaced_pod(ns, engine_pod("g", 0, "Ready"))
-    core.create_namespaced_pod(
-        ns,
-        {
-            "metadata": {"name": "g-gateway", "labels": {"app.kubernetes.io/component": "gateway"}},
-            "spec": {
-                "serviceAccountName": "g-gateway",
-                "terminationGracePeriodSeconds": 5,
-                "containers": [
-                    {
-                        "name": "gateway",
-                        "image": "rollfleet/gateway:dev",  # the node agent runs `rollfleet gateway` for it
-                        "args": [
-                            "--fleet",
-                            "g",
-                            "--namespace",
-                            ns,
-                            "--port",
-                            "8080",
-                            "--token-file",
-                            "/var/run/secrets/rollfleet/token",
-                        ],
-                        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                        "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1},
-                        "volumeMounts": [
-                            {"name": "token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True}
-                        ],
-                    }
-                ],
-                "volumes": [{"name": "token", "secret": {"secretName": "g-admin-token"}}],
-            },
-        },
-    )
-
-    def gateway_url() -> str | None:
-        pod = core.read_namespaced_pod("g-gateway", ns)
-        ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-        return f"http://{pod.status.pod_ip}:8080" if ready else None
-
-    url = wait_for(gateway_url, 90, what="the gateway pod to be ready")
-    wait_for(lambda: routable(url) == 1, 90, what="the engine pod to be routable through the pod watch")
-    assert served_by(url, 2) == {"g-engine-0"}
-    r = httpx.post(
-        url + "/v1/abort", json={"request_ids": ["nothing-here"]}, headers={"Authorization": f"Bearer {TOKEN}"}
-    )
-    assert r.json() == {"results": {"nothing-here": "unknown"}}  # the mounted token is the admin token
+    with cluster.reach(ns, deploy_gateway(cluster, core, ns, "g"), GATEWAY_PORT) as url:
+        wait_for(lambda: routable(url) == 1, 90, what="the engine pod to be routable through the pod watch")
+        assert served_by(url, 2) == {"g-engine-0"}
+        r = httpx.post(
+            url + "/v1/abort", json={"request_ids": ["nothing-here"]}, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert r.json() == {"results": {"nothing-here": "unknown"}}  # the mounted token is the admin token
