@@ -86,3 +86,14 @@ def test_every_node_gets_the_node_image_etcd_tag_cgroup_v1_allowance_and_the_mod
     # The pools of e2e/kind/cluster.yaml are kept: a control plane, two GPU workers, one CPU worker.
     pools = [(n["role"], (n.get("labels") or {}).get("rollfleet.dev/pool")) for n in config["nodes"]]
     assert pools == [("control-plane", None), ("worker", "gpu"), ("worker", "gpu"), ("worker", "cpu")]
+
+
+def test_layer_blobs_of_a_docker_manifest_are_its_layers_not_its_config() -> None:
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {"digest": "sha256:c0", "size": 7},
+        "layers": [{"digest": "sha256:l1", "size": 100}, {"digest": "sha256:l2", "size": 2**30}],
+    }
+    assert cluster.layer_blobs(manifest) == {"sha256:l1": 100, "sha256:l2": 2**30}
+    assert cluster.layer_blobs({"schemaVersion": 2, "manifests": []}) == {}  # an index names no layers
