@@ -24,6 +24,13 @@ import pytest
 
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
+from rollfleet.contract import (
+    ANNOTATION_PHASE,
+    COMPONENT_ENGINE,
+    COMPONENT_GATEWAY,
+    LABEL_COMPONENT,
+    component_labels,
+)
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +46,8 @@ def engine_pod(fleet: str, index: int, phase: str) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "labels": {
-                "app.kubernetes.io/name": "rollfleet",
-                "app.kubernetes.io/component": "engine",
-                "rollfleet.dev/fleet": fleet,
-            },
-            "annotations": {"rollfleet.dev/phase": phase},
+            "labels": component_labels(fleet, COMPONENT_ENGINE),
+            "annotations": {ANNOTATION_PHASE: phase},
         },
         "spec": {
             "restartPolicy": "Never",
@@ -109,7 +112,7 @@ def deploy_gateway(cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str,
     core.create_namespaced_pod(
         ns,
         {
-            "metadata": {"name": name, "labels": {"app.kubernetes.io/component": "gateway"}},
+            "metadata": {"name": name, "labels": {LABEL_COMPONENT: COMPONENT_GATEWAY}},
             "spec": {
                 "serviceAccountName": name,
                 "terminationGracePeriodSeconds": 5,
@@ -163,7 +166,7 @@ def served_by(url: str, n: int) -> set[str]:
 
 
 def set_phase(core: kubernetes.client.CoreV1Api, ns: str, pod: str, phase: str) -> None:
-    core.patch_namespaced_pod(pod, ns, {"metadata": {"annotations": {"rollfleet.dev/phase": phase}}})
+    core.patch_namespaced_pod(pod, ns, {"metadata": {"annotations": {ANNOTATION_PHASE: phase}}})
 
 
 def test_the_gateway_routes_only_to_ready_engine_pods_and_follows_phase_changes(
