@@ -41,7 +41,7 @@ import httpx
 import kubernetes
 
 from rollfleet import contract
-from rollfleet.api.fleet import RolloutFleetSpec
+from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
 from rollfleet.controller import desired
 from rollfleet_dev.localcluster import controlplane
 
@@ -203,13 +203,13 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
             with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
                 t0 = time.monotonic()
                 custom.create_namespaced_custom_object(
-                    "rollfleet.dev",
-                    "v1alpha1",
+                    contract.GROUP,
+                    contract.VERSION,
                     ns,
-                    "rolloutfleets",
+                    PLURAL,
                     {
-                        "apiVersion": "rollfleet.dev/v1alpha1",
-                        "kind": "RolloutFleet",
+                        "apiVersion": contract.API_VERSION,
+                        "kind": KIND,
                         "metadata": {"name": "bench"},
                         "spec": spec(engines),
                     },
@@ -222,7 +222,7 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
                 out["created_s"] = max(pw.added.values()) - t0
 
                 def converged() -> bool:
-                    f = custom.get_namespaced_custom_object("rollfleet.dev", "v1alpha1", ns, "rolloutfleets", "bench")
+                    f = custom.get_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, "bench")
                     st = f.get("status") or {}
                     conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
                     return (
@@ -245,10 +245,22 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
             time.sleep(60)
             out["api_calls_per_min_idle"] = int(sum(api_calls(port).values()) - before)
             out["rss_after_idle_minute_mib"] = rss_mib(op.pid)
-            custom.delete_namespaced_custom_object("rollfleet.dev", "v1alpha1", ns, "rolloutfleets", "bench")
+            custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, "bench")
+            # The operator stops the fleet's loop and removes kopf's finalizer before it exits.
+            wait_until(lambda: not _fleet_exists(custom, ns), 120, "the fleet deleted")
     finally:
         core.delete_namespace(ns)
     return out
+
+
+def _fleet_exists(custom: kubernetes.client.CustomObjectsApi, ns: str) -> bool:
+    try:
+        custom.get_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, "bench")
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+    return True
 
 
 def _up(port: int) -> bool:

@@ -1,9 +1,12 @@
-"""kopf registration for RolloutFleet: watch events feed the fleet loops in `reconciler`.
+"""kopf registration for RolloutFleet: one daemon per fleet, fed by two indexes.
 
-Event handlers only (no on.create/on.update progress, no daemon): kopf is the watch
-machinery here, and all decisions happen in the per-fleet loops. Without handlers that
-need finalizers, deleting a fleet never waits for the operator; the garbage collector
-removes what the fleet owns. The shared `Operator` lives in kopf's memo from startup
+The daemon runs the fleet's `reconciler.FleetLoop`, which reads the fleet's engine pods and
+gateway Deployment from kopf's indexes (kopf fills them before any daemon starts, so a
+restarted operator never decides on a partial view) and wakes when they change. A failed
+pass ends in `kopf.TemporaryError`, and kopf runs the daemon again after a backoff; the loop
+lives in the fleet's memo, so what it remembers survives the retry. kopf puts its finalizer
+on each fleet for the daemon and removes it once the daemon has stopped; the garbage
+collector removes what the fleet owns. The shared clients live in kopf's memo from startup
 to cleanup. Talks to nobody itself.
 """
 
@@ -16,16 +19,10 @@ from typing import Any
 import kopf
 
 from rollfleet.api.fleet import PLURAL
-from rollfleet.contract import (
-    APP_NAME,
-    COMPONENT_ENGINE,
-    COMPONENT_GATEWAY,
-    GROUP,
-    LABEL_COMPONENT,
-    LABEL_NAME,
-    VERSION,
-)
-from rollfleet.controller.reconciler import Operator
+from rollfleet.contract import COMPONENT_ENGINE, COMPONENT_GATEWAY, GROUP, LABEL_FLEET, VERSION, component_labels
+from rollfleet.controller.daemons import retry_later
+from rollfleet.controller.reconciler import FleetLoop, Key, NodeHealth, Shared
+from rollfleet.controller.status import GatewayObs
 from rollfleet.engine_client import EngineClient
 from rollfleet.kube import Kube, load_client
 
@@ -38,7 +35,6 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
     # event of every pod; our own Events say what changed.
     settings.posting.level = logging.WARNING
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    engines = EngineClient(max_connections=256)
     # The downward API's namespace (manifests/base/operator.yaml): fleets' NetworkPolicies
     # admit this operator's pods to the engines by it.
     namespace = os.environ.get("POD_NAMESPACE") or None
@@ -47,28 +43,49 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
             "POD_NAMESPACE is not set (not running in a pod?): fleets' NetworkPolicies admit no operator "
             "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom"
         )
-    memo.kube = Kube(load_client())
-    memo.fleets = Operator(memo.kube, engines, namespace)
-    memo.engines = engines
+    kube = Kube(load_client())
+    memo.fleets = Shared(kube, EngineClient(max_connections=256), NodeHealth(kube), namespace)
 
 
 @kopf.on.cleanup()
 async def stop_fleets(memo: kopf.Memo, **_: Any) -> None:
-    await memo.fleets.stop()
-    await memo.engines.aclose()
-    memo.kube.close()
+    shared: Shared = memo.fleets
+    await shared.engines.aclose()
+    shared.kube.close()
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
-async def fleet_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    memo.fleets.on_fleet(event.get("type"), event["object"])
+def _owned(component: str) -> dict[str, Any]:
+    """kopf's label filter for what the operator makes for some fleet: the component's labels."""
+    return {**component_labels("", component), LABEL_FLEET: kopf.PRESENT}
 
 
-@kopf.on.event("", "v1", "pods", labels={LABEL_NAME: APP_NAME, LABEL_COMPONENT: COMPONENT_ENGINE})
-async def engine_pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    memo.fleets.on_pod(event.get("type"), event["object"])
+@kopf.index("", "v1", "pods", labels=_owned(COMPONENT_ENGINE))
+def engine_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, dict[str, Any]]:
+    return {(namespace, labels[LABEL_FLEET]): dict(body)}
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={LABEL_NAME: APP_NAME, LABEL_COMPONENT: COMPONENT_GATEWAY})
-async def gateway_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
-    memo.fleets.on_gateway(event.get("type"), event["object"])
+@kopf.index("apps", "v1", "deployments", labels=_owned(COMPONENT_GATEWAY))
+def gateways(status: kopf.Status, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, GatewayObs]:
+    obs = GatewayObs(int(status.get("replicas") or 0), int(status.get("readyReplicas") or 0))
+    return {(namespace, labels[LABEL_FLEET]): obs}
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+async def run_fleet(
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    engine_pods: kopf.Index[Key, dict[str, Any]],
+    gateways: kopf.Index[Key, GatewayObs],
+    **_: Any,
+) -> None:
+    if "loop" not in memo:  # the fleet's memo: the first run, not a retry
+        memo.loop = FleetLoop(memo.fleets, body, engine_pods, gateways)
+    loop: FleetLoop = memo.loop
+    try:
+        await loop.run(stopped)
+    except Exception as err:
+        loop.failures += 1
+        raise retry_later(f"reconcile of fleet {loop.key[0]}/{loop.key[1]}", err, loop.failures) from err
+    finally:
+        await loop.stop()  # its engine calls and Events: a retry plans them again

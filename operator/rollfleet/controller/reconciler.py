@@ -1,9 +1,9 @@
 """One reconcile loop per RolloutFleet: observe, decide (pure functions), act, report.
 
-Owns the operator's in-memory view, fed by kopf's watch events (fleets, engine pods,
-gateway Deployments), and one asyncio task per fleet that wakes on those events or a
-timer. Each pass reads the engines' state over HTTP, asks `plan` what to do, applies
-it, and writes status at most once per second (a pass coalesces everything that
+`FleetLoop.run` is the body of the fleet's kopf daemon (`controller/handlers.py`). It reads
+the fleet's engine pods and gateway from kopf's indexes, and wakes when they or the fleet
+change, or on a timer. Each pass reads the engines' state over HTTP, asks `plan` what to do,
+applies it, and writes status at most once per second (a pass coalesces everything that
 changed since the last write). Durable state lives in the cluster (pod names and
 annotations, the fleet's status), never only here, so a restarted operator resumes.
 Talks to kube-apiserver (through `rollfleet.kube`) and engines (through `rollfleet.engine_client`).
@@ -21,10 +21,10 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -35,7 +35,6 @@ from rollfleet.contract import (
     ANNOTATION_PHASE,
     ANNOTATION_SYNC_STATE,
     API_VERSION,
-    LABEL_FLEET,
     MANAGER,
     TOKEN_KEY,
     EnginePhase,
@@ -65,6 +64,7 @@ log = logging.getLogger("rollfleet.operator")
 
 STATUS_MIN_INTERVAL_S = 1.0  # at most one status patch per fleet per second
 PASS_MIN_INTERVAL_S = 0.25  # bursts of watch events coalesce into one pass
+INDEX_POLL_S = 0.05  # between passes, how often the loop looks for changes in kopf's indexes
 BUSY_RESYNC_S = 1.0  # while anything changes: engines starting, draining, pausing
 IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight versions)
 REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
@@ -143,26 +143,42 @@ class NodeHealth:
         return node is not None and self._at > 0 and not self._ready.get(node, False)
 
 
+class Stopped(Protocol):
+    """kopf's `DaemonStopped`, as the loop uses it: true once kopf stops the daemon."""
+
+    def __bool__(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> Awaitable[Any]: ...
+
+
+# kopf's indexes (`controller/handlers.py`), by (namespace, fleet name): the fleet's engine
+# pods, and its gateway Deployment's replica counts.
+PodIndex = Mapping[Key, Iterable[Mapping[str, Any]]]
+GatewayIndex = Mapping[Key, Iterable[GatewayObs]]
+
+
 @dataclass
 class Shared:
-    """What every fleet loop reads: the watch-fed caches and the clients."""
+    """What every fleet loop uses: the clients and the node view (in kopf's memo)."""
 
     kube: Kube
     engines: EngineClient
     nodes: NodeHealth
     operator_namespace: str | None  # where this operator's pod runs; None outside a pod
-    pods: dict[Key, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    gateways: dict[Key, GatewayObs] = field(default_factory=dict)
 
 
 class FleetLoop:
-    def __init__(self, shared: Shared, body: Mapping[str, Any]) -> None:
+    """One fleet's loop and what it remembers between passes (kept in the fleet's kopf memo)."""
+
+    def __init__(self, shared: Shared, body: Mapping[str, Any], pods: PodIndex, gateways: GatewayIndex) -> None:
         self.shared = shared
-        self.body: Mapping[str, Any] = body
+        self.body = body  # kopf's live view: always the newest the watch delivered
         self.ref = desired.FleetRef.of(dict(body))
         self.key: Key = (self.ref.namespace, self.ref.name)
-        self.wake = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
+        self._pod_index = pods
+        self._gateway_index = gateways
+        self.failures = 0  # consecutive failed passes: the daemon's backoff
+        self._gone: set[str | None] = set()  # uids of pods the index holds but a LIST showed gone
         self._token: str | None = None
         self._states: dict[str, tuple[float, EngineState | None]] = {}
         self._sync_record: str | None = None  # the sync sidecar's record (annotation) last seen
@@ -173,46 +189,43 @@ class FleetLoop:
         self._background: set[asyncio.Task[Any]] = set()
         self._spec_error: str | None = None
         self._written: RolloutFleetStatus | None = None
+        self._wake_early = False  # an engine call ended: pass again without waiting for the timer
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"fleet {self.ref.namespace}/{self.ref.name}")
+    async def run(self, stopped: Stopped) -> None:
+        """Passes until kopf stops the daemon. A pass follows every change to the fleet, its pods or its
+        gateway (seen in the indexes), at most every 0.25 s, and at least as often as the last pass asked.
+        A failed pass raises: the daemon retries after a backoff."""
+        while not stopped:
+            seen = self._fingerprint()
+            started = time.monotonic()
+            interval = await self.reconcile()
+            self.failures = 0
+            await self._wait(stopped, seen, earliest=started + PASS_MIN_INTERVAL_S, latest=started + interval)
+
+    async def _wait(self, stopped: Stopped, seen: Hashable, earliest: float, latest: float) -> None:
+        while not stopped:
+            now = time.monotonic()
+            if now >= latest or (now >= earliest and (self._wake_early or self._fingerprint() != seen)):
+                self._wake_early = False
+                return
+            await stopped.wait(max(0.01, min(INDEX_POLL_S, latest - now)))
+
+    def _fingerprint(self) -> Hashable:
+        """What the watch has delivered for this fleet, in a form that changes with any of it."""
+        pods = frozenset((p["metadata"].get("uid"), p["metadata"].get("resourceVersion")) for p in self._index_pods())
+        return self.body["metadata"].get("resourceVersion"), pods, tuple(self._gateway_index.get(self.key, ()))
+
+    def _index_pods(self) -> Sequence[Mapping[str, Any]]:
+        return [p for p in self._pod_index.get(self.key, ()) if p["metadata"].get("uid") not in self._gone]
 
     async def stop(self) -> None:
-        tasks = [t for t in (self.task, *self._calls.values(), *self._background) if t is not None]
+        tasks = [*self._calls.values(), *self._background]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    def update(self, body: Mapping[str, Any]) -> None:
-        self.body = body
-        self.wake.set()
-
-    async def _run(self) -> None:
-        # Seed the pod cache with a LIST: the pod watch may not have delivered this fleet's
-        # pods yet, and deciding on a partial view would recreate engines that exist.
-        pods = await self.shared.kube.list(POD, self.ref.namespace, f"{LABEL_FLEET}={self.ref.name}")
-        cache = self.shared.pods.setdefault(self.key, {})
-        for p in pods:
-            cache.setdefault(p["metadata"]["name"], p)
-        interval = 0.0
-        failures = 0
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=interval)
-            self.wake.clear()
-            started = time.monotonic()
-            try:
-                interval = await self.reconcile()
-                failures = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                failures += 1
-                interval = min(30.0, 2.0**failures)
-                log.exception("reconcile of %s/%s failed (retry in %.0fs)", *self.key, interval)
-            await asyncio.sleep(max(0.0, PASS_MIN_INTERVAL_S - (time.monotonic() - started)))
+        self._calls.clear()
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -237,14 +250,15 @@ class FleetLoop:
     ) -> tuple[list[EngineObs], bool]:
         """The fleet's engine pods as observations with the engines' own state, and whether the
         fleet is busy (engines coming and going: 1 s passes; settled engines are re-read every 10 s)."""
-        cache = self.shared.pods.get(self.key, {})
-        if any((p.get("metadata") or {}).get("deletionTimestamp") for p in cache.values()):
+        pods = self._index_pods()
+        if any(p["metadata"].get("deletionTimestamp") for p in pods):
             # kopf re-lists after a watch gap (a namespace deleted and made again, an API server
             # restart) without reporting what vanished meanwhile: a terminating pod whose DELETED
             # was lost would block its name for ever. Confirm with the API server while any is.
             listed = await self.shared.kube.list(POD, self.ref.namespace, engine_selector(self.ref.name))
-            cache = self.shared.pods[self.key] = {p["metadata"]["name"]: p for p in listed}
-        pods = list(cache.values())
+            live = {p["metadata"]["uid"] for p in listed}
+            self._gone = {p["metadata"].get("uid") for p in self._pod_index.get(self.key, ())} - live
+            pods = listed
         if any(_unwell(p) for p in pods):
             await self.shared.nodes.refresh()
         observed = [
@@ -266,8 +280,6 @@ class FleetLoop:
         """One pass; returns how long to sleep unless woken by a watch event."""
         body = self.body
         meta = body["metadata"]
-        if meta.get("deletionTimestamp"):
-            return IDLE_RESYNC_S  # the garbage collector removes what the fleet owns
         try:
             spec = RolloutFleetSpec.model_validate(body.get("spec") or {})
         except ValidationError as err:
@@ -334,7 +346,7 @@ class FleetLoop:
             engines=engines,
             weights=weights,
             pause=PauseView(record, request.invalid_value),
-            gateway=self.shared.gateways.get(self.key),
+            gateway=next(iter(self._gateway_index.get(self.key, ())), None),
             gateway_endpoint=gateway_endpoint(self.ref.name, self.ref.namespace),
             gateway_enabled=spec.gateway.enabled,
             previous=previous,
@@ -478,7 +490,7 @@ class FleetLoop:
         finally:
             self._calls.pop(call.name, None)
             self._states.pop(call.name, None)  # read the new state on the next pass
-            self.wake.set()
+            self._wake_early = True
 
     async def _pause_bookkeeping(self, request: plan.PauseRequest) -> None:
         if request.invalid_value is not None and request.invalid_value != self._warned_pause:
@@ -549,72 +561,3 @@ def _unwell(pod: Mapping[str, Any]) -> bool:
         or status.get("phase") == "Unknown"
         or (pod.get("metadata") or {}).get("deletionTimestamp") is not None
     )
-
-
-class Operator:
-    """The fleet loops and the caches they share; kopf's handlers call the `on_*` methods."""
-
-    def __init__(self, kube: Kube, engines: EngineClient, operator_namespace: str | None) -> None:
-        self.shared = Shared(kube=kube, engines=engines, nodes=NodeHealth(kube), operator_namespace=operator_namespace)
-        self.fleets: dict[Key, FleetLoop] = {}
-        self._stopping: set[asyncio.Task[None]] = set()
-
-    def on_fleet(self, event_type: str | None, body: Mapping[str, Any]) -> None:
-        key = (body["metadata"]["namespace"], body["metadata"]["name"])
-        loop = self.fleets.get(key)
-        if event_type == "DELETED":
-            if loop is not None:
-                del self.fleets[key]
-                self._stop_later(loop)
-            self.shared.pods.pop(key, None)
-            self.shared.gateways.pop(key, None)
-            return
-        if loop is not None and loop.ref.uid != body["metadata"]["uid"]:
-            # Deleted and recreated under the same name before we saw the deletion.
-            self._stop_later(loop)
-            loop = None
-        if loop is None:
-            loop = self.fleets[key] = FleetLoop(self.shared, body)
-            loop.start()
-        else:
-            loop.update(body)
-
-    def on_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
-        meta = body["metadata"]
-        fleet = (meta.get("labels") or {}).get(LABEL_FLEET)
-        if fleet is None:
-            return
-        key = (meta["namespace"], fleet)
-        cache = self.shared.pods.setdefault(key, {})
-        if event_type == "DELETED":
-            cache.pop(meta["name"], None)
-        else:
-            cache[meta["name"]] = dict(body)
-        self._wake(key)
-
-    def on_gateway(self, event_type: str | None, body: Mapping[str, Any]) -> None:
-        meta = body["metadata"]
-        fleet = (meta.get("labels") or {}).get(LABEL_FLEET)
-        if fleet is None:
-            return
-        key = (meta["namespace"], fleet)
-        if event_type == "DELETED":
-            self.shared.gateways.pop(key, None)
-        else:
-            st = body.get("status") or {}
-            self.shared.gateways[key] = GatewayObs(int(st.get("replicas") or 0), int(st.get("readyReplicas") or 0))
-        self._wake(key)
-
-    def _stop_later(self, loop: FleetLoop) -> None:
-        task = asyncio.ensure_future(loop.stop())
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
-
-    def _wake(self, key: Key) -> None:
-        loop = self.fleets.get(key)
-        if loop is not None:
-            loop.wake.set()
-
-    async def stop(self) -> None:
-        await asyncio.gather(*(loop.stop() for loop in self.fleets.values()))
-        self.fleets.clear()

@@ -5,7 +5,8 @@ react within a fraction of a second to annotations on its object: kopf hands the
 daemon a live view of the body, which the run loop reads every tick. The daemon
 returns once the request is terminal (after its TTL when one is set), and finished
 requests without a TTL get no daemon at all; after an operator restart every request gets a daemon again
-and a running one is adopted (see `runner`).
+and a running one is adopted (see `runner`). A failed run ends in `kopf.TemporaryError`, as a
+fleet's does (`controller/daemons.py`); the next run adopts what the failed one sent.
 
 The clients the daemons share (the API server's, through `rollfleet.kube`, and the HTTP
 client to gateways) live in kopf's memo from startup to cleanup. Talks to nobody itself;
@@ -22,6 +23,7 @@ import kopf
 
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES
 from rollfleet.contract import GROUP, VERSION
+from rollfleet.controller.daemons import retry_later
 from rollfleet.controller.requests import runner
 from rollfleet.kube import Kube, load_client
 
@@ -55,10 +57,19 @@ def _needs_daemon(body: kopf.Body, **_: Any) -> bool:
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=30.0, when=_needs_daemon)
 async def run_request(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
     kube: Kube = memo.request_kube
+    try:
+        await _run(kube, memo.request_http, body, stopped)
+    except Exception as err:
+        memo.failures = memo.get("failures", 0) + 1  # the request's memo: kept across retries
+        meta = body["metadata"]
+        raise retry_later(f"request {meta['namespace']}/{meta['name']}", err, memo.failures) from err
+
+
+async def _run(kube: Kube, http: httpx.AsyncClient, body: kopf.Body, stopped: kopf.DaemonStopped) -> None:
     phase = (body.get("status") or {}).get("phase")
     finished_at = None
     if phase not in TERMINAL_PHASES:
-        verdict = await runner.Run(kube, memo.request_http, body, stopping=lambda: bool(stopped)).run()
+        verdict = await runner.Run(kube, http, body, stopping=lambda: bool(stopped)).run()
         if not verdict.terminal or stopped:
             return
         finished_at = time.time()

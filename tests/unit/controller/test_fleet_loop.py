@@ -1,0 +1,100 @@
+"""When a fleet's loop passes again: on changes kopf's indexes show, on its timer, never while stopped.
+
+The loop's I/O is not run here (the e2e suite does that); only its waiting between passes,
+against plain dicts standing in for kopf's indexes and an event standing in for `stopped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import pytest
+
+from rollfleet.controller.daemons import MAX_BACKOFF_S, backoff_s
+from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared
+from rollfleet.controller.status import GatewayObs
+
+KEY = ("ns", "f")
+FLEET = {"metadata": {"name": "f", "namespace": "ns", "uid": "u-f", "resourceVersion": "1"}}
+
+
+class Stopped:
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Awaitable[bool]:  # kopf's signature
+        return self._wait(timeout)
+
+    async def _wait(self, seconds: float | None) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.event.wait(), seconds)
+        return self.event.is_set()
+
+
+def pod(name: str, rv: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": f"u-{name}", "resourceVersion": rv}}
+
+
+def loop_with(pods: dict[tuple[str, str], list[dict[str, Any]]], gateways: dict[Any, list[GatewayObs]]) -> FleetLoop:
+    shared: Shared = None  # type: ignore[assignment]  # waiting touches no client
+    return FleetLoop(shared, FLEET, pods, gateways)
+
+
+async def waited(loop: FleetLoop, change: Any, latest_s: float, stopped: Stopped | None = None) -> float:
+    """Seconds `_wait` took when `change()` runs just after it starts."""
+    if stopped is None:  # (an unset Stopped is falsy: no `or` here)
+        stopped = Stopped()
+    seen = loop._fingerprint()
+    start = time.monotonic()
+    waiting = asyncio.create_task(loop._wait(stopped, seen, start + PASS_MIN_INTERVAL_S, start + latest_s))
+    await asyncio.sleep(0)
+    change()
+    await waiting
+    return time.monotonic() - start
+
+
+def test_a_pod_change_wakes_the_loop_but_not_before_the_minimum_interval() -> None:
+    pods = {KEY: [pod("f-engine-0", "1")]}
+    loop = loop_with(pods, {})
+    took = asyncio.run(waited(loop, lambda: pods[KEY].append(pod("f-engine-1", "2")), latest_s=10.0))
+    assert PASS_MIN_INTERVAL_S <= took < 2.0
+
+
+def test_a_gateway_change_wakes_the_loop() -> None:
+    gateways = {KEY: [GatewayObs(1, 0)]}
+    loop = loop_with({}, gateways)
+    took = asyncio.run(waited(loop, lambda: gateways.__setitem__(KEY, [GatewayObs(1, 1)]), latest_s=10.0))
+    assert took < 2.0
+
+
+def test_another_fleets_pods_do_not_wake_the_loop() -> None:
+    pods: dict[tuple[str, str], list[dict[str, Any]]] = {KEY: [pod("f-engine-0", "1")]}
+    loop = loop_with(pods, {})
+    took = asyncio.run(waited(loop, lambda: pods.__setitem__(("ns", "other"), [pod("other-engine-0", "5")]), 1.0))
+    assert took >= 1.0  # the timer, not the change
+
+
+def test_stopping_ends_the_wait_at_once() -> None:
+    loop = loop_with({}, {})
+    stopped = Stopped()
+    took = asyncio.run(waited(loop, stopped.event.set, latest_s=10.0, stopped=stopped))
+    assert took < 1.0
+
+
+def test_pods_a_listing_showed_gone_leave_the_loops_view() -> None:
+    pods = {KEY: [pod("f-engine-0", "1"), pod("f-engine-1", "2")]}
+    loop = loop_with(pods, {})
+    loop._gone = {"u-f-engine-1"}
+    assert [p["metadata"]["name"] for p in loop._index_pods()] == ["f-engine-0"]
+
+
+@pytest.mark.parametrize(("failures", "delay"), [(1, 2.0), (2, 4.0), (4, 16.0), (5, 30.0), (50, MAX_BACKOFF_S)])
+def test_daemon_backoff_doubles_up_to_its_cap(failures: int, delay: float) -> None:
+    assert backoff_s(failures) == delay
