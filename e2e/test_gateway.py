@@ -27,6 +27,7 @@ from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
+from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -275,6 +276,38 @@ def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
         gateway + "/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 2}, timeout=60
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+# Requests every engine refuses (the caller's fault), and a word its message must hold. vLLM
+# refuses some before answering (the prompt too long for the context) and others only in
+# the stream it already answered 200 (a token id outside the vocabulary).
+ENGINE_REFUSALS = [
+    pytest.param({"prompt": [1, 2, 10**9], "max_tokens": 4}, "vocab", id="token-id-outside-the-vocabulary"),
+    pytest.param(
+        {"prompt": "Hi", "max_tokens": 2 * TINY_MODEL_CONTEXT}, "max_model_len", id="max-tokens-past-the-context"
+    ),
+    pytest.param({"prompt": "Hi", "max_tokens": 4, "logprobs": 10**4}, "logprobs", id="too-many-logprobs"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize(("body", "needle"), ENGINE_REFUSALS)
+def test_an_engine_refusal_reaches_the_caller_with_its_status_and_no_failover(
+    fleet: LiveFleet, body: dict[str, Any], needle: str, stream: bool
+) -> None:
+    rid = f"refused-{uuid.uuid4().hex[:6]}"
+    r = httpx.post(
+        fleet.gateways[0].url + "/v1/completions",
+        json={"model": "tiny", **body, "stream": stream},
+        headers={"X-Request-Id": rid},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"].lower(), r.text
+    assert len(r.headers["x-rollfleet-engine"].split(",")) == 1, "a refusal was failed over to another engine"
+    engine = fleet.engine(r.headers["x-rollfleet-engine"])
+    in_flight = httpx.get(engine.url + "/rollfleet/v1/requests", timeout=10).json()["in_flight"]
+    assert rid not in {t["request_id"] for t in in_flight}
 
 
 def engine_paused(engine: Endpoint) -> bool:

@@ -127,6 +127,32 @@ def test_a_64x4_request_completes_showing_progress_and_keeps_256_results(fleet: 
     assert sum(len(v) for v in by_prompt.values()) > 64 * 3
 
 
+def test_samples_an_engine_refuses_fail_with_its_message_and_the_request_ends(fleet: LiveFleet) -> None:
+    """A token id outside the vocabulary: vLLM refuses it inside a stream it answered 200."""
+    name = f"rr-{uuid.uuid4().hex[:6]}"
+    doc = {
+        "apiVersion": "rollfleet.dev/v1alpha1",
+        "kind": "RolloutRequest",
+        "metadata": {"name": name, "namespace": fleet.namespace},
+        "spec": {
+            "fleet": fleet.fleet.name,
+            "prompts": [{"tokenIds": [1, 2, 3]}, {"tokenIds": [1, 10**9]}],
+            "samplesPerPrompt": 2,
+            "sampling": {"maxTokens": 4},
+        },
+    }
+    fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    st = wait_phase(fleet, name, "Failed", timeout=120)
+    assert st["reason"] == "SamplesFailed" and "vocab" in st["message"].lower(), st
+    assert st["counts"] == {"total": 4, "completed": 2, "aborted": 0, "failed": 2, "inFlight": 0}
+    rows = {(r["prompt"], r["sample"]): r for r in results(fleet, name)}
+    assert len(rows) == 4
+    for sample in range(2):
+        good, refused = rows[(0, sample)], rows[(1, sample)]
+        assert good["error"] is None and len(good["token_ids"]) == 4
+        assert refused["error"].startswith("HTTP 400") and "vocab" in refused["error"].lower(), refused
+
+
 def test_abort_by_annotation_stops_every_in_flight_sample_on_the_engines(fleet: LiveFleet) -> None:
     tokens = 300
     name, uid = create(fleet, 16, 4, parallelism=16, sampling={"maxTokens": tokens, "ignoreEos": True})

@@ -335,6 +335,8 @@ class _Exchange:
                     )
                     self.writer.responded = True
                     return "rejected"
+                if not continuing:  # output reached the client already: the error ends its stream
+                    return await self._fail(result.status, result.detail)
                 if continuing and result.status == 404 and not self.continuation_refused:
                     # The engine does not serve the token-in/token-out route (vLLM without
                     # --enable-scale-out): start over, where nothing reached the client yet.
@@ -457,8 +459,6 @@ class _Exchange:
                     entry.add_versions(version.split(","))
                     p.registry.observe_version(engine.key, version.split(",")[-1])
                 since = (asyncio.get_running_loop().time(), p.registry.version_epoch(engine.key))
-                if not self.writer.started:
-                    await self.writer.start(self._headers())
                 # Whatever bytes arrived together are forwarded together: one write to the
                 # client per read, not one per token.
                 pending = b""
@@ -481,6 +481,10 @@ class _Exchange:
                         batch[self._closing] = (obj, None)
                         self._closing = None
                     if batch:
+                        # The client's 200 waits for the first chunk: an engine that rejects the request
+                        # in its stream (its first event an error) is answered with its own status.
+                        if not self.writer.started:
+                            await self.writer.start(self._headers())
                         await self.writer.chunks(batch)
                     if failure is not None:
                         return failure
@@ -499,11 +503,13 @@ class _Exchange:
         obj = orjson.loads(payload)
         error = obj.get("error")
         if error is not None:
-            code = int(error.get("code") or 500) if isinstance(error, dict) else 500
+            # vLLM answers 200 and then reports some errors in the stream (a token id outside the
+            # vocabulary): a 4xx there is the caller's, as if the engine had answered it.
+            code = _error_code(error)
+            detail = f"engine error in stream: {str(error)[:300]}"
             if code >= 500:
-                return AttemptResult(Outcome.FAILED, f"engine error in stream: {str(error)[:300]}")
-            batch.append((obj, payload))
-            return AttemptResult(Outcome.FINISHED)
+                return AttemptResult(Outcome.FAILED, detail)
+            return AttemptResult(Outcome.REJECTED, detail, code, payload)
         raw: bytes | None = payload
         if cont is not None:
             obj = continuation_chunk(self.req.route, obj, self._template(obj), cont)
@@ -620,6 +626,12 @@ def _error_json(data: bytes, status: int) -> Json:
     except orjson.JSONDecodeError:
         return error_body(data.decode(errors="replace")[:1000], status)
     return parsed if isinstance(parsed, dict) else error_body(str(parsed), status)
+
+
+def _error_code(error: Any) -> int:
+    """The HTTP status an engine's in-stream error stands for (vLLM puts it in `code`); 500 when it says none."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and 400 <= code <= 599 else 500
 
 
 def _now() -> float:

@@ -96,6 +96,19 @@ def test_answers_are_interpreted_without_trusting_a_broken_call() -> None:
     assert plan.interpret(429, {}, {}, abort_wanted=False, **kw) == (Outcome.RETRY, None)
     outcome, failed = plan.interpret(400, {"error": {"message": "prompt too long"}}, {}, abort_wanted=False, **kw)
     assert outcome is Outcome.FAILED and failed is not None and failed.error == "HTTP 400: prompt too long"
+    # An answer without choices ended the id: a failed sample, not one to resend for ever.
+    outcome, empty = plan.interpret(200, {"choices": []}, {}, abort_wanted=False, **kw)
+    assert outcome is Outcome.FAILED and empty is not None and "without choices" in (empty.error or "")
+
+
+def test_a_run_is_stuck_only_with_samples_waiting_a_fleet_to_take_them_and_none_in_flight() -> None:
+    def since(previous: float | None, in_flight: int = 0, waiting: int = 3, can_send: bool = True) -> float | None:
+        return plan.stuck_since(previous, in_flight=in_flight, waiting=waiting, can_send=can_send, now=50.0)
+
+    assert since(None) == 50.0 and since(20.0) == 20.0  # stuck now, or still stuck since 20
+    assert since(20.0, in_flight=1) is None
+    assert since(20.0, waiting=0) is None  # done
+    assert since(20.0, can_send=False) is None  # paused, or no gateway: waiting is right
 
 
 def test_result_lines_round_trip() -> None:

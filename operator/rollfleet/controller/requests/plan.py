@@ -220,7 +220,16 @@ def interpret(
         )
     choices = body.get("choices") or []
     if not choices:
-        return Outcome.UNSURE, None
+        # An answer, so the id ended; without choices it is nothing to store or to resend blindly.
+        return Outcome.FAILED, SampleResult(
+            key[0],
+            key[1],
+            rid,
+            "error",
+            started_at=started_at,
+            finished_at=finished_at,
+            error=f"HTTP {status} without choices: {str(body)[:2000]}",
+        )
     choice = choices[0]
     reason = choice.get("finish_reason")
     if reason is None or (reason == ABORT and not abort_wanted):
@@ -295,6 +304,17 @@ class Schedule:
     @property
     def idle(self) -> bool:
         return not self._pending and not self.in_flight
+
+
+def stuck_since(previous: float | None, *, in_flight: int, waiting: int, can_send: bool, now: float) -> float | None:
+    """Since when the run has had samples waiting, a fleet ready to take them, and none in flight.
+
+    None while it has not. Outside a bug this lasts a moment (a backoff, a confirmation from the
+    gateway); the runner fails a request stuck for long instead of showing Running forever.
+    """
+    if in_flight or not waiting or not can_send:
+        return None
+    return now if previous is None else previous
 
 
 def new_abort_token(annotations: Mapping[str, str] | None, acted_on: str | None, annotation: str) -> str | None:

@@ -48,6 +48,7 @@ TICK_S = 0.1  # the loop wakes at least this often (abort annotation, deadline)
 ABORT_WAIT_S = 10.0  # how long an abort waits for the aborted calls to come back with their partial output
 ABORT_RESEND_S = 0.25  # calls still out after an abort are aborted again this often (one may have been in transit)
 ABORT_BATCH = 4096  # ids per POST /v1/abort (the gateway's limit)
+STALL_S = 120.0  # samples waiting, the fleet ready, none in flight this long: a bug, reported by failing
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +139,20 @@ class Run:
         self.flush_rate = plan.RateLimit(FLUSH_INTERVAL_S)
         self.fleet_rate = plan.RateLimit(FLEET_INTERVAL_S)
         self.last_patched: Verdict | None = None
+        self.stuck_since: float | None = None
 
     # --- the loop -------------------------------------------------------------------
     async def run(self) -> Verdict:
+        try:
+            return await self._loop()
+        finally:
+            # After a failure, a retry adopts what this run sent: its calls must not outlive it
+            # (a cancelled call closes its connection, and the gateway stops the sample).
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _loop(self) -> Verdict:
         verdict = await self._prepare()
         if verdict is not None:
             return await self._finish(verdict)
@@ -165,6 +177,14 @@ class Run:
             if self.unsure and self.fleet.gateway and now >= self.hold_until:
                 await self._stop_unsure()
             self._dispatch(schedule, now)
+            f = self.fleet
+            self.stuck_since = plan.stuck_since(
+                self.stuck_since,
+                in_flight=len(self.tasks),
+                waiting=len(schedule),
+                can_send=bool(f.gateway and f.model and not f.paused),
+                now=now,
+            )
             await self._collect(schedule)
             await self._flush(urgent=False)
             await self._patch_status(len(schedule.in_flight))
@@ -172,6 +192,22 @@ class Run:
     def _final_verdict(self, schedule: plan.Schedule, now: float) -> Verdict | None:
         if schedule.idle and not self.unsure:
             return finished_verdict(self.tally, self.total)
+        if self.stuck_since is not None and now - self.stuck_since >= STALL_S:
+            log.error(
+                "request %s/%s stuck: %d samples waiting, %d unconfirmed, %d results unwritten",
+                self.ns,
+                self.name,
+                len(schedule),
+                len(self.unsure),
+                self.store.pending,
+            )
+            return Verdict(
+                "Failed",
+                "Stalled",
+                f"no sample in flight for {STALL_S:.0f}s while {len(schedule)} wait and the fleet could take them "
+                f"({len(self.unsure)} waiting for the gateway to confirm they stopped): a bug in the runner, "
+                "please report it with the operator's log; the results so far are kept",
+            )
         if not self.fleet.exists:
             return Verdict(
                 "Failed",
