@@ -102,7 +102,7 @@ def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
         headers=fleet.admin,
         timeout=30,
     )
-    assert r.json() == {"results": {a: "aborted", "never-sent-xyz": "unknown"}}
+    assert r.json() == {"results": {a: "aborted", "never-sent-xyz": "unknown"}, "reasons": {}}
     ca = sa.chunks()
     assert ca[-1]["choices"][0]["finish_reason"] == "abort"
     engine = fleet.engine(ca[-1]["rollfleet"]["engines"][-1])
@@ -120,7 +120,7 @@ def test_abort_through_another_gateway_replica(fleet: LiveFleet) -> None:
     stream = Stream(fleet, rid, LONG)  # through the first replica
     assert stream.first.wait(60)
     r = httpx.post(fleet.gateways[1].url + "/v1/abort", json={"request_ids": [rid]}, headers=fleet.admin, timeout=30)
-    assert r.json() == {"results": {rid: "aborted"}}
+    assert r.json() == {"results": {rid: "aborted"}, "reasons": {}}
     chunks = stream.chunks()
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and 0 < len(tokens_of(chunks)) < LONG
     seen = tracked(fleet.engine(chunks[-1]["rollfleet"]["engines"][-1]), rid)

@@ -205,4 +205,7 @@ def test_the_gateway_as_deployed_reads_pods_with_its_own_service_account(
         r = httpx.post(
             url + "/v1/abort", json={"request_ids": ["nothing-here"]}, headers={"Authorization": f"Bearer {TOKEN}"}
         )
-        assert r.json() == {"results": {"nothing-here": "unknown"}}  # the mounted token is the admin token
+        assert r.json() == {
+            "results": {"nothing-here": "unknown"},
+            "reasons": {},
+        }  # the mounted token is the admin token

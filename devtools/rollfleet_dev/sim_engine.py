@@ -35,7 +35,8 @@ class SimEngine:
         self.name = name
         self.token_delay_ms = token_delay_ms
         self.die_after = die_after or {}
-        self.refuse: set[str] = set()  # routes answered 404, like vLLM without --enable-scale-out
+        # Routes answered 404: like vLLM without --enable-scale-out, or an engine whose abort cannot be had.
+        self.refuse: set[str] = set()
         self.weight_version = weight_version
         self.running: dict[str, asyncio.Event] = {}  # caller id -> abort flag
         self.finished: dict[str, str] = {}  # caller id -> finish reason
@@ -78,6 +79,8 @@ class SimEngine:
             seen.append(self.weight_version)
 
     async def abort(self, request: web.Request) -> web.Response:
+        if request.path in self.refuse:
+            return web.json_response({"detail": "Not Found"}, status=404)
         body = await request.json()
         results = {}
         for rid in body["request_ids"]:

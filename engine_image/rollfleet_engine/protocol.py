@@ -52,6 +52,9 @@ class AbortStatus(StrEnum):
     UNKNOWN = "unknown"  # the engine never saw this id (or forgot it: finished long ago)
     FINISHED = "finished"  # it had already ended for another reason (stop, length, error)
     PENDING = "pending"  # abort sent, but the request had not ended within the deadline
+    # The gateway's answer only: it could not get the engine's word (unreachable, refused, or its
+    # stream cut before it ended the request); the id may still run.
+    UNCONFIRMED = "unconfirmed"
 
 
 class AbortRequest(BaseModel):

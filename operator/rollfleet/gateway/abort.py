@@ -1,13 +1,16 @@
 """`POST /v1/abort`: stop requests by caller id and say, per id, what the engine saw.
 
-Owns the answer aborted | finished | unknown | pending for each id:
+Owns the answer aborted | finished | pending | unconfirmed | unknown for each id, which
+never claims more than an engine confirmed:
 
 - an id in flight at this replica is stopped through the proxy (which aborts it on its
   engine and lets the engine's stream end it with `finish_reason: "abort"`), and the
-  answer is how the request actually ended;
+  answer is how the request actually ended (`unconfirmed`, with the reason, when the
+  gateway had to cut a stream its engine did not end);
 - any other id (served by another gateway replica, or unknown) is aborted by fanning
   out to every engine of the fleet with the engine's truthful abort; the engine that
-  knew the id decides the answer, so several gateway replicas need no coordination.
+  knew the id decides the answer, so several gateway replicas need no coordination;
+  `unknown` means every engine was asked and none knew it.
 
 Never trusts an HTTP status for the outcome. Talks to engines through the proxy.
 """
@@ -15,6 +18,8 @@ Never trusts an HTTP status for the outcome. Talks to engines through the proxy.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
@@ -28,7 +33,15 @@ class GatewayAbortRequest(BaseModel):
     timeout_s: float = Field(default=10.0, gt=0, le=120)
 
 
-async def abort(proxy: Proxy, request_ids: list[str], timeout_s: float) -> dict[str, AbortStatus]:
+@dataclass(frozen=True)
+class Answer:
+    """What this gateway knows of one id after the abort; `reason` says why an end is unconfirmed."""
+
+    status: AbortStatus
+    reason: str | None = None
+
+
+async def abort(proxy: Proxy, request_ids: list[str], timeout_s: float) -> dict[str, Answer]:
     ids = list(dict.fromkeys(request_ids))
     local = {rid: e for rid in ids if (e := proxy.inflight.get(rid)) is not None}
     remote = [rid for rid in ids if rid not in local]
@@ -36,39 +49,58 @@ async def abort(proxy: Proxy, request_ids: list[str], timeout_s: float) -> dict[
     local_results = await asyncio.gather(*(_abort_local(proxy, e, timeout_s) for e in local.values()))
     results = await remote_task
     results.update(zip(local, local_results, strict=True))
-    for status in results.values():
-        proxy.metrics.aborts.labels(status.value).inc()
+    for answer in results.values():
+        proxy.metrics.aborts.labels(answer.status.value).inc()
     return {rid: results[rid] for rid in ids}
 
 
-async def _abort_local(proxy: Proxy, entry: InFlight, timeout_s: float) -> AbortStatus:
+async def _abort_local(proxy: Proxy, entry: InFlight, timeout_s: float) -> Answer:
     proxy.stop(entry, StopReason.ADMIN)
     try:
         await asyncio.wait_for(entry.done.wait(), timeout_s)
     except TimeoutError:
-        return AbortStatus.PENDING
-    return AbortStatus.ABORTED if entry.finish_reason == ABORT else AbortStatus.FINISHED
+        return Answer(AbortStatus.PENDING)
+    return ended(entry.finish_reason, entry.unconfirmed)
 
 
-async def _abort_remote(proxy: Proxy, ids: list[str], timeout_s: float) -> dict[str, AbortStatus]:
+def ended(finish_reason: str | None, unconfirmed: str | None) -> Answer:
+    """The answer for a request that ended at this replica: as its engine's stream said, unless it never did."""
+    if unconfirmed is not None:
+        return Answer(AbortStatus.UNCONFIRMED, unconfirmed)
+    return Answer(AbortStatus.ABORTED if finish_reason == ABORT else AbortStatus.FINISHED)
+
+
+async def _abort_remote(proxy: Proxy, ids: list[str], timeout_s: float) -> dict[str, Answer]:
     if not ids:
         return {}
     engines = [e for e in proxy.registry.engines() if e.url]
     answers = await asyncio.gather(*(proxy.abort_on_engine(e, ids, timeout_s) for e in engines))
     results = {}
     for rid in ids:
-        status = combine([a[rid] for a in answers])
+        per_engine = {e.key: a[rid] for e, a in zip(engines, answers, strict=True)}
+        answer = combine(per_engine)
         finished_here = proxy.inflight.finished(rid)
-        if status is AbortStatus.UNKNOWN and finished_here is not None:
+        if answer.status in (AbortStatus.UNKNOWN, AbortStatus.UNCONFIRMED) and finished_here is not None:
             # It ran here and ended; its engine may have forgotten it (or be gone).
-            status = AbortStatus.ABORTED if finished_here.finish_reason == ABORT else AbortStatus.FINISHED
-        results[rid] = status
+            answer = ended(finished_here.finish_reason, finished_here.unconfirmed)
+        results[rid] = answer
     return results
 
 
-def combine(statuses: list[AbortStatus]) -> AbortStatus:
-    """One answer for an id asked of several engines: the engine that knew it wins."""
+def combine(per_engine: Mapping[str, AbortStatus]) -> Answer:
+    """One answer for an id asked of several engines: the engine that knew it wins.
+
+    `unknown` only when every engine was asked and none knew the id; when some could not be
+    asked, the id may be running there: `unconfirmed`, naming them.
+    """
+    statuses = set(per_engine.values())
     for wanted in (AbortStatus.ABORTED, AbortStatus.FINISHED, AbortStatus.PENDING):
         if wanted in statuses:
-            return wanted
-    return AbortStatus.UNKNOWN
+            return Answer(wanted)
+    silent = sorted(k for k, s in per_engine.items() if s is AbortStatus.UNCONFIRMED)
+    if silent:
+        return Answer(
+            AbortStatus.UNCONFIRMED,
+            f"no engine that answered knew the id, and {', '.join(silent)} could not be asked (see the gateway log)",
+        )
+    return Answer(AbortStatus.UNKNOWN)

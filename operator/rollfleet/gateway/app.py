@@ -214,7 +214,8 @@ class _Gateway:
         except ValidationError as err:
             return _error(400, f"bad abort request: {err.errors(include_url=False)}", self.metrics)
         results = await abort_mod.abort(self.proxy, parsed.request_ids, parsed.timeout_s)
-        return JSONResponse({"results": {k: v.value for k, v in results.items()}})
+        reasons = {k: a.reason for k, a in results.items() if a.reason is not None}
+        return JSONResponse({"results": {k: a.status.value for k, a in results.items()}, "reasons": reasons})
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

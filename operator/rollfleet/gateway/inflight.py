@@ -51,6 +51,7 @@ class InFlight:
     versions: list[str] = field(default_factory=list)
     stop: StopReason | None = None
     finish_reason: str | None = None
+    unconfirmed: str | None = None  # why the engine never confirmed this request's end, if it did not
     # Resolved when the request must stop: the proxy's attempt waits on it next to its
     # upstream exchange (a future, not an Event, so waiting costs no extra task).
     stopping: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -77,6 +78,7 @@ class InFlight:
 @dataclass
 class Finished:
     finish_reason: str | None
+    unconfirmed: str | None = None
 
 
 class InFlightTable:
@@ -98,7 +100,7 @@ class InFlightTable:
         entry.done.set()
         if self._active.get(entry.request_id) is entry:
             del self._active[entry.request_id]
-        self._finished[entry.request_id] = Finished(finish_reason)
+        self._finished[entry.request_id] = Finished(finish_reason, entry.unconfirmed)
         while len(self._finished) > self._keep_finished:
             self._finished.popitem(last=False)
 

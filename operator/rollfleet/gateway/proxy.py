@@ -216,14 +216,15 @@ class Proxy:
             await self.abort_on_engine(engine, [request_id], self.config.abort_timeout_s)
 
     async def abort_on_engine(self, engine: Engine, request_ids: list[str], wait_s: float) -> dict[str, AbortStatus]:
-        """Ask one engine to abort caller ids and say how each ended there; unknown when it could not be asked."""
+        """Ask one engine to abort caller ids and say how each ended there; unconfirmed when it could not be asked."""
         try:
             results = await self.engines.abort(engine_ref(engine), request_ids, wait_s, GATEWAY_ABORT)
         except EngineCallError as err:
-            # Unknown, not an error: the engine that knew the id decides (abort.combine).
+            # Not an error: another engine may know the id (abort.combine), and if none does the
+            # answer says that this one could not be asked.
             level = logging.WARNING if err.status is not None else logging.INFO  # refused, or not reached
             log.log(level, "abort on %s failed: %s", engine.key, err)
-            return dict.fromkeys(request_ids, AbortStatus.UNKNOWN)
+            return dict.fromkeys(request_ids, AbortStatus.UNCONFIRMED)
         return {rid: results.get(rid, AbortStatus.UNKNOWN) for rid in request_ids}
 
     async def open(self) -> None:
@@ -438,6 +439,13 @@ class _Exchange:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(task), p.config.stop_grace_s)
         if not task.done():
+            answer = status[self.req.request_id]
+            if answer is not AbortStatus.ABORTED:
+                self.entry.unconfirmed = (
+                    f"engine {engine.key} answered {answer.value!r} to the abort and its stream did not end within "
+                    f"{p.config.stop_grace_s:.0f}s; the gateway closed the connection (vLLM aborts a request whose "
+                    "client left)"
+                )
             task.cancel()  # closes the connection: vLLM aborts a request whose client left
             with contextlib.suppress(asyncio.CancelledError):
                 await task

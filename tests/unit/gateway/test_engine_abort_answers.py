@@ -1,4 +1,4 @@
-"""The gateway's reading of an engine's abort: any failure to ask is "unknown", never an error.
+"""The gateway's reading of an engine's abort: any failure to ask is "unconfirmed", never an error.
 
 The engine's HTTP API is faked with httpx.MockTransport; the fan-out and the stop path
 run against simulated engines in test_proxy.
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rollfleet.engine_client import EngineClient
-from rollfleet.gateway.abort import combine
+from rollfleet.gateway.abort import Answer, combine
 from rollfleet.gateway.inflight import InFlightTable
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.proxy import Proxy, ProxyConfig
@@ -48,10 +48,10 @@ async def ask(answer: httpx.Response | type[httpx.TransportError]) -> dict[str, 
         httpx.Response(200, text="not json"),
     ],
 )
-def test_an_engine_that_could_not_be_asked_says_unknown_for_every_id(
+def test_an_engine_that_could_not_be_asked_leaves_every_id_unconfirmed(
     answer: httpx.Response | type[httpx.TransportError],
 ) -> None:
-    assert asyncio.run(ask(answer)) == {"a": AbortStatus.UNKNOWN, "b": AbortStatus.UNKNOWN}
+    assert asyncio.run(ask(answer)) == {"a": AbortStatus.UNCONFIRMED, "b": AbortStatus.UNCONFIRMED}
 
 
 def test_an_id_the_engine_left_out_of_its_answer_is_unknown() -> None:
@@ -60,5 +60,13 @@ def test_an_id_the_engine_left_out_of_its_answer_is_unknown() -> None:
 
 
 def test_the_engine_that_knew_the_id_decides() -> None:
-    assert combine([AbortStatus.UNKNOWN, AbortStatus.FINISHED, AbortStatus.PENDING]) is AbortStatus.FINISHED
-    assert combine([AbortStatus.UNKNOWN, AbortStatus.UNKNOWN]) is AbortStatus.UNKNOWN
+    U, F, P, N = AbortStatus.UNKNOWN, AbortStatus.FINISHED, AbortStatus.PENDING, AbortStatus.UNCONFIRMED
+    assert combine({"e0": U, "e1": F, "e2": P}) == Answer(F)
+    assert combine({"e0": N, "e1": P}) == Answer(P)
+    assert combine({"e0": U, "e1": U}) == Answer(U)  # every engine asked, none knew it
+
+
+def test_unknown_is_never_claimed_while_an_engine_could_not_be_asked() -> None:
+    answer = combine({"e0": AbortStatus.UNKNOWN, "e2": AbortStatus.UNCONFIRMED, "e1": AbortStatus.UNCONFIRMED})
+    assert answer.status is AbortStatus.UNCONFIRMED and answer.reason is not None
+    assert "e1, e2 could not be asked" in answer.reason

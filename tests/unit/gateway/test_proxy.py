@@ -147,13 +147,13 @@ def test_abort_by_id_ends_the_stream_with_abort_at_the_engine_and_answers_per_id
     thread = _start_stream(gw, "ab-1", out)
     wait_until(lambda: any("ab-1" in s.running for s in gw.sims))
     r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1", "never-seen"]}, headers=ADMIN)
-    assert r.json() == {"results": {"ab-1": "aborted", "never-seen": "unknown"}}
+    assert r.json() == {"results": {"ab-1": "aborted", "never-seen": "unknown"}, "reasons": {}}
     thread.join(10)
     chunks = sse_chunks(out["text"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
     assert any(s.finished.get("ab-1") == "abort" for s in gw.sims)
     r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1"]}, headers=ADMIN)
-    assert r.json() == {"results": {"ab-1": "aborted"}}  # remembered after the end
+    assert r.json() == {"results": {"ab-1": "aborted"}, "reasons": {}}  # remembered after the end
 
 
 def test_abort_of_an_id_served_elsewhere_fans_out_to_the_engines(gw: Stack) -> None:
@@ -173,9 +173,31 @@ def test_abort_of_an_id_served_elsewhere_fans_out_to_the_engines(gw: Stack) -> N
     thread.start()
     wait_until(lambda: "elsewhere-1" in gw.sims[1].running)
     r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["elsewhere-1"]}, headers=ADMIN)
-    assert r.json() == {"results": {"elsewhere-1": "aborted"}}
+    assert r.json() == {"results": {"elsewhere-1": "aborted"}, "reasons": {}}
     thread.join(10)
     assert sse_chunks(out["text"])[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+def test_an_abort_the_engines_do_not_confirm_is_answered_unconfirmed_with_the_reason(gw: Stack) -> None:
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+        sim.refuse = {"/rollfleet/v1/abort"}
+    out: dict = {}
+    thread = _start_stream(gw, "deaf-1", out)
+    wait_until(lambda: any("deaf-1" in s.running for s in gw.sims))
+    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["deaf-1", "nowhere-1"]}, headers=ADMIN)
+    body = r.json()
+    assert body["results"] == {"deaf-1": "unconfirmed", "nowhere-1": "unconfirmed"}, body
+    # In flight here: its engine refused the abort and the gateway cut the stream after the grace.
+    assert "did not end within" in body["reasons"]["deaf-1"]
+    # Not in flight here: no engine could be asked, so it may run on any.
+    assert "could not be asked" in body["reasons"]["nowhere-1"]
+    thread.join(10)
+    assert sse_chunks(out["text"])[-1]["choices"][0]["finish_reason"] == "abort"
+    # The cut connection stopped it at the engine all the same (as vLLM does when its client leaves).
+    wait_until(lambda: not any("deaf-1" in s.running for s in gw.sims))
+    again = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["deaf-1"]}, headers=ADMIN).json()
+    assert again["results"] == {"deaf-1": "unconfirmed"}  # remembered as unconfirmed, not as aborted
 
 
 def test_a_non_streaming_client_that_disconnects_frees_the_engine_request(gw: Stack) -> None:

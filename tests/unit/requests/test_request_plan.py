@@ -101,6 +101,23 @@ def test_answers_are_interpreted_without_trusting_a_broken_call() -> None:
     assert outcome is Outcome.FAILED and empty is not None and "without choices" in (empty.error or "")
 
 
+@pytest.mark.parametrize(
+    ("answer", "resend"),
+    [
+        ("aborted", True),
+        ("finished", True),
+        ("unknown", True),
+        ("pending", False),
+        ("unconfirmed", False),
+        (None, False),
+    ],
+)
+def test_a_sample_is_sent_again_only_once_the_gateway_confirmed_it_runs_nowhere(
+    answer: str | None, resend: bool
+) -> None:
+    assert plan.stopped_for_sure(answer) is resend
+
+
 def test_a_run_is_stuck_only_with_samples_waiting_a_fleet_to_take_them_and_none_in_flight() -> None:
     def since(previous: float | None, in_flight: int = 0, waiting: int = 3, can_send: bool = True) -> float | None:
         return plan.stuck_since(previous, in_flight=in_flight, waiting=waiting, can_send=can_send, now=50.0)

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from rollfleet import jsonl
 from rollfleet.api.request import Prompt, RolloutRequestSpec
 from rollfleet.errors import RollfleetError
-from rollfleet_engine.protocol import REQUEST_ID_HEADER
+from rollfleet_engine.protocol import REQUEST_ID_HEADER, AbortStatus
 
 SampleKey = tuple[int, int]  # (prompt index, sample index)
 
@@ -304,6 +304,16 @@ class Schedule:
     @property
     def idle(self) -> bool:
         return not self._pending and not self.in_flight
+
+
+# The gateway's abort answers after which an id runs nowhere: it ended (aborted or finished), or
+# every engine was asked and none knew it. `pending` and `unconfirmed` (an engine could not be
+# asked, or did not confirm the end) mean it may still run: resending it could decode it twice.
+STOPPED_ANSWERS = frozenset({AbortStatus.ABORTED, AbortStatus.FINISHED, AbortStatus.UNKNOWN})
+
+
+def stopped_for_sure(answer: str | None) -> bool:
+    return answer in STOPPED_ANSWERS
 
 
 def stuck_since(previous: float | None, *, in_flight: int, waiting: int, can_send: bool, now: float) -> float | None:

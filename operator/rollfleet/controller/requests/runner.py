@@ -350,7 +350,7 @@ class Run:
 
     # --- stopping -------------------------------------------------------------------
     async def _gateway_abort(self, ids: list[str], timeout_s: float) -> dict[str, str] | None:
-        """POST /v1/abort; per id aborted|finished|unknown|pending, or None when the gateway cannot answer."""
+        """POST /v1/abort; per id aborted|finished|pending|unconfirmed|unknown; None when the gateway cannot answer."""
         f = self.fleet
         if not f.gateway or not f.token:
             return None
@@ -383,7 +383,7 @@ class Run:
             self.hold_until = time.time() + 1.0
             return
         for key in keys:
-            if answer.get(plan.sample_id(self.uid, key)) != "pending":
+            if plan.stopped_for_sure(answer.get(plan.sample_id(self.uid, key))):
                 self.unsure.discard(key)
 
     async def _abort_in_flight(self, schedule: plan.Schedule, verdict: Verdict) -> None:
