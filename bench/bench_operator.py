@@ -246,7 +246,7 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
             out["api_calls_per_min_idle"] = int(sum(api_calls(port).values()) - before)
             out["rss_after_idle_minute_mib"] = rss_mib(op.pid)
             custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, "bench")
-            # The operator stops the fleet's loop and removes kopf's finalizer before it exits.
+            # Gone before this operator stops: it stops the fleet's loop when the watch reports it.
             wait_until(lambda: not _fleet_exists(custom, ns), 120, "the fleet deleted")
     finally:
         core.delete_namespace(ns)

@@ -478,8 +478,8 @@ def walk(cluster: Cluster) -> Iterator[Walk]:
     """A clean start (a demo may have run on this cluster), and the README's namespace deleted after."""
     t0 = time.monotonic()
     if cluster.kubectl("get", "namespace", NS, check=False).returncode == 0:
-        # Its fleets and requests carry the operator's finalizers: an operator must serve the
-        # namespace for the deletion to finish (other modules may have scoped it elsewhere).
+        # Requests an older operator made carry kopf's finalizer, which an operator serving the
+        # namespace removes (other modules may have scoped it elsewhere).
         deploy_operator(cluster, [NS])
         cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", timeout=320)
     yield Walk(cluster)

@@ -2,6 +2,6 @@
 
 `desired`, `plan` and `status` are pure decisions; `reconciler` runs one loop per fleet
 and does the I/O (through `rollfleet.kube` and `rollfleet.engine_client`); `handlers`
-registers it with kopf as a daemon fed by two indexes; `daemons` says how a failed daemon
-retries; `main` is `rollfleet operator`. RolloutRequests live in `requests`.
+registers it with kopf (watch events and two indexes); `tasks` runs one task per object,
+for fleets and requests alike; `main` is `rollfleet operator`. RolloutRequests live in `requests`.
 """

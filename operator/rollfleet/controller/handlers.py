@@ -1,13 +1,11 @@
-"""kopf registration for RolloutFleet: one daemon per fleet, fed by two indexes.
+"""kopf registration for RolloutFleet: each fleet's task, fed by two indexes.
 
-The daemon runs the fleet's `reconciler.FleetLoop`, which reads the fleet's engine pods and
-gateway Deployment from kopf's indexes (kopf fills them before any daemon starts, so a
-restarted operator never decides on a partial view) and wakes when they change. A failed
-pass ends in `kopf.TemporaryError`, and kopf runs the daemon again after a backoff; the loop
-lives in the fleet's memo, so what it remembers survives the retry. kopf puts its finalizer
-on each fleet for the daemon and removes it once the daemon has stopped; the garbage
-collector removes what the fleet owns. The shared clients live in kopf's memo from startup
-to cleanup. Talks to nobody itself.
+Fleet events start, feed and stop the fleet's task (`tasks.ObjectTasks`), which runs its
+`reconciler.FleetLoop`. The loop reads the fleet's engine pods and gateway Deployment from
+kopf's indexes (kopf fills them before it hands over any event, so a restarted operator never
+decides on a partial view) and wakes when they change. No finalizer: a deleted fleet never
+waits for the operator; the garbage collector removes what it owns. The shared clients and
+the tasks live in kopf's memo from startup to cleanup. Talks to nobody itself.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ import kopf
 
 from rollfleet.api.fleet import PLURAL
 from rollfleet.contract import COMPONENT_ENGINE, COMPONENT_GATEWAY, GROUP, LABEL_FLEET, VERSION, component_labels
-from rollfleet.controller.daemons import retry_later
 from rollfleet.controller.reconciler import FleetLoop, Key, NodeHealth, Shared
 from rollfleet.controller.status import GatewayObs
+from rollfleet.controller.tasks import ObjectTasks
 from rollfleet.engine_client import EngineClient
 from rollfleet.kube import Kube, load_client
 
@@ -45,10 +43,12 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
         )
     kube = Kube(load_client())
     memo.fleets = Shared(kube, EngineClient(max_connections=256), NodeHealth(kube), namespace)
+    memo.fleet_tasks = ObjectTasks("fleet")
 
 
 @kopf.on.cleanup()
 async def stop_fleets(memo: kopf.Memo, **_: Any) -> None:
+    await memo.fleet_tasks.stop_all()
     shared: Shared = memo.fleets
     await shared.engines.aclose()
     shared.kube.close()
@@ -70,22 +70,13 @@ def gateways(status: kopf.Status, namespace: str, labels: kopf.Labels, **_: Any)
     return {(namespace, labels[LABEL_FLEET]): obs}
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
-async def run_fleet(
-    body: kopf.Body,
-    stopped: kopf.DaemonStopped,
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def fleet_event(
+    event: kopf.RawEvent,
     memo: kopf.Memo,
     engine_pods: kopf.Index[Key, dict[str, Any]],
     gateways: kopf.Index[Key, GatewayObs],
     **_: Any,
 ) -> None:
-    if "loop" not in memo:  # the fleet's memo: the first run, not a retry
-        memo.loop = FleetLoop(memo.fleets, body, engine_pods, gateways)
-    loop: FleetLoop = memo.loop
-    try:
-        await loop.run(stopped)
-    except Exception as err:
-        loop.failures += 1
-        raise retry_later(f"reconcile of fleet {loop.key[0]}/{loop.key[1]}", err, loop.failures) from err
-    finally:
-        await loop.stop()  # its engine calls and Events: a retry plans them again
+    tasks: ObjectTasks = memo.fleet_tasks
+    tasks.on_event(event.get("type"), event["object"], lambda body: FleetLoop(memo.fleets, body, engine_pods, gateways))

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import rollfleet.controller.handlers  # registers the RolloutFleet handlers
 
     if not args.no_requests:
-        import rollfleet.controller.requests.handlers  # noqa: F401  (registers the RolloutRequest daemon)
+        import rollfleet.controller.requests.handlers  # noqa: F401  (registers the RolloutRequest handlers)
 
     kopf.configure(verbose=args.verbose)  # also configures the root logger our modules log to
     if args.metrics_port:

@@ -1,8 +1,8 @@
 """One reconcile loop per RolloutFleet: observe, decide (pure functions), act, report.
 
-`FleetLoop.run` is the body of the fleet's kopf daemon (`controller/handlers.py`). It reads
-the fleet's engine pods and gateway from kopf's indexes, and wakes when they or the fleet
-change, or on a timer. Each pass reads the engines' state over HTTP, asks `plan` what to do,
+`FleetLoop.run` is the fleet's task (`controller/tasks.py`, started by `controller/handlers.py`).
+It reads the fleet's engine pods and gateway from kopf's indexes, and wakes when they or the
+fleet change, or on a timer. Each pass reads the engines' state over HTTP, asks `plan` what to do,
 applies it, and writes status at most once per second (a pass coalesces everything that
 changed since the last write). Durable state lives in the cluster (pod names and
 annotations, the fleet's status), never only here, so a restarted operator resumes.
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -55,6 +55,7 @@ from rollfleet.controller.status import (
     fleet_status,
     observe_pod,
 )
+from rollfleet.controller.tasks import Stop
 from rollfleet.engine_client import EngineCallError, EngineClient, EngineRef
 from rollfleet.kube import FLEET, NODE, POD, SECRET, Conflict, Kube, NotFound, kind_named
 from rollfleet.sync.fleetversion import fleet_weight_version
@@ -143,14 +144,6 @@ class NodeHealth:
         return node is not None and self._at > 0 and not self._ready.get(node, False)
 
 
-class Stopped(Protocol):
-    """kopf's `DaemonStopped`, as the loop uses it: true once kopf stops the daemon."""
-
-    def __bool__(self) -> bool: ...
-
-    def wait(self, timeout: float | None = None) -> Awaitable[Any]: ...
-
-
 # kopf's indexes (`controller/handlers.py`), by (namespace, fleet name): the fleet's engine
 # pods, and its gateway Deployment's replica counts.
 PodIndex = Mapping[Key, Iterable[Mapping[str, Any]]]
@@ -168,16 +161,15 @@ class Shared:
 
 
 class FleetLoop:
-    """One fleet's loop and what it remembers between passes (kept in the fleet's kopf memo)."""
+    """One fleet's loop and what it remembers between passes (and across a failed pass's retry)."""
 
     def __init__(self, shared: Shared, body: Mapping[str, Any], pods: PodIndex, gateways: GatewayIndex) -> None:
         self.shared = shared
-        self.body = body  # kopf's live view: always the newest the watch delivered
+        self.body = body  # a live view: always the newest the watch delivered
         self.ref = desired.FleetRef.of(dict(body))
         self.key: Key = (self.ref.namespace, self.ref.name)
         self._pod_index = pods
         self._gateway_index = gateways
-        self.failures = 0  # consecutive failed passes: the daemon's backoff
         self._gone: set[str | None] = set()  # uids of pods the index holds but a LIST showed gone
         self._token: str | None = None
         self._states: dict[str, tuple[float, EngineState | None]] = {}
@@ -190,21 +182,22 @@ class FleetLoop:
         self._spec_error: str | None = None
         self._written: RolloutFleetStatus | None = None
         self._wake_early = False  # an engine call ended: pass again without waiting for the timer
+        # Crash counts of deleted crashed engines, by index, until their replacement carries it.
+        self._crashes: dict[int, int] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    async def run(self, stopped: Stopped) -> None:
-        """Passes until kopf stops the daemon. A pass follows every change to the fleet, its pods or its
-        gateway (seen in the indexes), at most every 0.25 s, and at least as often as the last pass asked.
-        A failed pass raises: the daemon retries after a backoff."""
+    async def run(self, stopped: Stop) -> None:
+        """Passes until the fleet is deleted or the operator exits. A pass follows every change to the fleet,
+        its pods or its gateway (seen in the indexes), at most every 0.25 s, and at least as often as the last
+        pass asked. A failed pass raises: the task runs this again after a backoff."""
         while not stopped:
             seen = self._fingerprint()
             started = time.monotonic()
             interval = await self.reconcile()
-            self.failures = 0
             await self._wait(stopped, seen, earliest=started + PASS_MIN_INTERVAL_S, latest=started + interval)
 
-    async def _wait(self, stopped: Stopped, seen: Hashable, earliest: float, latest: float) -> None:
+    async def _wait(self, stopped: Stop, seen: Hashable, earliest: float, latest: float) -> None:
         while not stopped:
             now = time.monotonic()
             if now >= latest or (now >= earliest and (self._wake_early or self._fingerprint() != seen)):
@@ -220,7 +213,8 @@ class FleetLoop:
     def _index_pods(self) -> Sequence[Mapping[str, Any]]:
         return [p for p in self._pod_index.get(self.key, ()) if p["metadata"].get("uid") not in self._gone]
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
+        """Cancel its engine calls and Events in flight (the fleet is gone, or the operator exits)."""
         tasks = [*self._calls.values(), *self._background]
         for t in tasks:
             t.cancel()
@@ -447,7 +441,7 @@ class FleetLoop:
     ) -> None:
         kube, ns = self.shared.kube, self.ref.namespace
         if isinstance(action, plan.Create):
-            pod = desired.engine_pod(self.ref, spec, action.index)
+            pod = desired.engine_pod(self.ref, spec, action.index, crashes=self._crashes.pop(action.index, 0))
             try:
                 await kube.create(pod)
             except Conflict:  # names are stable: one of that name exists already, no duplicate
@@ -468,6 +462,8 @@ class FleetLoop:
                 f"{spec.drain_timeout_seconds}s",
             )
         else:
+            if action.crashes is not None:
+                self._crashes[engines[action.name].obs.index] = action.crashes
             with contextlib.suppress(NotFound):
                 await kube.delete(POD, ns, action.name, {"gracePeriodSeconds": 0} if action.force else None)
             failed = engines[action.name].phase == EnginePhase.FAILED

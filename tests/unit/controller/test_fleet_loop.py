@@ -1,41 +1,23 @@
 """When a fleet's loop passes again: on changes kopf's indexes show, on its timer, never while stopped.
 
 The loop's I/O is not run here (the e2e suite does that); only its waiting between passes,
-against plain dicts standing in for kopf's indexes and an event standing in for `stopped`.
+against plain dicts standing in for kopf's indexes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import pytest
 
-from rollfleet.controller.daemons import MAX_BACKOFF_S, backoff_s
 from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared
 from rollfleet.controller.status import GatewayObs
+from rollfleet.controller.tasks import MAX_BACKOFF_S, Stop, backoff_s
 
 KEY = ("ns", "f")
 FLEET = {"metadata": {"name": "f", "namespace": "ns", "uid": "u-f", "resourceVersion": "1"}}
-
-
-class Stopped:
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-
-    def __bool__(self) -> bool:
-        return self.event.is_set()
-
-    def wait(self, timeout: float | None = None) -> Awaitable[bool]:  # kopf's signature
-        return self._wait(timeout)
-
-    async def _wait(self, seconds: float | None) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), seconds)
-        return self.event.is_set()
 
 
 def pod(name: str, rv: str) -> dict[str, Any]:
@@ -47,10 +29,10 @@ def loop_with(pods: dict[tuple[str, str], list[dict[str, Any]]], gateways: dict[
     return FleetLoop(shared, FLEET, pods, gateways)
 
 
-async def waited(loop: FleetLoop, change: Any, latest_s: float, stopped: Stopped | None = None) -> float:
+async def waited(loop: FleetLoop, change: Any, latest_s: float, stopped: Stop | None = None) -> float:
     """Seconds `_wait` took when `change()` runs just after it starts."""
-    if stopped is None:  # (an unset Stopped is falsy: no `or` here)
-        stopped = Stopped()
+    if stopped is None:  # (an unset Stop is falsy: no `or` here)
+        stopped = Stop()
     seen = loop._fingerprint()
     start = time.monotonic()
     waiting = asyncio.create_task(loop._wait(stopped, seen, start + PASS_MIN_INTERVAL_S, start + latest_s))
@@ -83,8 +65,8 @@ def test_another_fleets_pods_do_not_wake_the_loop() -> None:
 
 def test_stopping_ends_the_wait_at_once() -> None:
     loop = loop_with({}, {})
-    stopped = Stopped()
-    took = asyncio.run(waited(loop, stopped.event.set, latest_s=10.0, stopped=stopped))
+    stopped = Stop()
+    took = asyncio.run(waited(loop, lambda: stopped.set(deleted=True), latest_s=10.0, stopped=stopped))
     assert took < 1.0
 
 
@@ -96,5 +78,5 @@ def test_pods_a_listing_showed_gone_leave_the_loops_view() -> None:
 
 
 @pytest.mark.parametrize(("failures", "delay"), [(1, 2.0), (2, 4.0), (4, 16.0), (5, 30.0), (50, MAX_BACKOFF_S)])
-def test_daemon_backoff_doubles_up_to_its_cap(failures: int, delay: float) -> None:
+def test_task_backoff_doubles_up_to_its_cap(failures: int, delay: float) -> None:
     assert backoff_s(failures) == delay

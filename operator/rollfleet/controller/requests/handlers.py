@@ -1,21 +1,23 @@
-"""kopf registration for RolloutRequest: one daemon per request object.
+"""kopf registration for RolloutRequest: each request's task.
 
-A daemon (not on.create/on.update handlers) because a run is long-lived and must
-react within a fraction of a second to annotations on its object: kopf hands the
-daemon a live view of the body, which the run loop reads every tick. The daemon
-returns once the request is terminal (after its TTL when one is set), and finished
-requests without a TTL get no daemon at all; after an operator restart every request gets a daemon again
-and a running one is adopted (see `runner`). A failed run ends in `kopf.TemporaryError`, as a
-fleet's does (`controller/daemons.py`); the next run adopts what the failed one sent.
+A long-lived task per request (`tasks.ObjectTasks`, the fleets' idiom), not on.create/on.update
+handlers, because a run lasts minutes and must react within a fraction of a second to
+annotations on its object: the task holds a live view of the body, which the run loop reads
+every tick. The task ends once the request is terminal (after its TTL when one is set), and
+finished requests without a TTL get no task at all; after an operator restart every running
+request gets a task again and is adopted (see `runner`). A failed run is run again after a
+backoff, and adopts what the failed one sent. A deleted request's task aborts its samples at
+the engines. No finalizer: deletion never waits for the operator.
 
-The clients the daemons share (the API server's, through `rollfleet.kube`, and the HTTP
-client to gateways) live in kopf's memo from startup to cleanup. Talks to nobody itself;
-`runner` does the I/O.
+The clients the tasks share (the API server's, through `rollfleet.kube`, and the HTTP client
+to gateways) live in kopf's memo from startup to cleanup. Talks to nobody itself; `runner`
+does the I/O.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -23,8 +25,8 @@ import kopf
 
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES
 from rollfleet.contract import GROUP, VERSION
-from rollfleet.controller.daemons import retry_later
 from rollfleet.controller.requests import runner
+from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
 from rollfleet.kube import Kube, load_client
 
 # Each in-flight sample holds one connection to its gateway; parallelism is per request.
@@ -40,37 +42,44 @@ async def open_clients(memo: kopf.Memo, **_: Any) -> None:
         timeout=httpx.Timeout(None, connect=5.0),
         limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
     )
+    memo.request_tasks = ObjectTasks("request", wanted=_needs_task)
 
 
 @kopf.on.cleanup()
 async def close_clients(memo: kopf.Memo, **_: Any) -> None:
+    await memo.request_tasks.stop_all()
     await memo.request_http.aclose()
     memo.request_kube.close()
 
 
-def _needs_daemon(body: kopf.Body, **_: Any) -> bool:
+def _needs_task(body: Mapping[str, Any]) -> bool:
     """Running requests, and finished ones still waiting for their TTL: others cost no task."""
     status = body.get("status") or {}
     return status.get("phase") not in TERMINAL_PHASES or body["spec"].get("ttlSecondsAfterFinished") is not None
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=30.0, when=_needs_daemon)
-async def run_request(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, **_: Any) -> None:
-    kube: Kube = memo.request_kube
-    try:
-        await _run(kube, memo.request_http, body, stopped)
-    except Exception as err:
-        memo.failures = memo.get("failures", 0) + 1  # the request's memo: kept across retries
-        meta = body["metadata"]
-        raise retry_later(f"request {meta['namespace']}/{meta['name']}", err, memo.failures) from err
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def request_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    tasks: ObjectTasks = memo.request_tasks
+    tasks.on_event(
+        event.get("type"), event["object"], lambda body: RequestRun(memo.request_kube, memo.request_http, body)
+    )
 
 
-async def _run(kube: Kube, http: httpx.AsyncClient, body: kopf.Body, stopped: kopf.DaemonStopped) -> None:
-    phase = (body.get("status") or {}).get("phase")
-    finished_at = None
-    if phase not in TERMINAL_PHASES:
-        verdict = await runner.Run(kube, http, body, stopping=lambda: bool(stopped)).run()
-        if not verdict.terminal or stopped:
-            return
-        finished_at = time.time()
-    await runner.expire(kube, body, stopped.wait, finished_at)
+class RequestRun:
+    """A request's task: run it to a terminal phase, then delete it once its TTL passed."""
+
+    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: LiveBody) -> None:
+        self.kube, self.http, self.body = kube, http, body
+
+    async def run(self, stop: Stop) -> None:
+        finished_at = None
+        if (self.body.get("status") or {}).get("phase") not in TERMINAL_PHASES:
+            verdict = await runner.Run(self.kube, self.http, self.body, stop).run()
+            if not verdict.terminal or stop:
+                return
+            finished_at = time.time()
+        await runner.expire(self.kube, self.body, stop.wait, finished_at)
+
+    async def close(self) -> None:
+        return

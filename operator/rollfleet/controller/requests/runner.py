@@ -1,6 +1,6 @@
 """Runs one RolloutRequest: sends its samples through the fleet's gateway and records them.
 
-Owns the run loop of a request (one per request, inside the kopf daemon): observe the
+Owns the run loop of a request (one per request, in the request's task): observe the
 fleet (exists? paused? gateway reachable?), act on a new abort annotation or a passed
 deadline, send samples with bounded concurrency, store every finished sample in the
 results store, and patch status at a bounded rate. Decisions come from `plan` and
@@ -38,6 +38,7 @@ from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, 
 from rollfleet.controller.requests.results import ResultStore
 from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
 from rollfleet.controller.status import parse_time
+from rollfleet.controller.tasks import Stop
 from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SECRET, SERVICE, ApiError, Conflict, Kube, NotFound
 
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
@@ -111,12 +112,10 @@ async def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[P
 class Run:
     """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
 
-    def __init__(
-        self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any], stopping: Callable[[], bool]
-    ) -> None:
+    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any], stop: Stop) -> None:
         self.kube, self.http = kube, http
-        self.body = body  # kopf's live view: annotations change under us
-        self.stopping = stopping
+        self.body = body  # a live view: annotations change under us
+        self.stop = stop
         meta = body["metadata"]
         self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.rr = RolloutRequest.model_validate(dict(body))
@@ -164,7 +163,7 @@ class Run:
             )
         while True:
             now = time.time()
-            if self.stopping():
+            if self.stop:
                 await self._on_stop()
                 return self.verdict
             if self.fleet_rate.due(now):
@@ -409,8 +408,8 @@ class Run:
             self.abort_record = AbortRecord(token=self.abort_token, time=datetime.now(UTC), stopped=len(stopped))
 
     async def _on_stop(self) -> None:
-        """kopf stops the daemon: the request was deleted (stop its samples) or the operator exits."""
-        deleted = self.body["metadata"].get("deletionTimestamp") is not None
+        """The task stops: the request was deleted (stop its samples) or the operator exits."""
+        deleted = self.stop.deleted
         if deleted and self.tasks:
             self.aborting = True
             await self._gateway_abort([plan.sample_id(self.uid, k) for k in self.tasks.values()], timeout_s=5)
@@ -473,8 +472,8 @@ async def expire(
 ) -> None:
     """Delete a finished request once its ttlSecondsAfterFinished has passed (results go with it).
 
-    `finished_at` comes from a run that just ended: kopf's view of the body may not show
-    the terminal status yet, and a daemon that returns is not started again.
+    `finished_at` comes from a run that just ended: the watch's view of the body may not show
+    the terminal status yet, and a task that returns is not started again.
     """
     rr = RolloutRequest.model_validate(dict(body))
     if finished_at is None:
@@ -486,7 +485,7 @@ async def expire(
     left = plan.ttl_left(finished_at, rr.spec.ttl_seconds_after_finished, time.time())
     if left is None:
         return
-    if left > 0 and await wait(left):  # True: the daemon was asked to stop first
+    if left > 0 and await wait(left):  # True: the task was asked to stop first
         return
     meta = body["metadata"]
     with contextlib.suppress(NotFound, Conflict):  # gone, or a new object of that name: not ours to delete

@@ -1,0 +1,125 @@
+"""One task per object: started by a watch event, fed the newest body, stopped on deletion, retried on failure."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
+
+
+def fleet(uid: str = "u1", rv: str = "1", deleting: bool = False, **status: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "f", "namespace": "ns", "uid": uid, "resourceVersion": rv}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "status": status}
+
+
+class Recorder:
+    """A task body that records what it saw, and ends when told to (or fails once first)."""
+
+    def __init__(self, body: LiveBody, fail_first: bool = False) -> None:
+        self.body = body
+        self.runs = 0
+        self.fail_first = fail_first
+        self.finish = asyncio.Event()
+        self.closed = False
+        self.stopped_deleted: bool | None = None
+
+    async def run(self, stop: Stop) -> None:
+        self.runs += 1
+        if self.fail_first and self.runs == 1:
+            raise RuntimeError("API hiccup")
+        while not stop and not self.finish.is_set():
+            await stop.wait(0.01)
+        self.stopped_deleted = stop.deleted if stop else None
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0.02)
+
+
+def test_one_task_per_object_sees_the_newest_body_and_stops_when_it_is_deleted() -> None:
+    async def main() -> None:
+        tasks = ObjectTasks("fleet")
+        made: list[Recorder] = []
+
+        def make(body: LiveBody) -> Recorder:
+            made.append(Recorder(body))
+            return made[-1]
+
+        tasks.on_event(None, fleet(rv="1"), make)
+        tasks.on_event("MODIFIED", fleet(rv="2"), make)
+        await settle()
+        assert len(made) == 1 and made[0].runs == 1
+        assert made[0].body["metadata"]["resourceVersion"] == "2"
+        tasks.on_event("DELETED", fleet(rv="3"), make)
+        await settle()
+        assert made[0].stopped_deleted is True and made[0].closed
+
+    asyncio.run(main())
+
+
+def test_a_deletion_mark_stops_the_task_too() -> None:
+    async def main() -> None:
+        tasks = ObjectTasks("fleet")
+        made: list[Recorder] = []
+        tasks.on_event(None, fleet(), lambda b: made.append(Recorder(b)) or made[-1])
+        await settle()
+        tasks.on_event("MODIFIED", fleet(deleting=True), lambda b: Recorder(b))
+        await settle()
+        assert made[0].stopped_deleted is True
+
+    asyncio.run(main())
+
+
+def test_a_task_that_ends_on_its_own_is_not_started_again() -> None:
+    async def main() -> None:
+        tasks = ObjectTasks("request")
+        made: list[Recorder] = []
+
+        def make(body: LiveBody) -> Recorder:
+            made.append(Recorder(body))
+            return made[-1]
+
+        tasks.on_event(None, fleet(), make)
+        await settle()
+        made[0].finish.set()
+        await settle()
+        tasks.on_event("MODIFIED", fleet(rv="2"), make)  # e.g. its own last status write
+        await settle()
+        assert len(made) == 1 and made[0].closed
+
+    asyncio.run(main())
+
+
+def test_objects_not_wanted_get_no_task() -> None:
+    async def main() -> None:
+        def running(body: Mapping[str, Any]) -> bool:
+            return bool(body["status"].get("phase") != "Succeeded")
+
+        tasks = ObjectTasks("request", wanted=running)
+        made: list[Recorder] = []
+        tasks.on_event(None, fleet(phase="Succeeded"), lambda b: made.append(Recorder(b)) or made[-1])
+        await settle()
+        assert made == []
+
+    asyncio.run(main())
+
+
+def test_a_failed_run_is_run_again_after_a_backoff_with_the_same_state() -> None:
+    async def main() -> None:
+        tasks = ObjectTasks("fleet")
+        made: list[Recorder] = []
+        tasks.on_event(None, fleet(), lambda b: made.append(Recorder(b, fail_first=True)) or made[-1])
+        await asyncio.sleep(2.5)  # the first backoff is 2 s
+        assert len(made) == 1 and made[0].runs == 2
+        await tasks.stop_all()
+        assert made[0].stopped_deleted is False and made[0].closed  # the operator exits: not a deletion
+
+    asyncio.run(main())
