@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from e2e.fleet_helpers import (
+    ENGINE_START_S,
     OPERATOR_NS,
     Fleet,
     Stream,
@@ -25,9 +26,10 @@ from e2e.fleet_helpers import (
     operator_pods,
 )
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import REQUESTS_PATH
+from rollfleet.contract import ANNOTATION_CRASHES, REQUESTS_PATH, engine_pod_name
+from rollfleet.controller.status import CRASH_BACKOFF_START_S, parse_time
 from rollfleet_dev.engine_metrics import engine_metric
-from rollfleet_engine.tiny_model import LONG_GENERATION
+from rollfleet_engine.tiny_model import LONG_GENERATION, TINY_MODEL_CONTEXT
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -101,6 +103,54 @@ def test_invalid_fleets_are_refused_with_a_clear_message(cluster: Cluster, opera
     assert "must start with a letter" in _create(cluster, fleet_manifest("1fleet", NS, replicas=1))
     listed = cluster.kubectl("-n", NS, "get", "rf", "-o", "name").stdout
     assert "bad-" not in listed
+
+
+def test_an_engine_that_cannot_start_backs_off_says_why_and_recovers_once_the_spec_is_fixed(
+    cluster: Cluster, operator: None
+) -> None:
+    """A context longer than the model's: vLLM exits at start, every time, until the spec is fixed."""
+    crashy = Fleet(cluster, "crashy", NS)
+    manifest = fleet_manifest(crashy.name, NS, replicas=1)
+    manifest["spec"]["engine"]["maxModelLen"] = 10 * TINY_MODEL_CONTEXT
+    manifest["spec"]["gateway"] = {"enabled": False}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    try:
+        engine = engine_pod_name(crashy.name, 0)
+
+        def crashed(times: int) -> Callable[[dict[str, Any]], bool]:
+            def check(st: dict[str, Any]) -> bool:
+                message = crashy.engine(engine).get("message") or ""
+                return f"crashed {times} time(s) in a row" in message
+
+            return check
+
+        crashy.wait(crashed(1), "the first crash, with the engine's own words")
+        message = crashy.engine(engine)["message"]
+        assert "max_model_len" in message and "exited with code" in message, message
+        assert crashy.condition("Degraded")["status"] == "True"
+        [first] = crashy.pods()  # kept while it backs off
+        exited = parse_time(first["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"])
+
+        def replacement() -> dict[str, Any] | None:
+            return next((p for p in crashy.pods() if p["metadata"]["uid"] != first["metadata"]["uid"]), None)
+
+        second = wait_for(replacement, ENGINE_START_S, what="the replacement engine")
+        assert second is not None
+        assert second["metadata"]["annotations"][ANNOTATION_CRASHES] == "1"
+        created = parse_time(second["metadata"]["creationTimestamp"])
+        assert exited is not None and created is not None
+        assert (created - exited).total_seconds() >= CRASH_BACKOFF_START_S - 1  # (timestamps are whole seconds)
+        crashy.wait(crashed(2), "the second crash")
+
+        fixed = {"spec": {"engine": {"maxModelLen": TINY_MODEL_CONTEXT}}}
+        cluster.kubectl("-n", NS, "patch", "rf", crashy.name, "--type=merge", "-p", json.dumps(fixed))
+        crashy.wait_ready(1)
+        [pod] = crashy.pods()
+        assert ANNOTATION_CRASHES not in pod["metadata"]["annotations"]  # a fixed spec counts afresh
+    finally:
+        cluster.kubectl(
+            "-n", NS, "delete", "rf", crashy.name, "--wait=true", "--timeout=120s", check=False, timeout=150
+        )
 
 
 def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> None:

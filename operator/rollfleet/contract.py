@@ -67,6 +67,8 @@ COMPONENT_TRAINER = "trainer"
 ANNOTATION_PHASE = f"{GROUP}/phase"
 ANNOTATION_DRAINING_SINCE = f"{GROUP}/draining-since"
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
+# How many engines of this index (and template) crashed in a row before this one: its backoff.
+ANNOTATION_CRASHES = f"{GROUP}/crashes"
 # ... on the RolloutFleet (written by people and by the sync sidecar) ...
 ANNOTATION_PAUSE = f"{GROUP}/pause"
 ANNOTATION_RESUME = f"{GROUP}/resume"

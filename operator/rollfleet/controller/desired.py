@@ -17,6 +17,7 @@ from typing import Any
 from rollfleet.api.common import ROLLFLEET_IMAGE_UID
 from rollfleet.api.fleet import KIND, PlacementSpec, RolloutFleetSpec
 from rollfleet.contract import (
+    ANNOTATION_CRASHES,
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
     API_VERSION,
@@ -209,6 +210,8 @@ def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest]) -> Manifes
         "startupProbe": _http_probe("/health", "http", 5, max(1, engine.startup_timeout_seconds // 5)),
         "readinessProbe": _http_probe(READY_PATH, "http", 5, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
+        # An engine that fails to start leaves its last log lines in its status: the fleet's says why.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if engine.command:
         container["command"] = list(engine.command)
@@ -238,8 +241,12 @@ def _placement_fields(placement: PlacementSpec) -> Manifest:
     return {k: v for k, v in fields.items() if v}
 
 
-def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING) -> Manifest:
-    """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts."""
+def engine_pod(
+    ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING, crashes: int = 0
+) -> Manifest:
+    """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts.
+
+    `crashes`: how many engines of this index crashed in a row before it (its crash-loop backoff)."""
     volumes, mounts = _engine_volumes(ref.name, spec)
     pod_spec: Manifest = {
         # Never: a dead engine is replaced by the operator (a fresh pod, drained and
@@ -261,6 +268,8 @@ def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = E
         COMPONENT_ENGINE,
         annotations={ANNOTATION_PHASE: phase, ANNOTATION_TEMPLATE_HASH: template_hash(spec)},
     )
+    if crashes:
+        meta["annotations"][ANNOTATION_CRASHES] = str(crashes)
     meta["labels"][LABEL_INDEX] = str(index)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 

@@ -1,8 +1,9 @@
 """What to do next, given what is observed: pod actions, pause decisions, phase updates.
 
 Pure. `plan_pods` scales up and down (scale-down drains first), replaces failed or
-lost engines, and rolls spec changes one engine at a time within maxUnavailable and
-maxSurge. Draining is explicit state on the pod (`rollfleet.dev/phase=Draining`,
+lost engines (one that crashed soon after it started waits out a doubling backoff first,
+as kubelet's CrashLoopBackOff), and rolls spec changes one engine at a time within
+maxUnavailable and maxSurge. Draining is explicit state on the pod (`rollfleet.dev/phase=Draining`,
 `rollfleet.dev/draining-since`), so a restarted operator continues where it was.
 `pause_request` and `pause_record` turn the fleet's annotations and its recorded pause
 into the pause to hold; `engine_pause_calls` and `phase_updates` say which engines need a call or a new
@@ -42,6 +43,8 @@ class Delete:
     name: str
     reason: str
     force: bool = False  # grace period 0: for pods on a lost node, whose kubelet will never confirm
+    # A crashed engine's: the crash count its replacement carries (the index's next backoff).
+    crashes: int | None = None
 
 
 PodAction = Create | Drain | Delete
@@ -77,6 +80,19 @@ def drain_finished(engine: Engine, drain_timeout: float, now: datetime) -> str |
     return None
 
 
+def replace_failed(engine: Engine, current_hash: str, now: datetime) -> list[PodAction]:
+    """Delete a failed engine (to be replaced) unless it crash-loops and its backoff has not passed.
+
+    An outdated one (its spec was fixed) goes at once, and its replacement counts crashes afresh."""
+    obs = engine.obs
+    outdated = obs.template_hash != current_hash
+    retry = obs.replace_at()
+    if retry is not None and not outdated and now < retry:
+        return []
+    carry = obs.crashes + 1 if obs.crash_looping and not outdated else None
+    return [Delete(obs.name, f"replacing failed engine: {engine.message}", crashes=carry)]
+
+
 def plan_pods(
     engines: Sequence[Engine],
     *,
@@ -100,7 +116,8 @@ def plan_pods(
             occupying += 1
             continue
         if obs.failed:
-            actions.append(Delete(obs.name, f"replacing failed engine: {e.message}"))
+            # Kept through a crash-loop backoff, the failed pod keeps its index (it holds no resources).
+            actions += replace_failed(e, current_hash, now)
             continue
         occupying += 1
         if obs.draining:

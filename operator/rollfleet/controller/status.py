@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from rollfleet.api.common import Condition, ConditionStatus
 from rollfleet.api.fleet import EngineStatus, GatewayStatus, PauseStatus, RolloutFleetSpec, RolloutFleetStatus
 from rollfleet.contract import (
+    ANNOTATION_CRASHES,
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
@@ -26,9 +27,31 @@ from rollfleet.contract import (
 )
 from rollfleet_engine.protocol import EngineState
 
+LOG_LINES = 5  # of a failed engine's log, in its status message
+LOG_CHARS = 600
+
 
 def parse_time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+@dataclass(frozen=True)
+class Exited:
+    """The end of an engine container: when, and after how long a run."""
+
+    at: datetime
+    ran_s: float | None
+
+
+# kubelet's CrashLoopBackOff, for engines the operator replaces (restartPolicy Never).
+CRASH_BACKOFF_START_S = 10.0
+CRASH_BACKOFF_CAP_S = 300.0
+CRASH_RESET_AFTER_S = 600.0  # an engine that ran this long before it failed starts the count afresh
+
+
+def crash_backoff_s(crashes: int) -> float:
+    """How long a failed engine stays before its replacement, after `crashes` crashes before it."""
+    return min(CRASH_BACKOFF_CAP_S, CRASH_BACKOFF_START_S * 2.0**crashes)
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,8 @@ class EngineObs:
     pod_ip: str | None
     reason: str | None  # why it is not running (terminated container, unschedulable, ...)
     state: EngineState | None = None  # last GET /rollfleet/v1/state; None: not (yet) reachable
+    crashes: int = 0  # engines of this index that crashed in a row before this one
+    exited: Exited | None = None  # when its engine container ended, if it did
 
     @property
     def failed(self) -> bool:
@@ -56,6 +81,23 @@ class EngineObs:
     @property
     def draining(self) -> bool:
         return self.annotated_phase == EnginePhase.DRAINING
+
+    @property
+    def crash_looping(self) -> bool:
+        """It failed soon after it started: its replacement waits out a backoff (not a lost node)."""
+        return (
+            self.failed
+            and not self.node_lost
+            and self.exited is not None
+            and (self.exited.ran_s is None or self.exited.ran_s < CRASH_RESET_AFTER_S)
+        )
+
+    def replace_at(self) -> datetime | None:
+        """When a crash-looping engine may be replaced (None: at once)."""
+        if not self.crash_looping:
+            return None
+        assert self.exited is not None
+        return self.exited.at + timedelta(seconds=crash_backoff_s(self.crashes))
 
     @property
     def in_flight(self) -> int | None:
@@ -84,7 +126,27 @@ def observe_pod(pod: Mapping[str, Any], fleet: str, node_lost: bool, state: Engi
         pod_ip=status.get("podIP"),
         reason=_not_running_reason(status, conditions),
         state=state,
+        crashes=_int(annotations.get(ANNOTATION_CRASHES)),
+        exited=_exited(status),
     )
+
+
+def _int(value: str | None) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
+
+
+def _exited(status: Mapping[str, Any]) -> Exited | None:
+    for cs in status.get("containerStatuses") or []:
+        t = (cs.get("state") or {}).get("terminated")
+        if t and t.get("finishedAt"):
+            finished = parse_time(t["finishedAt"])
+            assert finished is not None
+            started = parse_time(t.get("startedAt"))
+            return Exited(finished, (finished - started).total_seconds() if started else None)
+    return None
 
 
 def _not_running_reason(status: Mapping[str, Any], conditions: Mapping[str, Any]) -> str | None:
@@ -92,7 +154,11 @@ def _not_running_reason(status: Mapping[str, Any], conditions: Mapping[str, Any]
         state = cs.get("state") or {}
         if "terminated" in state:
             t = state["terminated"]
-            return f"engine exited with code {t.get('exitCode')} ({t.get('reason') or 'no reason'})"
+            why = f"engine exited with code {t.get('exitCode')} ({t.get('reason') or 'no reason'})"
+            # The container's last log lines (terminationMessagePolicy FallbackToLogsOnError), shortened.
+            lines = [line.strip() for line in (t.get("message") or "").splitlines() if line.strip()]
+            tail = " | ".join(lines[-LOG_LINES:])
+            return f"{why}: {tail[-LOG_CHARS:]}" if tail else why
         if "waiting" in state and state["waiting"].get("reason") not in (None, "ContainerCreating"):
             w = state["waiting"]
             return f"{w.get('reason')}: {w.get('message') or ''}".strip(": ")
@@ -131,7 +197,11 @@ def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sy
     if obs.terminating:
         return Engine(obs, EnginePhase.DRAINING, "pod is being deleted")
     if obs.failed:
-        return Engine(obs, EnginePhase.FAILED, obs.reason or f"pod {obs.pod_phase}")
+        why = obs.reason or f"pod {obs.pod_phase}"
+        retry = obs.replace_at()
+        if retry is not None:
+            why = f"crashed {obs.crashes + 1} time(s) in a row, replaced from {retry:%H:%M:%S}Z on: {why}"
+        return Engine(obs, EnginePhase.FAILED, why)
     if obs.draining:
         in_flight = obs.in_flight if obs.in_flight is not None else "?"
         return Engine(obs, EnginePhase.DRAINING, f"draining, {in_flight} in flight")

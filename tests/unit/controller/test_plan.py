@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from rollfleet.api.fleet import PauseStatus, UpdateStrategy
 from rollfleet.contract import ANNOTATION_PAUSE, ANNOTATION_RESUME
 from rollfleet.controller import plan
 from rollfleet.controller.plan import Create, Delete, Drain, PauseCall, ResumeCall
-from rollfleet.controller.status import Engine, WeightView
+from rollfleet.controller.status import Engine, Exited, WeightView
 
 OLD = "h-old"
 
@@ -69,6 +70,27 @@ def test_failed_engine_is_deleted_then_recreated_under_the_same_name() -> None:
     # While the failed pod still exists its name is taken: no engine-2 is created instead.
     assert not any(isinstance(a, Create) for a in run([engine(0), failed], 2))
     assert run([engine(0)], 2) == [Create(1, "2 engines wanted, 1 exist")]
+
+
+def crashed(index: int, exited_s_ago: float, ran_s: float, crashes: int = 0, **over: Any) -> Engine:
+    exited = Exited(NOW - timedelta(seconds=exited_s_ago), ran_s)
+    reason = "engine exited with code 1 (Error): ValueError: max_model_len too large"
+    return engine(index, phase="Failed", ready=False, reason=reason, exited=exited, crashes=crashes, **over)
+
+
+def test_an_engine_that_crashes_at_start_is_replaced_after_a_doubling_backoff() -> None:
+    # Its third crash in a row: 10 s * 2**2 = 40 s after it exited.
+    assert run([engine(0), crashed(1, exited_s_ago=39, ran_s=20, crashes=2)], 2) == []
+    [delete] = run([engine(0), crashed(1, exited_s_ago=41, ran_s=20, crashes=2)], 2)
+    assert isinstance(delete, Delete) and delete.crashes == 3 and "max_model_len" in delete.reason
+    assert crashed(1, exited_s_ago=0, ran_s=1, crashes=9).obs.replace_at() == NOW + timedelta(seconds=300)  # the cap
+
+
+def test_a_long_run_or_a_fixed_spec_ends_the_backoff() -> None:
+    [after_long_run] = run([engine(0), crashed(1, exited_s_ago=0, ran_s=3600, crashes=4)], 2)
+    assert isinstance(after_long_run, Delete) and after_long_run.crashes is None
+    [outdated] = run([engine(0), crashed(1, exited_s_ago=0, ran_s=20, crashes=4, template_hash=OLD)], 2)
+    assert isinstance(outdated, Delete) and outdated.crashes is None
 
 
 def test_engine_on_a_lost_node_is_force_deleted() -> None:

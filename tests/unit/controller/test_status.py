@@ -8,7 +8,7 @@ from typing import Any
 from tests.unit.controller.fleet_fixtures import HASH, NO_WEIGHTS, NOW, draining, engine, obs, state
 
 from rollfleet.api.fleet import PauseStatus, RolloutFleetSpec, RolloutFleetStatus
-from rollfleet.contract import ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH
+from rollfleet.contract import ANNOTATION_CRASHES, ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH
 from rollfleet.controller.status import (
     Engine,
     GatewayObs,
@@ -242,3 +242,25 @@ def test_pause_shows_mode_count_and_invalid_values() -> None:
     invalid = status([engine(0), engine(1)], pause=PauseView(None, invalid_value="soon"))
     assert conditions(invalid)["Paused"] == ("False", "InvalidPauseAnnotation")
     assert invalid.pause is None
+
+
+def test_a_crashed_engine_says_why_with_its_last_log_lines_and_when_it_is_replaced() -> None:
+    log = "\n".join(f"line {i}" for i in range(20)) + "\nValueError: max_model_len 99999 > 2048"
+    terminated = {
+        "exitCode": 1,
+        "reason": "Error",
+        "startedAt": "2026-01-01T11:59:30Z",
+        "finishedAt": "2026-01-01T11:59:50Z",
+        "message": log,
+    }
+    raw = pod(name="f-engine-1", phase="Failed", ready="False")
+    raw["metadata"]["annotations"] = {ANNOTATION_CRASHES: "1", ANNOTATION_TEMPLATE_HASH: HASH}
+    raw["status"]["containerStatuses"] = [{"name": "engine", "state": {"terminated": terminated}}]
+    o = observe_pod(raw, "f", False, None)
+    assert o is not None and o.crashes == 1 and o.exited is not None and o.exited.ran_s == 20
+    assert o.reason is not None and o.reason.endswith("line 19 | ValueError: max_model_len 99999 > 2048")
+    assert "line 14" not in o.reason  # the last lines only
+    e = classify(o, NO_WEIGHTS, False, True)
+    assert e.phase == "Failed" and e.message is not None
+    # Its second crash in a row: replaced 20 s after it exited.
+    assert e.message.startswith("crashed 2 time(s) in a row, replaced from 12:00:10Z on: engine exited with code 1")

@@ -32,6 +32,23 @@ class LogsError(RollfleetError, LookupError):
     pass
 
 
+# kubelet's limits for terminationMessagePolicy FallbackToLogsOnError.
+TAIL_LINES = 80
+TAIL_BYTES = 2048
+
+
+def log_tail(path: Path) -> str:
+    """A failed container's termination message from its log: the last 80 lines, at most 2048 bytes."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return ""
+    lines = data.decode(errors="replace").splitlines()[-TAIL_LINES:]
+    return "\n".join(lines)
+
+
 def find_log(pods_dir: Path, namespace: str, pod: str, container: str | None, previous: bool) -> Path:
     """The log file of a pod's container (the newest pod of that name if it was recreated)."""
     dirs = [d for d in pods_dir.glob(f"{namespace}_{pod}_*") if d.name.rsplit("_", 1)[0] == f"{namespace}_{pod}"]

@@ -429,7 +429,10 @@ class PodWorker:
                 await probe_task
         started_at = c.obs.state.started_at if isinstance(c.obs.state, Running) else None
         reason = exit_reason(exit_.code)
-        c.obs.state = Terminated(exit_.code, reason, started_at, datetime.now(UTC), c.kill_reason, exit_.signal)
+        message = c.kill_reason
+        if not message and exit_.code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            message = logs.log_tail(self.dir / f"{c.spec['name']}.log")
+        c.obs.state = Terminated(exit_.code, reason, started_at, datetime.now(UTC), message, exit_.signal)
         c.obs.ready = False
         c.obs.started = False
         c.proc = None
