@@ -41,8 +41,8 @@ def fleet(live: LiveFleet) -> LiveFleet:
     return live
 
 
-def create(fleet: LiveFleet, prompts: int, samples: int, **spec: Any) -> tuple[str, str]:
-    """A RolloutRequest on the live fleet; its name and uid."""
+def create(fleet: LiveFleet, prompts: int | list[dict[str, Any]], samples: int, **spec: Any) -> tuple[str, str]:
+    """A RolloutRequest on the live fleet (`prompts` text prompts, or these prompts); its name and uid."""
     name = f"rr-{uuid.uuid4().hex[:6]}"
     doc = {
         "apiVersion": "rollfleet.dev/v1alpha1",
@@ -50,7 +50,9 @@ def create(fleet: LiveFleet, prompts: int, samples: int, **spec: Any) -> tuple[s
         "metadata": {"name": name, "namespace": fleet.namespace},
         "spec": {
             "fleet": fleet.fleet.name,
-            "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)],
+            "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)]
+            if isinstance(prompts, int)
+            else prompts,
             "samplesPerPrompt": samples,
             **spec,
         },
@@ -129,19 +131,7 @@ def test_a_64x4_request_completes_showing_progress_and_keeps_256_results(fleet: 
 
 def test_samples_an_engine_refuses_fail_with_its_message_and_the_request_ends(fleet: LiveFleet) -> None:
     """A token id outside the vocabulary: vLLM refuses it inside a stream it answered 200."""
-    name = f"rr-{uuid.uuid4().hex[:6]}"
-    doc = {
-        "apiVersion": "rollfleet.dev/v1alpha1",
-        "kind": "RolloutRequest",
-        "metadata": {"name": name, "namespace": fleet.namespace},
-        "spec": {
-            "fleet": fleet.fleet.name,
-            "prompts": [{"tokenIds": [1, 2, 3]}, {"tokenIds": [1, 10**9]}],
-            "samplesPerPrompt": 2,
-            "sampling": {"maxTokens": 4},
-        },
-    }
-    fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    name, _ = create(fleet, [{"tokenIds": [1, 2, 3]}, {"tokenIds": [1, 10**9]}], 2, sampling={"maxTokens": 4})
     st = wait_phase(fleet, name, "Failed", timeout=120)
     assert st["reason"] == "SamplesFailed" and "vocab" in st["message"].lower(), st
     assert st["counts"] == {"total": 4, "completed": 2, "aborted": 0, "failed": 2, "inFlight": 0}

@@ -207,29 +207,18 @@ def interpret(
         return Outcome.UNSURE, None
     if status == 429:
         return Outcome.RETRY, None
-    if status >= 400:
-        message = str((body.get("error") or {}).get("message") or body.get("detail") or body)[:2000]
-        return Outcome.FAILED, SampleResult(
-            key[0],
-            key[1],
-            rid,
-            "error",
-            started_at=started_at,
-            finished_at=finished_at,
-            error=f"HTTP {status}: {message}",
-        )
+    error = None
     choices = body.get("choices") or []
-    if not choices:
+    if status >= 400:
+        error = f"HTTP {status}: " + str((body.get("error") or {}).get("message") or body.get("detail") or body)
+    elif not choices:
         # An answer, so the id ended; without choices it is nothing to store or to resend blindly.
-        return Outcome.FAILED, SampleResult(
-            key[0],
-            key[1],
-            rid,
-            "error",
-            started_at=started_at,
-            finished_at=finished_at,
-            error=f"HTTP {status} without choices: {str(body)[:2000]}",
+        error = f"HTTP {status} without choices: {body}"
+    if error is not None:
+        failed = SampleResult(
+            key[0], key[1], rid, "error", started_at=started_at, finished_at=finished_at, error=error[:2000]
         )
+        return Outcome.FAILED, failed
     choice = choices[0]
     reason = choice.get("finish_reason")
     if reason is None or (reason == ABORT and not abort_wanted):
