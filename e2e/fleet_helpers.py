@@ -31,6 +31,20 @@ OPERATOR_NS = "rollfleet-system"
 ENGINE_START_S = 600.0
 
 
+IMAGE_ID_ANNOTATION = "rollfleet.dev/e2e-image-id"
+
+
+def local_image_id(image: str) -> str | None:
+    """The id Docker here has for `image` (what `kind up` loaded); None without Docker or the image."""
+    try:
+        out = subprocess.run(
+            ["docker", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
 def overlay() -> Path:
     name = os.environ.get("ROLLFLEET_E2E_OVERLAY") or (
         "local" if os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") == "local" else "kind"
@@ -65,7 +79,13 @@ def deploy_operator(cluster: Cluster, namespaces: list[str]) -> None:
     docs = list(yaml.safe_load_all(cluster.kubectl("kustomize", str(overlay())).stdout))
     for doc in docs:
         if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "rollfleet-operator":
-            doc["spec"]["template"]["spec"]["containers"][0]["args"] += [f"--namespace={n}" for n in served]
+            template = doc["spec"]["template"]
+            template["spec"]["containers"][0]["args"] += [f"--namespace={n}" for n in served]
+            image_id = local_image_id(template["spec"]["containers"][0]["image"])
+            if image_id:
+                # The tag stays 0.1.0 while `kind up` loads rebuilt images under it: a changed image id
+                # rolls the operator, which would otherwise keep running the code of an earlier build.
+                template["metadata"].setdefault("annotations", {})[IMAGE_ID_ANNOTATION] = image_id
     cluster.kubectl(
         "apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs), timeout=180
     )
