@@ -131,10 +131,11 @@ def test_a_64x4_request_completes_showing_progress_and_keeps_256_results(fleet: 
 
 def test_samples_an_engine_refuses_fail_with_its_message_and_the_request_ends(fleet: LiveFleet) -> None:
     """A token id outside the vocabulary: vLLM refuses it inside a stream it answered 200."""
-    name, _ = create(fleet, [{"tokenIds": [1, 2, 3]}, {"tokenIds": [1, 10**9]}], 2, sampling={"maxTokens": 4})
+    prompts = [{"tokenIds": [1, 2, 3]}, {"tokenIds": [1, 10**9]}]
+    name, _ = create(fleet, prompts, 2, sampling={"maxTokens": 4, "ignoreEos": True})
     st = wait_phase(fleet, name, "Failed", timeout=120)
     assert st["reason"] == "SamplesFailed" and "vocab" in st["message"].lower(), st
-    assert st["counts"] == {"total": 4, "completed": 2, "aborted": 0, "failed": 2, "inFlight": 0}
+    assert st["counts"] == {"total": 4, "completed": 2, "aborted": 0, "failed": 2, "inFlight": 0}, st
     rows = {(r["prompt"], r["sample"]): r for r in results(fleet, name)}
     assert len(rows) == 4
     for sample in range(2):
