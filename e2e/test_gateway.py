@@ -314,7 +314,9 @@ def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
     assert r.status_code == status
     assert r.json()["error"]["message"]
     ok = httpx.post(
-        gateway + "/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 2}, timeout=60
+        gateway + "/v1/completions",
+        json={"model": "tiny", "prompt": "still there?", "max_tokens": 2, "ignore_eos": True},
+        timeout=60,
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 

@@ -202,6 +202,11 @@ def test_abort_non_streaming_returns_partial_output(engine: Engine) -> None:
     # the same batch shows that decoding is under way.
     companion = Stream(engine, rid("companion"), 64)
     companion.wait_tokens(8)
+    # On a loaded host the thread's request may reach the engine after the companion decodes.
+    deadline = time.monotonic() + 60
+    while engine.client.get(f"{engine.url}/rollfleet/v1/requests/{request_id}").json().get("phase") != "running":
+        assert time.monotonic() < deadline, "the request never ran on the engine"
+        time.sleep(0.05)
     r = control(engine, "/rollfleet/v1/abort", json={"request_ids": [request_id]})
     assert r.json()["results"] == {request_id: "aborted"}
     t.join(120)
