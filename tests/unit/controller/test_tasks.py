@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
@@ -39,6 +39,16 @@ class Recorder:
         self.closed = True
 
 
+def recorder(made: list[Recorder], fail_first: bool = False) -> Callable[[LiveBody], Recorder]:
+    """A task factory that keeps what it made in `made`."""
+
+    def make(body: LiveBody) -> Recorder:
+        made.append(Recorder(body, fail_first))
+        return made[-1]
+
+    return make
+
+
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0.02)
@@ -48,11 +58,7 @@ def test_one_task_per_object_sees_the_newest_body_and_stops_when_it_is_deleted()
     async def main() -> None:
         tasks = ObjectTasks("fleet")
         made: list[Recorder] = []
-
-        def make(body: LiveBody) -> Recorder:
-            made.append(Recorder(body))
-            return made[-1]
-
+        make = recorder(made)
         tasks.on_event(None, fleet(rv="1"), make)
         tasks.on_event("MODIFIED", fleet(rv="2"), make)
         await settle()
@@ -69,9 +75,9 @@ def test_a_deletion_mark_stops_the_task_too() -> None:
     async def main() -> None:
         tasks = ObjectTasks("fleet")
         made: list[Recorder] = []
-        tasks.on_event(None, fleet(), lambda b: made.append(Recorder(b)) or made[-1])
+        tasks.on_event(None, fleet(), recorder(made))
         await settle()
-        tasks.on_event("MODIFIED", fleet(deleting=True), lambda b: Recorder(b))
+        tasks.on_event("MODIFIED", fleet(deleting=True), recorder([]))
         await settle()
         assert made[0].stopped_deleted is True
 
@@ -82,11 +88,7 @@ def test_a_task_that_ends_on_its_own_is_not_started_again() -> None:
     async def main() -> None:
         tasks = ObjectTasks("request")
         made: list[Recorder] = []
-
-        def make(body: LiveBody) -> Recorder:
-            made.append(Recorder(body))
-            return made[-1]
-
+        make = recorder(made)
         tasks.on_event(None, fleet(), make)
         await settle()
         made[0].finish.set()
@@ -105,7 +107,7 @@ def test_objects_not_wanted_get_no_task() -> None:
 
         tasks = ObjectTasks("request", wanted=running)
         made: list[Recorder] = []
-        tasks.on_event(None, fleet(phase="Succeeded"), lambda b: made.append(Recorder(b)) or made[-1])
+        tasks.on_event(None, fleet(phase="Succeeded"), recorder(made))
         await settle()
         assert made == []
 
@@ -116,7 +118,7 @@ def test_a_failed_run_is_run_again_after_a_backoff_with_the_same_state() -> None
     async def main() -> None:
         tasks = ObjectTasks("fleet")
         made: list[Recorder] = []
-        tasks.on_event(None, fleet(), lambda b: made.append(Recorder(b, fail_first=True)) or made[-1])
+        tasks.on_event(None, fleet(), recorder(made, fail_first=True))
         await asyncio.sleep(2.5)  # the first backoff is 2 s
         assert len(made) == 1 and made[0].runs == 2
         await tasks.stop_all()
