@@ -113,6 +113,8 @@ def operator(kubeconfig: Path, namespace: str, metrics_port: int) -> Iterator[su
             "operator",
             "-n",
             namespace,
+            "--key-namespace",
+            namespace,
             "--no-requests",
             "--listen",
             "127.0.0.1",

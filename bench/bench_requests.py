@@ -34,9 +34,10 @@ import httpx
 import kubernetes
 
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
-from rollfleet.contract import GROUP, VERSION
+from rollfleet.contract import GROUP, OPERATOR_NAMESPACE, VERSION
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import read_fleet
+from rollfleet.controller.tokens import OperatorKey
 from rollfleet.kube import Kube, load_client
 from rollfleet_dev.localcluster import controlplane
 
@@ -50,11 +51,14 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+NO_ENDPOINTS = ["--health-port", "0", "--metrics-port", "0"]
+
+
 @contextmanager
 def operator(kubeconfig: Path, namespace: str) -> Iterator[subprocess.Popen[bytes]]:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     proc = subprocess.Popen(
-        [str(BIN / "rollfleet"), "operator", "-n", namespace, "--health-port", "0", "--metrics-port", "0"],
+        [BIN / "rollfleet", "operator", "-n", namespace, "--key-namespace", namespace, *NO_ENDPOINTS],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -163,7 +167,7 @@ def bench_throughput(
     via_operator = time.monotonic() - start
     phase = phases(custom, ns)[rr]
 
-    view = asyncio.run(read_fleet(Kube(client), ns, name))
+    view = asyncio.run(read_fleet(Kube(client), OperatorKey(OPERATOR_NAMESPACE), ns, name))
     assert view.gateway and view.model, f"fleet {fleet} has no gateway yet"
     parsed = RolloutRequestSpec.model_validate(spec)
     uid = f"direct-{uuid.uuid4().hex[:8]}"

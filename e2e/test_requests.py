@@ -48,7 +48,18 @@ def operator(cluster: Cluster, ns: str, tmp_path_factory: pytest.TempPathFactory
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(BIN / "rollfleet"), "operator", "-n", ns, "--health-port", "0", "--metrics-port", "0"],
+            [
+                str(BIN / "rollfleet"),
+                "operator",
+                "-n",
+                ns,
+                "--key-namespace",
+                ns,
+                "--health-port",
+                "0",
+                "--metrics-port",
+                "0",
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

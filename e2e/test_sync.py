@@ -20,7 +20,7 @@ import pytest
 from tests.engine.test_engine_live import _reference_greedy
 
 from e2e.fleet_helpers import (
-    REPO,
+    OPERATOR_NS,
     Fleet,
     Stream,
     deploy_operator,
@@ -30,7 +30,16 @@ from e2e.fleet_helpers import (
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
-from rollfleet.contract import ROUTABLE_PHASES, SYNC_API_PORT, SYNC_HEALTH_PORT
+from rollfleet.contract import (
+    OPERATOR_KEY_SECRET,
+    RECORD_WEIGHT_GENERATION,
+    RECORD_WEIGHT_VERSION,
+    ROUTABLE_PHASES,
+    SYNC_API_PORT,
+    SYNC_HEALTH_PORT,
+    trainer_name,
+    weights_record_name,
+)
 from rollfleet.sync.client import SyncClient
 from rollfleet.sync.models import EngineStep, PushState
 from rollfleet.sync.protocol import PushPhase, decode_record
@@ -52,7 +61,6 @@ ENGINES = [f"{NAME}-engine-0", f"{NAME}-engine-1"]
 def operator(cluster: Cluster) -> Iterator[None]:
     deploy_operator(cluster, [NS])
     cluster.kubectl("create", "namespace", NS)
-    cluster.kubectl("-n", NS, "apply", "-k", str(REPO / "manifests" / "sync"))
     yield
     cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
 
@@ -64,6 +72,12 @@ def fleet(cluster: Cluster, operator: None) -> Fleet:
     fleet = Fleet(cluster, NAME, NS)
     fleet.wait_ready(2)
     return fleet
+
+
+def weights_record(cluster: Cluster) -> dict[str, str]:
+    """The data of the fleet's weight-sync record (the ConfigMap the sidecar writes)."""
+    out = cluster.kubectl("-n", NS, "get", "configmap", weights_record_name(NAME), "-o", "json").stdout
+    return dict(json.loads(out).get("data") or {})
 
 
 def trainer_pod() -> dict[str, Any]:
@@ -84,7 +98,7 @@ def trainer_pod() -> dict[str, Any]:
             "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME},
         },
         "spec": {
-            "serviceAccountName": "rollfleet-trainer",
+            "serviceAccountName": trainer_name(NAME),  # made by the operator with the fleet
             "containers": [
                 {
                     "name": "rollfleet-sync",
@@ -156,6 +170,58 @@ def all_ready_on(version: str) -> Any:
     return check
 
 
+# What each component's ServiceAccount may do, asked of the API server (RBAC as installed):
+# (account, verb, resource, namespace, allowed). Accounts: namespace:name; "NS" is this module's.
+PRIVILEGES = [
+    # The trainer records pushes in its fleet's ConfigMap and lists engines; nothing that runs in them.
+    ("NS:sync-trainer", "patch", "configmaps/sync-weights", "NS", True),
+    ("NS:sync-trainer", "list", "pods", "NS", True),
+    ("NS:sync-trainer", "get", "rolloutfleets/sync", "NS", True),
+    ("NS:sync-trainer", "patch", "rolloutfleets/sync", "NS", False),
+    ("NS:sync-trainer", "patch", "rolloutfleets.rollfleet.dev/sync", "NS", False),
+    ("NS:sync-trainer", "update", "rolloutfleets", "NS", False),
+    ("NS:sync-trainer", "patch", "pods", "NS", False),
+    ("NS:sync-trainer", "create", "pods", "NS", False),
+    ("NS:sync-trainer", "get", "secrets", "NS", False),
+    ("NS:sync-trainer", "patch", "configmaps/other", "NS", False),
+    # The gateway watches engine pods, nothing else.
+    ("NS:sync-gateway", "watch", "pods", "NS", True),
+    ("NS:sync-gateway", "patch", "pods", "NS", False),
+    ("NS:sync-gateway", "get", "secrets", "NS", False),
+    ("NS:sync-gateway", "get", "configmaps", "NS", False),
+    # Engines never call the API server.
+    ("NS:sync-engine", "list", "pods", "NS", False),
+    ("NS:sync-engine", "get", "secrets", "NS", False),
+    # The operator creates Secrets and reads only its key.
+    (f"{OPERATOR_NS}:rollfleet-operator", "create", "secrets", "NS", True),
+    (f"{OPERATOR_NS}:rollfleet-operator", "get", "secrets", "NS", False),
+    (f"{OPERATOR_NS}:rollfleet-operator", "list", "secrets", OPERATOR_NS, False),
+    (f"{OPERATOR_NS}:rollfleet-operator", "get", f"secrets/{OPERATOR_KEY_SECRET}", OPERATOR_NS, True),
+    (f"{OPERATOR_NS}:rollfleet-operator", "get", "secrets/sync-admin-token", "NS", False),
+]
+
+
+def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet: Fleet) -> None:
+    def allowed(account: str, verb: str, resource: str, namespace: str) -> bool:
+        user = "system:serviceaccount:" + account.replace("NS", NS)
+        proc = cluster.kubectl(
+            "auth", "can-i", verb, resource, "-n", namespace.replace("NS", NS), f"--as={user}", check=False
+        )
+        answer = proc.stdout.strip().split()[:1]
+        assert answer in (["yes"], ["no"]), f"can-i {verb} {resource} as {user}: {proc.stdout} {proc.stderr}"
+        return answer == ["yes"]
+
+    wait_for(lambda: allowed(*PRIVILEGES[0][:4]), timeout=60, what="the operator to grant the fleet's trainers")
+    wrong = [p for p in PRIVILEGES if allowed(*p[:4]) != p[4]]
+    assert not wrong, f"(account, verb, resource, namespace, expected) that the API server answers otherwise: {wrong}"
+    # And a real request: a trainer that tries to change what the engines run is refused.
+    as_trainer = f"--as=system:serviceaccount:{NS}:{trainer_name(NAME)}"
+    patch = json.dumps({"spec": {"engine": {"command": ["sh", "-c", "id"]}}})
+    proc = cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p", patch, as_trainer, check=False)
+    assert proc.returncode != 0 and "forbidden" in proc.stderr.lower(), proc
+    assert "command" not in fleet.get()["spec"]["engine"]
+
+
 def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
     cluster: Cluster, fleet: Fleet, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
@@ -178,9 +244,8 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
     fleet.wait(all_ready_on("b-1"), "status shows b-1 on every engine", timeout=60)
     header, row = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()[:2]
     assert row[header.index("WEIGHTS") :].split()[0] == "b-1"  # by position: the PAUSED column is empty
-    annotations = fleet.get()["metadata"]["annotations"]
-    assert annotations["rollfleet.dev/weight-version"] == "b-1"
-    assert annotations["rollfleet.dev/weight-generation"] == "1"
+    record = weights_record(cluster)
+    assert (record[RECORD_WEIGHT_VERSION], record[RECORD_WEIGHT_GENERATION]) == ("b-1", "1")
 
 
 def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the_new_version(
@@ -229,7 +294,7 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
 
     def resolved() -> str | None:
         """The fleet's version once the restarted sidecar has finished (or rolled back) the push."""
-        record = decode_record(fleet.get()["metadata"].get("annotations"))
+        record = decode_record(weights_record(cluster))
         in_progress = record.push is not None and record.push.phase is PushPhase.IN_PROGRESS
         return None if in_progress or record.committed is None else record.committed.version
 

@@ -176,7 +176,6 @@ def _results(k: Kubectl, name: str) -> list[dict[str, Any]]:
 def _push_weights(w: Walkthrough) -> None:
     from rollfleet_dev.localcluster.nodeagent.logs import find_log, nodes_state_dir
 
-    w.sh("-n", NS, "apply", "-k", str(REPO / "manifests" / "sync"), show=False)
     w.sh("-n", NS, "apply", "-f", str(SAMPLES / "demo-trainer.yaml"))
 
     def trainer_exit() -> dict[str, Any] | None:

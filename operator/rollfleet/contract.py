@@ -59,28 +59,36 @@ COMPONENT_GATEWAY = "gateway"
 COMPONENT_ADMIN_TOKEN = "admin-token"
 COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
 # The pods that run the sync sidecar (manifests/sync/trainer-job.yaml): with the fleet
-# label, what the engines' NetworkPolicy admits as the fleet's trainers.
+# label, what the engines' NetworkPolicy admits as the fleet's trainers. Also the
+# ServiceAccount and RBAC the operator makes for them.
 COMPONENT_TRAINER = "trainer"
+# The ConfigMap holding the fleet's weight-sync record: written by the sync sidecar, read
+# by the operator, reset by it when spec.model changes.
+COMPONENT_WEIGHTS = "weights"
 
 # --- annotations --------------------------------------------------------------------
-# On the engine pod (written by the operator and the sync sidecar, read by the gateway) ...
+# On the engine pod (written by the operator, read by the gateway) ...
 ANNOTATION_PHASE = f"{GROUP}/phase"
 ANNOTATION_DRAINING_SINCE = f"{GROUP}/draining-since"
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 # How many engines of this index (and template) crashed in a row before this one: its backoff.
 ANNOTATION_CRASHES = f"{GROUP}/crashes"
-# ... on the RolloutFleet (written by people and by the sync sidecar) ...
+# ... on the RolloutFleet (written by people) ...
 ANNOTATION_PAUSE = f"{GROUP}/pause"
 ANNOTATION_RESUME = f"{GROUP}/resume"
-ANNOTATION_WEIGHT_VERSION = f"{GROUP}/weight-version"
-ANNOTATION_WEIGHT_GENERATION = f"{GROUP}/weight-generation"
-ANNOTATION_WEIGHTS_URL = f"{GROUP}/weights-url"
-ANNOTATION_SYNC_STATE = f"{GROUP}/sync-state"
 # Optional, set by a person on the fleet: how many generations behind a request may run.
 ANNOTATION_MAX_STALENESS = f"{GROUP}/max-staleness"
 # ... and on the RolloutRequest, set by people: a new value aborts every in-flight sample
 # once (the status records the value acted on).
 ANNOTATION_ABORT = f"{GROUP}/abort"
+
+
+# --- the weight-sync record: keys of the `<fleet>-weights` ConfigMap's data -----------
+RECORD_SYNC_STATE = "sync-state"  # JSON: the whole record (rollfleet.sync.protocol)
+RECORD_WEIGHT_VERSION = "weight-version"  # the committed version, repeated for people
+RECORD_WEIGHT_GENERATION = "weight-generation"
+RECORD_WEIGHTS_URL = "weights-url"
+RECORD_MODEL = "model"  # the spec.model the record is for (written by the operator)
 
 
 # --- engine phases ------------------------------------------------------------------
@@ -114,6 +122,13 @@ SYNC_HEALTH_PORT = 8473
 TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet"
 TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
+
+
+# The operator's own key, from which it derives every fleet's token (rollfleet.controller.tokens):
+# a Secret in the operator's namespace, the one Secret the operator may read.
+OPERATOR_NAMESPACE = "rollfleet-system"  # manifests/base; where an operator outside a pod keeps its key
+OPERATOR_KEY_SECRET = "rollfleet-operator-key"
+OPERATOR_KEY_DATA = "key"
 
 
 def admin_token_data(token: str) -> dict[str, str]:
@@ -150,6 +165,16 @@ def engine_sa_name(fleet: str) -> str:
 def secret_name(fleet: str) -> str:
     """The admin-token Secret."""
     return f"{fleet}-{COMPONENT_ADMIN_TOKEN}"
+
+
+def weights_record_name(fleet: str) -> str:
+    """The ConfigMap holding the weight-sync record."""
+    return f"{fleet}-{COMPONENT_WEIGHTS}"
+
+
+def trainer_name(fleet: str) -> str:
+    """The trainers' ServiceAccount, and the Role and RoleBinding of what their sync sidecar may do."""
+    return f"{fleet}-{COMPONENT_TRAINER}"
 
 
 def network_policy_name(fleet: str) -> str:

@@ -252,6 +252,12 @@ class UpdateStrategy(ApiModel):
     )
 
 
+# A ServiceAccount's name, as Kubernetes accepts it (a DNS subdomain).
+ServiceAccountName = Annotated[
+    str, StringConstraints(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+]
+
+
 class WeightSyncSpec(ApiModel):
     """How engines receive new weights from the trainer (through the sync sidecar)."""
 
@@ -268,6 +274,13 @@ class WeightSyncSpec(ApiModel):
         default=True,
         description="Engines whose weights are not at the fleet's version are PendingSync and get no "
         "traffic until the sync sidecar updates them.",
+    )
+    trainer_service_accounts: list[ServiceAccountName] = Field(
+        default_factory=list,
+        max_length=16,
+        description="ServiceAccounts in the fleet's namespace whose pods may run the sync sidecar, besides "
+        "<fleet>-trainer, which the operator makes: they may record pushes in the ConfigMap <fleet>-weights "
+        "and list the engine pods, nothing else.",
     )
 
 

@@ -3,8 +3,9 @@
 Pure: every function maps (fleet identity, spec) to manifests, so the operator's
 `reconcile` only decides when to apply them. Owns the object names, labels, the engine
 pod template (and its hash, which says whether a pod is up to date), the gateway
-Deployment and Service, the admin-token Secret, ServiceAccounts, the gateway's Role and
-the engines' NetworkPolicy. Talks to nobody.
+Deployment and Service, the admin-token Secret, ServiceAccounts, the gateway's and the
+trainers' Roles, the weight-sync record's ConfigMap and the engines' NetworkPolicy.
+Talks to nobody.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollfleet.api.common import ROLLFLEET_IMAGE_UID
-from rollfleet.api.fleet import KIND, PlacementSpec, RolloutFleetSpec
+from rollfleet.api.fleet import KIND, PLURAL, PlacementSpec, RolloutFleetSpec
 from rollfleet.contract import (
     ANNOTATION_CRASHES,
     ANNOTATION_PHASE,
@@ -26,8 +27,10 @@ from rollfleet.contract import (
     COMPONENT_ENGINE,
     COMPONENT_GATEWAY,
     COMPONENT_TRAINER,
+    COMPONENT_WEIGHTS,
     ENGINE_PORT,
     GATEWAY_PORT,
+    GROUP,
     LABEL_COMPONENT,
     LABEL_FLEET,
     LABEL_INDEX,
@@ -45,6 +48,8 @@ from rollfleet.contract import (
     gateway_name,
     network_policy_name,
     secret_name,
+    trainer_name,
+    weights_record_name,
 )
 
 Manifest = dict[str, Any]
@@ -98,13 +103,22 @@ def _meta(ref: FleetRef, name: str, component: str, **extra: Any) -> Manifest:
 def template_hash(spec: RolloutFleetSpec) -> str:
     """Hash of everything that shapes an engine pod; a pod with another hash is rolled.
 
-    Replicas, the gateway, the update strategy and the drain timeout are left out:
-    changing them must not restart engines.
+    Replicas, the gateway, the update strategy, the drain timeout and who may push
+    weights are left out: changing them must not restart engines.
     """
     shaping = spec.model_dump(
-        mode="json", by_alias=True, exclude_none=True, include={"model", "engine", "placement", "weight_sync"}
+        mode="json",
+        by_alias=True,
+        exclude_none=True,
+        include={"model": True, "engine": True, "placement": True, "weight_sync": True},
+        exclude={"weight_sync": {"trainer_service_accounts"}},
     )
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def model_key(spec: RolloutFleetSpec) -> str:
+    """spec.model as one string: the weight-sync record is kept for one value of it."""
+    return json.dumps(spec.model.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True)
 
 
 def engine_args(spec: RolloutFleetSpec) -> list[str]:
@@ -295,33 +309,78 @@ def engine_service_account(ref: FleetRef) -> Manifest:
     }
 
 
-def gateway_service_account(ref: FleetRef) -> Manifest:
+def _service_account(ref: FleetRef, name: str, component: str) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ref, name, component)}
+
+
+def _role(ref: FleetRef, name: str, component: str, rules: list[Manifest]) -> Manifest:
     return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(ref, name, component),
+        "rules": rules,
     }
+
+
+def _role_binding(ref: FleetRef, name: str, component: str, accounts: list[str]) -> Manifest:
+    """Binds the Role `name` to these ServiceAccounts of the fleet's namespace (listed once each)."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(ref, name, component),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [
+            {"kind": "ServiceAccount", "name": a, "namespace": ref.namespace} for a in dict.fromkeys(accounts)
+        ],
+    }
+
+
+def gateway_service_account(ref: FleetRef) -> Manifest:
+    return _service_account(ref, gateway_name(ref.name), COMPONENT_GATEWAY)
 
 
 def gateway_role(ref: FleetRef) -> Manifest:
     """The gateway lists and watches engine pods (to route on their phase annotations); nothing else."""
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": _meta(ref, gateway_name(ref.name), COMPONENT_GATEWAY),
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
-    }
+    rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    return _role(ref, gateway_name(ref.name), COMPONENT_GATEWAY, rules)
 
 
 def gateway_role_binding(ref: FleetRef) -> Manifest:
     name = gateway_name(ref.name)
+    return _role_binding(ref, name, COMPONENT_GATEWAY, [name])
+
+
+def weights_record(ref: FleetRef) -> Manifest:
+    """The ConfigMap the sync sidecar keeps the push record in (rollfleet.sync.store). The operator
+    applies only its metadata: its data belongs to the record's writers."""
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": _meta(ref, name, COMPONENT_GATEWAY),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ref.namespace}],
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(ref, weights_record_name(ref.name), COMPONENT_WEIGHTS),
     }
+
+
+def trainer_service_account(ref: FleetRef) -> Manifest:
+    """What trainer pods that run the sync sidecar run as."""
+    return _service_account(ref, trainer_name(ref.name), COMPONENT_TRAINER)
+
+
+def trainer_role(ref: FleetRef) -> Manifest:
+    """The sync sidecar records pushes in the fleet's weights ConfigMap and finds the engine pods, and can
+    do nothing else: not change the fleet (its spec runs in the engines), not write pods, not read Secrets
+    (the fleet token reaches it as a mounted file). It reads the fleet for its max-staleness annotation."""
+    record = weights_record_name(ref.name)
+    rules = [
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"], "resourceNames": [record]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get"], "resourceNames": [ref.name]},
+    ]
+    return _role(ref, trainer_name(ref.name), COMPONENT_TRAINER, rules)
+
+
+def trainer_role_binding(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
+    name = trainer_name(ref.name)
+    return _role_binding(ref, name, COMPONENT_TRAINER, [name, *spec.weight_sync.trainer_service_accounts])
 
 
 def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
@@ -445,6 +504,13 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
 def owned_objects(ref: FleetRef, spec: RolloutFleetSpec, operator_namespace: str | None) -> list[Manifest]:
     """Everything but the engine pods and the Secret, in the order they are applied."""
     objects = [engine_service_account(ref)]
+    if spec.weight_sync.backend != "none":
+        objects += [
+            weights_record(ref),
+            trainer_service_account(ref),
+            trainer_role(ref),
+            trainer_role_binding(ref, spec),
+        ]
     if spec.network_policy.enabled:
         objects.append(engine_network_policy(ref, spec, operator_namespace))
     if spec.gateway.enabled:

@@ -1,9 +1,11 @@
-"""kopf registration for RolloutFleet: each fleet's task, fed by two indexes.
+"""kopf registration for RolloutFleet: each fleet's task, fed by three indexes.
 
 Fleet events start, feed and stop the fleet's task (`tasks.ObjectTasks`), which runs its
-`reconciler.FleetLoop`. The loop reads the fleet's engine pods and gateway Deployment from
-kopf's indexes (kopf fills them before it hands over any event, so a restarted operator never
-decides on a partial view) and wakes when they change. No finalizer: a deleted fleet never
+`reconciler.FleetLoop`. The loop reads the fleet's engine pods, gateway Deployment and
+weight-sync record (ConfigMap) from kopf's indexes (kopf fills them before it hands over any
+event, so a restarted operator never decides on a partial view) and wakes when they change.
+The watches behind the indexes carry server-side label selectors: the operator is sent
+Rollfleet's own pods, Deployments and ConfigMaps, not the cluster's. No finalizer: a deleted fleet never
 waits for the operator; the garbage collector removes what it owns. The shared clients and
 the tasks live in kopf's memo from startup to cleanup. Talks to nobody itself.
 """
@@ -17,8 +19,20 @@ from typing import Any
 import kopf
 
 from rollfleet.api.fleet import PLURAL
-from rollfleet.contract import COMPONENT_ENGINE, COMPONENT_GATEWAY, GROUP, LABEL_FLEET, VERSION, component_labels
-from rollfleet.controller.reconciler import FleetLoop, Key, NodeHealth, Shared
+from rollfleet.contract import (
+    APP_NAME,
+    COMPONENT_ENGINE,
+    COMPONENT_GATEWAY,
+    COMPONENT_WEIGHTS,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_FLEET,
+    LABEL_NAME,
+    VERSION,
+    component_labels,
+    selector,
+)
+from rollfleet.controller.reconciler import FleetLoop, Key, NodeHealth, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
 from rollfleet.controller.tasks import ObjectTasks
 from rollfleet.engine_client import EngineClient
@@ -33,6 +47,8 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
     # event of every pod; our own Events say what changed.
     settings.posting.level = logging.WARNING
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    for resource, component in _INDEXED.items():
+        settings.watching.label_selectors[resource] = selector({LABEL_NAME: APP_NAME, LABEL_COMPONENT: component})
     # The downward API's namespace (manifests/base/operator.yaml): fleets' NetworkPolicies
     # admit this operator's pods to the engines by it.
     namespace = os.environ.get("POD_NAMESPACE") or None
@@ -42,7 +58,7 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
             "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom"
         )
     kube = Kube(load_client())
-    memo.fleets = Shared(kube, EngineClient(max_connections=256), NodeHealth(kube), namespace)
+    memo.fleets = Shared(kube, EngineClient(max_connections=256), NodeHealth(kube), namespace, memo.operator_key)
     memo.fleet_tasks = ObjectTasks("fleet")
 
 
@@ -59,15 +75,26 @@ def _owned(component: str) -> dict[str, Any]:
     return {**component_labels("", component), LABEL_FLEET: kopf.PRESENT}
 
 
-@kopf.index("", "v1", "pods", labels=_owned(COMPONENT_ENGINE))
+# The indexed resources (as kopf's decorators name them) and the component each watch is cut to.
+_PODS, _DEPLOYMENTS, _CONFIG_MAPS = ("", "v1", "pods"), ("apps", "v1", "deployments"), ("", "v1", "configmaps")
+_INDEXED = {_PODS: COMPONENT_ENGINE, _DEPLOYMENTS: COMPONENT_GATEWAY, _CONFIG_MAPS: COMPONENT_WEIGHTS}
+
+
+@kopf.index(*_PODS, labels=_owned(COMPONENT_ENGINE))
 def engine_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, dict[str, Any]]:
     return {(namespace, labels[LABEL_FLEET]): dict(body)}
 
 
-@kopf.index("apps", "v1", "deployments", labels=_owned(COMPONENT_GATEWAY))
+@kopf.index(*_DEPLOYMENTS, labels=_owned(COMPONENT_GATEWAY))
 def gateways(status: kopf.Status, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, GatewayObs]:
     obs = GatewayObs(int(status.get("replicas") or 0), int(status.get("readyReplicas") or 0))
     return {(namespace, labels[LABEL_FLEET]): obs}
+
+
+@kopf.index(*_CONFIG_MAPS, labels=_owned(COMPONENT_WEIGHTS))
+def weight_records(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, WeightsRecord]:
+    record = WeightsRecord(dict(body.get("data") or {}), str(body["metadata"]["resourceVersion"]))
+    return {(namespace, labels[LABEL_FLEET]): record}
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -76,7 +103,12 @@ async def fleet_event(
     memo: kopf.Memo,
     engine_pods: kopf.Index[Key, dict[str, Any]],
     gateways: kopf.Index[Key, GatewayObs],
+    weight_records: kopf.Index[Key, WeightsRecord],
     **_: Any,
 ) -> None:
     tasks: ObjectTasks = memo.fleet_tasks
-    tasks.on_event(event.get("type"), event["object"], lambda body: FleetLoop(memo.fleets, body, engine_pods, gateways))
+    tasks.on_event(
+        event.get("type"),
+        event["object"],
+        lambda body: FleetLoop(memo.fleets, body, engine_pods, gateways, weight_records),
+    )

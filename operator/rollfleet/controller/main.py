@@ -12,6 +12,8 @@ import asyncio
 import os
 from typing import Any
 
+from rollfleet.contract import OPERATOR_KEY_SECRET, OPERATOR_NAMESPACE
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -20,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="serve this namespace (repeatable; glob patterns allowed); default: all namespaces",
+    )
+    p.add_argument(
+        "--key-namespace",
+        default=os.environ.get("POD_NAMESPACE") or OPERATOR_NAMESPACE,
+        help=f"namespace of the Secret {OPERATOR_KEY_SECRET} the fleets' tokens are derived from "
+        "(default: this pod's namespace, else %(default)s)",
     )
     p.add_argument("--kubeconfig", default=None, help="kubeconfig when not in a pod (default: $KUBECONFIG)")
     p.add_argument(
@@ -40,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     import prometheus_client
 
     import rollfleet.controller.handlers  # registers the RolloutFleet handlers
+    from rollfleet.controller.tokens import OperatorKey
 
     if not args.no_requests:
         import rollfleet.controller.requests.handlers  # noqa: F401  (registers the RolloutRequest handlers)
@@ -59,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             standalone=True,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
+            memo=kopf.Memo(operator_key=OperatorKey(args.key_namespace)),
             liveness_endpoint=f"http://{args.listen}:{args.health_port}/healthz" if args.health_port else None,
         )
     )

@@ -1,8 +1,8 @@
 """One reconcile loop per RolloutFleet: observe, decide (pure functions), act, report.
 
 `FleetLoop.run` is the fleet's task (`controller/tasks.py`, started by `controller/handlers.py`).
-It reads the fleet's engine pods and gateway from kopf's indexes, and wakes when they or the
-fleet change, or on a timer. Each pass reads the engines' state over HTTP, asks `plan` what to do,
+It reads the fleet's engine pods, gateway and weight-sync record from kopf's indexes, and wakes
+when they or the fleet change, or on a timer. Each pass reads the engines' state over HTTP, asks `plan` what to do,
 applies it, and writes status at most once per second (a pass coalesces everything that
 changed since the last write). Durable state lives in the cluster (pod names and
 annotations, the fleet's status), never only here, so a restarted operator resumes.
@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import secrets
 import socket
 import time
 import uuid
@@ -33,16 +32,14 @@ from rollfleet.contract import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
-    ANNOTATION_SYNC_STATE,
     API_VERSION,
     MANAGER,
-    TOKEN_KEY,
+    RECORD_SYNC_STATE,
     EnginePhase,
-    admin_token,
     engine_selector,
     engine_url,
     gateway_endpoint,
-    secret_name,
+    weights_record_name,
 )
 from rollfleet.controller import desired, plan
 from rollfleet.controller.status import (
@@ -56,9 +53,11 @@ from rollfleet.controller.status import (
     observe_pod,
 )
 from rollfleet.controller.tasks import Stop
+from rollfleet.controller.tokens import OperatorKey
 from rollfleet.engine_client import EngineCallError, EngineClient, EngineRef
-from rollfleet.kube import FLEET, NODE, POD, SECRET, Conflict, Kube, NotFound, kind_named
+from rollfleet.kube import CONFIG_MAP, FLEET, NODE, POD, Conflict, Kube, NotFound, kind_named
 from rollfleet.sync.fleetversion import fleet_weight_version
+from rollfleet.sync.protocol import decode_record, reset_for_model
 from rollfleet_engine.protocol import EngineState
 
 log = logging.getLogger("rollfleet.operator")
@@ -144,10 +143,19 @@ class NodeHealth:
         return node is not None and self._at > 0 and not self._ready.get(node, False)
 
 
+@dataclass(frozen=True)
+class WeightsRecord:
+    """The fleet's weight-sync record (the ConfigMap `<fleet>-weights`) as last watched."""
+
+    data: Mapping[str, str]
+    resource_version: str
+
+
 # kopf's indexes (`controller/handlers.py`), by (namespace, fleet name): the fleet's engine
-# pods, and its gateway Deployment's replica counts.
+# pods, its gateway Deployment's replica counts, and its weight-sync record.
 PodIndex = Mapping[Key, Iterable[Mapping[str, Any]]]
 GatewayIndex = Mapping[Key, Iterable[GatewayObs]]
+RecordIndex = Mapping[Key, Iterable[WeightsRecord]]
 
 
 @dataclass
@@ -158,22 +166,26 @@ class Shared:
     engines: EngineClient
     nodes: NodeHealth
     operator_namespace: str | None  # where this operator's pod runs; None outside a pod
+    key: OperatorKey  # fleets' admin tokens derive from it
 
 
 class FleetLoop:
     """One fleet's loop and what it remembers between passes (and across a failed pass's retry)."""
 
-    def __init__(self, shared: Shared, body: Mapping[str, Any], pods: PodIndex, gateways: GatewayIndex) -> None:
+    def __init__(
+        self, shared: Shared, body: Mapping[str, Any], pods: PodIndex, gateways: GatewayIndex, records: RecordIndex
+    ) -> None:
         self.shared = shared
         self.body = body  # a live view: always the newest the watch delivered
         self.ref = desired.FleetRef.of(dict(body))
         self.key: Key = (self.ref.namespace, self.ref.name)
         self._pod_index = pods
         self._gateway_index = gateways
+        self._record_index = records
         self._gone: set[str | None] = set()  # uids of pods the index holds but a LIST showed gone
         self._token: str | None = None
         self._states: dict[str, tuple[float, EngineState | None]] = {}
-        self._sync_record: str | None = None  # the sync sidecar's record (annotation) last seen
+        self._sync_record: str | None = None  # the sync sidecar's record (its JSON) last seen
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._applied: dict[str, tuple[str, float]] = {}
         self._last_status_at = -1e9
@@ -208,7 +220,11 @@ class FleetLoop:
     def _fingerprint(self) -> Hashable:
         """What the watch has delivered for this fleet, in a form that changes with any of it."""
         pods = frozenset((p["metadata"].get("uid"), p["metadata"].get("resourceVersion")) for p in self._index_pods())
-        return self.body["metadata"].get("resourceVersion"), pods, tuple(self._gateway_index.get(self.key, ()))
+        gateway, record = tuple(self._gateway_index.get(self.key, ())), self._weights_record()
+        return self.body["metadata"].get("resourceVersion"), pods, gateway, record and record.resource_version
+
+    def _weights_record(self) -> WeightsRecord | None:
+        return next(iter(self._record_index.get(self.key, ())), None)
 
     def _index_pods(self) -> Sequence[Mapping[str, Any]]:
         return [p for p in self._pod_index.get(self.key, ()) if p["metadata"].get("uid") not in self._gone]
@@ -239,9 +255,7 @@ class FleetLoop:
 
     # ---- one pass --------------------------------------------------------------------------
 
-    async def _observe_engines(
-        self, spec: RolloutFleetSpec, annotations: Mapping[str, str]
-    ) -> tuple[list[EngineObs], bool]:
+    async def _observe_engines(self, spec: RolloutFleetSpec, record: Mapping[str, str]) -> tuple[list[EngineObs], bool]:
         """The fleet's engine pods as observations with the engines' own state, and whether the
         fleet is busy (engines coming and going: 1 s passes; settled engines are re-read every 10 s)."""
         pods = self._index_pods()
@@ -261,7 +275,7 @@ class FleetLoop:
             if o is not None
         ]
         busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready for o in observed)
-        sync_record = annotations.get(ANNOTATION_SYNC_STATE)
+        sync_record = record.get(RECORD_SYNC_STATE)
         if sync_record != self._sync_record:
             # A push started or committed: engines' weight versions just changed; cached states would
             # show them PendingSync (or routable on the old version) until their next read.
@@ -289,8 +303,9 @@ class FleetLoop:
 
         token = await self._ensure_token()
         await self._ensure_owned(spec)
+        weights_record = await self._record_for(spec)
 
-        observed, busy = await self._observe_engines(spec, annotations)
+        observed, busy = await self._observe_engines(spec, weights_record)
 
         # Engines whose state is unknown (still loading) do not make the fleet's version unknown.
         versions: dict[str, str | None] = {
@@ -298,7 +313,7 @@ class FleetLoop:
             for o in observed
             if o.state is not None and not (o.terminating or o.draining)
         }
-        fv = fleet_weight_version(annotations, versions)
+        fv = fleet_weight_version(weights_record, versions)
         weights = WeightView(fv.version, frozenset(fv.pending_sync), fv.syncing_to is not None)
         recorded = previous.pause if previous else None
         request = plan.pause_request(annotations, recorded)
@@ -358,20 +373,39 @@ class FleetLoop:
     # ---- owned objects ---------------------------------------------------------------------
 
     async def _ensure_token(self) -> str:
+        """The fleet's token, derived (never read back); its Secret is made the first time."""
         if self._token is None:
-            kube, name = self.shared.kube, secret_name(self.ref.name)
-            try:
-                secret = await kube.get(SECRET, self.ref.namespace, name)
-            except NotFound:
-                # Created once and never rotated by the operator: engines and gateways hold it.
-                with contextlib.suppress(Conflict):  # created meanwhile: read that one
-                    await kube.create(desired.admin_secret(self.ref, secrets.token_urlsafe(32)))
-                secret = await kube.get(SECRET, self.ref.namespace, name)
-            token = admin_token(secret.get("data") or {})
-            if token is None:
-                raise RuntimeError(f"secret {name} has no token under key {TOKEN_KEY!r}")
+            kube, ref = self.shared.kube, self.ref
+            token = await self.shared.key.token(kube, ref.namespace, ref.name, ref.uid)
+            # Made once and never rotated: engines and gateways read it at start. If it exists it holds
+            # this token, unless the operator's key was replaced (docs/security.md says what to do then).
+            with contextlib.suppress(Conflict):
+                await kube.create(desired.admin_secret(ref, token))
             self._token = token
         return self._token
+
+    async def _record_for(self, spec: RolloutFleetSpec) -> Mapping[str, str]:
+        """The weight-sync record's data, first reset if it was kept for another spec.model."""
+        watched = self._weights_record()
+        if watched is None or spec.weight_sync.backend == "none":
+            return {}
+        change = reset_for_model(watched.data, desired.model_key(spec))
+        if change is None:
+            return watched.data
+        body = {"metadata": {"resourceVersion": watched.resource_version}, "data": change}
+        try:
+            await self.shared.kube.patch(CONFIG_MAP, self.ref.namespace, weights_record_name(self.ref.name), body)
+        except (Conflict, NotFound):
+            return {}  # written or deleted meanwhile: the watch brings it, and the next pass decides again
+        committed = decode_record(watched.data).committed
+        if committed is not None:
+            self.event(
+                "Normal",
+                "WeightsReset",
+                f"spec.model changed: weights pushed for the previous model (last {committed.version}) are "
+                "forgotten; engines of the new model serve its own weights until the next push",
+            )
+        return {}
 
     async def _ensure_owned(self, spec: RolloutFleetSpec) -> None:
         """Apply ServiceAccounts, RBAC, the NetworkPolicy and the gateway when their manifest changed (or now

@@ -1,8 +1,9 @@
 """``fleet_weight_version``: the fleet's weight version and each engine's routability. Pure.
 
-The operator is the only writer of RolloutFleet status; the sync sidecar records push
-outcomes as annotations on the fleet (``protocol``). The operator calls this function
-on every reconcile with the fleet's annotations and the weight version each engine
+The operator is the only writer of RolloutFleet status and of engine pods; the sync
+sidecar records push outcomes in the fleet's ConfigMap ``<fleet>-weights``
+(``protocol``). The operator calls this function on every reconcile with that record's
+data and the weight version each engine
 reports (``GET /rollfleet/v1/state``, None when unknown), writes ``version`` to
 ``status.weightVersion``, and gives every engine in ``pending_sync`` the pod annotation
 ``rollfleet.dev/phase=PendingSync`` (never Ready or Paused) so the gateway does not
@@ -27,7 +28,7 @@ class FleetWeightVersion:
 
 
 def fleet_weight_version(
-    annotations: Mapping[str, str] | None, engine_versions: Mapping[str, str | None]
+    record_data: Mapping[str, str] | None, engine_versions: Mapping[str, str | None]
 ) -> FleetWeightVersion:
     """The fleet's version and which engines may serve, from the record and the engines' reports.
 
@@ -36,7 +37,7 @@ def fleet_weight_version(
     InProgress, the target: such an engine is paused and only holds requests).
     A fleet with no record yet has a version only if all its engines agree on one.
     """
-    record = decode_record(annotations)
+    record = decode_record(record_data)
     ok = tuple(sorted(name for name, v in engine_versions.items() if routable(v, record)))
     pending = tuple(sorted(set(engine_versions) - set(ok)))
     push = record.push

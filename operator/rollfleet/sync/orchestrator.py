@@ -6,14 +6,16 @@ order that keeps the fleet consistent:
 1. stage: the weights are in a directory (the trainer's shared volume, or the spool
    the client streamed into) and the weights server serves it (hashed: pinned by the
    manifest's sha256). Nothing is paused yet.
-2. record InProgress on the fleet, abort requests that would become too stale,
+2. record InProgress in the fleet's weights record, abort requests that would become too stale,
    pause every engine (``keep``: in-flight requests are held, not lost).
 3. every engine pulls in parallel: start_weight_update, update_weights (download and
    verify into host memory), finish_weight_update(version), then its reported
    version is checked.
 4. commit if at least one engine verified (else roll back), then resume exactly the
-   engines on the fleet's version; the others are PendingSync (paused, out of routing)
-   and the reconcile loop catches them up, or they are replaced.
+   engines on the fleet's version; the others are PendingSync (left paused; the operator,
+   which reads the record, takes their pods out of routing) and the reconcile loop
+   catches them up, or they are replaced. The sidecar writes no pod: a trainer that could
+   patch engine pods could change what they run.
 
 The spool sits on an emptyDir, which survives a restart of the sidecar container, so
 a restarted sidecar can finish a push from it. Talks to engines and the record store.
@@ -32,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rollfleet.contract import STATE_PATH, EnginePhase, PauseMode
+from rollfleet.contract import STATE_PATH, PauseMode
 from rollfleet.engine_client import CONTROL, TRANSFER, CallPolicy, EngineCallError, EngineClient, EngineRef
 from rollfleet.sync.engines import Discovery, in_flight, observe
 from rollfleet.sync.fleetversion import fleet_weight_version
@@ -131,7 +133,7 @@ class Orchestrator:
     async def stage_stream(self, version: str, chunks: AsyncIterator[bytes]) -> Path:
         """Write a streamed safetensors shard into the spool; returns its directory."""
         self._refuse_if_running()
-        record, _ = await read_record(self.store)
+        record = await read_record(self.store)
         if record.generation_of(version) is not None:
             raise PushRefused(f"version {version!r} was already pushed; every push needs a new version label")
         final = self._pushes_dir / version
@@ -163,7 +165,7 @@ class Orchestrator:
             raise PushRefused(f"no .safetensors files in {source}")
         async with self._lock:
             t0 = self.clock()
-            record, _ = await read_record(self.store)
+            record = await read_record(self.store)
             generation = record.generation + 1
             begin_push(record, WeightsRef(version, generation), time.time())  # refuse early, before hashing
             url, sha, nbytes = await self.publisher.serve(source)
@@ -198,10 +200,10 @@ class Orchestrator:
         return self._pushes.get(generation)
 
     async def fleet_version(self) -> FleetVersionView:
-        annotations, _ = await self.store.read()
+        data, _ = await self.store.read()
         engines = await self.discovery.engines()
         observed = await _gather([observe(self.api, e) for e in engines])
-        fv = fleet_weight_version(annotations, {e.name: o.version for e, o in zip(engines, observed, strict=True)})
+        fv = fleet_weight_version(data, {e.name: o.version for e, o in zip(engines, observed, strict=True)})
         last = self._pushes[max(self._pushes)] if self._pushes else None
         return FleetVersionView(
             version=fv.version,
@@ -236,8 +238,7 @@ class Orchestrator:
         progress = {p.name: p for p in status.engines}
         await self._notify()
 
-        annotations, _ = await self.store.read()
-        bound = max_staleness(annotations, self.default_max_staleness)
+        bound = max_staleness(await self.store.fleet_annotations(), self.default_max_staleness)
         status.aborted_stale = sum(await _gather([self._abort_stale(e, record, target, bound) for e in engines]))
 
         t_pause = self.clock()
@@ -330,12 +331,10 @@ class Orchestrator:
             if obs.reachable and (committed is None or obs.version == committed):
                 try:
                     await self.api.resume(engine)
-                    await self.discovery.set_phase(engine, EnginePhase.READY, only_if=EnginePhase.PENDING_SYNC)
                     p.step = EngineStep.RESUMED
                     return
                 except EngineCallError as err:
                     p.error = str(err)
-            await self.discovery.set_phase(engine, EnginePhase.PENDING_SYNC)
             p.step = EngineStep.PENDING_SYNC
 
         await _gather([one(e) for e in engines])
@@ -355,7 +354,7 @@ class Orchestrator:
         if self._push_running() or self._lock.locked():
             return
         # Observe without the lock (busy engines answer slowly): a push must not wait on it.
-        record, _ = await read_record(self.store)
+        record = await read_record(self.store)
         engines = await self.discovery.engines()
         observed = dict(zip(engines, await _gather([observe(self.api, e) for e in engines]), strict=True))
         active = record.push is not None and record.push.phase.active
@@ -363,7 +362,7 @@ class Orchestrator:
         if not (active or behind or record.committed is None):
             return
         async with self._lock:
-            if self._push_running() or (await read_record(self.store))[0] != record:
+            if self._push_running() or await read_record(self.store) != record:
                 return  # a push started meanwhile: look again next round
             if active:
                 await self._recover(record, engines, observed)
@@ -427,7 +426,6 @@ class Orchestrator:
             return
         ref = replace(record.committed, url=self.publisher.url)
         progress = EngineProgress(name=engine.name)
-        await self.discovery.set_phase(engine, EnginePhase.PENDING_SYNC)
         if await self._pause_and_sync(engine, ref, progress):
             await self._settle(record, [engine], {engine.name: progress})
             log.info("caught %s up to %s in %.2fs", engine.name, ref.version, progress.transfer_s or 0.0)

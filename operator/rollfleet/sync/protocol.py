@@ -5,8 +5,9 @@ A push moves the fleet from the *committed* weights (version A, generation g) to
 trainer; generations are the order: a monotonically increasing integer assigned by the
 sidecar, so staleness ("how many versions behind") is a subtraction.
 
-The record lives on the RolloutFleet as annotations (``store`` writes it with
-optimistic concurrency) so that a restarted sidecar, and the operator, know:
+The record lives in the fleet's ConfigMap ``<fleet>-weights`` (``store`` writes it with
+optimistic concurrency; the trainer may write that object and no other part of the fleet)
+so that a restarted sidecar, and the operator, know:
 
 - which version every routable engine must have (``committed``), and where an engine
   that starts later can pull it from (``url`` + ``manifest_sha256``);
@@ -33,10 +34,11 @@ from typing import Any
 
 from rollfleet.contract import (
     ANNOTATION_MAX_STALENESS,
-    ANNOTATION_SYNC_STATE,
-    ANNOTATION_WEIGHT_GENERATION,
-    ANNOTATION_WEIGHT_VERSION,
-    ANNOTATION_WEIGHTS_URL,
+    RECORD_MODEL,
+    RECORD_SYNC_STATE,
+    RECORD_WEIGHT_GENERATION,
+    RECORD_WEIGHT_VERSION,
+    RECORD_WEIGHTS_URL,
 )
 from rollfleet.errors import RollfleetError
 
@@ -131,14 +133,14 @@ class FleetRecord:
         return next((g for v, g in reversed(self.history) if v == version), None)
 
 
-# --- the record as annotations -------------------------------------------------------
+# --- the record as the ConfigMap's data --------------------------------------------
 
 
 def encode_record(record: FleetRecord) -> dict[str, str | None]:
-    """Annotations to merge-patch onto the fleet (None deletes a key).
+    """Data keys to merge into the record's ConfigMap (None deletes a key).
 
     The JSON under ``sync-state`` is the whole record; the plain keys repeat the
-    committed version for people (``kubectl get rf -o yaml``) and the operator.
+    committed version for people (``kubectl get cm <fleet>-weights -o yaml``).
     """
     state = {
         "committed": record.committed.to_json() if record.committed else None,
@@ -147,17 +149,17 @@ def encode_record(record: FleetRecord) -> dict[str, str | None]:
     }
     c = record.committed
     return {
-        ANNOTATION_SYNC_STATE: json.dumps(state, sort_keys=True, separators=(",", ":")),
-        ANNOTATION_WEIGHT_VERSION: c.version if c else None,
-        ANNOTATION_WEIGHT_GENERATION: str(c.generation) if c else None,
-        ANNOTATION_WEIGHTS_URL: c.url if c else None,
+        RECORD_SYNC_STATE: json.dumps(state, sort_keys=True, separators=(",", ":")),
+        RECORD_WEIGHT_VERSION: c.version if c else None,
+        RECORD_WEIGHT_GENERATION: str(c.generation) if c else None,
+        RECORD_WEIGHTS_URL: c.url if c else None,
     }
 
 
-def decode_record(annotations: Mapping[str, str] | None) -> FleetRecord:
-    """The record from a fleet's annotations; an absent or foreign one reads as empty."""
-    annotations = annotations or {}
-    raw = annotations.get(ANNOTATION_SYNC_STATE)
+def decode_record(data: Mapping[str, str] | None) -> FleetRecord:
+    """The record from its ConfigMap's data; an absent or empty one reads as empty."""
+    data = data or {}
+    raw = data.get(RECORD_SYNC_STATE)
     if raw:
         state = json.loads(raw)
         committed, push = state.get("committed"), state.get("push")
@@ -166,12 +168,24 @@ def decode_record(annotations: Mapping[str, str] | None) -> FleetRecord:
             push=PushRecord.from_json(push) if push else None,
             history=tuple((str(v), int(g)) for v, g in state.get("history", ())),
         )
-    version = annotations.get(ANNOTATION_WEIGHT_VERSION)
-    if version:  # set by hand, or by an older sidecar: a committed version without a source
-        generation = int(annotations.get(ANNOTATION_WEIGHT_GENERATION) or 0)
-        ref = WeightsRef(version, generation, url=annotations.get(ANNOTATION_WEIGHTS_URL))
+    version = data.get(RECORD_WEIGHT_VERSION)
+    if version:  # set by hand: a committed version without a source
+        generation = int(data.get(RECORD_WEIGHT_GENERATION) or 0)
+        ref = WeightsRef(version, generation, url=data.get(RECORD_WEIGHTS_URL))
         return FleetRecord(committed=ref, history=((version, generation),))
     return FleetRecord()
+
+
+def reset_for_model(data: Mapping[str, str] | None, model: str) -> dict[str, str | None] | None:
+    """The change that makes the record one for ``model`` (the fleet's spec.model), or None if it is.
+
+    Weights pushed for another model must not reach engines of this one, nor hold them in
+    PendingSync: the record starts over, empty, and the next push is generation 1 again.
+    """
+    data = data or {}
+    if data.get(RECORD_MODEL) == model:
+        return None
+    return {key: None for key in data if key != RECORD_MODEL} | {RECORD_MODEL: model}
 
 
 def max_staleness(annotations: Mapping[str, str] | None, default: int | None) -> int | None:

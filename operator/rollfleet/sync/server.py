@@ -1,7 +1,7 @@
 """``rollfleet sync``: the sidecar process: its localhost API for the trainer, and wiring.
 
 Owns the HTTP surface (routes in ``models``) and the choice of mode: Kubernetes (the
-fleet's engine pods, the record as RolloutFleet annotations) or static (``--engines``
+fleet's engine pods, the record in the fleet's ConfigMap ``<fleet>-weights``) or static (``--engines``
 URLs, the record in a file). The trainer talks to it on 127.0.0.1; engines pull
 weights from its weights server on the pod IP (``--weights-host``).
 """
@@ -29,7 +29,7 @@ from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
-from rollfleet.sync.store import FileStore, FleetStore, RecordStore
+from rollfleet.sync.store import ConfigMapStore, FileStore, RecordStore
 from rollfleet_engine.access import read_token
 from rollfleet_engine.listen import pod_local_host, serving_host
 
@@ -69,7 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--engines", default=None, help="static mode: comma-separated engine URLs instead of the pods")
     p.add_argument(
-        "--state-file", default=None, help="keep the push record in this file instead of the fleet (static mode)"
+        "--state-file",
+        default=None,
+        help="static mode: keep the push record in this file, not in the fleet's ConfigMap",
     )
     p.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep")
     p.add_argument(
@@ -153,7 +155,7 @@ async def _unavailable_on_failure(request: web.Request, handler: Handler) -> web
 def _kubernetes(args: argparse.Namespace) -> tuple[RecordStore, Discovery]:
     kube = Kube(load_client())
     store: RecordStore = (
-        FileStore(Path(args.state_file)) if args.state_file else FleetStore(kube, args.namespace, args.fleet)
+        FileStore(Path(args.state_file)) if args.state_file else ConfigMapStore(kube, args.namespace, args.fleet)
     )
     return store, PodDiscovery(kube, args.namespace, args.fleet)
 

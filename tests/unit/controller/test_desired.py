@@ -121,9 +121,13 @@ def test_engine_index_round_trips_and_rejects_other_names() -> None:
         assert contract.engine_index(other, "tiny") is None
 
 
+def owned(fleet: RolloutFleetSpec) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in desired.owned_objects(REF, fleet, "rollfleet-system")}
+
+
 def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
-    objects = {o["kind"]: o for o in desired.owned_objects(REF, spec(), "rollfleet-system")}
-    assert set(objects) == {"ServiceAccount", "NetworkPolicy", "Role", "RoleBinding", "Service", "Deployment"}
+    objects = {kind: o for (kind, name), o in owned(spec()).items() if name == "tiny-gateway"}
+    assert set(objects) == {"ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"}
     dep = objects["Deployment"]
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert dep["metadata"]["name"] == "tiny-gateway"
@@ -133,9 +137,31 @@ def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
     rules = objects["Role"]["rules"]
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
     assert contract.gateway_endpoint(REF.name, REF.namespace) == "http://tiny-gateway.team.svc:8080"
-    no_gw = desired.owned_objects(REF, spec(gateway={"enabled": False}), "rollfleet-system")
-    assert [o["kind"] for o in no_gw] == ["ServiceAccount", "NetworkPolicy"]
-    assert no_gw[0]["automountServiceAccountToken"] is False  # the engines' own, with no token mounted
+    no_gw = owned(spec(gateway={"enabled": False}))
+    assert not [name for _, name in no_gw if name == "tiny-gateway"]
+    assert no_gw["ServiceAccount", "tiny-engine"]["automountServiceAccountToken"] is False  # no API token mounted
+
+
+def test_trainers_may_write_the_weights_record_and_nothing_that_runs_in_engines() -> None:
+    objects = owned(spec(weightSync={"trainerServiceAccounts": ["verl-actor", "tiny-trainer"]}))
+    record = objects["ConfigMap", "tiny-weights"]
+    assert "data" not in record  # the operator applies only its metadata: the data is the record's writers'
+    assert record["metadata"]["ownerReferences"][0]["uid"] == REF.uid
+    rules = objects["Role", "tiny-trainer"]["rules"]
+    writes = [r for r in rules if set(r["verbs"]) - {"get", "list", "watch"}]
+    assert writes == [
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"], "resourceNames": ["tiny-weights"]}
+    ]
+    assert not [r for r in rules if {"secrets", "rolloutfleets/status"} & set(r["resources"])]
+    fleet_rule = next(r for r in rules if r["resources"] == ["rolloutfleets"])
+    assert fleet_rule["verbs"] == ["get"] and fleet_rule["resourceNames"] == ["tiny"]
+    subjects = objects["RoleBinding", "tiny-trainer"]["subjects"]
+    assert [s["name"] for s in subjects] == ["tiny-trainer", "verl-actor"]  # no repeats
+    assert {s["namespace"] for s in subjects} == {"team"}
+    # Who may push is not part of an engine: changing it restarts none.
+    assert desired.template_hash(spec(weightSync={"trainerServiceAccounts": ["x"]})) == desired.template_hash(spec())
+    no_sync = owned(spec(weightSync={"backend": "none"}))
+    assert not [name for _, name in no_sync if name in ("tiny-trainer", "tiny-weights")]
 
 
 ENGINES = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared
+from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
 from rollfleet.controller.tasks import MAX_BACKOFF_S, Stop, backoff_s
 
@@ -24,9 +24,13 @@ def pod(name: str, rv: str) -> dict[str, Any]:
     return {"metadata": {"name": name, "uid": f"u-{name}", "resourceVersion": rv}}
 
 
-def loop_with(pods: dict[tuple[str, str], list[dict[str, Any]]], gateways: dict[Any, list[GatewayObs]]) -> FleetLoop:
+def loop_with(
+    pods: dict[tuple[str, str], list[dict[str, Any]]],
+    gateways: dict[Any, list[GatewayObs]],
+    records: dict[Any, list[WeightsRecord]] | None = None,
+) -> FleetLoop:
     shared: Shared = None  # type: ignore[assignment]  # waiting touches no client
-    return FleetLoop(shared, FLEET, pods, gateways)
+    return FleetLoop(shared, FLEET, pods, gateways, {} if records is None else records)
 
 
 async def waited(loop: FleetLoop, change: Any, latest_s: float, stopped: Stop | None = None) -> float:
@@ -53,6 +57,14 @@ def test_a_gateway_change_wakes_the_loop() -> None:
     gateways = {KEY: [GatewayObs(1, 0)]}
     loop = loop_with({}, gateways)
     took = asyncio.run(waited(loop, lambda: gateways.__setitem__(KEY, [GatewayObs(1, 1)]), latest_s=10.0))
+    assert took < 2.0
+
+
+def test_a_weight_sync_record_change_wakes_the_loop() -> None:
+    records = {KEY: [WeightsRecord({}, "5")]}
+    loop = loop_with({}, {}, records)
+    change = WeightsRecord({"sync-state": "{}"}, "6")
+    took = asyncio.run(waited(loop, lambda: records.__setitem__(KEY, [change]), latest_s=10.0))
     assert took < 2.0
 
 

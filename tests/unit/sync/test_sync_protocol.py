@@ -6,10 +6,11 @@ import pytest
 
 from rollfleet.contract import (
     ANNOTATION_MAX_STALENESS,
-    ANNOTATION_SYNC_STATE,
-    ANNOTATION_WEIGHT_GENERATION,
-    ANNOTATION_WEIGHT_VERSION,
-    ANNOTATION_WEIGHTS_URL,
+    RECORD_MODEL,
+    RECORD_SYNC_STATE,
+    RECORD_WEIGHT_GENERATION,
+    RECORD_WEIGHT_VERSION,
+    RECORD_WEIGHTS_URL,
 )
 from rollfleet.sync.protocol import (
     HISTORY_LENGTH,
@@ -29,6 +30,7 @@ from rollfleet.sync.protocol import (
     max_staleness,
     needs_catch_up,
     plan_recovery,
+    reset_for_model,
     roll_back,
     routable,
     should_commit,
@@ -47,23 +49,36 @@ def pushing_b() -> FleetRecord:
     return begin_push(on_a(), B, now=100.0)
 
 
-def test_record_round_trips_through_annotations() -> None:
+def test_record_round_trips_through_the_config_map_data() -> None:
     record = commit(pushing_b(), failed=["e1"], message="left out")
-    annotations = {k: v for k, v in encode_record(record).items() if v is not None}
-    assert decode_record(annotations) == record
-    assert annotations[ANNOTATION_WEIGHT_VERSION] == "B"
-    assert annotations[ANNOTATION_WEIGHT_GENERATION] == "1"
-    assert annotations[ANNOTATION_WEIGHTS_URL] == "http://10.0.0.5:8472"
+    data = {k: v for k, v in encode_record(record).items() if v is not None}
+    assert decode_record(data) == record
+    assert data[RECORD_WEIGHT_VERSION] == "B"
+    assert data[RECORD_WEIGHT_GENERATION] == "1"
+    assert data[RECORD_WEIGHTS_URL] == "http://10.0.0.5:8472"
+
+
+def test_a_record_for_another_model_starts_over_and_one_for_this_model_stays() -> None:
+    data = {k: v for k, v in encode_record(commit(pushing_b(), [], "")).items() if v is not None}
+    kept = data | {RECORD_MODEL: "m1"}
+    assert reset_for_model(kept, "m1") is None
+    change = reset_for_model(kept, "m2")
+    assert change is not None and change[RECORD_MODEL] == "m2"
+    reset = {k: v for k, v in (kept | change).items() if v is not None}
+    assert reset == {RECORD_MODEL: "m2"}
+    assert decode_record(reset) == FleetRecord()
+    # A new fleet's empty ConfigMap gets the model, and nothing else changes.
+    assert reset_for_model({}, "m1") == {RECORD_MODEL: "m1"}
 
 
 def test_empty_record_deletes_the_plain_keys() -> None:
     patch = encode_record(FleetRecord())
-    assert patch[ANNOTATION_WEIGHT_VERSION] is None and patch[ANNOTATION_SYNC_STATE]
+    assert patch[RECORD_WEIGHT_VERSION] is None and patch[RECORD_SYNC_STATE]
     assert decode_record(None) == FleetRecord()
 
 
 def test_a_hand_set_version_reads_as_committed_without_a_source() -> None:
-    record = decode_record({ANNOTATION_WEIGHT_VERSION: "v7", ANNOTATION_WEIGHT_GENERATION: "7"})
+    record = decode_record({RECORD_WEIGHT_VERSION: "v7", RECORD_WEIGHT_GENERATION: "7"})
     assert record.committed == WeightsRef("v7", 7)
     assert record.generation_of("v7") == 7
 

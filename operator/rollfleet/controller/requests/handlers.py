@@ -27,6 +27,7 @@ from rollfleet.api.request import PLURAL, TERMINAL_PHASES
 from rollfleet.contract import GROUP, VERSION
 from rollfleet.controller.requests import runner
 from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
+from rollfleet.controller.tokens import OperatorKey
 from rollfleet.kube import Kube, load_client
 
 # Each in-flight sample holds one connection to its gateway; parallelism is per request.
@@ -62,20 +63,22 @@ def _needs_task(body: Mapping[str, Any]) -> bool:
 async def request_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     tasks: ObjectTasks = memo.request_tasks
     tasks.on_event(
-        event.get("type"), event["object"], lambda body: RequestRun(memo.request_kube, memo.request_http, body)
+        event.get("type"),
+        event["object"],
+        lambda body: RequestRun(memo.request_kube, memo.operator_key, memo.request_http, body),
     )
 
 
 class RequestRun:
     """A request's task: run it to a terminal phase, then delete it once its TTL passed."""
 
-    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: LiveBody) -> None:
-        self.kube, self.http, self.body = kube, http, body
+    def __init__(self, kube: Kube, key: OperatorKey, http: httpx.AsyncClient, body: LiveBody) -> None:
+        self.kube, self.key, self.http, self.body = kube, key, http, body
 
     async def run(self, stop: Stop) -> None:
         finished_at = None
         if (self.body.get("status") or {}).get("phase") not in TERMINAL_PHASES:
-            verdict = await runner.Run(self.kube, self.http, self.body, stop).run()
+            verdict = await runner.Run(self.kube, self.key, self.http, self.body, stop).run()
             if not verdict.terminal or stop:
                 return
             finished_at = time.time()

@@ -6,8 +6,8 @@ deadline, send samples with bounded concurrency, store every finished sample in 
 results store, and patch status at a bounded rate. Decisions come from `plan` and
 `status` (pure); this module does the I/O.
 
-Talks to kube-apiserver (the fleet, its gateway Service and admin-token Secret, prompt
-ConfigMaps, result ConfigMaps, the request's status; through `rollfleet.kube`)
+Talks to kube-apiserver (the fleet and its gateway Service, prompt ConfigMaps, result
+ConfigMaps, the request's status; through `rollfleet.kube`)
 and to the fleet's gateway (`<fleet>-gateway` Service: generation routes and
 `POST /v1/abort`, which stops an id on whatever engine runs it and says so truthfully).
 
@@ -32,14 +32,15 @@ from typing import Any
 import httpx
 
 from rollfleet.api.request import TERMINAL_PHASES, AbortRecord, Prompt, ResultsRef, RolloutRequest
-from rollfleet.contract import ANNOTATION_ABORT, GATEWAY_PORT, admin_token, gateway_name, secret_name
+from rollfleet.contract import ANNOTATION_ABORT, GATEWAY_PORT, gateway_name
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
 from rollfleet.controller.requests.results import ResultStore
 from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
 from rollfleet.controller.status import parse_time
 from rollfleet.controller.tasks import Stop
-from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SECRET, SERVICE, ApiError, Conflict, Kube, NotFound
+from rollfleet.controller.tokens import OperatorKey
+from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SERVICE, ApiError, Conflict, Kube, NotFound
 
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
 FLUSH_INTERVAL_S = 0.5  # results wait at most this long before they are written
@@ -66,8 +67,8 @@ class FleetView:
     weight_version: str | None = None
 
 
-async def read_fleet(kube: Kube, namespace: str, name: str) -> FleetView:
-    """The fleet, its gateway Service's address and its admin token, as they are now."""
+async def read_fleet(kube: Kube, key: OperatorKey, namespace: str, name: str) -> FleetView:
+    """The fleet, its gateway Service's address and its admin token (derived: `tokens`), as they are now."""
     try:
         fleet = await kube.get(FLEET, namespace, name)
     except NotFound:
@@ -83,13 +84,10 @@ async def read_fleet(kube: Kube, namespace: str, name: str) -> FleetView:
         svc = await kube.get(SERVICE, namespace, gateway_name(name))
     except NotFound:  # the fleet's operator has not created it yet
         return view
-    try:
-        secret: dict[str, Any] = await kube.get(SECRET, namespace, secret_name(name))
-    except NotFound:
-        secret = {}
     ip = svc["spec"].get("clusterIP")
     gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
-    return replace(view, gateway=gateway, token=admin_token(secret.get("data") or {}))
+    token = await key.token(kube, namespace, name, fleet["metadata"]["uid"])
+    return replace(view, gateway=gateway, token=token)
 
 
 async def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[Prompt]:
@@ -112,8 +110,10 @@ async def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[P
 class Run:
     """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
 
-    def __init__(self, kube: Kube, http: httpx.AsyncClient, body: Mapping[str, Any], stop: Stop) -> None:
-        self.kube, self.http = kube, http
+    def __init__(
+        self, kube: Kube, key: OperatorKey, http: httpx.AsyncClient, body: Mapping[str, Any], stop: Stop
+    ) -> None:
+        self.kube, self.key, self.http = kube, key, http
         self.body = body  # a live view: annotations change under us
         self.stop = stop
         meta = body["metadata"]
@@ -256,7 +256,7 @@ class Run:
 
     async def _observe_fleet(self) -> None:
         try:
-            self.fleet = await read_fleet(self.kube, self.ns, self.rr.spec.fleet)
+            self.fleet = await read_fleet(self.kube, self.key, self.ns, self.rr.spec.fleet)
         except ApiError as err:  # API hiccup: keep the last view
             log.warning("reading fleet %s/%s: %s", self.ns, self.rr.spec.fleet, err)
             return

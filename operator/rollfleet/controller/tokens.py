@@ -1,0 +1,82 @@
+"""Fleets' admin tokens, derived from one operator key, so the operator never reads a Secret back.
+
+The operator keeps a random key in the Secret `rollfleet-operator-key` of its own namespace,
+made at its first start. A fleet's token is HMAC-SHA256(key, "<namespace>/<name>/<uid>"):
+the operator writes it once into the fleet's Secret `<fleet>-admin-token`, which engines,
+gateways and trainer pods mount, and after a restart derives it again instead of reading
+that Secret. So its ServiceAccount may create Secrets anywhere but read only its key (a Role
+with `resourceNames`, manifests/base/rbac.yaml). The RolloutRequest runner derives the same
+tokens. Talks to kube-apiserver (the key Secret, through `rollfleet.kube`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import secrets
+from typing import Any
+
+from rollfleet.contract import OPERATOR_KEY_DATA, OPERATOR_KEY_SECRET
+from rollfleet.errors import RollfleetError
+from rollfleet.kube import SECRET, ApiError, Conflict, Kube
+
+KEY_BYTES = 32
+
+
+class OperatorKeyError(RollfleetError, RuntimeError):
+    """The operator's key Secret cannot be read or made: the message says what to fix."""
+
+
+def fleet_token(key: bytes, namespace: str, name: str, uid: str) -> str:
+    """The admin token of the fleet with this identity (a new fleet of the same name gets another one)."""
+    digest = hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def key_secret(namespace: str, key: bytes) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": OPERATOR_KEY_SECRET, "namespace": namespace},
+        "data": {OPERATOR_KEY_DATA: base64.b64encode(key).decode()},
+    }
+
+
+class OperatorKey:
+    """The key, read (or made) once, on first use."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._key: bytes | None = None
+        self._lock = asyncio.Lock()
+
+    async def token(self, kube: Kube, namespace: str, name: str, uid: str) -> str:
+        return fleet_token(await self._get(kube), namespace, name, uid)
+
+    async def _get(self, kube: Kube) -> bytes:
+        async with self._lock:
+            if self._key is None:
+                self._key = await self._load(kube)
+            return self._key
+
+    async def _load(self, kube: Kube) -> bytes:
+        where = f"Secret {self.namespace}/{OPERATOR_KEY_SECRET}"
+        try:
+            # Made before read (kept if it exists), so two operators starting at once agree on the first one.
+            with contextlib.suppress(Conflict):
+                await kube.create(key_secret(self.namespace, secrets.token_bytes(KEY_BYTES)))
+            secret = await kube.get(SECRET, self.namespace, OPERATOR_KEY_SECRET)
+        except ApiError as err:
+            raise OperatorKeyError(
+                f"cannot make or read {where} ({err.status} {err.reason}): the operator derives every fleet's "
+                "token from it. Create the namespace, grant the operator `get` on that Secret "
+                "(manifests/base/rbac.yaml), or pass --key-namespace"
+            ) from err
+        key = base64.b64decode((secret.get("data") or {}).get(OPERATOR_KEY_DATA, ""))
+        if len(key) < KEY_BYTES:
+            raise OperatorKeyError(f"{where} holds no key of {KEY_BYTES} bytes under {OPERATOR_KEY_DATA!r}")
+        return key
