@@ -205,6 +205,18 @@ class Fleet:
 
 
 @dataclass
+def sse(text: str) -> list[dict[str, Any]]:
+    # SSE lines end at "\n" only: str.splitlines() would also split inside generated text
+    # (U+2028, U+0085, ...), which the tiny random model does produce.
+    data = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", f"stream did not end with [DONE]: {text[-300:]}"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def tokens_of(chunks: list[dict[str, Any]]) -> list[int]:
+    return [t for c in chunks for ch in c.get("choices", []) for t in ch.get("token_ids") or []]
+
+
 class Stream:
     """A streamed completion read in a thread, with the arrival time of every token chunk."""
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -97,6 +102,67 @@ class LiveFleet:
             if r.status_code == 200:
                 return dict(r.json())
         return None
+
+
+# --- RolloutRequests on the live fleet ---------------------------------------------------
+
+ROLLFLEET = str(Path(sys.executable).parent / "rollfleet")
+
+
+def create(fleet: LiveFleet, prompts: int | list[dict[str, Any]], samples: int, **spec: Any) -> tuple[str, str]:
+    """A RolloutRequest on the live fleet (`prompts` text prompts, or these prompts); its name and uid."""
+    name = f"rr-{uuid.uuid4().hex[:6]}"
+    doc = {
+        "apiVersion": "rollfleet.dev/v1alpha1",
+        "kind": "RolloutRequest",
+        "metadata": {"name": name, "namespace": fleet.namespace},
+        "spec": {
+            "fleet": fleet.fleet.name,
+            "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)]
+            if isinstance(prompts, int)
+            else prompts,
+            "samplesPerPrompt": samples,
+            **spec,
+        },
+    }
+    fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    return name, get(fleet, name)["metadata"]["uid"]
+
+
+def get(fleet: LiveFleet, name: str) -> dict[str, Any]:
+    return dict(json.loads(fleet.cluster.kubectl("-n", fleet.namespace, "get", "rr", name, "-o", "json").stdout))
+
+
+def status(fleet: LiveFleet, name: str) -> dict[str, Any]:
+    return dict(get(fleet, name).get("status") or {})
+
+
+def wait_phase(fleet: LiveFleet, name: str, phase: str, timeout: float = 600) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        st = status(fleet, name)
+        if st.get("phase") in ("Succeeded", "Failed", "Aborted") and st["phase"] != phase:
+            raise AssertionError(f"{name} ended {st['phase']}, not {phase}: {st.get('message')}")
+        return st if st.get("phase") == phase else None
+
+    return dict(wait_for(reached, timeout, interval=0.5, what=f"{name} {phase}"))
+
+
+def results(fleet: LiveFleet, name: str) -> list[dict[str, Any]]:
+    """`rollfleet results rr/<name>`: one JSON object per line."""
+    out = subprocess.run(
+        [ROLLFLEET, "results", f"rr/{name}", "-n", fleet.namespace],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KUBECONFIG": str(fleet.cluster.kubeconfig)},
+    )
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def running(fleet: LiveFleet, uid: str) -> list[str]:
+    """The request's samples that some engine is running now."""
+    return [rid for ids in fleet.in_flight(f"{uid}-").values() for rid in ids]
 
 
 def _warm(url: str) -> bool:

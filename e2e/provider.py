@@ -73,6 +73,27 @@ class Cluster:
         proc = self.kubectl("-n", namespace, "logs", pod, "-c", container, check=False)
         return proc.stdout or proc.stderr
 
+    def restart_api_server(self) -> None:
+        """A fault to inject: kube-apiserver stops and starts again (the local cluster's process, or the
+        container on kind's control-plane node, which kubelet restarts); returns once it is ready."""
+        if self.provider == "local":
+            from rollfleet_dev.localcluster import controlplane
+
+            controlplane.restart("kube-apiserver")
+            return
+        from rollfleet_dev.kind.cluster import CLUSTER_NAME
+
+        node = f"{CLUSTER_NAME}-control-plane"
+        stop = "crictl stop $(crictl ps -q --name kube-apiserver)"
+        if subprocess.run(["docker", "exec", node, "sh", "-c", stop], capture_output=True).returncode != 0:
+            raise RuntimeError(f"no kind node {node} whose kube-apiserver this suite knows how to restart")
+        wait_for(
+            lambda: self.kubectl("get", "--raw=/readyz", check=False, timeout=10).returncode == 0,
+            timeout=300,
+            interval=1,
+            what="kube-apiserver ready again",
+        )
+
     @contextlib.contextmanager
     def reach(self, namespace: str, pod: str, port: int) -> Iterator[str]:
         """A base URL (http://host:port) that reaches `port` of a pod from this process."""

@@ -16,13 +16,13 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
+from e2e.fleet_helpers import sse, tokens_of
 from e2e.live_fleet import Endpoint, LiveFleet
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
@@ -47,18 +47,6 @@ def fleet(live: LiveFleet) -> LiveFleet:
 def tracked(engine: Endpoint, request_id: str) -> dict[str, Any] | None:
     r = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}")
     return r.json() if r.status_code == 200 else None
-
-
-def sse(text: str) -> list[dict[str, Any]]:
-    # SSE lines end at "\n" only: str.splitlines() would also split inside generated text
-    # (U+2028, U+0085, ...), which the tiny random model does produce.
-    data = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
-    assert data and data[-1] == "[DONE]", f"stream did not end with [DONE]: {text[-300:]}"
-    return [json.loads(d) for d in data[:-1]]
-
-
-def tokens_of(chunks: list[dict[str, Any]]) -> list[int]:
-    return [t for c in chunks for ch in c.get("choices", []) for t in ch.get("token_ids") or []]
 
 
 class Stream:
@@ -392,35 +380,75 @@ def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveF
     fleet.fleet.wait(lambda st: not st.get("pause"), "the pause record cleared", timeout=60)
 
 
+def whole_completion(
+    gateway: Endpoint, request_id: str, prompt: str, max_tokens: int, stream: bool
+) -> tuple[list[int], str, dict[str, Any]]:
+    """A completion through the gateway, streaming or not: its token ids, finish reason and the gateway's report."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    r = httpx.post(gateway.url + "/v1/completions", json=body, timeout=600, headers={"X-Request-Id": request_id})
+    assert r.status_code == 200, (request_id, r.status_code, r.text[:500])
+    if stream:
+        chunks = sse(r.text)
+        assert len({c["id"] for c in chunks}) == 1
+        final = chunks[-1]
+        return tokens_of(chunks), final["choices"][0]["finish_reason"], final["rollfleet"]
+    out = r.json()
+    choice = out["choices"][0]
+    return choice["token_ids"], choice["finish_reason"], out["rollfleet"]
+
+
+def test_a_spec_change_rolls_the_engines_one_at_a_time_while_every_request_completes(fleet: LiveFleet) -> None:
+    """New engine args with the default strategy (maxUnavailable 1, maxSurge 0) while 4 clients keep sending."""
+    max_tokens = 120
+    done = threading.Event()
+    results: list[tuple[list[int], str, dict[str, Any]]] = []
+
+    def client(i: int) -> None:
+        n = 0
+        while not done.is_set():
+            rid = f"roll-{i}-{n}-{uuid.uuid4().hex[:6]}"
+            results.append(whole_completion(fleet.gateways[0], rid, f"rolling {i} {n}", max_tokens, stream=n % 2 == 0))
+            n += 1
+
+    before = {p["metadata"]["uid"] for p in fleet.fleet.pods()}
+    spec = fleet.fleet.get()["spec"]
+    args = [*spec["engine"]["args"], "--seed", "7"]  # any change that shapes the engine pod
+    fewest_ready = 2
+
+    def rolled(st: dict[str, Any]) -> bool:
+        nonlocal fewest_ready
+        fewest_ready = min(fewest_ready, int(st.get("readyReplicas") or 0))
+        conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
+        return st.get("updatedReplicas") == 2 and st.get("readyReplicas") == 2 and conds.get("Progressing") == "False"
+
+    with ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(client, i) for i in range(4)]
+        wait_for(lambda: len(results) >= 4, timeout=120, what="traffic flowing before the change")
+        patch = json.dumps({"spec": {"engine": {"args": args}}})
+        fleet.cluster.kubectl("-n", fleet.namespace, "patch", "rf", fleet.fleet.name, "--type=merge", "-p", patch)
+        fleet.fleet.wait(lambda st: st.get("updatedReplicas", 2) < 2, "the update to start", timeout=60)
+        fleet.fleet.wait(rolled, "both engines on the new args, Ready", timeout=3 * 600)
+        done.set()
+        for c in clients:
+            c.result(timeout=600)  # a client's failed request raises here
+    pods = fleet.fleet.pods()
+    assert not before & {p["metadata"]["uid"] for p in pods}, "an engine pod was not replaced"
+    assert all("--seed" in p["spec"]["containers"][0]["args"] for p in pods)
+    assert fewest_ready >= 1, "the update took every engine out of service at once"
+    short = [(len(t), finish, report) for t, finish, report in results if finish != "length" or len(t) != max_tokens]
+    assert not short, f"{len(short)} of {len(results)} requests did not complete whole: {short[:5]}"
+    assert len(results) > 8
+
+
 def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_response(fleet: LiveFleet) -> None:
     """Runs last in this module: the killed engine's container restarts; the next user waits for it."""
     max_tokens = 300
     started = threading.Barrier(17)
 
-    def run(i: int) -> Callable[[], tuple[list[int], str, dict[str, Any]]]:
-        body = {
-            "model": "tiny",
-            "prompt": f"long generation {i}",
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "stream": i % 2 == 0,
-        }
+    def run(i: int) -> tuple[list[int], str, dict[str, Any]]:
         started.wait()
-        r = httpx.post(
-            fleet.gateways[0].url + "/v1/completions",
-            json=body,
-            timeout=300,
-            headers={"X-Request-Id": f"long-{i}-{uuid.uuid4().hex[:6]}"},
-        )
-        assert r.status_code == 200, r.text
-        if body["stream"]:
-            chunks = sse(r.text)
-            assert len({c["id"] for c in chunks}) == 1
-            final = chunks[-1]
-            return lambda: (tokens_of(chunks), final["choices"][0]["finish_reason"], final["rollfleet"])
-        out = r.json()
-        choice = out["choices"][0]
-        return lambda: (choice["token_ids"], choice["finish_reason"], out["rollfleet"])
+        rid = f"long-{i}-{uuid.uuid4().hex[:6]}"
+        return whole_completion(fleet.gateways[0], rid, f"long generation {i}", max_tokens, stream=i % 2 == 0)
 
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(run, i) for i in range(16)]
@@ -430,7 +458,7 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
             lambda: engine_metric(victim.url, "vllm:num_requests_running") > 0, 60, what="the victim to be generating"
         )
         fleet.kill_engine(victim.key)
-        results = [f.result(timeout=300)() for f in futures]
+        results = [f.result(timeout=300) for f in futures]
     for token_ids, finish, report in results:
         assert finish == "length" and len(token_ids) == max_tokens, (finish, len(token_ids), report)
     moved = [r for _, _, r in results if r["attempts"] > 1]

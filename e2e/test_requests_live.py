@@ -10,26 +10,18 @@ The test that kills the operator and the gateway runs last in this module.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods
-from e2e.live_fleet import LiveFleet
+from e2e.live_fleet import LiveFleet, create, results, running, status, wait_phase
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_ABORT
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
-ROLLFLEET = str(Path(sys.executable).parent / "rollfleet")
 # A liveness bound, not a speed goal (the abort latency is a benchmark's): the engines drop the
 # samples within about a second; a loaded 2-core host can stretch that to a few.
 ABORT_LIVENESS_S = 30.0
@@ -39,62 +31,6 @@ ABORT_LIVENESS_S = 30.0
 def fleet(live: LiveFleet) -> LiveFleet:
     live.ready()
     return live
-
-
-def create(fleet: LiveFleet, prompts: int | list[dict[str, Any]], samples: int, **spec: Any) -> tuple[str, str]:
-    """A RolloutRequest on the live fleet (`prompts` text prompts, or these prompts); its name and uid."""
-    name = f"rr-{uuid.uuid4().hex[:6]}"
-    doc = {
-        "apiVersion": "rollfleet.dev/v1alpha1",
-        "kind": "RolloutRequest",
-        "metadata": {"name": name, "namespace": fleet.namespace},
-        "spec": {
-            "fleet": fleet.fleet.name,
-            "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)]
-            if isinstance(prompts, int)
-            else prompts,
-            "samplesPerPrompt": samples,
-            **spec,
-        },
-    }
-    fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
-    return name, get(fleet, name)["metadata"]["uid"]
-
-
-def get(fleet: LiveFleet, name: str) -> dict[str, Any]:
-    return dict(json.loads(fleet.cluster.kubectl("-n", fleet.namespace, "get", "rr", name, "-o", "json").stdout))
-
-
-def status(fleet: LiveFleet, name: str) -> dict[str, Any]:
-    return dict(get(fleet, name).get("status") or {})
-
-
-def wait_phase(fleet: LiveFleet, name: str, phase: str, timeout: float = 600) -> dict[str, Any]:
-    def reached() -> dict[str, Any] | None:
-        st = status(fleet, name)
-        if st.get("phase") in ("Succeeded", "Failed", "Aborted") and st["phase"] != phase:
-            raise AssertionError(f"{name} ended {st['phase']}, not {phase}: {st.get('message')}")
-        return st if st.get("phase") == phase else None
-
-    return dict(wait_for(reached, timeout, interval=0.5, what=f"{name} {phase}"))
-
-
-def results(fleet: LiveFleet, name: str) -> list[dict[str, Any]]:
-    """`rollfleet results rr/<name>`: one JSON object per line."""
-    out = subprocess.run(
-        [ROLLFLEET, "results", f"rr/{name}", "-n", fleet.namespace],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "KUBECONFIG": str(fleet.cluster.kubeconfig)},
-    )
-    assert out.returncode == 0, out.stderr
-    return [json.loads(line) for line in out.stdout.splitlines()]
-
-
-def running(fleet: LiveFleet, uid: str) -> list[str]:
-    """The request's samples that some engine is running now."""
-    return [rid for ids in fleet.in_flight(f"{uid}-").values() for rid in ids]
 
 
 def test_a_64x4_request_completes_showing_progress_and_keeps_256_results(fleet: LiveFleet) -> None:

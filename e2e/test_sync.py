@@ -32,6 +32,7 @@ from e2e.provider import Cluster, wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import (
     OPERATOR_KEY_SECRET,
+    RECORD_MODEL,
     RECORD_WEIGHT_GENERATION,
     RECORD_WEIGHT_VERSION,
     ROUTABLE_PHASES,
@@ -42,7 +43,7 @@ from rollfleet.contract import (
 )
 from rollfleet.sync.client import SyncClient
 from rollfleet.sync.models import EngineStep, PushState
-from rollfleet.sync.protocol import PushPhase, decode_record
+from rollfleet.sync.protocol import PushPhase, WeightsRef, decode_record
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -322,3 +323,37 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
         assert greedy(e0) == greedy(e1) == references[weights_of[final]]
     wait_for(lambda: sync.fleet_version().version == final, timeout=120, what="the restarted sidecar agrees")
     assert sync.fleet_version().pending_sync == []
+
+
+def test_a_model_change_forgets_the_old_models_weights_and_engines_serve_their_own(
+    cluster: Cluster, fleet: Fleet, sync: SyncClient
+) -> None:
+    """Runs last: the fleet changes model (a new served name over the same files), its engines roll."""
+    before = {p["metadata"]["uid"] for p in fleet.pods()}
+    pushed = decode_record(weights_record(cluster)).history
+    assert [v for v, _ in pushed][-1] != "A", pushed  # earlier tests pushed versions of the old model
+    patch = json.dumps({"spec": {"model": {"servedName": "tiny-b"}}})
+    cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p", patch)
+
+    def reset() -> bool:
+        data = weights_record(cluster)
+        return json.loads(data.get(RECORD_MODEL, "{}")).get("servedName") == "tiny-b"
+
+    wait_for(reset, timeout=60, what="the record to start over for the new model")
+    assert decode_record(weights_record(cluster)).committed in (None, WeightsRef("A", 0))
+    wait_for(
+        lambda: any(e["reason"] == "WeightsReset" for e in fleet.events()), timeout=60, what="a WeightsReset Event"
+    )
+
+    def rolled_on_own_weights(st: dict[str, Any]) -> bool:
+        # Never PendingSync: new engines wait for no weights of the old model.
+        waiting = [e["name"] for e in st.get("engines", []) if e["phase"] == "PendingSync"]
+        assert not waiting, f"engines of the new model wait for the old model's weights: {waiting} ({st})"
+        return st.get("updatedReplicas") == 2 and all_ready_on("A")(st)
+
+    fleet.wait(rolled_on_own_weights, "both engines of the new model Ready on their own weights", timeout=3 * 600)
+    assert not before & {p["metadata"]["uid"] for p in fleet.pods()}
+    wait_for(lambda: sync.fleet_version().version == "A", timeout=120, what="the sidecar to see the new fleet")
+    assert sync.fleet_version().pending_sync == []
+    record = decode_record(weights_record(cluster))
+    assert record.committed in (None, WeightsRef("A", 0)) and [v for v, _ in record.history] in ([], ["A"])

@@ -89,6 +89,9 @@ RECORD_WEIGHT_VERSION = "weight-version"  # the committed version, repeated for 
 RECORD_WEIGHT_GENERATION = "weight-generation"
 RECORD_WEIGHTS_URL = "weights-url"
 RECORD_MODEL = "model"  # the spec.model the record is for (written by the operator)
+# The engine pod template the fleet rolls to (the operator's): a version is adopted from the
+# engines only once every engine runs it, never from engines a rollout is replacing.
+RECORD_ENGINE_TEMPLATE = "engine-template-hash"
 
 
 # --- engine phases ------------------------------------------------------------------

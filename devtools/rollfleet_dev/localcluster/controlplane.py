@@ -327,17 +327,40 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
     try:
         for component in START_ORDER:
             t0 = time.monotonic()
-            log = layout.log_file(component)
-            with open(log, "ab") as out:
-                proc = _spawn(args[component], out, layout)
-            layout.pid_file(component).write_text(str(proc.pid))
-            _wait(component, checks[component], 120, functools.partial(running_pid, layout, component), log)
+            _start(layout, component, args[component], checks[component])
             _log(f"{component} ready ({time.monotonic() - t0:.1f}s)")
     except BaseException:
         down(layout, purge=False)  # keep the logs that explain the failure
         raise
     _log(f"cluster up in {time.monotonic() - started:.1f}s; export KUBECONFIG={layout.kubeconfig}")
     return layout
+
+
+def _start(layout: Layout, component: str, argv: list[str], healthy: Callable[[], bool]) -> None:
+    """Start one component and wait until it is healthy."""
+    log = layout.log_file(component)
+    with open(log, "ab") as out:
+        proc = _spawn(argv, out, layout)
+    layout.pid_file(component).write_text(str(proc.pid))
+    _wait(component, healthy, 120, functools.partial(running_pid, layout, component), log)
+
+
+def restart(component: str, pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> float:
+    """Stop one running component (a fault the e2e suite injects: an API server restart) and start it
+    again as `up` does; returns the seconds until it was healthy again."""
+    layout = layout or Layout()
+    pid = running_pid(layout, component)
+    if pid is None:
+        raise ClusterError(f"{component} is not running: start the cluster with `rollfleet cluster up`")
+    t0 = time.monotonic()
+    _stop(pid, grace=10)
+    _start(
+        layout,
+        component,
+        component_args(layout, build.ensure_built(), pools)[component],
+        health_checks(layout)[component],
+    )
+    return time.monotonic() - t0
 
 
 def _spawn(argv: list[str], out: BinaryIO, layout: Layout) -> subprocess.Popen[bytes]:

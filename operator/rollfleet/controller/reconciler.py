@@ -34,6 +34,7 @@ from rollfleet.contract import (
     ANNOTATION_PHASE,
     API_VERSION,
     MANAGER,
+    RECORD_MODEL,
     RECORD_SYNC_STATE,
     EnginePhase,
     engine_selector,
@@ -57,7 +58,7 @@ from rollfleet.controller.tokens import OperatorKey
 from rollfleet.engine_client import EngineCallError, EngineClient, EngineRef
 from rollfleet.kube import CONFIG_MAP, FLEET, NODE, POD, Conflict, Kube, NotFound, kind_named
 from rollfleet.sync.fleetversion import fleet_weight_version
-from rollfleet.sync.protocol import decode_record, reset_for_model
+from rollfleet.sync.protocol import decode_record, operator_fields
 from rollfleet_engine.protocol import EngineState
 
 log = logging.getLogger("rollfleet.operator")
@@ -303,7 +304,8 @@ class FleetLoop:
 
         token = await self._ensure_token()
         await self._ensure_owned(spec)
-        weights_record = await self._record_for(spec)
+        current_hash = desired.template_hash(spec)
+        weights_record = await self._record_for(spec, current_hash)
 
         observed, busy = await self._observe_engines(spec, weights_record)
 
@@ -320,7 +322,6 @@ class FleetLoop:
         engines = [classify(o, weights, request.mode is not None, spec.weight_sync.require_sync) for o in observed]
         record = plan.pause_record(request, recorded, engines, now)
 
-        current_hash = desired.template_hash(spec)
         max_unavailable, max_surge = plan.rollout_budget(spec.update_strategy, spec.replicas)
         actions = plan.plan_pods(
             engines,
@@ -384,28 +385,34 @@ class FleetLoop:
             self._token = token
         return self._token
 
-    async def _record_for(self, spec: RolloutFleetSpec) -> Mapping[str, str]:
-        """The weight-sync record's data, first reset if it was kept for another spec.model."""
+    async def _record_for(self, spec: RolloutFleetSpec, template_hash: str) -> Mapping[str, str]:
+        """The weight-sync record's data, with the operator's fields for this spec written first: reset if it
+        was kept for another spec.model."""
         watched = self._weights_record()
         if watched is None or spec.weight_sync.backend == "none":
             return {}
-        change = reset_for_model(watched.data, desired.model_key(spec))
+        model = desired.model_key(spec)
+        change = operator_fields(watched.data, model, template_hash)
         if change is None:
             return watched.data
+        other_model = watched.data.get(RECORD_MODEL) != model
         body = {"metadata": {"resourceVersion": watched.resource_version}, "data": change}
         try:
             await self.shared.kube.patch(CONFIG_MAP, self.ref.namespace, weights_record_name(self.ref.name), body)
         except (Conflict, NotFound):
-            return {}  # written or deleted meanwhile: the watch brings it, and the next pass decides again
+            # Written or deleted meanwhile: the watch brings it, the next pass writes again. Until then the
+            # record as watched stands, unless it is another model's (its versions are not this one's).
+            return {} if other_model else watched.data
+        merged = {k: v for k, v in (dict(watched.data) | change).items() if v is not None}
         committed = decode_record(watched.data).committed
-        if committed is not None:
+        if committed is not None and other_model:
             self.event(
                 "Normal",
                 "WeightsReset",
                 f"spec.model changed: weights pushed for the previous model (last {committed.version}) are "
                 "forgotten; engines of the new model serve its own weights until the next push",
             )
-        return {}
+        return merged
 
     async def _ensure_owned(self, spec: RolloutFleetSpec) -> None:
         """Apply ServiceAccounts, RBAC, the NetworkPolicy and the gateway when their manifest changed (or now

@@ -11,9 +11,9 @@ kube-apiserver (pods, through ``rollfleet.kube``).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
-from rollfleet.contract import ENGINE_PORT, engine_discovery_selector, engine_url
+from rollfleet.contract import ANNOTATION_TEMPLATE_HASH, ENGINE_PORT, engine_discovery_selector, engine_url
 from rollfleet.engine_client import CONTROL, EngineCallError, EngineClient, EngineRef
 from rollfleet.kube import POD, Kube
 from rollfleet.sync.protocol import EngineObservation, InFlight
@@ -37,6 +37,10 @@ async def in_flight(api: EngineClient, engine: EngineRef) -> list[InFlight]:
 class Discovery(Protocol):
     async def engines(self) -> list[EngineRef]: ...
 
+    async def templates(self) -> list[str | None] | None:
+        """The engine pods' template hashes (None: no pods to ask, static mode)."""
+        ...
+
 
 class StaticDiscovery:
     """A fixed list of engine URLs."""
@@ -46,6 +50,9 @@ class StaticDiscovery:
 
     async def engines(self) -> list[EngineRef]:
         return list(self._engines)
+
+    async def templates(self) -> list[str | None] | None:
+        return None
 
 
 class PodDiscovery:
@@ -57,9 +64,15 @@ class PodDiscovery:
         self.selector = engine_discovery_selector(fleet)
 
     async def engines(self) -> list[EngineRef]:
-        pods = await self._kube.list(POD, self.namespace, self.selector)
         return [
             EngineRef(name=p["metadata"]["name"], url=engine_url(p["status"]["podIP"], self.port))
-            for p in pods
-            if (p.get("status") or {}).get("podIP") and p["metadata"].get("deletionTimestamp") is None
+            for p in await self._live_pods()
+            if (p.get("status") or {}).get("podIP")
         ]
+
+    async def templates(self) -> list[str | None] | None:
+        return [(p["metadata"].get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH) for p in await self._live_pods()]
+
+    async def _live_pods(self) -> list[dict[str, Any]]:
+        pods = await self._kube.list(POD, self.namespace, self.selector)
+        return [p for p in pods if p["metadata"].get("deletionTimestamp") is None]

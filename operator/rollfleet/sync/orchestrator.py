@@ -367,7 +367,8 @@ class Orchestrator:
             if active:
                 await self._recover(record, engines, observed)
             elif record.committed is None:
-                await update(self.store, lambda r: adopt_initial(r, [o.version for o in observed.values()]))
+                versions, templates = [o.version for o in observed.values()], await self.discovery.templates()
+                await update(self.store, lambda r: adopt_initial(r, versions, templates))
             else:
                 for engine in behind:
                     await self._catch_up(engine, record)

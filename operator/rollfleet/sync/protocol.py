@@ -34,6 +34,7 @@ from typing import Any
 
 from rollfleet.contract import (
     ANNOTATION_MAX_STALENESS,
+    RECORD_ENGINE_TEMPLATE,
     RECORD_MODEL,
     RECORD_SYNC_STATE,
     RECORD_WEIGHT_GENERATION,
@@ -124,6 +125,7 @@ class FleetRecord:
     committed: WeightsRef | None = None
     push: PushRecord | None = None
     history: tuple[tuple[str, int], ...] = field(default=())  # (version, generation), oldest first
+    engine_template: str | None = None  # the operator's: the template engines roll to (never encoded here)
 
     @property
     def generation(self) -> int:
@@ -159,6 +161,7 @@ def encode_record(record: FleetRecord) -> dict[str, str | None]:
 def decode_record(data: Mapping[str, str] | None) -> FleetRecord:
     """The record from its ConfigMap's data; an absent or empty one reads as empty."""
     data = data or {}
+    template = data.get(RECORD_ENGINE_TEMPLATE)
     raw = data.get(RECORD_SYNC_STATE)
     if raw:
         state = json.loads(raw)
@@ -167,25 +170,30 @@ def decode_record(data: Mapping[str, str] | None) -> FleetRecord:
             committed=WeightsRef.from_json(committed) if committed else None,
             push=PushRecord.from_json(push) if push else None,
             history=tuple((str(v), int(g)) for v, g in state.get("history", ())),
+            engine_template=template,
         )
     version = data.get(RECORD_WEIGHT_VERSION)
     if version:  # set by hand: a committed version without a source
         generation = int(data.get(RECORD_WEIGHT_GENERATION) or 0)
         ref = WeightsRef(version, generation, url=data.get(RECORD_WEIGHTS_URL))
-        return FleetRecord(committed=ref, history=((version, generation),))
-    return FleetRecord()
+        return FleetRecord(committed=ref, history=((version, generation),), engine_template=template)
+    return FleetRecord(engine_template=template)
 
 
-def reset_for_model(data: Mapping[str, str] | None, model: str) -> dict[str, str | None] | None:
-    """The change that makes the record one for ``model`` (the fleet's spec.model), or None if it is.
+def operator_fields(data: Mapping[str, str] | None, model: str, engine_template: str) -> dict[str, str | None] | None:
+    """What the operator writes into the record for the fleet's spec.model and engine template, or None.
 
-    Weights pushed for another model must not reach engines of this one, nor hold them in
-    PendingSync: the record starts over, empty, and the next push is generation 1 again.
+    A record kept for another model starts over, empty (the next push is generation 1 again):
+    weights pushed for that model must not reach engines of this one, nor hold them in
+    PendingSync. The template only gates adoption (``adopt_initial``).
     """
     data = data or {}
-    if data.get(RECORD_MODEL) == model:
-        return None
-    return {key: None for key in data if key != RECORD_MODEL} | {RECORD_MODEL: model}
+    if data.get(RECORD_MODEL) != model:
+        ours = (RECORD_MODEL, RECORD_ENGINE_TEMPLATE)
+        return {k: None for k in data if k not in ours} | {RECORD_MODEL: model, RECORD_ENGINE_TEMPLATE: engine_template}
+    if data.get(RECORD_ENGINE_TEMPLATE) != engine_template:
+        return {RECORD_ENGINE_TEMPLATE: engine_template}
+    return None
 
 
 def max_staleness(annotations: Mapping[str, str] | None, default: int | None) -> int | None:
@@ -202,8 +210,17 @@ def max_staleness(annotations: Mapping[str, str] | None, default: int | None) ->
 # --- transitions ---------------------------------------------------------------------
 
 
-def adopt_initial(record: FleetRecord, versions: Sequence[str | None]) -> FleetRecord:
-    """A fleet never pushed to: adopt the version its engines started with, if they agree."""
+def adopt_initial(
+    record: FleetRecord, versions: Sequence[str | None], templates: Sequence[str | None] | None = None
+) -> FleetRecord:
+    """A fleet never pushed to: adopt the version its engines started with, if they agree.
+
+    ``templates``: the engine pods' template hashes (None where there are no pods: static
+    mode). Then every one must be the record's ``engine_template``: while a rollout replaces
+    engines (a model change among others), the old ones' version is not the fleet's.
+    """
+    if templates is not None and (record.engine_template is None or set(templates) != {record.engine_template}):
+        return record
     if record.committed is not None or not versions or any(v is None for v in versions) or len(set(versions)) != 1:
         return record
     version = str(versions[0])

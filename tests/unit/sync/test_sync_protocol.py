@@ -6,6 +6,7 @@ import pytest
 
 from rollfleet.contract import (
     ANNOTATION_MAX_STALENESS,
+    RECORD_ENGINE_TEMPLATE,
     RECORD_MODEL,
     RECORD_SYNC_STATE,
     RECORD_WEIGHT_GENERATION,
@@ -29,8 +30,8 @@ from rollfleet.sync.protocol import (
     encode_record,
     max_staleness,
     needs_catch_up,
+    operator_fields,
     plan_recovery,
-    reset_for_model,
     roll_back,
     routable,
     should_commit,
@@ -58,17 +59,30 @@ def test_record_round_trips_through_the_config_map_data() -> None:
     assert data[RECORD_WEIGHTS_URL] == "http://10.0.0.5:8472"
 
 
-def test_a_record_for_another_model_starts_over_and_one_for_this_model_stays() -> None:
+def test_a_record_for_another_model_starts_over_and_one_for_this_model_keeps_its_pushes() -> None:
     data = {k: v for k, v in encode_record(commit(pushing_b(), [], "")).items() if v is not None}
-    kept = data | {RECORD_MODEL: "m1"}
-    assert reset_for_model(kept, "m1") is None
-    change = reset_for_model(kept, "m2")
-    assert change is not None and change[RECORD_MODEL] == "m2"
+    kept = data | {RECORD_MODEL: "m1", RECORD_ENGINE_TEMPLATE: "h1"}
+    assert operator_fields(kept, "m1", "h1") is None
+    # Another template of the same model (new engine args): only the template moves.
+    assert operator_fields(kept, "m1", "h2") == {RECORD_ENGINE_TEMPLATE: "h2"}
+    change = operator_fields(kept, "m2", "h2")
+    assert change is not None
     reset = {k: v for k, v in (kept | change).items() if v is not None}
-    assert reset == {RECORD_MODEL: "m2"}
-    assert decode_record(reset) == FleetRecord()
-    # A new fleet's empty ConfigMap gets the model, and nothing else changes.
-    assert reset_for_model({}, "m1") == {RECORD_MODEL: "m1"}
+    assert reset == {RECORD_MODEL: "m2", RECORD_ENGINE_TEMPLATE: "h2"}
+    assert decode_record(reset) == FleetRecord(engine_template="h2")
+    # A new fleet's empty ConfigMap gets the operator's fields, and nothing else changes.
+    assert operator_fields({}, "m1", "h1") == {RECORD_MODEL: "m1", RECORD_ENGINE_TEMPLATE: "h1"}
+
+
+def test_a_version_is_adopted_only_from_engines_all_on_the_template_the_fleet_rolls_to() -> None:
+    record = FleetRecord(engine_template="new")
+    # A model change: the old engines still serve (and agree on) the old model's version.
+    assert adopt_initial(record, ["b-3", "b-3"], ["old", "old"]) == record
+    assert adopt_initial(record, ["A", "b-3"], ["new", "old"]) == record
+    assert adopt_initial(record, ["A", "A"], ["new", "new"]).committed == WeightsRef("A", 0)
+    # Before the operator wrote the template, pods cannot be trusted; static mode has no pods to ask.
+    assert adopt_initial(FleetRecord(), ["A"], ["new"]) == FleetRecord()
+    assert adopt_initial(FleetRecord(), ["A"], None).committed == WeightsRef("A", 0)
 
 
 def test_empty_record_deletes_the_plain_keys() -> None:

@@ -1,0 +1,199 @@
+"""The fault matrix: one fault per case while a RolloutRequest runs on the live fleet's REAL engines.
+
+Each case runs a 64-sample RolloutRequest (16 prompts x 4 samples, 120 tokens each) through
+the operator and the gateway, injects its fault once samples complete and others decode, and
+then requires: the request Succeeded with exactly one whole result per sample (0 lost, 0
+duplicated), no sample still running on any engine, and the fleet's status true again (every
+engine pod Ready in status and in Kubernetes, gateways ready). The abort storm sends 1,000
+abort calls with mixed ids while 64 samples stream. Each case prints its row of the table in
+docs/operations.md ("Fault matrix"); the sync sidecar killed mid-push is
+`e2e/test_sync.py::test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version`.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e.fleet_helpers import OPERATOR_NS, operator_pods, sse, tokens_of
+from e2e.live_fleet import LiveFleet, create, results, running, status, wait_phase
+from e2e.provider import wait_for
+from rollfleet.contract import ANNOTATION_PAUSE
+from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+
+PROMPTS, SAMPLES, TOKENS = 16, 4, 120
+
+
+@pytest.fixture
+def fleet(live: LiveFleet) -> LiveFleet:
+    live.ready()
+    return live
+
+
+def assert_status_true(fleet: LiveFleet) -> None:
+    """What `kubectl get rf -o yaml` says matches the pods: the same engines, each Ready in both."""
+    st = fleet.fleet.status()
+    pods = {p["metadata"]["name"]: p for p in fleet.fleet.pods() if not p["metadata"].get("deletionTimestamp")}
+    engines = {e["name"]: e for e in st.get("engines", [])}
+    assert set(engines) == set(pods), (sorted(engines), sorted(pods))
+    for name, pod in pods.items():
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+        assert ready and engines[name]["phase"] == "Ready", (name, engines[name], pod["status"].get("conditions"))
+    assert st["readyReplicas"] == st["replicas"] == len(pods)
+
+
+def run_with_fault(
+    fleet: LiveFleet, case: str, inject: Callable[[], None], after: Callable[[], None] = lambda: None
+) -> None:
+    """The case's request, its fault injected mid-run, and every promise checked; prints its table row."""
+    name, uid = create(fleet, PROMPTS, SAMPLES, sampling={"maxTokens": TOKENS, "ignoreEos": True})
+    wait_for(
+        lambda: status(fleet, name).get("counts", {}).get("completed", 0) >= 8 and running(fleet, uid),
+        300,
+        interval=0.2,
+        what="samples completed and others decoding",
+    )
+    t0 = time.monotonic()
+    inject()
+    st = wait_phase(fleet, name, "Succeeded", timeout=900)
+    finished_s = time.monotonic() - t0
+    after()
+    fleet.ready()
+    assert_status_true(fleet)
+    healed_s = time.monotonic() - t0
+    rows = results(fleet, name)
+    keys = [(r["prompt"], r["sample"]) for r in rows]
+    total = PROMPTS * SAMPLES
+    lost, duplicated = total - len(set(keys)), len(keys) - len(set(keys))
+    short = [
+        (r["prompt"], r["sample"], r["finish_reason"], len(r["token_ids"]))
+        for r in rows
+        if len(r["token_ids"]) != TOKENS
+    ]
+    print(
+        f"\n| {case} | {total} | {st['counts']['completed']} | {lost} | {duplicated} "
+        f"| {finished_s:.1f} s | {healed_s:.1f} s |"
+    )
+    assert lost == duplicated == 0 and not short, (lost, duplicated, short[:5])
+    assert st["counts"]["completed"] == total and st["counts"]["failed"] == st["counts"]["aborted"] == 0
+    assert not running(fleet, uid), "a sample still runs on an engine"
+
+
+def test_an_engine_killed_mid_rollout(fleet: LiveFleet) -> None:
+    run_with_fault(fleet, "kill an engine mid-rollout", lambda: fleet.kill_engine(fleet.engines[0].key))
+
+
+def test_the_operator_killed_mid_rollout(fleet: LiveFleet) -> None:
+    def kill() -> None:
+        [op] = operator_pods(fleet.cluster)
+        fleet.cluster.kubectl("-n", OPERATOR_NS, "delete", "pod", op["metadata"]["name"], "--grace-period=0", "--force")
+
+    run_with_fault(fleet, "kill the operator", kill)
+
+
+def test_a_gateway_replica_killed_mid_rollout(fleet: LiveFleet) -> None:
+    pod = fleet.gateways[0].key
+    kill = ("-n", fleet.namespace, "delete", "pod", pod, "--grace-period=0", "--force")
+    run_with_fault(fleet, "kill a gateway replica", lambda: fleet.cluster.kubectl(*kill))
+
+
+def test_the_api_server_restarted_mid_rollout(fleet: LiveFleet) -> None:
+    def restart() -> None:
+        try:
+            fleet.cluster.restart_api_server()
+        except RuntimeError as err:
+            pytest.skip(str(err))
+
+    run_with_fault(fleet, "restart the API server", restart)
+
+
+def test_scale_up_during_a_pause_then_down(fleet: LiveFleet) -> None:
+    """Pause keep, scale 2 -> 3 while paused (the new engine joins paused), resume; afterwards back to 2."""
+    kubectl, ns, rf = fleet.cluster.kubectl, fleet.namespace, fleet.fleet.name
+
+    def pause_and_scale() -> None:
+        kubectl("-n", ns, "annotate", "rf", rf, f"{ANNOTATION_PAUSE}=keep")
+        fleet.fleet.wait(lambda st: (st.get("pause") or {}).get("pausedEngines") == 2, "both engines paused", 120)
+        kubectl("-n", ns, "scale", "rf", rf, "--replicas=3")
+
+        def joined_paused(st: dict[str, Any]) -> bool:
+            # A new engine in a paused fleet gets no traffic until it is paused too.
+            third = [e for e in st.get("engines", []) if e["name"] == f"{rf}-engine-2"]
+            assert not third or third[0]["phase"] != "Ready", third
+            return bool(third) and third[0]["phase"] == "Paused"
+
+        fleet.fleet.wait(joined_paused, "the third engine paused with the fleet", timeout=600)
+        kubectl("-n", ns, "annotate", "rf", rf, f"{ANNOTATION_PAUSE}-")
+
+    def back_to_two() -> None:
+        fleet.fleet.wait_ready(3)
+        kubectl("-n", ns, "scale", "rf", rf, "--replicas=2")
+
+    run_with_fault(fleet, "scale 2 -> 3 during a pause", pause_and_scale, after=back_to_two)
+
+
+def test_an_abort_storm_stops_exactly_the_named_requests(fleet: LiveFleet) -> None:
+    """1,000 abort calls with mixed ids while 64 samples stream: 8 named streams end aborted (checked at
+    the engines), the other 56 complete whole, and no answer claims more than is known."""
+    ids = [f"storm-{i}-{uuid.uuid4().hex[:6]}" for i in range(64)]
+    named, spared = ids[:8], ids[8:]
+    tokens = {rid: LONG if rid in named else TOKENS for rid in ids}  # the named ones outlast the storm
+    never_sent = [f"never-{i}" for i in range(50)]
+    bodies: dict[str, str] = {}
+    started = threading.Barrier(65)
+
+    def stream(rid: str) -> None:
+        body = {"model": "tiny", "prompt": rid, "max_tokens": tokens[rid], "ignore_eos": True, "stream": True}
+        started.wait()
+        r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=900)
+        assert r.status_code == 200, r.text[:300]
+        bodies[rid] = r.text
+
+    rng = random.Random(7)
+    answers: list[dict[str, Any]] = []
+
+    def storm() -> None:
+        for n in range(1000):
+            batch = rng.sample(named, 2) + rng.sample(never_sent, 3)
+            gateway = fleet.gateways[n % len(fleet.gateways)]
+            r = httpx.post(gateway.url + "/v1/abort", json={"request_ids": batch}, headers=fleet.admin, timeout=60)
+            assert r.status_code == 200, r.text[:300]
+            answers.append(r.json())
+
+    with ThreadPoolExecutor(64) as pool:
+        streams = [pool.submit(stream, rid) for rid in ids]
+        started.wait()
+        wait_for(
+            lambda: set(named) <= {rid for v in fleet.in_flight("storm-").values() for rid in v},
+            120,
+            what="the named streams on the engines",
+        )
+        t0 = time.monotonic()
+        storm()
+        storm_s = time.monotonic() - t0
+        for s in streams:
+            s.result(timeout=900)
+    claims = {rid: {a["results"].get(rid) for a in answers} - {None} for rid in [*named, *never_sent]}
+    assert all(claims[rid] == {"unknown"} for rid in never_sent), {r: claims[r] for r in never_sent[:3]}
+    assert all("aborted" in claims[rid] for rid in named), {r: claims[r] for r in named}
+    for rid in named:
+        chunks = sse(bodies[rid])
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and len(tokens_of(chunks)) < LONG, rid
+        assert (fleet.tracked(rid) or {}).get("finish_reason") == "abort", rid
+    whole = [rid for rid in spared if len(tokens_of(sse(bodies[rid]))) == TOKENS]
+    assert len(whole) == len(spared), sorted(set(spared) - set(whole))[:5]
+    assert not any(fleet.in_flight("storm-").values()), "a stream still runs on an engine"
+    fleet.ready()
+    assert_status_true(fleet)
+    row = "abort storm: 1,000 calls, 8 named of 64 streams | 64 | 56 whole, 8 aborted | 0 | 0"
+    print(f"\n| {row} | {storm_s:.1f} s of calls | - |")
