@@ -204,7 +204,6 @@ class Fleet:
             assert r.status_code == 200, (path, r.status_code, r.text)
 
 
-@dataclass
 def sse(text: str) -> list[dict[str, Any]]:
     # SSE lines end at "\n" only: str.splitlines() would also split inside generated text
     # (U+2028, U+0085, ...), which the tiny random model does produce.
@@ -217,6 +216,7 @@ def tokens_of(chunks: list[dict[str, Any]]) -> list[int]:
     return [t for c in chunks for ch in c.get("choices", []) for t in ch.get("token_ids") or []]
 
 
+@dataclass
 class Stream:
     """A streamed completion read in a thread, with the arrival time of every token chunk."""
 
