@@ -10,7 +10,9 @@ The test that kills the operator and the gateway runs last in this module.
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import pytest
 
@@ -71,6 +73,14 @@ def test_samples_an_engine_refuses_fail_with_its_message_and_the_request_ends(fl
     name, _ = create(fleet, prompts, 2, sampling={"maxTokens": 4, "ignoreEos": True})
     st = wait_phase(fleet, name, "Failed", timeout=120)
     assert st["reason"] == "SamplesFailed" and "vocab" in st["message"].lower(), st
+
+    def event() -> dict[str, Any] | None:
+        selector = f"involvedObject.kind=RolloutRequest,involvedObject.name={name}"
+        out = fleet.cluster.kubectl("-n", fleet.namespace, "get", "events", "--field-selector", selector, "-o", "json")
+        return next((e for e in json.loads(out.stdout)["items"] if e["reason"] == "SamplesFailed"), None)
+
+    seen = wait_for(event, 60, what="an Event saying why the request failed")
+    assert seen["type"] == "Warning" and "vocab" in seen["message"].lower(), seen
     assert st["counts"] == {"total": 4, "completed": 2, "aborted": 0, "failed": 2, "inFlight": 0}, st
     rows = {(r["prompt"], r["sample"]): r for r in results(fleet, name)}
     assert len(rows) == 4

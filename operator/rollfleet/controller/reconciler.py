@@ -17,9 +17,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,8 +30,6 @@ from rollfleet.contract import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
-    API_VERSION,
-    MANAGER,
     RECORD_MODEL,
     RECORD_SYNC_STATE,
     EnginePhase,
@@ -43,6 +39,7 @@ from rollfleet.contract import (
     weights_record_name,
 )
 from rollfleet.controller import desired, plan
+from rollfleet.controller.events import event_manifest, rfc3339
 from rollfleet.controller.status import (
     Engine,
     EngineObs,
@@ -71,7 +68,6 @@ IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight vers
 REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
 ABSENT = "absent"  # the digest recorded for an object the spec switched off (deleted, not applied)
 NODE_REFRESH_S = 5.0
-INSTANCE = socket.gethostname()  # this operator's replica, in its Events
 # Phases that change only by outside action.
 SETTLED = frozenset({EnginePhase.READY, EnginePhase.PAUSED, EnginePhase.PENDING_SYNC})
 
@@ -80,35 +76,6 @@ Key = tuple[str, str]  # (namespace, fleet name)
 
 def now_utc() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
-
-
-def _rfc3339(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def event_manifest(ref: desired.FleetRef, type_: str, reason: str, message: str, now: datetime) -> desired.Manifest:
-    """A core/v1 Event on the fleet (`kubectl describe rf` and `kubectl get events` show it)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": f"{ref.name}.{uuid.uuid4().hex[:16]}", "namespace": ref.namespace},
-        "involvedObject": {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": ref.name,
-            "namespace": ref.namespace,
-            "uid": ref.uid,
-        },
-        "type": type_,
-        "reason": reason,
-        "message": message[:1024],
-        "firstTimestamp": _rfc3339(now),
-        "lastTimestamp": _rfc3339(now),
-        "count": 1,
-        "source": {"component": MANAGER},
-        "reportingComponent": MANAGER,
-        "reportingInstance": INSTANCE,
-    }
 
 
 async def annotate_pod(kube: Kube, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
@@ -250,7 +217,10 @@ class FleetLoop:
 
     async def _post_event(self, type_: str, reason: str, message: str) -> None:
         try:
-            await self.shared.kube.create(event_manifest(self.ref, type_, reason, message, datetime.now(UTC)))
+            ref, now = self.ref, datetime.now(UTC)
+            await self.shared.kube.create(
+                event_manifest(KIND, ref.name, ref.namespace, ref.uid, type_, reason, message, now)
+            )
         except Exception as err:  # an Event is best effort; the status carries the truth
             log.warning("event %s on %s/%s not posted: %s", reason, *self.key, err)
 
@@ -493,7 +463,7 @@ class FleetLoop:
                 kube,
                 ns,
                 action.name,
-                {ANNOTATION_PHASE: EnginePhase.DRAINING, ANNOTATION_DRAINING_SINCE: _rfc3339(now)},
+                {ANNOTATION_PHASE: EnginePhase.DRAINING, ANNOTATION_DRAINING_SINCE: rfc3339(now)},
             )
             e = engines[action.name]
             self.event(

@@ -163,6 +163,10 @@ class Orchestrator:
             ) from err
         if not has_weights:
             raise PushRefused(f"no .safetensors files in {source}")
+        try:
+            await self._staleness_bound()  # a bad annotation refuses the push before anything changes
+        except ValueError as err:
+            raise PushRefused(str(err)) from err
         async with self._lock:
             t0 = self.clock()
             record = await read_record(self.store)
@@ -183,6 +187,9 @@ class Orchestrator:
             self._remember(status)
         self._push_task = asyncio.create_task(self._run(status, record, t0))
         return status
+
+    async def _staleness_bound(self) -> int | None:
+        return max_staleness(await self.store.fleet_annotations(), self.default_max_staleness)
 
     def _refuse_if_running(self) -> None:
         if self._push_running():
@@ -238,7 +245,11 @@ class Orchestrator:
         progress = {p.name: p for p in status.engines}
         await self._notify()
 
-        bound = max_staleness(await self.store.fleet_annotations(), self.default_max_staleness)
+        try:
+            bound = await self._staleness_bound()
+        except ValueError as err:  # changed since the push was accepted: finish it, under the flag's bound
+            log.warning("%s; using --max-staleness (%s)", err, self.default_max_staleness)
+            bound = self.default_max_staleness
         status.aborted_stale = sum(await _gather([self._abort_stale(e, record, target, bound) for e in engines]))
 
         t_pause = self.clock()

@@ -201,10 +201,12 @@ def max_staleness(annotations: Mapping[str, str] | None, default: int | None) ->
     raw = (annotations or {}).get(ANNOTATION_MAX_STALENESS)
     if raw is None or raw.strip() == "":
         return default
-    value = int(raw)
-    if value < 0:
-        raise ValueError(f"{ANNOTATION_MAX_STALENESS} must be >= 0, got {value}")
-    return value
+    if not raw.strip().isdigit():
+        raise ValueError(
+            f"the fleet's annotation {ANNOTATION_MAX_STALENESS}={raw!r} is not a whole number >= 0 "
+            "(generations a request may run behind); fix or remove it"
+        )
+    return int(raw)
 
 
 # --- transitions ---------------------------------------------------------------------

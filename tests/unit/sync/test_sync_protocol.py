@@ -210,5 +210,6 @@ def test_max_staleness_from_the_fleet_overrides_the_flag() -> None:
     assert max_staleness({}, 3) == 3
     assert max_staleness({ANNOTATION_MAX_STALENESS: "1"}, 3) == 1
     assert max_staleness({ANNOTATION_MAX_STALENESS: " "}, None) is None
-    with pytest.raises(ValueError, match=">= 0"):
-        max_staleness({ANNOTATION_MAX_STALENESS: "-1"}, None)
+    for bad in ("-1", "two", "1.5"):  # refused naming the annotation and what it takes
+        with pytest.raises(ValueError, match=r"max-staleness.*whole number >= 0"):
+            max_staleness({ANNOTATION_MAX_STALENESS: bad}, None)

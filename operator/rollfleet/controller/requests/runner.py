@@ -7,7 +7,7 @@ results store, and patch status at a bounded rate. Decisions come from `plan` an
 `status` (pure); this module does the I/O.
 
 Talks to kube-apiserver (the fleet and its gateway Service, prompt ConfigMaps, result
-ConfigMaps, the request's status; through `rollfleet.kube`)
+ConfigMaps, the request's status, an Event at its end; through `rollfleet.kube`)
 and to the fleet's gateway (`<fleet>-gateway` Service: generation routes and
 `POST /v1/abort`, which stops an id on whatever engine runs it and says so truthfully).
 
@@ -31,8 +31,9 @@ from typing import Any
 
 import httpx
 
-from rollfleet.api.request import TERMINAL_PHASES, AbortRecord, Prompt, ResultsRef, RolloutRequest
+from rollfleet.api.request import KIND, TERMINAL_PHASES, AbortRecord, Prompt, ResultsRef, RolloutRequest
 from rollfleet.contract import ANNOTATION_ABORT, GATEWAY_PORT, gateway_name
+from rollfleet.controller.events import event_manifest
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
 from rollfleet.controller.requests.results import ResultStore
@@ -464,7 +465,19 @@ class Run:
         await self._flush(urgent=True)
         await self._patch_status(0, urgent=True)
         log.info("RolloutRequest %s/%s: %s (%s)", self.ns, self.name, verdict.phase, verdict.message)
+        await self._post_event(verdict)
         return verdict
+
+    async def _post_event(self, verdict: Verdict) -> None:
+        """The end of the run as an Event (`kubectl describe rr`): Warning unless it succeeded. Best effort."""
+        type_ = "Normal" if verdict.phase == "Succeeded" else "Warning"
+        event = event_manifest(
+            KIND, self.name, self.ns, self.uid, type_, verdict.reason, verdict.message, datetime.now(UTC)
+        )
+        try:
+            await self.kube.create(event)
+        except ApiError as err:
+            log.warning("event %s on %s/%s not posted: %s", verdict.reason, self.ns, self.name, err)
 
 
 async def expire(
