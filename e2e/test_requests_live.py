@@ -90,6 +90,20 @@ def test_samples_an_engine_refuses_fail_with_its_message_and_the_request_ends(fl
         assert refused["error"].startswith("HTTP 400") and "vocab" in refused["error"].lower(), refused
 
 
+def test_results_keep_the_logprob_of_every_token_whatever_the_prompts_form(fleet: LiveFleet) -> None:
+    prompts = [{"text": "logprobs, text"}, {"tokenIds": [5, 6, 7]}, {"messages": [{"role": "user", "content": "hi"}]}]
+    name, _ = create(fleet, prompts, 2, sampling={"maxTokens": 8, "ignoreEos": True, "logprobs": 0})
+    wait_phase(fleet, name, "Succeeded", timeout=120)
+    rows = results(fleet, name)
+    assert len(rows) == 6
+    for r in rows:
+        assert len(r["token_ids"]) == 8 and len(r["logprobs"]) == 8, r
+        assert all(lp <= 0.0 for lp in r["logprobs"]), r["logprobs"]
+    plain, _ = create(fleet, 1, 1, sampling={"maxTokens": 4, "ignoreEos": True})
+    wait_phase(fleet, plain, "Succeeded", timeout=120)
+    assert results(fleet, plain)[0]["logprobs"] is None  # not asked, not stored
+
+
 def test_abort_by_annotation_stops_every_in_flight_sample_on_the_engines(fleet: LiveFleet) -> None:
     tokens = 300
     name, uid = create(fleet, 16, 4, parallelism=16, sampling={"maxTokens": tokens, "ignoreEos": True})

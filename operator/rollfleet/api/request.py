@@ -129,7 +129,11 @@ class SamplingParams(ApiModel):
     )
     ignore_eos: bool | None = Field(default=None, description="Keep generating past the end-of-sequence token.")
     logprobs: int | None = Field(
-        default=None, ge=0, le=20, description="Log-probabilities of this many top tokens per output token."
+        default=None,
+        ge=0,
+        le=20,
+        description="Ask for log-probabilities (this many top tokens per output token; 0: only the sampled one). "
+        "Each result then keeps the sampled token's logprob for every token (`logprobs` in `rollfleet results`).",
     )
 
     def body(self, sample: int) -> dict[str, Any]:

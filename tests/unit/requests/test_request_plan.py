@@ -101,6 +101,27 @@ def test_answers_are_interpreted_without_trusting_a_broken_call() -> None:
     assert outcome is Outcome.FAILED and empty is not None and "without choices" in (empty.error or "")
 
 
+def test_each_tokens_logprob_is_kept_in_every_dialect_and_survives_the_stored_line() -> None:
+    kw = {"uid": UID, "key": (0, 0), "started_at": 1.0, "finished_at": 2.0, "abort_wanted": False}
+    completions = {
+        "token_logprobs": [-0.5, -1.25],
+        "tokens": ["a", "b"],
+        "top_logprobs": [{}, {}],
+        "text_offset": [0, 1],
+    }
+    chat = {"content": [{"token": "a", "logprob": -0.5, "top_logprobs": []}, {"token": "b", "logprob": -1.25}]}
+    token_in = {"content": [{"token_id": 7, "logprob": -0.5, "top_logprobs": []}, {"token_id": 8, "logprob": -1.25}]}
+    for logprobs in (completions, chat, token_in):
+        body = {"choices": [{"text": "ab", "token_ids": [7, 8], "finish_reason": "length", "logprobs": logprobs}]}
+        _, result = plan.interpret(200, body, {}, **kw)
+        assert result is not None and result.logprobs == [-0.5, -1.25]
+        assert plan.SampleResult.from_line(result.line()) == result
+    _, plain = plan.interpret(
+        200, {"choices": [{"text": "ab", "token_ids": [7, 8], "finish_reason": "stop"}]}, {}, **kw
+    )
+    assert plain is not None and plain.logprobs is None
+
+
 @pytest.mark.parametrize(
     ("answer", "resend"),
     [

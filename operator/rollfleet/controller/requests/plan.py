@@ -143,6 +143,7 @@ class SampleResult:
     finish_reason: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None  # of each token in token_ids, when the sampling asked for logprobs
     prompt_token_ids: list[int] | None = None
     weight_version: str | None = None  # the oldest version that produced it
     weight_versions: list[str] = field(default_factory=list)
@@ -168,6 +169,7 @@ class SampleResult:
             "finish_reason": self.finish_reason,
             "text": self.text,
             "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
             "prompt_token_ids": self.prompt_token_ids,
             "weight_version": self.weight_version,
             "weight_versions": self.weight_versions,
@@ -183,6 +185,17 @@ class SampleResult:
         raw = json.loads(line)
         raw.pop("latency_s", None)
         return cls(**raw)
+
+
+def sampled_logprobs(choice: Mapping[str, Any]) -> list[float] | None:
+    """The logprob of each generated token (the sampled one's, not the top-k), in any dialect the gateway
+    answers: completions (`token_logprobs`), chat and the token-in route (`content`). None when not asked."""
+    logprobs = choice.get("logprobs") or {}
+    per_token = logprobs.get("content")
+    if per_token is not None:
+        return [float(entry["logprob"]) for entry in per_token]
+    values = logprobs.get("token_logprobs")
+    return None if values is None else [float(v) for v in values]
 
 
 def versions_from_header(value: str | None) -> list[str]:
@@ -236,6 +249,7 @@ def interpret(
         finish_reason=str(reason),
         text=text,
         token_ids=list(choice.get("token_ids") or []),
+        logprobs=sampled_logprobs(choice),
         prompt_token_ids=prompt_ids,
         weight_version=versions[0] if versions else None,
         weight_versions=versions,
