@@ -12,6 +12,7 @@ RUN cd /src && python -c 'import tomllib; print("\n".join(tomllib.load(open("pyp
  && /opt/rollfleet/bin/pip install --no-cache-dir -q -r /tmp/requirements.txt
 COPY operator /src/operator
 COPY engine_image /src/engine_image
+COPY client /src/client
 RUN /opt/rollfleet/bin/pip install --no-cache-dir -q --no-deps /src
 
 FROM ${BASE_IMAGE}

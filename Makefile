@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 PYTEST_ARGS ?=
-PY_SOURCES := operator engine_image devtools tests e2e bench
+PY_SOURCES := operator engine_image client devtools tests e2e bench
 
 .PHONY: help
 help: ## list targets

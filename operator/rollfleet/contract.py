@@ -22,6 +22,16 @@ import base64
 from collections.abc import Mapping
 from enum import StrEnum
 
+# The gateway's public API, re-exported: the trainer client's distribution owns it and imports
+# nothing of the operator's.
+from rollfleet_client.protocol import COMPONENT_GATEWAY as COMPONENT_GATEWAY
+from rollfleet_client.protocol import GATEWAY_PORT as GATEWAY_PORT
+from rollfleet_client.protocol import TOKEN_FILE as TOKEN_FILE
+from rollfleet_client.protocol import TOKEN_KEY as TOKEN_KEY
+from rollfleet_client.protocol import TOKEN_MOUNT_DIR as TOKEN_MOUNT_DIR
+from rollfleet_client.protocol import gateway_endpoint as gateway_endpoint
+from rollfleet_client.protocol import gateway_name as gateway_name
+
 # The engine's API, re-exported: the engine package owns it and cannot import this module.
 from rollfleet_engine.protocol import ABORT_PATH as ABORT_PATH
 from rollfleet_engine.protocol import ENGINE_PORT as ENGINE_PORT
@@ -55,7 +65,6 @@ APP_NAME = "rollfleet"  # the value of LABEL_NAME
 MANAGER = "rollfleet-operator"
 # Values of LABEL_COMPONENT.
 COMPONENT_ENGINE = "engine"
-COMPONENT_GATEWAY = "gateway"
 COMPONENT_ADMIN_TOKEN = "admin-token"
 COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
 # The pods that run the sync sidecar (manifests/sync/trainer-job.yaml): with the fleet
@@ -111,8 +120,7 @@ class EnginePhase(StrEnum):
 # routes only to these, and the fleet counts them as ready.
 ROUTABLE_PHASES: frozenset[str] = frozenset({EnginePhase.READY, EnginePhase.PAUSED})
 
-# --- ports (ENGINE_PORT, above, is the engine package's) ----------------------------
-GATEWAY_PORT = 8080
+# --- ports (ENGINE_PORT and GATEWAY_PORT, above, are the engine's and the gateway's) ----
 # The sync sidecar in a trainer pod: its trainer API (localhost: the pod's own containers only),
 # the weights server engines pull from (the pod IP), and /healthz for kubelet's probes (the pod
 # network, where kubelet reaches it; nothing else is served there).
@@ -121,11 +129,7 @@ SYNC_WEIGHTS_PORT = 8472
 SYNC_HEALTH_PORT = 8473
 
 # --- the admin token ----------------------------------------------------------------
-# Where the admin-token Secret is mounted in gateways and engines, and its one key.
-TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet"
-TOKEN_KEY = "token"
-TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
-
+# Where the admin-token Secret is mounted (TOKEN_FILE, above: trainer pods read it too), and its one key.
 
 # The operator's own key, from which it derives every fleet's token (rollfleet.controller.tokens):
 # a Secret in the operator's namespace, the one Secret the operator may read.
@@ -156,11 +160,6 @@ def engine_index(pod_name: str, fleet: str) -> int | None:
     return int(rest) if rest.isdigit() and str(int(rest)) == rest else None
 
 
-def gateway_name(fleet: str) -> str:
-    """The gateway's Deployment, Service, ServiceAccount and Role."""
-    return f"{fleet}-{COMPONENT_GATEWAY}"
-
-
 def engine_sa_name(fleet: str) -> str:
     return f"{fleet}-{COMPONENT_ENGINE}"
 
@@ -182,11 +181,6 @@ def trainer_name(fleet: str) -> str:
 
 def network_policy_name(fleet: str) -> str:
     return f"{fleet}-{COMPONENT_ENGINE}"
-
-
-def gateway_endpoint(fleet: str, namespace: str) -> str:
-    """The in-cluster URL of the fleet's gateway Service."""
-    return f"http://{gateway_name(fleet)}.{namespace}.svc:{GATEWAY_PORT}"
 
 
 def engine_url(ip: str, port: int = ENGINE_PORT) -> str:

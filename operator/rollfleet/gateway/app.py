@@ -37,15 +37,12 @@ from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body
 from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
+from rollfleet_client.protocol import GROUP_HEADER, SESSION_END_HEADER, SESSION_HEADER, TIMEOUT_HEADER
 from rollfleet_engine.access import bearer, token_matches
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "x-session-id"
-GROUP_HEADER = "x-group-id"  # GRPO: the n samples of one prompt share one engine (and its prefix cache)
-SESSION_END_HEADER = "x-session-end"
-TIMEOUT_HEADER = "x-rollfleet-timeout"
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 
 

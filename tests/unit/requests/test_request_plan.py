@@ -49,7 +49,7 @@ def test_digest_changes_with_the_prompts() -> None:
 def test_calls_pick_the_route_by_prompt_form_and_carry_id_group_and_seed() -> None:
     s = spec(sampling={"maxTokens": 8, "seed": 100, "temperature": 0.7}, stickiness="Prompt")
     c = plan.build_call(s, "tiny", UID, (2, 3), Prompt(text="hello"))
-    assert c.path == plan.COMPLETIONS
+    assert c.path == plan.COMPLETIONS_PATH
     assert c.body == {
         "model": "tiny",
         "prompt": "hello",
@@ -66,10 +66,10 @@ def test_calls_pick_the_route_by_prompt_form_and_carry_id_group_and_seed() -> No
         (0, 0),
         Prompt.model_validate({"messages": [{"role": "user", "content": "hi"}]}),
     )
-    assert chat.path == plan.CHAT and chat.body["messages"] == [{"role": "user", "content": "hi"}]
+    assert chat.path == plan.CHAT_PATH and chat.body["messages"] == [{"role": "user", "content": "hi"}]
     assert "X-Group-Id" not in chat.headers
     gen = plan.build_call(spec(stickiness="Request"), "tiny", UID, (0, 1), Prompt(token_ids=[5, 6]), timeout_s=3)
-    assert gen.path == plan.GENERATE and gen.body["token_ids"] == [5, 6]
+    assert gen.path == plan.GENERATE_PATH and gen.body["token_ids"] == [5, 6]
     assert gen.body["sampling_params"]["max_tokens"] == 256
     assert gen.headers["X-Group-Id"] == UID and gen.headers["X-Rollfleet-Timeout"] == "3.000"
 

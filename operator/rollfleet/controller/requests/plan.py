@@ -24,17 +24,18 @@ from pydantic import ValidationError
 from rollfleet import jsonl
 from rollfleet.api.request import Prompt, RolloutRequestSpec
 from rollfleet.errors import RollfleetError
+from rollfleet_client.answers import sampled_logprobs, weight_versions
+from rollfleet_client.protocol import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    GENERATE_PATH,
+    GROUP_HEADER,
+    TIMEOUT_HEADER,
+    WEIGHT_VERSION_HEADER,
+)
 from rollfleet_engine.protocol import REQUEST_ID_HEADER, AbortStatus
 
 SampleKey = tuple[int, int]  # (prompt index, sample index)
-
-# Gateway headers (rollfleet.gateway.app): samples of one group share an engine and its prefix cache.
-GROUP_HEADER = "X-Group-Id"
-TIMEOUT_HEADER = "X-Rollfleet-Timeout"
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-GENERATE = "/inference/v1/generate"
 
 ABORT = "abort"
 
@@ -114,15 +115,15 @@ def build_call(
     if prompt.token_ids is not None:
         # vLLM's token-in route takes SamplingParams as an object; ask for text too.
         body = {"model": model, "token_ids": prompt.token_ids, "sampling_params": sampling, "output_mode": "text"}
-        return Call(GENERATE, body, headers)
+        return Call(GENERATE_PATH, body, headers)
     extra = {"return_token_ids": True}
     if prompt.messages is not None:
         messages = [m.model_dump(mode="json") for m in prompt.messages]
         logprobs = sampling.pop("logprobs", None)
         if logprobs is not None:  # chat spells it differently
             extra |= {"logprobs": True, "top_logprobs": logprobs}
-        return Call(CHAT, {"model": model, "messages": messages, **sampling, **extra}, headers)
-    return Call(COMPLETIONS, {"model": model, "prompt": prompt.text, **sampling, **extra}, headers)
+        return Call(CHAT_PATH, {"model": model, "messages": messages, **sampling, **extra}, headers)
+    return Call(COMPLETIONS_PATH, {"model": model, "prompt": prompt.text, **sampling, **extra}, headers)
 
 
 class Outcome(StrEnum):
@@ -187,21 +188,6 @@ class SampleResult:
         return cls(**raw)
 
 
-def sampled_logprobs(choice: Mapping[str, Any]) -> list[float] | None:
-    """The logprob of each generated token (the sampled one's, not the top-k), in any dialect the gateway
-    answers: completions (`token_logprobs`), chat and the token-in route (`content`). None when not asked."""
-    logprobs = choice.get("logprobs") or {}
-    per_token = logprobs.get("content")
-    if per_token is not None:
-        return [float(entry["logprob"]) for entry in per_token]
-    values = logprobs.get("token_logprobs")
-    return None if values is None else [float(v) for v in values]
-
-
-def versions_from_header(value: str | None) -> list[str]:
-    return [v for v in (value or "").split(",") if v]
-
-
 def interpret(
     status: int,
     body: Mapping[str, Any] | None,
@@ -240,7 +226,7 @@ def interpret(
     text = choice.get("text")
     if text is None:
         text = (choice.get("message") or {}).get("content") or ""
-    versions = versions_from_header(headers.get("x-rollfleet-weight-version"))
+    versions = weight_versions(headers.get(WEIGHT_VERSION_HEADER.lower()))
     prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
     result = SampleResult(
         prompt=key[0],

@@ -1,0 +1,272 @@
+"""``AsyncRolloutClient`` and its sync twin ``RolloutClient``: a trainer's way to a fleet's gateway.
+
+::
+
+    async with AsyncRolloutClient(fleet="tiny", namespace="team") as fleet:   # from a pod in the cluster
+        g = await fleet.generate([1, 2, 3], max_tokens=256, temperature=1.0, logprobs=0)
+        g.token_ids, g.logprobs, g.finish_reason, g.weight_version
+        await fleet.abort(["my-id"])
+
+Every request carries an id (``request_id``, else a fresh one): the key of abort at the engines.
+Cancelling or timing out the awaiting task aborts that id at the engine, and nothing is ever
+sent twice under one id. Talks to the gateway only (``protocol`` has its routes and headers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import uuid
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from rollfleet_client.answers import sampled_logprobs, weight_versions
+from rollfleet_client.errors import (
+    EngineFailed,
+    GatewayUnreachable,
+    GenerateTimeout,
+    RequestIdInUse,
+    RequestRefused,
+    RollfleetClientError,
+    Unauthorized,
+)
+from rollfleet_client.models import AbortResult, Generation
+from rollfleet_client.protocol import (
+    ABORT_PATH,
+    COMPLETIONS_PATH,
+    GROUP_HEADER,
+    REQUEST_ID_HEADER,
+    SESSION_HEADER,
+    TIMEOUT_HEADER,
+    TOKEN_FILE,
+    WEIGHT_VERSION_HEADER,
+    gateway_endpoint,
+    gateway_name,
+)
+
+T = TypeVar("T")
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+ABORT_TIMEOUT_S = 10.0
+# Beyond a request's own timeout: the gateway stops it at that deadline and answers; this is
+# how long the client waits for that answer before it gives up on the connection.
+ANSWER_MARGIN_S = 5.0
+
+
+def _namespace(namespace: str | None) -> str:
+    """The given namespace, else this pod's (the ServiceAccount mount, or POD_NAMESPACE)."""
+    if namespace:
+        return namespace
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    if SERVICE_ACCOUNT_NAMESPACE.is_file():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    raise RollfleetClientError("no namespace: pass namespace=, or run in a pod (or set POD_NAMESPACE)")
+
+
+def _read_token(path: str) -> str | None:
+    try:
+        token = Path(path).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return token or None
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:500] or r.reason_phrase
+    if isinstance(body, Mapping):
+        error = body.get("error")
+        if isinstance(error, Mapping) and error.get("message"):
+            return str(error["message"])
+        for key in ("error", "detail", "message"):
+            if body.get(key):
+                return str(body[key])
+    return str(body)[:500]
+
+
+def raise_for_answer(r: httpx.Response) -> None:
+    """The typed error for a refused or failed call, carrying the server's message."""
+    if r.status_code < 400:
+        return
+    message = _message(r)
+    if r.status_code == 401:
+        raise Unauthorized(f"the gateway refused the fleet token: {message}; use the fleet's <fleet>-admin-token")
+    if r.status_code == 409:
+        raise RequestIdInUse(r.status_code, message)
+    if r.status_code < 500:
+        raise RequestRefused(r.status_code, message)
+    raise EngineFailed(r.status_code, message)
+
+
+def generation_from(request_id: str, r: httpx.Response) -> Generation:
+    body = r.json()
+    choices = body.get("choices") or []
+    if not choices:
+        raise EngineFailed(r.status_code, f"an answer without choices: {str(body)[:300]}")
+    choice = choices[0]
+    report = body.get("rollfleet") or {}
+    return Generation(
+        request_id=request_id,
+        token_ids=list(choice.get("token_ids") or []),
+        logprobs=sampled_logprobs(choice),
+        text=choice.get("text") or "",
+        finish_reason=str(choice.get("finish_reason")),
+        prompt_token_ids=body.get("prompt_token_ids") or choice.get("prompt_token_ids"),
+        weight_versions=weight_versions(r.headers.get(WEIGHT_VERSION_HEADER)),
+        engines=list(report.get("engines") or []),
+    )
+
+
+class AsyncRolloutClient:
+    """The fleet's gateway, by URL or (in the cluster) by fleet name and namespace."""
+
+    def __init__(
+        self,
+        gateway_url: str | None = None,
+        *,
+        fleet: str | None = None,
+        namespace: str | None = None,
+        model: str | None = None,
+        token: str | None = None,
+        token_file: str = TOKEN_FILE,
+        max_connections: int = 1024,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if gateway_url is None:
+            if fleet is None:
+                raise RollfleetClientError("pass gateway_url=, or fleet= (and namespace= outside a pod)")
+            gateway_url = gateway_endpoint(fleet, _namespace(namespace))
+        self.gateway_url = gateway_url.rstrip("/")
+        self.model = model or fleet
+        self._token = token or _read_token(token_file)
+        self._token_file = token_file
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # No read timeout of the client's own: a generation takes as long as it takes; deadlines are per call.
+        self._http = httpx.AsyncClient(
+            base_url=self.gateway_url, timeout=httpx.Timeout(None, connect=10.0), limits=limits, transport=transport
+        )
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        timeout_s: float | None = None,
+        **sampling: Any,
+    ) -> Generation:
+        """Text or token ids in; token ids, logprobs (with ``logprobs=0`` or more), finish reason and weight
+        versions out. ``sampling`` takes vLLM's sampling parameters (max_tokens, temperature, top_p, seed, stop,
+        ignore_eos, logprobs, ...). Cancelling the awaiting task, or ``timeout_s`` passing, aborts it at the
+        engine."""
+        rid = request_id or f"rf-{uuid.uuid4().hex}"
+        model = sampling.pop("model", self.model)
+        if model is None:
+            raise RollfleetClientError("no model name: pass model= to the client (the fleet's spec.model.servedName)")
+        body = {"model": model, "prompt": prompt, "return_token_ids": True, **sampling, "stream": False}
+        headers = {REQUEST_ID_HEADER: rid}
+        if session_id is not None:
+            headers[SESSION_HEADER] = session_id
+        if group_id is not None:
+            headers[GROUP_HEADER] = group_id
+        timeout = None
+        if timeout_s is not None:
+            headers[TIMEOUT_HEADER] = f"{timeout_s:.3f}"  # the gateway stops it at the engine by itself too
+            timeout = httpx.Timeout(timeout_s + ANSWER_MARGIN_S, connect=10.0)
+        try:
+            r = await self._http.post(
+                COMPLETIONS_PATH, json=body, headers=headers, timeout=timeout or httpx.USE_CLIENT_DEFAULT
+            )
+        except asyncio.CancelledError:
+            # The caller gave up (verl's _on_cancel): the engine must stop too, even while we are cancelled.
+            await asyncio.shield(self._abort_quietly(rid))
+            raise
+        except httpx.TimeoutException as err:
+            await self._abort_quietly(rid)
+            raise GenerateTimeout(f"request {rid} ran past {timeout_s} s; asked the gateway to abort it") from err
+        except httpx.TransportError as err:
+            raise self._unreachable(err) from err
+        raise_for_answer(r)
+        return generation_from(rid, r)
+
+    async def abort(self, request_ids: list[str], timeout_s: float = ABORT_TIMEOUT_S) -> AbortResult:
+        """Abort these ids wherever they run; per id, what the engines confirmed."""
+        if self._token is None:
+            raise Unauthorized(
+                f"no fleet token: abort needs the fleet's admin token; mount the Secret <fleet>-admin-token at "
+                f"{self._token_file} or pass token="
+            )
+        body = {"request_ids": list(request_ids), "timeout_s": timeout_s}
+        headers = {"Authorization": f"Bearer {self._token}"}
+        try:
+            r = await self._http.post(ABORT_PATH, json=body, headers=headers, timeout=timeout_s + ANSWER_MARGIN_S)
+        except httpx.TransportError as err:
+            raise self._unreachable(err) from err
+        raise_for_answer(r)
+        return AbortResult.model_validate(r.json())
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(RollfleetClientError, httpx.HTTPError):
+            await self.abort([request_id])
+
+    def _unreachable(self, err: Exception) -> GatewayUnreachable:
+        return GatewayUnreachable(
+            f"no gateway answered at {self.gateway_url} ({type(err).__name__}: {err}); check the fleet's name and "
+            f"namespace (its Service is {gateway_name('<fleet>')}) or the URL"
+        )
+
+
+class RolloutClient:
+    """``AsyncRolloutClient`` for synchronous code: the same calls, run on a private event loop thread."""
+
+    def __init__(self, gateway_url: str | None = None, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollfleet-client", daemon=True)
+        self._thread.start()
+        self._async = self._run(self._make(gateway_url, kwargs))
+
+    async def _make(self, gateway_url: str | None, kwargs: dict[str, Any]) -> AsyncRolloutClient:
+        return AsyncRolloutClient(gateway_url, **kwargs)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted (Ctrl-C): the call is cancelled, so a generation is aborted at the engine
+            raise
+
+    def generate(self, prompt: str | list[int], **kwargs: Any) -> Generation:
+        return self._run(self._async.generate(prompt, **kwargs))
+
+    def abort(self, request_ids: list[str], timeout_s: float = ABORT_TIMEOUT_S) -> AbortResult:
+        return self._run(self._async.abort(request_ids, timeout_s))
+
+    def close(self) -> None:
+        self._run(self._async.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
