@@ -83,4 +83,4 @@ test-local: env build lint ## everything on the local cluster only (no Docker ne
 
 .PHONY: bench
 bench: env build ## benchmarks (ratios against baselines measured in the same run)
-	@for b in bench/bench_*.py; do echo "== $$b"; python $$b || exit 1; done
+	@for b in bench/bench_*.py; do echo "== $$b"; python -m bench.$$(basename $$b .py) || exit 1; done

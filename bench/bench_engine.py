@@ -10,7 +10,7 @@ the ratios hold on whatever machine runs it. Three parts:
    ``/update_weights`` + ``/finish_weight_update``, and ``/pause?mode=keep`` /
    ``/resume`` latency with streams decoding.
 
-Usage: python bench/bench_engine.py [--mib 256] [--repeats 5] [--no-engine]
+Usage: python -m bench.bench_engine [--mib 256] [--repeats 5] [--no-engine]
 """
 
 from __future__ import annotations

@@ -158,6 +158,20 @@ def wait_serving(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: fl
     raise TimeoutError(f"{url} did not serve within {timeout}s: {log.read_text()[-2000:]}")
 
 
+def start_simulators(n: int, tmp: Path, procs: list[subprocess.Popen[bytes]]) -> list[str]:
+    """`n` simulated engines serving (added to `procs`, for the caller to stop); their URLs."""
+    engines = []
+    for i in range(n):
+        port = free_port()
+        log = tmp / f"sim-{i}.log"
+        with log.open("wb") as out:
+            command = [sys.executable, "-m", "rollfleet_dev.sim_engine", "--port", str(port)]
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
+        engines.append(f"http://127.0.0.1:{port}")
+        wait_serving(engines[-1], procs[-1], log)
+    return engines
+
+
 def router_commands(engines: list[str], token_file: Path) -> dict[str, Callable[[int], list[str]]]:
     prom = [free_port(), free_port()]  # the Rust routers' Prometheus listeners (they cannot be turned off)
     return {
@@ -263,20 +277,7 @@ def main() -> int:
     token.write_text("bench-token\n")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        engines = []
-        for i in range(2):
-            port = free_port()
-            log = tmp / f"sim-{i}.log"
-            with log.open("wb") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "rollfleet_dev.sim_engine", "--port", str(port)],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-            engines.append(f"http://127.0.0.1:{port}")
-            wait_serving(engines[-1], procs[-1], log)
+        engines = start_simulators(2, tmp, procs)
         print(f"upstreams: {engines} (simulated, 16 tokens per request)")
         print("upstream client for the gateway (one simulator, non-streaming):")
         choice = asyncio.run(client_choice(engines[0], args.requests, args.concurrency))

@@ -17,7 +17,7 @@ Measured, with a fresh `rollfleet operator -n <ns>` started from this process:
 - baseline (`--baseline`): the same 200 pods created by `kubectl apply` of a pod list, to
   Ready, without the operator; the ratio says what the operator adds over a bulk create.
 
-Usage: python bench/bench_operator.py [--engines 200] [--baseline]
+Usage: python -m bench.bench_operator [--engines 200] [--baseline]
 """
 
 from __future__ import annotations

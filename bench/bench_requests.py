@@ -11,7 +11,7 @@ Not a test: prints numbers and ratios, all measured in the same run on the same 
    samples through the operator, timed from create to Succeeded, then the same number of
    samples sent straight to the fleet's gateway with the same bodies and concurrency.
 
-Usage: python bench/bench_requests.py [--requests 1000] [--fleet NS/NAME --prompts 64 --n 4
+Usage: python -m bench.bench_requests [--requests 1000] [--fleet NS/NAME --prompts 64 --n 4
        --max-tokens 64 --parallelism 64]
 """
 

@@ -14,8 +14,8 @@ Not a test: prints a table and the ratios, all measured in the same run. Parts:
    pushes: ``push_dir`` (a checkpoint on a shared volume) and ``push`` (tensors streamed
    from the trainer process into the sidecar's spool).
 
-Usage: python bench/bench_sync.py [--gib 1.0] [--repeats 3] [--no-engine]
-       python bench/bench_sync.py --receiver HOST:PORT   (one stand-in receiver; used by part 3)
+Usage: python -m bench.bench_sync [--gib 1.0] [--repeats 3] [--no-engine]
+       python -m bench.bench_sync --receiver HOST:PORT   (one stand-in receiver; used by part 3)
 """
 
 from __future__ import annotations

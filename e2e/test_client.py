@@ -14,7 +14,7 @@ import pytest
 
 from e2e.live_fleet import LiveFleet
 from e2e.provider import wait_for
-from rollfleet_client import AsyncRolloutClient, GatewayUnreachable, GenerateTimeout, RequestRefused, Unauthorized
+from rollfleet_client import AsyncRolloutClient, GatewayUnreachable, RequestRefused, Unauthorized
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -50,7 +50,7 @@ def test_generate_returns_token_ids_logprobs_and_the_weight_version(fleet: LiveF
 
 
 def test_cancelling_or_timing_out_a_generate_aborts_it_at_the_engine(fleet: LiveFleet) -> None:
-    cancelled, timed_out = f"cl-cancel-{uuid.uuid4().hex[:6]}", f"cl-timeout-{uuid.uuid4().hex[:6]}"
+    cancelled, waited, deadline = (f"cl-{what}-{uuid.uuid4().hex[:6]}" for what in ("cancel", "wait-for", "deadline"))
 
     def on_engine() -> bool:
         return any(cancelled in ids for ids in fleet.in_flight().values())
@@ -62,11 +62,18 @@ def test_cancelling_or_timing_out_a_generate_aborts_it_at_the_engine(fleet: Live
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            with pytest.raises(GenerateTimeout, match=timed_out):
-                await client.generate("long", request_id=timed_out, timeout_s=1.0, max_tokens=LONG, ignore_eos=True)
+            # The caller's own timeout is a cancellation too.
+            with pytest.raises(TimeoutError):
+                long = client.generate("long", request_id=waited, max_tokens=LONG, ignore_eos=True)
+                await asyncio.wait_for(long, timeout=2.0)
+            # timeout_s: the gateway stops it at the engine at the deadline and answers with what was made.
+            partial = await client.generate(
+                "long", request_id=deadline, timeout_s=1.0, max_tokens=LONG, ignore_eos=True
+            )
+            assert partial.finish_reason == "abort" and len(partial.token_ids) < LONG, partial
 
     asyncio.run(go())
-    for rid in (cancelled, timed_out):
+    for rid in (cancelled, waited, deadline):
         wait_for(lambda rid=rid: stopped_at_engine(fleet, rid), 30, what=f"{rid} aborted at its engine")
 
 

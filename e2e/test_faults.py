@@ -40,16 +40,34 @@ def fleet(live: LiveFleet) -> LiveFleet:
     return live
 
 
-def assert_status_true(fleet: LiveFleet) -> None:
-    """What `kubectl get rf -o yaml` says matches the pods: the same engines, each Ready in both."""
+def status_mismatch(fleet: LiveFleet) -> str | None:
+    """How `kubectl get rf -o yaml` differs from the pods now (None: it tells the truth): the same engines,
+    a pod being deleted shown Draining, every other one Ready in status and in Kubernetes."""
     st = fleet.fleet.status()
-    pods = {p["metadata"]["name"]: p for p in fleet.fleet.pods() if not p["metadata"].get("deletionTimestamp")}
+    pods = {p["metadata"]["name"]: p for p in fleet.fleet.pods()}
     engines = {e["name"]: e for e in st.get("engines", [])}
-    assert set(engines) == set(pods), (sorted(engines), sorted(pods))
+    if set(engines) != set(pods):
+        return f"status lists {sorted(engines)}, the pods are {sorted(pods)}"
     for name, pod in pods.items():
+        if pod["metadata"].get("deletionTimestamp"):
+            if engines[name]["phase"] != "Draining":
+                return f"{name} is being deleted but shows {engines[name]['phase']}"
+            continue
         ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
-        assert ready and engines[name]["phase"] == "Ready", (name, engines[name], pod["status"].get("conditions"))
-    assert st["readyReplicas"] == st["replicas"] == len(pods)
+        if not (ready and engines[name]["phase"] == "Ready"):
+            return f"{name}: phase {engines[name]['phase']}, pod conditions {pod['status'].get('conditions')}"
+    serving = sum(1 for p in pods.values() if not p["metadata"].get("deletionTimestamp"))
+    if not st["readyReplicas"] == st["replicas"] == serving:
+        return f"readyReplicas {st['readyReplicas']}, replicas {st['replicas']}, {serving} pods not being deleted"
+    return None
+
+
+def wait_status_true(fleet: LiveFleet) -> None:
+    """Status is written at most once a second: wait until it agrees with the pods."""
+    try:
+        wait_for(lambda: status_mismatch(fleet) is None, 30, interval=0.5, what="the fleet's status to match its pods")
+    except AssertionError as err:
+        raise AssertionError(f"status not true: {status_mismatch(fleet)}") from err
 
 
 def run_with_fault(
@@ -69,7 +87,7 @@ def run_with_fault(
     finished_s = time.monotonic() - t0
     after()
     fleet.ready()
-    assert_status_true(fleet)
+    wait_status_true(fleet)
     healed_s = time.monotonic() - t0
     rows = results(fleet, name)
     keys = [(r["prompt"], r["sample"]) for r in rows]
@@ -194,6 +212,6 @@ def test_an_abort_storm_stops_exactly_the_named_requests(fleet: LiveFleet) -> No
     assert len(whole) == len(spared), sorted(set(spared) - set(whole))[:5]
     assert not any(fleet.in_flight("storm-").values()), "a stream still runs on an engine"
     fleet.ready()
-    assert_status_true(fleet)
+    wait_status_true(fleet)
     row = "abort storm: 1,000 calls, 8 named of 64 streams | 64 | 56 whole, 8 aborted | 0 | 0"
     print(f"\n| {row} | {storm_s:.1f} s of calls | - |")

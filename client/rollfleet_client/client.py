@@ -175,8 +175,12 @@ class AsyncRolloutClient:
     ) -> Generation:
         """Text or token ids in; token ids, logprobs (with ``logprobs=0`` or more), finish reason and weight
         versions out. ``sampling`` takes vLLM's sampling parameters (max_tokens, temperature, top_p, seed, stop,
-        ignore_eos, logprobs, ...). Cancelling the awaiting task, or ``timeout_s`` passing, aborts it at the
-        engine."""
+        ignore_eos, logprobs, ...).
+
+        Cancelling the awaiting task (``asyncio.wait_for`` included) aborts it at the engine. With
+        ``timeout_s`` the gateway stops it at the engine at that deadline and answers with what was made
+        (``finish_reason`` "abort": a partial rollout to resubmit); ``GenerateTimeout`` only when no answer came.
+        """
         rid = request_id or f"rf-{uuid.uuid4().hex}"
         model = sampling.pop("model", self.model)
         if model is None:
