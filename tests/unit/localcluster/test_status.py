@@ -127,3 +127,14 @@ def test_backoff_doubles_caps_and_resets() -> None:
         delays.append(d)
     assert delays[:5] == [1, 2, 4, 8, 16] and max(delays) == BACKOFF_CAP_S
     assert backoff_delay(BACKOFF_CAP_S, ran_for_s=10 * BACKOFF_CAP_S) == 1
+
+
+def test_a_condition_someone_else_overwrote_is_put_back_and_theirs_are_left_alone() -> None:
+    from rollfleet_dev.localcluster.nodeagent.pods import _overwritten
+
+    sent = {"conditions": [{"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]}
+    # The node lifecycle controller marked the pod not ready: the agent patches its view back.
+    assert _overwritten(sent, {"conditions": [{"type": "Ready", "status": "False"}]})
+    # Its own status echoed by the watch, or with a condition only others write: nothing to do.
+    assert not _overwritten(sent, sent)
+    assert not _overwritten(sent, {"conditions": [*sent["conditions"], {"type": "DisruptionTarget", "status": "True"}]})

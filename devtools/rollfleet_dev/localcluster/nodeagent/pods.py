@@ -226,6 +226,12 @@ class PodWorker:
         gates = self.pod["spec"].get("readinessGates")
         if gates:  # someone may have set a readiness gate condition: Ready may change
             self.publish()
+        elif self._last_sent is not None and _overwritten(self._last_sent, pod.get("status")):
+            # Someone else wrote them (the node lifecycle controller marks pods not ready when it cannot
+            # read a node's lease, as after an API server restart): like kubelet's status manager, the
+            # agent puts back what it observes.
+            self._last_sent = None
+            self.publish()
 
     # --- preparation ---------------------------------------------------------------------
 
@@ -576,3 +582,14 @@ def _ts(text: str | None) -> datetime | None:
     if not text:
         return None
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+def _conditions(status: Obj | None) -> dict[str, str]:
+    """A pod status's conditions as type -> status ("True"/"False")."""
+    return {c["type"]: c["status"] for c in (status or {}).get("conditions") or []}
+
+
+def _overwritten(sent: Obj, current: Obj | None) -> bool:
+    """Whether a condition the agent sent now has another value (conditions others add are theirs)."""
+    now = _conditions(current)
+    return any(now.get(ctype, value) != value for ctype, value in _conditions(sent).items())

@@ -140,6 +140,7 @@ class Run:
         self.fleet_rate = plan.RateLimit(FLEET_INTERVAL_S)
         self.last_patched: Verdict | None = None
         self.stuck_since: float | None = None
+        self.gateway_error: str | None = None  # why the gateway did not answer the last abort; None when it did
 
     # --- the loop -------------------------------------------------------------------
     async def run(self) -> Verdict:
@@ -182,7 +183,7 @@ class Run:
                 self.stuck_since,
                 in_flight=len(self.tasks),
                 waiting=len(schedule),
-                can_send=bool(f.gateway and f.model and not f.paused),
+                can_send=bool(f.gateway and f.model and not f.paused and self.gateway_error is None),
                 now=now,
             )
             await self._collect(schedule)
@@ -281,7 +282,11 @@ class Run:
             )
             return
         if self.start is not None:
-            self.verdict = Verdict("Running", "Running", f"{len(schedule.in_flight)} samples in flight")
+            message = f"{len(schedule.in_flight)} samples in flight"
+            if self.unsure and self.gateway_error is not None:
+                # Not stuck: an outside wait, which the status says (a restarting gateway or API server).
+                message = f"waiting for the gateway to confirm {len(self.unsure)} samples stopped: {self.gateway_error}"
+            self.verdict = Verdict("Running", "Running", message)
         if self.unsure or now < self.hold_until or self.store.pending >= MAX_UNFLUSHED:
             return
         keys = schedule.take(self.rr.spec.parallelism)
@@ -358,6 +363,7 @@ class Run:
         try:
             ready = await self.http.get(f.gateway + "/ready", timeout=5)
             if ready.status_code != 200:  # its engine list is not synced: "unknown" would mean nothing
+                self.gateway_error = f"its /ready answered {ready.status_code}"
                 return None
             for i in range(0, len(ids), ABORT_BATCH):
                 resp = await self.http.post(
@@ -368,11 +374,14 @@ class Run:
                 )
                 if resp.status_code != 200:
                     log.warning("gateway abort answered %s: %s", resp.status_code, resp.text[:300])
+                    self.gateway_error = f"its abort answered {resp.status_code}"
                     return None
                 results.update(resp.json()["results"])
         except (httpx.HTTPError, ValueError, KeyError) as err:
             log.info("gateway abort failed: %s", err)
+            self.gateway_error = f"{type(err).__name__}: {err}"[:200]
             return None
+        self.gateway_error = None
         return results
 
     async def _stop_unsure(self) -> None:
