@@ -44,11 +44,13 @@ kind-up: images ## the e2e kind cluster here (GPU pools, images loaded); node im
 	rollfleet kind up
 
 # What `make kind-e2e` runs on kind: a fleet Ready on the GPU pool, an abort checked at the
-# engine, pause keep losing no token, each component's RBAC as the API server answers it, a
-# weight push through the trainer's sidecar, and the NetworkPolicy enforced. The whole suite runs there too: `make kind-e2e KIND_E2E=e2e`.
+# engine, pause keep losing no token, a pause from the trainer client through the gateway, each
+# component's RBAC (and the gateway's admission policy) as the API server answers it, a weight
+# push through the trainer's sidecar, and the NetworkPolicy enforced. The whole suite runs there too: `make kind-e2e KIND_E2E=e2e`.
 KIND_E2E ?= e2e/test_fleet.py::test_fleet_becomes_ready_on_gpu_nodes \
 	e2e/test_fleet.py::test_pause_keep_during_a_stream_loses_no_token \
 	e2e/test_gateway.py::test_abort_one_of_two_streams_by_id \
+	e2e/test_client.py::test_pause_and_resume_from_the_client_are_the_fleets_annotation_and_reach_every_engine \
 	e2e/test_network_policy.py \
 	e2e/test_sync.py::test_each_component_may_do_what_it_needs_and_no_more \
 	e2e/test_sync.py::test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version

@@ -39,8 +39,8 @@ import httpx
 from safetensors.torch import save_file
 
 from bench.bench_engine import engine_process, raw_tcp_seconds, stream_forever, synthetic_state_dict
-from rollfleet.sync.client import SyncClient
-from rollfleet.sync.models import PushStatus
+from rollfleet_client.sync import SyncClient
+from rollfleet_client.sync_protocol import PushStatus
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
 MIB = 1 << 20

@@ -1,20 +1,39 @@
 """The trainer client (`rollfleet_client`) against the live fleet's gateway and REAL vLLM engines.
 
 Token ids in, token ids and logprobs out; a cancelled or timed-out generate is aborted at the
-engine (its tracker says so); every failure is a typed error carrying the server's message.
+engine (its tracker says so); every failure is a typed error carrying the server's message; a
+pause asked for by the client is the fleet's annotation, recorded with who asked and checked at
+the engines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import sys
+import time
 import uuid
+from pathlib import Path
 
+import httpx
 import pytest
+from bench.bench_sync import free_port, process
 
-from e2e.live_fleet import LiveFleet
+from e2e.fleet_helpers import Fleet, fleet_manifest
+from e2e.live_fleet import Endpoint, LiveFleet
 from e2e.provider import wait_for
-from rollfleet_client import AsyncRolloutClient, GatewayUnreachable, RequestRefused, Unauthorized
+from rollfleet.contract import ANNOTATION_PAUSE, RECORD_MODEL, STATE_PATH, weights_record_name
+from rollfleet.sync.protocol import FleetRecord, PushPhase, PushRecord, WeightsRef, encode_record
+from rollfleet_client import (
+    AsyncRolloutClient,
+    GatewayUnreachable,
+    PushInProgress,
+    RequestRefused,
+    RolloutClient,
+    Unauthorized,
+)
+from rollfleet_client.protocol import FLEET_PATH, FLEET_PAUSE_PATH, FLEET_RESUME_PATH
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -27,7 +46,13 @@ def fleet(live: LiveFleet) -> LiveFleet:
 
 
 def connect(fleet: LiveFleet, token: str | None = None) -> AsyncRolloutClient:
-    return AsyncRolloutClient(fleet.gateways[0].url, model="tiny", token=token or fleet.token)
+    return AsyncRolloutClient(fleet.gateways[0].url, model="tiny", token=token or fleet.token, caller="e2e-trainer")
+
+
+def engine_pause(engine: Endpoint) -> str | None:
+    """The pause mode the engine itself reports (None: running)."""
+    state = httpx.get(engine.url + STATE_PATH, timeout=10).raise_for_status().json()
+    return state["pause_mode"] if state["paused"] else None
 
 
 def stopped_at_engine(fleet: LiveFleet, rid: str) -> bool:
@@ -91,3 +116,93 @@ def test_failures_are_typed_errors_with_the_servers_message(fleet: LiveFleet) ->
                 await nowhere.generate("hi", max_tokens=1)
 
     asyncio.run(go())
+
+
+def test_pause_and_resume_from_the_client_are_the_fleets_annotation_and_reach_every_engine(fleet: LiveFleet) -> None:
+    with RolloutClient(fleet.gateways[0].url, model="tiny", token=fleet.token, caller="e2e-trainer") as client:
+        try:
+            paused = client.pause("keep", wait_s=120)
+            # The same place as `kubectl annotate`: the annotation, and the status saying who asked.
+            assert fleet.fleet.get()["metadata"]["annotations"][ANNOTATION_PAUSE] == "keep"
+            assert paused.pause is not None and paused.pause.mode == "keep"
+            assert paused.pause.requested_by == "rollfleet-client/e2e-trainer"
+            assert paused.pause.paused_engines == 2 and {e.phase for e in paused.engines} == {"Paused"}
+            assert [engine_pause(e) for e in fleet.engines] == ["keep", "keep"]  # checked at the engines
+            wide = fleet.cluster.kubectl("-n", fleet.namespace, "get", "rf", "live", "-o", "wide").stdout
+            header, row = wide.splitlines()[:2]
+            shown = [row[header.index(column) :].split()[0] for column in ("PAUSED ", "PAUSED-BY")]  # by position
+            assert shown == ["keep", "rollfleet-client/e2e-trainer"], wide
+
+            # A pause asked for with kubectl is the same pause: the client sees who asked, and undoes it.
+            fleet.cluster.kubectl(
+                "-n", fleet.namespace, "annotate", "--overwrite", "rf", "live", f"{ANNOTATION_PAUSE}=wait"
+            )
+            fleet.fleet.wait(
+                lambda st: (st.get("pause") or {}).get("requestedBy") == "kubectl-annotate", "kubectl's pause recorded"
+            )
+            assert client.fleet_state().pause.mode == "wait"  # type: ignore[union-attr]
+        finally:
+            resumed = client.resume(wait_s=120)
+        assert resumed.pause is None and {e.phase for e in resumed.engines} == {"Ready"}
+        assert ANNOTATION_PAUSE not in (fleet.fleet.get()["metadata"].get("annotations") or {})
+        assert [engine_pause(e) for e in fleet.engines] == [None, None]
+        g = client.generate([5, 6], max_tokens=3, ignore_eos=True)
+        assert len(g.token_ids) == 3 and g.weight_generation is not None
+
+
+def test_control_calls_refuse_bad_input_with_the_field_and_what_is_allowed(fleet: LiveFleet) -> None:
+    admin = {**fleet.admin}
+    url = fleet.gateways[0].url
+    bad = httpx.post(url + FLEET_PAUSE_PATH, json={"mode": "soon"}, headers=admin, timeout=30)
+    assert bad.status_code == 400 and "keep" in bad.text and "soon" in bad.text
+    unknown = httpx.post(url + FLEET_RESUME_PATH, json={"mode": "keep"}, headers=admin, timeout=30)
+    assert unknown.status_code == 400 and "mode" in unknown.text
+    assert httpx.get(url + FLEET_PATH, timeout=30).status_code == 401
+    assert ANNOTATION_PAUSE not in (fleet.fleet.get()["metadata"].get("annotations") or {})  # nothing changed
+
+
+def test_a_pause_while_a_weight_push_runs_is_a_conflict_that_changes_nothing(live: LiveFleet, tmp_path: Path) -> None:
+    """The gateway (run here against the cluster's API server) refuses a pause or resume while the fleet's
+    weights record shows a push in progress, as the sync sidecar writes it; once the push has ended the
+    same call pauses. A fleet of 0 engines beside the live one (the operator serves that namespace): what
+    is under test is the refusal, not the engines."""
+    cluster, ns, name = live.cluster, live.namespace, f"ctl-{uuid.uuid4().hex[:6]}"
+    try:
+        manifest = fleet_manifest(name, ns, 0, gateway={"enabled": False})
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+        record = weights_record_name(name)
+
+        def stamped() -> bool:  # the operator has written the record's model: our writes are not reset
+            got = cluster.kubectl("-n", ns, "get", "cm", record, "-o", "json", check=False)
+            return got.returncode == 0 and RECORD_MODEL in (json.loads(got.stdout).get("data") or {})
+
+        wait_for(stamped, 60, 0.2, f"the operator to stamp {record}")
+
+        def write(rec: FleetRecord) -> None:
+            data = {"data": {k: v for k, v in encode_record(rec).items() if v is not None}}
+            cluster.kubectl("-n", ns, "patch", "cm", record, "--type=merge", "-p", json.dumps(data))
+
+        committed = WeightsRef("a", 0)
+        pushing = PushRecord(PushPhase.IN_PROGRESS, WeightsRef("b-1", 1), committed, time.time())
+        write(FleetRecord(committed=committed, push=pushing, history=(("a", 0),)))
+        (tmp_path / "token").write_text(live.token)
+        port = free_port()
+        cmd = [sys.executable, "-m", "rollfleet.gateway", "--fleet", name, "--namespace", ns, "--port", str(port)]
+        cmd += ["--kubeconfig", str(cluster.kubeconfig), "--token-file", str(tmp_path / "token")]
+        url = f"http://127.0.0.1:{port}"
+        gateway = process(cmd, url + "/health", tmp_path / "gateway.log")
+        with gateway, RolloutClient(url, model="tiny", token=live.token, caller="e2e-trainer") as client:
+            with pytest.raises(PushInProgress, match="b-1"):
+                client.pause("keep", wait_s=5)
+            with pytest.raises(PushInProgress):
+                client.resume(wait_s=5)
+            assert ANNOTATION_PAUSE not in (Fleet(cluster, name, ns).get()["metadata"].get("annotations") or {})
+            assert client.fleet_state().push == "b-1"
+
+            write(FleetRecord(committed=WeightsRef("b-1", 1), history=(("a", 0), ("b-1", 1))))
+            paused = client.pause("abort", wait_s=60)
+            assert paused.pause is not None and paused.pause.requested_by == "rollfleet-client/e2e-trainer"
+            assert paused.generations == {"a": 0, "b-1": 1} and paused.weight_generation == 1
+            assert client.resume(wait_s=60).pause is None
+    finally:
+        cluster.kubectl("-n", ns, "delete", "rf", name, "--wait=false", check=False)

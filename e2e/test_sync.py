@@ -29,8 +29,10 @@ from e2e.fleet_helpers import (
     signal_container,
 )
 from e2e.provider import Cluster, wait_for
+from rollfleet.api.admission import POLICY_NAME
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import (
+    ANNOTATION_RESUME,
     OPERATOR_KEY_SECRET,
     RECORD_MODEL,
     RECORD_WEIGHT_GENERATION,
@@ -38,12 +40,13 @@ from rollfleet.contract import (
     ROUTABLE_PHASES,
     SYNC_API_PORT,
     SYNC_HEALTH_PORT,
+    gateway_name,
     trainer_name,
     weights_record_name,
 )
-from rollfleet.sync.client import SyncClient
-from rollfleet.sync.models import EngineStep, PushState
 from rollfleet.sync.protocol import PushPhase, WeightsRef, decode_record
+from rollfleet_client.sync import SyncClient
+from rollfleet_client.sync_protocol import EngineStep, PushState
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -185,11 +188,17 @@ PRIVILEGES = [
     ("NS:sync-trainer", "create", "pods", "NS", False),
     ("NS:sync-trainer", "get", "secrets", "NS", False),
     ("NS:sync-trainer", "patch", "configmaps/other", "NS", False),
-    # The gateway watches engine pods, nothing else.
+    # The gateway watches engine pods, reads its fleet and its record, and patches its fleet (the
+    # admission policy rollfleet-gateway-pause-only lets through only the pause annotations).
     ("NS:sync-gateway", "watch", "pods", "NS", True),
     ("NS:sync-gateway", "patch", "pods", "NS", False),
     ("NS:sync-gateway", "get", "secrets", "NS", False),
     ("NS:sync-gateway", "get", "configmaps", "NS", False),
+    ("NS:sync-gateway", "get", "configmaps/sync-weights", "NS", True),
+    ("NS:sync-gateway", "patch", "configmaps/sync-weights", "NS", False),
+    ("NS:sync-gateway", "patch", "rolloutfleets.rollfleet.dev/sync", "NS", True),
+    ("NS:sync-gateway", "patch", "rolloutfleets.rollfleet.dev/other", "NS", False),
+    ("NS:sync-gateway", "patch", "rolloutfleets.rollfleet.dev/sync", "other", False),
     # Engines never call the API server.
     ("NS:sync-engine", "list", "pods", "NS", False),
     ("NS:sync-engine", "get", "secrets", "NS", False),
@@ -215,12 +224,19 @@ def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet
     wait_for(lambda: allowed(*PRIVILEGES[0][:4]), timeout=60, what="the operator to grant the fleet's trainers")
     wrong = [p for p in PRIVILEGES if allowed(*p[:4]) != p[4]]
     assert not wrong, f"(account, verb, resource, namespace, expected) that the API server answers otherwise: {wrong}"
-    # And a real request: a trainer that tries to change what the engines run is refused.
-    as_trainer = f"--as=system:serviceaccount:{NS}:{trainer_name(NAME)}"
+    # And real requests: a trainer that tries to change what the engines run is refused by RBAC; the
+    # gateway, which may patch its fleet, by the admission policy unless it changes only the pause.
     patch = json.dumps({"spec": {"engine": {"command": ["sh", "-c", "id"]}}})
-    proc = cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p", patch, as_trainer, check=False)
-    assert proc.returncode != 0 and "forbidden" in proc.stderr.lower(), proc
+    for account, by in ((trainer_name(NAME), "forbidden"), (gateway_name(NAME), POLICY_NAME)):
+        as_account = f"--as=system:serviceaccount:{NS}:{account}"
+        proc = cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p", patch, as_account, check=False)
+        assert proc.returncode != 0 and "forbidden" in proc.stderr.lower() and by in proc.stderr, proc
     assert "command" not in fleet.get()["spec"]["engine"]
+    as_gateway = f"--as=system:serviceaccount:{NS}:{gateway_name(NAME)}"
+    label = cluster.kubectl("-n", NS, "label", "rf", NAME, "stolen=yes", as_gateway, check=False)
+    assert label.returncode != 0 and POLICY_NAME in label.stderr, label
+    resume = cluster.kubectl("-n", NS, "annotate", "rf", NAME, f"{ANNOTATION_RESUME}=", as_gateway, check=False)
+    assert resume.returncode == 0, resume  # a one-shot resume of a running fleet: changes nothing else
 
 
 def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(

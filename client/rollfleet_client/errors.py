@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollfleet_client.models import FleetState
+    from rollfleet_client.sync_protocol import PushStatus
+
 
 class RollfleetClientError(Exception):
     """Base of every error this client raises."""
@@ -32,9 +38,37 @@ class RequestIdInUse(RequestRefused):
     """409: a request with this id is still in flight; abort it, or use a new id."""
 
 
+class PushInProgress(RequestRefused):
+    """409 to a pause or resume: a weight push is moving the fleet; ask again when it has ended."""
+
+
+class NotSettled(RollfleetClientError):
+    """A pause or resume was asked for (and stands), but the fleet's status did not show it done in time."""
+
+    def __init__(self, message: str, state: FleetState) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+class InvalidArgument(RollfleetClientError, ValueError):
+    """A call's argument is refused before anything is sent."""
+
+
 class EngineFailed(AnsweredError):
     """The gateway or every engine it tried failed (5xx): the request did not complete."""
 
 
 class GenerateTimeout(RollfleetClientError):
     """The request ran past its timeout; the client has asked the gateway to abort it at the engine."""
+
+
+class SidecarError(RollfleetClientError):
+    """The sync sidecar refused a call or did not answer."""
+
+
+class PushFailed(SidecarError):
+    """The push ended without moving the fleet to the new version (rolled back, or failed)."""
+
+    def __init__(self, status: PushStatus) -> None:
+        super().__init__(f"push {status.version} ended {status.state.value}: {status.message}")
+        self.status = status

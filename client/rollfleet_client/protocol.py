@@ -16,7 +16,33 @@ COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 GENERATE_PATH = "/inference/v1/generate"  # vLLM's token-in/token-out route
 ABORT_PATH = "/v1/abort"  # needs the fleet's admin token
+# The trainer's control routes (the fleet's admin token): the fleet's state, and its pause. A pause
+# asked for here is the `rollfleet.dev/pause` annotation on the RolloutFleet, set by the gateway as
+# the field manager CALLER_MANAGER_PREFIX/<caller>: the same path as `kubectl annotate`.
+FLEET_PATH = "/v1/fleet"
+FLEET_PAUSE_PATH = "/v1/fleet/pause"
+FLEET_RESUME_PATH = "/v1/fleet/resume"
+CALLER_HEADER = "X-Rollfleet-Caller"  # who asks (the trainer's pod name by default): [A-Za-z0-9._-]{1,100}
+CALLER_MANAGER_PREFIX = "rollfleet-client"
 READY_PATH = "/ready"
+# TRL's VLLMClient (GRPOTrainer's vllm_mode="server"; TRL 1.11+ speaks `vllm serve`'s own routes)
+# takes the gateway under this prefix as one vLLM server for generation: base_url=<gateway>/trl.
+# The TRL_* paths are relative to it: vLLM's own route names, as TRL calls them.
+TRL_PREFIX = "/trl"
+TRL_HEALTH_PATH = "/health"  # 200 while an engine is routable
+TRL_MODELS_PATH = "/v1/models"
+TRL_WORLD_SIZE_PATH = "/get_world_size"  # engines serve it too: the gateway answers the sum of theirs
+TRL_RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"  # ... and this one: the gateway calls every routable engine's
+# Answered 501: vLLM's NCCL weight transfer (Rollfleet syncs weights through its sync sidecar; the
+# last three are rollfleet_engine.protocol's paths, held equal by a unit test), and multimodal features.
+TRL_WEIGHT_SYNC_PATHS = (
+    "/server_info",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
+TRL_MULTIMODAL_PATHS = (f"{CHAT_PATH}/render", GENERATE_PATH)
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the caller's id: the key of abort, everywhere
 WEIGHT_VERSION_HEADER = "X-Rollfleet-Weight-Version"  # every weight version that produced the answer

@@ -31,6 +31,9 @@ from rollfleet_client.protocol import TOKEN_KEY as TOKEN_KEY
 from rollfleet_client.protocol import TOKEN_MOUNT_DIR as TOKEN_MOUNT_DIR
 from rollfleet_client.protocol import gateway_endpoint as gateway_endpoint
 from rollfleet_client.protocol import gateway_name as gateway_name
+from rollfleet_client.sync_protocol import SYNC_API_PORT as SYNC_API_PORT
+from rollfleet_client.sync_protocol import SYNC_HEALTH_PORT as SYNC_HEALTH_PORT
+from rollfleet_client.sync_protocol import SYNC_WEIGHTS_PORT as SYNC_WEIGHTS_PORT
 
 # The engine's API, re-exported: the engine package owns it and cannot import this module.
 from rollfleet_engine.protocol import ABORT_PATH as ABORT_PATH
@@ -121,12 +124,8 @@ class EnginePhase(StrEnum):
 ROUTABLE_PHASES: frozenset[str] = frozenset({EnginePhase.READY, EnginePhase.PAUSED})
 
 # --- ports (ENGINE_PORT and GATEWAY_PORT, above, are the engine's and the gateway's) ----
-# The sync sidecar in a trainer pod: its trainer API (localhost: the pod's own containers only),
-# the weights server engines pull from (the pod IP), and /healthz for kubelet's probes (the pod
-# network, where kubelet reaches it; nothing else is served there).
-SYNC_API_PORT = 8471
-SYNC_WEIGHTS_PORT = 8472
-SYNC_HEALTH_PORT = 8473
+# The sync sidecar's (SYNC_API_PORT, SYNC_WEIGHTS_PORT, SYNC_HEALTH_PORT) are re-exported above
+# from rollfleet_client.sync_protocol, which owns the sidecar's trainer API.
 
 # --- the admin token ----------------------------------------------------------------
 # Where the admin-token Secret is mounted (TOKEN_FILE, above: trainer pods read it too), and its one key.

@@ -226,11 +226,21 @@ class Kube:
             f"replace {kind.name}", self._method(kind, "replace"), kind, meta["namespace"], meta["name"], manifest
         )
 
-    async def patch(self, kind: Kind, namespace: str, name: str, patch: Mapping[str, Any], status: bool = False) -> Obj:
-        """A JSON merge patch (None deletes a key; a metadata.resourceVersion in it makes it conditional)."""
+    async def patch(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        status: bool = False,
+        field_manager: str | None = None,
+    ) -> Obj:
+        """A JSON merge patch (None deletes a key; a metadata.resourceVersion in it makes it conditional).
+        `field_manager` names the writer in managedFields (who asked, for those who read it)."""
         what = f"patch {kind.name} status" if status else f"patch {kind.name}"
+        manager = {"field_manager": field_manager} if field_manager else {}
         return await self._call(
-            what, self._method(kind, "patch", status), kind, namespace, name, patch, _content_type=MERGE
+            what, self._method(kind, "patch", status), kind, namespace, name, patch, _content_type=MERGE, **manager
         )
 
     async def json_patch(self, kind: Kind, namespace: str, name: str, ops: Objs) -> Obj:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollfleet.sync.client import SyncClient
+from rollfleet_client.sync import SyncClient
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from tests.engine.conftest import START_TIMEOUT_S, Engine, engine_command, free_loopback_address, wait_ready
 

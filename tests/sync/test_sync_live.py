@@ -17,8 +17,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from rollfleet.sync.client import SyncClient
-from rollfleet.sync.models import EngineStep, PushState, PushStatus
+from rollfleet_client.sync import SyncClient
+from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
 from tests.engine.conftest import Engine
 from tests.engine.test_engine_live import Stream, _reference_greedy, complete
 

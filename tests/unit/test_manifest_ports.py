@@ -10,7 +10,11 @@ import yaml
 from rollfleet.contract import SYNC_HEALTH_PORT, SYNC_WEIGHTS_PORT
 
 REPO = Path(__file__).resolve().parents[2]
-SIDECAR_MANIFESTS = ["manifests/sync/trainer-job.yaml", "manifests/samples/demo-trainer.yaml"]
+SIDECAR_MANIFESTS = [
+    "manifests/sync/trainer-job.yaml",
+    "manifests/samples/demo-trainer.yaml",
+    "examples/grpo_tiny/trainer-pod.yaml",
+]
 
 
 def sidecars(path: str) -> list[dict[str, Any]]:

@@ -416,6 +416,11 @@ class PauseStatus(ApiModel):
     mode: PauseMode = Field(description="keep, wait or abort (from the rollfleet.dev/pause annotation).")
     since: datetime = Field(description="When the operator started pausing the fleet.")
     paused_engines: int = Field(default=0, ge=0, description="Engines that report being paused.")
+    requested_by: str | None = Field(
+        default=None,
+        description="Who set the pause annotation: its field manager (kubectl-annotate, or "
+        "rollfleet-client/<caller> when a trainer asked the gateway).",
+    )
 
 
 class GatewayStatus(ApiModel):
@@ -478,6 +483,7 @@ CRD = CrdInfo(
         PrinterColumn("Age", "date", ".metadata.creationTimestamp", "Time since creation."),
         PrinterColumn("Gateway", "string", ".status.gateway.endpoint", "In-cluster gateway URL.", priority=1),
         PrinterColumn("Model", "string", ".spec.model.servedName", "Served model name.", priority=1),
+        PrinterColumn("Paused-by", "string", ".status.pause.requestedBy", "Who asked for the pause.", priority=1),
     ),
     scalable=True,
     root_validations=(

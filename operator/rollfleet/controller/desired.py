@@ -340,8 +340,20 @@ def gateway_service_account(ref: FleetRef) -> Manifest:
 
 
 def gateway_role(ref: FleetRef) -> Manifest:
-    """The gateway lists and watches engine pods (to route on their phase annotations); nothing else."""
-    rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    """The gateway lists and watches engine pods (to route on their phase annotations). For the trainer's
+    control routes it reads its fleet and that fleet's weights record, and patches the fleet's pause
+    annotation: the admission policy `rollfleet-gateway-pause-only` (rollfleet.api.admission) refuses any
+    other change it could make with `patch`."""
+    rules = [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "patch"], "resourceNames": [ref.name]},
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "verbs": ["get"],
+            "resourceNames": [weights_record_name(ref.name)],
+        },
+    ]
     return _role(ref, gateway_name(ref.name), COMPONENT_GATEWAY, rules)
 
 

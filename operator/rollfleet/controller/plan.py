@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from rollfleet.api.fleet import PauseStatus, UpdateStrategy
 from rollfleet.contract import ANNOTATION_PAUSE, ANNOTATION_RESUME, EnginePhase, PauseMode, parse_pause_mode
@@ -172,10 +173,22 @@ class PauseRequest:
     mode: PauseMode | None  # what engines should be: paused in this mode, or (None) running
     invalid_value: str | None = None  # a rollfleet.dev/pause value that was ignored
     remove_annotations: tuple[str, ...] = ()  # a one-shot resume consumes its annotation
+    requested_by: str | None = None  # the field manager that set the pause annotation
 
 
-def pause_request(annotations: Mapping[str, str], recorded: PauseStatus | None) -> PauseRequest:
+def annotation_manager(metadata: Mapping[str, Any], key: str) -> str | None:
+    """Who last set the annotation `key`: the field manager that owns it in managedFields
+    (`kubectl-annotate`, or `rollfleet-client/<caller>` when a trainer asked the gateway)."""
+    for entry in metadata.get("managedFields") or ():
+        annotations = ((entry.get("fieldsV1") or {}).get("f:metadata") or {}).get("f:annotations") or {}
+        if f"f:{key}" in annotations:
+            return str(entry.get("manager") or "") or None
+    return None
+
+
+def pause_request(metadata: Mapping[str, Any], recorded: PauseStatus | None) -> PauseRequest:
     """`rollfleet.dev/pause=keep|wait|abort` pauses; removing it, or `rollfleet.dev/resume`, resumes."""
+    annotations: Mapping[str, str] = metadata.get("annotations") or {}
     raw = annotations.get(ANNOTATION_PAUSE)
     if ANNOTATION_RESUME in annotations:
         return PauseRequest(
@@ -185,7 +198,7 @@ def pause_request(annotations: Mapping[str, str], recorded: PauseStatus | None) 
         return PauseRequest(None)
     mode = parse_pause_mode(raw)
     if mode is not None:
-        return PauseRequest(mode)
+        return PauseRequest(mode, requested_by=annotation_manager(metadata, ANNOTATION_PAUSE))
     # An invalid value changes nothing: the fleet keeps the pause it had (or had not).
     return PauseRequest(recorded.mode if recorded else None, invalid_value=raw)
 
@@ -199,6 +212,7 @@ def pause_record(
             mode=request.mode,
             since=recorded.since if recorded else now,
             paused_engines=recorded.paused_engines if recorded else 0,
+            requested_by=request.requested_by,
         )
     if recorded is not None and any(
         e.obs.state and e.obs.state.paused for e in engines if e.phase not in (EnginePhase.DRAINING, EnginePhase.FAILED)

@@ -266,7 +266,6 @@ class FleetLoop:
                 self._spec_error = str(err)
                 self.event("Warning", "InvalidSpec", f"spec not understood, nothing changed: {err}")
             return IDLE_RESYNC_S
-        annotations: Mapping[str, str] = meta.get("annotations") or {}
         # The status this operator last wrote is the reference; after a restart, the stored one.
         previous = self._written or _parse_status(body.get("status"))
         now = now_utc()
@@ -288,7 +287,7 @@ class FleetLoop:
         fv = fleet_weight_version(weights_record, versions)
         weights = WeightView(fv.version, frozenset(fv.pending_sync), fv.syncing_to is not None)
         recorded = previous.pause if previous else None
-        request = plan.pause_request(annotations, recorded)
+        request = plan.pause_request(meta, recorded)
         engines = [classify(o, weights, request.mode is not None, spec.weight_sync.require_sync) for o in observed]
         record = plan.pause_record(request, recorded, engines, now)
 

@@ -2,10 +2,12 @@
 
 Owns request admission: authentication, body size, JSON and field validation (clear
 4xx in OpenAI's error shape, before anything is routed), caller id, session key and
-deadline; then hands the request to the proxy. Also `/v1/models`, `/v1/abort`,
+deadline; then hands the request to the proxy. Also `/v1/models`, `/v1/abort`, the
+trainer's fleet control (`/v1/fleet`, `/v1/fleet/pause`, `/v1/fleet/resume`),
 `/health` (live), `/ready` (engine list synced), `/metrics` (Prometheus).
 
-Talks to the proxy, the abort module and the registry; engines only through them.
+Talks to the proxy, the abort module and the registry; engines only through them. Fleet
+control goes to the API server through `control`.
 """
 
 from __future__ import annotations
@@ -29,21 +31,35 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 from starlette.types import Receive, Scope, Send
 
-from rollfleet.errors import RollfleetError
+from rollfleet.contract import PAUSE_MODES, PauseMode, parse_pause_mode
 from rollfleet.gateway import abort as abort_mod
+from rollfleet.gateway.control import CALLER_RE, FleetControl, NoSuchFleet, PushRunning, pause_done
 from rollfleet.gateway.dialects import BadRequest, Route, validate
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body
+from rollfleet.gateway.refusal import Refused, bearer_ok
 from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
-from rollfleet_client.protocol import GROUP_HEADER, SESSION_END_HEADER, SESSION_HEADER, TIMEOUT_HEADER
-from rollfleet_engine.access import bearer, token_matches
+from rollfleet.gateway.trl import trl_routes
+from rollfleet.kube import ApiError, Kube, load_client
+from rollfleet_client.protocol import (
+    ABORT_PATH,
+    CALLER_HEADER,
+    FLEET_PATH,
+    FLEET_PAUSE_PATH,
+    FLEET_RESUME_PATH,
+    GROUP_HEADER,
+    SESSION_END_HEADER,
+    SESSION_HEADER,
+    TIMEOUT_HEADER,
+)
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+MAX_CONTROL_WAIT_S = 600  # a pause or resume waits at most this long for the status to show it done
 
 
 @dataclass
@@ -62,11 +78,6 @@ class GatewayConfig:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
 
-def _bearer_ok(request: Request, *tokens: str | None) -> bool:
-    presented = bearer(request.headers.get("authorization"))
-    return any(t is not None and token_matches(presented, t) for t in tokens)
-
-
 def _error(status: int, message: str, metrics: Metrics, headers: dict[str, str] | None = None) -> Response:
     metrics.rejected.labels(str(status)).inc()
     return Response(orjson.dumps(error_body(message, status)), status, headers, media_type="application/json")
@@ -83,18 +94,10 @@ class _ProxyResponse(Response):
         await self.proxy.serve(self.req, self.entry, send, receive)
 
 
-class _Refused(RollfleetError):
-    """A request the gateway answers itself, with this status and message (OpenAI's error shape)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def _request_id(request: Request, body: dict[str, Any]) -> str:
     request_id = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"gw-{uuid.uuid4().hex}"
     if not isinstance(request_id, str) or not _ID_RE.match(request_id):
-        raise _Refused(400, "request id must be 1-200 characters of [A-Za-z0-9._:@/+=-]")
+        raise Refused(400, "request id must be 1-200 characters of [A-Za-z0-9._:@/+=-]")
     return request_id
 
 
@@ -104,9 +107,9 @@ def _timeout_s(request: Request, default_s: float, max_s: float) -> float:
     try:
         timeout = float(request.headers[TIMEOUT_HEADER])
     except ValueError:
-        raise _Refused(400, f"{TIMEOUT_HEADER} must be a number of seconds") from None
+        raise Refused(400, f"{TIMEOUT_HEADER} must be a number of seconds") from None
     if not 0 < timeout <= max_s:
-        raise _Refused(400, f"{TIMEOUT_HEADER} must be in (0, {max_s:.0f}]")
+        raise Refused(400, f"{TIMEOUT_HEADER} must be in (0, {max_s:.0f}]")
     return timeout
 
 
@@ -120,6 +123,7 @@ class _Gateway:
     router: Router
     inflight: InFlightTable
     proxy: Proxy
+    control: FleetControl | None = None  # Kubernetes mode only: set while the app runs
 
     @classmethod
     def build(cls, config: GatewayConfig) -> _Gateway:
@@ -133,40 +137,40 @@ class _Gateway:
         proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics)
         return cls(config, metrics, registry, router, inflight, proxy)
 
-    def refuse(self, refused: _Refused) -> Response:
+    def refuse(self, refused: Refused) -> Response:
         return _error(refused.status, str(refused), self.metrics)
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _Refused(413, f"request body of {declared} bytes exceeds {limit}")
+            raise Refused(413, f"request body of {declared} bytes exceeds {limit}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _Refused(413, f"request body exceeds {limit} bytes")
+                raise Refused(413, f"request body exceeds {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
 
     async def admit(self, route: Route, request: Request) -> tuple[ClientRequest, InFlight]:
         """Everything checked before routing: token, size, JSON, fields, id, deadline; the id reserved."""
         config = self.config
-        if config.api_key is not None and not _bearer_ok(request, config.api_key, config.token):
-            raise _Refused(401, "missing or wrong bearer token")
+        if config.api_key is not None and not bearer_ok(request, config.api_key, config.token):
+            raise Refused(401, "missing or wrong bearer token")
         raw = await self.read_body(request)
         try:
             body = validate(route, orjson.loads(raw))
         except orjson.JSONDecodeError as err:
-            raise _Refused(400, f"the request body is not valid JSON: {err}") from None
+            raise Refused(400, f"the request body is not valid JSON: {err}") from None
         except BadRequest as err:
-            raise _Refused(400, str(err)) from None
+            raise Refused(400, str(err)) from None
         request_id = _request_id(request, body)
         timeout = _timeout_s(request, config.request_timeout_s, config.max_timeout_s)
         try:
             entry = self.inflight.open(request_id)
         except IdInUse:
-            raise _Refused(409, f"request id {request_id!r} is still in flight; ids must not be reused") from None
+            raise Refused(409, f"request id {request_id!r} is still in flight; ids must not be reused") from None
         session = request.headers.get(GROUP_HEADER) or request.headers.get(SESSION_HEADER)
         req = ClientRequest(
             route=route,
@@ -182,7 +186,7 @@ class _Gateway:
         async def endpoint(request: Request) -> Response:
             try:
                 req, entry = await self.admit(route, request)
-            except _Refused as refused:
+            except Refused as refused:
                 return self.refuse(refused)
             return _ProxyResponse(self.proxy, req, entry)
 
@@ -200,11 +204,11 @@ class _Gateway:
         return _error(503, "no routable engine to list models from", self.metrics)
 
     async def abort(self, request: Request) -> Response:
-        if not _bearer_ok(request, self.config.token):
+        if not bearer_ok(request, self.config.token):
             return _error(401, "POST /v1/abort needs the fleet admin token (Authorization: Bearer ...)", self.metrics)
         try:
             raw = await self.read_body(request)
-        except _Refused as refused:
+        except Refused as refused:
             return self.refuse(refused)
         try:
             parsed = abort_mod.GatewayAbortRequest.model_validate_json(raw)
@@ -213,6 +217,43 @@ class _Gateway:
         results = await abort_mod.abort(self.proxy, parsed.request_ids, parsed.timeout_s)
         reasons = {k: a.reason for k, a in results.items() if a.reason is not None}
         return JSONResponse({"results": {k: a.status.value for k, a in results.items()}, "reasons": reasons})
+
+    async def fleet(self, request: Request) -> Response:
+        return await self._control(request, None)
+
+    async def pause(self, request: Request) -> Response:
+        return await self._control(request, "pause")
+
+    async def resume(self, request: Request) -> Response:
+        return await self._control(request, "resume")
+
+    async def _control(self, request: Request, action: str | None) -> Response:
+        """The fleet's state; with an action, asked for first and waited on (200 done, 202 still going)."""
+        path = request.url.path
+        if not bearer_ok(request, self.config.token):
+            return _error(401, f"{path} needs the fleet admin token (Authorization: Bearer ...)", self.metrics)
+        if self.control is None:
+            return _error(404, f"{path}: this gateway serves a static engine list (--engines), no fleet", self.metrics)
+        try:
+            if action is None:
+                state = await self.control.state()
+                return JSONResponse(state.model_dump(mode="json"))
+            ask = _ControlAsk.read(request, orjson.loads(await self.read_body(request) or b"{}"), action)
+            if ask.mode is None:
+                state = await self.control.resume(ask.caller, ask.wait_s)
+            else:
+                state = await self.control.pause(ask.mode, ask.caller, ask.wait_s)
+        except Refused as refused:
+            return self.refuse(refused)
+        except orjson.JSONDecodeError as err:
+            return _error(400, f"the request body is not valid JSON: {err}", self.metrics)
+        except PushRunning as err:
+            return _error(409, str(err), self.metrics)
+        except NoSuchFleet as err:
+            return _error(404, str(err), self.metrics)
+        except ApiError as err:  # the API server refused or failed: say which call, and why
+            return _error(502, f"{path}: the Kubernetes API answered {err}", self.metrics)
+        return JSONResponse(state.model_dump(mode="json"), 200 if pause_done(state, ask.mode) else 202)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -232,9 +273,11 @@ class _Gateway:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         await self.proxy.open()
         config = self.config
-        watch = None
+        watch, kube = None, None
         if config.fleet:  # Kubernetes mode: engines come from a watch of the fleet's pods
             watch = asyncio.create_task(follow_pods(self.registry, config.namespace, config.fleet, config.kubeconfig))
+            kube = Kube(load_client(config.kubeconfig), concurrency=4)
+            self.control = FleetControl(kube, config.namespace, config.fleet)
         try:
             yield
         finally:
@@ -242,17 +285,53 @@ class _Gateway:
                 watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
+            if kube is not None:
+                kube.close()
             await self.proxy.close()
 
     def routes(self) -> list[HttpRoute]:
         return [
             *(HttpRoute(r.value, self.generation(r), methods=["POST"]) for r in Route),
             HttpRoute("/v1/models", self.models, methods=["GET"]),
-            HttpRoute("/v1/abort", self.abort, methods=["POST"]),
+            HttpRoute(ABORT_PATH, self.abort, methods=["POST"]),
+            HttpRoute(FLEET_PATH, self.fleet, methods=["GET"]),
+            HttpRoute(FLEET_PAUSE_PATH, self.pause, methods=["POST"]),
+            HttpRoute(FLEET_RESUME_PATH, self.resume, methods=["POST"]),
             HttpRoute("/health", self.health, methods=["GET"]),
             HttpRoute("/ready", self.ready, methods=["GET"]),
             HttpRoute("/metrics", self.metrics_endpoint, methods=["GET"]),
+            *trl_routes(self),
         ]
+
+
+@dataclass(frozen=True)
+class _ControlAsk:
+    """A pause or resume request: `{"mode": "keep"|"wait"|"abort", "wait_s": 120}` (resume: wait_s only)."""
+
+    mode: PauseMode | None
+    caller: str
+    wait_s: float
+
+    @classmethod
+    def read(cls, request: Request, body: Any, action: str) -> _ControlAsk:
+        if not isinstance(body, dict):
+            raise Refused(400, "the body must be a JSON object")
+        allowed = {"mode", "wait_s"} if action == "pause" else {"wait_s"}
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise Refused(400, f"unknown field(s) {unknown}; a {action} takes {sorted(allowed)}")
+        mode = None
+        if action == "pause":
+            mode = parse_pause_mode(body.get("mode"))
+            if mode is None:
+                raise Refused(400, f"mode must be one of {list(PAUSE_MODES)}, got {body.get('mode')!r}")
+        wait_s = body.get("wait_s", 0)
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s <= MAX_CONTROL_WAIT_S:
+            raise Refused(400, f"wait_s must be a number of seconds in [0, {MAX_CONTROL_WAIT_S}], got {wait_s!r}")
+        caller = request.headers.get(CALLER_HEADER, "anonymous")
+        if not CALLER_RE.match(caller):
+            raise Refused(400, f"{CALLER_HEADER} must be 1-100 characters of [A-Za-z0-9._-]")
+        return cls(mode, caller, float(wait_s))
 
 
 def build_app(config: GatewayConfig) -> Starlette:

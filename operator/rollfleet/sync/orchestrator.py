@@ -38,7 +38,6 @@ from rollfleet.contract import STATE_PATH, PauseMode
 from rollfleet.engine_client import CONTROL, TRANSFER, CallPolicy, EngineCallError, EngineClient, EngineRef
 from rollfleet.sync.engines import Discovery, in_flight, observe
 from rollfleet.sync.fleetversion import fleet_weight_version
-from rollfleet.sync.models import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
 from rollfleet.sync.protocol import (
     EngineObservation,
     FleetRecord,
@@ -57,6 +56,7 @@ from rollfleet.sync.protocol import (
     stale_requests,
 )
 from rollfleet.sync.store import RecordStore, read_record, update
+from rollfleet_client.sync_protocol import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
 from rollfleet_engine.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
@@ -149,9 +149,7 @@ class Orchestrator:
         partial.rename(final)
         return final
 
-    async def submit(
-        self, version: str, source: Path, expected_sha256: str | None = None, receive_s: float | None = None
-    ) -> PushStatus:
+    async def submit(self, version: str, source: Path, receive_s: float | None = None) -> PushStatus:
         """Stage ``source`` and record the push; the fleet is then driven in the background."""
         self._refuse_if_running()
         try:
@@ -173,9 +171,6 @@ class Orchestrator:
             generation = record.generation + 1
             begin_push(record, WeightsRef(version, generation), time.time())  # refuse early, before hashing
             url, sha, nbytes = await self.publisher.serve(source)
-            if expected_sha256 is not None and sha != expected_sha256:
-                await self._serve_committed(record)
-                raise PushRefused(f"the staged weights hash to manifest {sha}, the trainer sent {expected_sha256}")
             target = WeightsRef(version, generation, url=url, manifest_sha256=sha, source=str(source))
             try:
                 record = await update(self.store, lambda r: begin_push(r, target, time.time()))

@@ -26,10 +26,10 @@ from rollfleet.engine_client import TRANSFER, EngineClient
 from rollfleet.errors import RollfleetError
 from rollfleet.kube import Kube, load_client
 from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
-from rollfleet.sync.models import MANIFEST_SHA_HEADER, PushDirRequest
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import ConfigMapStore, FileStore, RecordStore
+from rollfleet_client.sync_protocol import HEALTH_PATH, PUSH_STREAM_PATH, PUSHES_PATH, VERSION_PATH, PushDirRequest
 from rollfleet_engine.access import read_token
 from rollfleet_engine.listen import pod_local_host, serving_host
 
@@ -92,9 +92,9 @@ def build_app(orch: Orchestrator) -> web.Application:
     def refused(err: Exception) -> web.Response:
         return web.json_response({"error": str(err)}, status=409)
 
-    routes.get("/healthz")(_healthz)
+    routes.get(HEALTH_PATH)(_healthz)
 
-    @routes.post("/v1/pushes")
+    @routes.post(PUSHES_PATH)
     async def push_dir(request: web.Request) -> web.Response:
         try:
             body = PushDirRequest.model_validate_json(await request.read())
@@ -106,7 +106,7 @@ def build_app(orch: Orchestrator) -> web.Application:
             return refused(err)
         return web.json_response(status.model_dump(mode="json"), status=202)
 
-    @routes.put("/v1/pushes/stream")
+    @routes.put(PUSH_STREAM_PATH)
     async def push_stream(request: web.Request) -> web.Response:
         try:
             version = PushDirRequest(version=request.query.get("version", ""), path="-").version
@@ -116,12 +116,12 @@ def build_app(orch: Orchestrator) -> web.Application:
             t0 = time.monotonic()
             source = await orch.stage_stream(version, request.content.iter_chunked(_CHUNK))
             received = time.monotonic() - t0
-            status = await orch.submit(version, source, request.headers.get(MANIFEST_SHA_HEADER), received)
+            status = await orch.submit(version, source, received)
         except PushRefused as err:
             return refused(err)
         return web.json_response(status.model_dump(mode="json"), status=202)
 
-    @routes.get("/v1/pushes/{generation}")
+    @routes.get(PUSHES_PATH + "/{generation}")
     async def push_status(request: web.Request) -> web.Response:
         generation = int(request.match_info["generation"])
         wait_s = float(request.query.get("wait", "0"))
@@ -130,7 +130,7 @@ def build_app(orch: Orchestrator) -> web.Application:
             return web.json_response({"error": f"no push with generation {generation} in this sidecar"}, status=404)
         return web.json_response(status.model_dump(mode="json"))
 
-    @routes.get("/v1/version")
+    @routes.get(VERSION_PATH)
     async def version(_: web.Request) -> web.Response:
         return web.json_response((await orch.fleet_version()).model_dump(mode="json"))
 
@@ -187,7 +187,7 @@ async def _healthz(_: web.Request) -> web.Response:
 def _health_app() -> web.Application:
     """Only /healthz, on the pod network: kubelet's probes cannot reach the trainer API on localhost."""
     app = web.Application()
-    app.router.add_get("/healthz", _healthz)
+    app.router.add_get(HEALTH_PATH, _healthz)
     return app
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
@@ -17,13 +17,18 @@ from rollfleet_client import (
     EngineFailed,
     GatewayUnreachable,
     GenerateTimeout,
+    NotSettled,
+    PushInProgress,
     RequestIdInUse,
     RequestRefused,
     RolloutClient,
     Unauthorized,
     protocol,
 )
+from rollfleet_client.models import PauseMode
+from rollfleet_client.sync_protocol import SYNC_API_PORT, sync_api_url
 from rollfleet_engine import protocol as engine_protocol
+from rollfleet_engine.listen import pod_local_host
 
 Handler = Callable[[httpx.Request], httpx.Response]
 ANSWER = {
@@ -48,6 +53,7 @@ def test_the_headers_shared_with_the_engine_are_spelled_alike() -> None:
     # The client depends on nothing of Rollfleet's, so it spells them itself.
     assert protocol.REQUEST_ID_HEADER == engine_protocol.REQUEST_ID_HEADER
     assert protocol.WEIGHT_VERSION_HEADER == engine_protocol.WEIGHT_VERSION_HEADER
+    assert get_args(PauseMode) == engine_protocol.PAUSE_MODES
 
 
 def test_generate_sends_token_ids_and_sampling_and_returns_tokens_logprobs_and_versions() -> None:
@@ -165,10 +171,21 @@ def test_abort_without_a_token_says_where_the_token_comes_from(tmp_path: Any) ->
     asyncio.run(go())
 
 
-def test_a_fleet_name_and_namespace_find_its_gateway_service() -> None:
+def test_a_fleet_name_and_namespace_find_its_gateway_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
     fleet = AsyncRolloutClient(fleet="tiny", namespace="team")
     assert fleet.gateway_url == "http://tiny-gateway.team.svc:8080" and fleet.model == "tiny"
     asyncio.run(fleet.aclose())
+    # In a pod of the fleet's namespace: the Service's address from the environment kubelet sets.
+    monkeypatch.setenv("POD_NAMESPACE", "team")
+    monkeypatch.setenv("TINY_GATEWAY_SERVICE_HOST", "10.96.0.9")
+    monkeypatch.setenv("TINY_GATEWAY_SERVICE_PORT", "8080")
+    for fleet in (AsyncRolloutClient(fleet="tiny"), AsyncRolloutClient(fleet="tiny", namespace="team")):
+        assert fleet.gateway_url == "http://10.96.0.9:8080"
+        asyncio.run(fleet.aclose())
+    other = AsyncRolloutClient(fleet="tiny", namespace="elsewhere")  # another namespace's: by DNS
+    assert other.gateway_url == "http://tiny-gateway.elsewhere.svc:8080"
+    asyncio.run(other.aclose())
 
 
 def test_the_sync_client_runs_the_same_calls() -> None:
@@ -180,3 +197,76 @@ def test_the_sync_client_runs_the_same_calls() -> None:
     with RolloutClient("http://gw:8080", model="tiny", token="t", transport=httpx.MockTransport(gateway)) as fleet:
         assert fleet.generate("hi", max_tokens=2).token_ids == [7, 8]
         assert fleet.abort(["a"]).results == {"a": "unknown"}
+
+
+STATE = {
+    "fleet": "tiny",
+    "namespace": "team",
+    "replicas": 2,
+    "ready_replicas": 2,
+    "weight_version": "v4",
+    "weight_generation": 4,
+    "generations": {"v3": 3, "v4": 4},
+    "pause": {"mode": "keep", "since": "2026-11-24T10:00:00Z", "paused_engines": 2, "requested_by": "x"},
+    "engines": [{"name": "e0", "phase": "Paused"}, {"name": "e1", "phase": "Paused"}],
+}
+
+
+def test_pause_sends_the_mode_the_caller_and_the_token_and_returns_the_fleets_state() -> None:
+    seen: list[httpx.Request] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=STATE)
+
+    async def go() -> None:
+        async with client(gateway, token="t", caller="trainer-0") as fleet:
+            state = await fleet.pause("wait", wait_s=30)
+        assert state.pause is not None and state.pause.mode == "keep" and state.generations["v4"] == 4
+
+    asyncio.run(go())
+    (request,) = seen
+    assert request.url.path == protocol.FLEET_PAUSE_PATH and json.loads(request.content) == {
+        "mode": "wait",
+        "wait_s": 30,
+    }
+    assert request.headers["authorization"] == "Bearer t" and request.headers[protocol.CALLER_HEADER] == "trainer-0"
+
+
+def test_a_pause_during_a_push_or_not_done_in_time_is_a_typed_error() -> None:
+    def pushing(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(409, json={"error": {"message": "a weight push to version v5 is in progress"}})
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(202, json=STATE)
+
+    async def go() -> None:
+        async with client(pushing, token="t") as fleet:
+            with pytest.raises(PushInProgress, match="v5"):
+                await fleet.resume()
+        async with client(slow, token="t") as fleet:
+            with pytest.raises(NotSettled, match="e0 Paused") as late:
+                await fleet.pause("keep", wait_s=1)
+            assert late.value.state.fleet == "tiny"
+
+    asyncio.run(go())
+
+
+def test_a_generation_carries_the_generation_number_of_each_weight_version() -> None:
+    def gateway(request: httpx.Request) -> httpx.Response:
+        if request.url.path == protocol.FLEET_PATH:
+            return httpx.Response(200, json=STATE)
+        return httpx.Response(200, json=ANSWER, headers={protocol.WEIGHT_VERSION_HEADER: "v3,v4"})
+
+    async def go() -> None:
+        async with client(gateway, token="t") as fleet:
+            g = await fleet.generate([1], max_tokens=2)
+        assert g.weight_generations == [3, 4] and g.weight_generation == 3
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("pod_ip", [None, "10.244.1.7", "127.0.3.9"])
+def test_the_client_finds_the_sidecar_where_the_sidecar_binds(pod_ip: str | None) -> None:
+    host = pod_local_host(pod_ip)
+    assert sync_api_url(pod_ip) == f"http://{host}:{SYNC_API_PORT}"

@@ -135,7 +135,17 @@ def test_gateway_follows_the_contract_and_has_least_privilege() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert objects["Service"]["spec"]["ports"][0]["port"] == 8080
     rules = objects["Role"]["rules"]
-    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
+    writes = [r for r in rules if not set(r["verbs"]) <= {"get", "list", "watch"}]
+    # It writes one thing: its own fleet (the pause annotation; the admission policy refuses the rest).
+    assert writes == [
+        {
+            "apiGroups": [contract.GROUP],
+            "resources": ["rolloutfleets"],
+            "verbs": ["get", "patch"],
+            "resourceNames": ["tiny"],
+        }
+    ]
+    assert all(r.get("resourceNames") for r in rules if r["resources"] != ["pods"])
     assert contract.gateway_endpoint(REF.name, REF.namespace) == "http://tiny-gateway.team.svc:8080"
     no_gw = owned(spec(gateway={"enabled": False}))
     assert not [name for _, name in no_gw if name == "tiny-gateway"]

@@ -143,15 +143,36 @@ def test_rollout_budget(strategy: dict[str, Any], replicas: int, expected: tuple
     assert plan.rollout_budget(UpdateStrategy.model_validate(strategy), replicas) == expected
 
 
+def meta(annotations: dict[str, str], managed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"annotations": annotations, "managedFields": managed or []}
+
+
 def test_pause_request_from_annotations() -> None:
-    assert plan.pause_request({ANNOTATION_PAUSE: "keep"}, None) == plan.PauseRequest("keep")
-    assert plan.pause_request({}, None) == plan.PauseRequest(None)
+    assert plan.pause_request(meta({ANNOTATION_PAUSE: "keep"}), None) == plan.PauseRequest("keep")
+    assert plan.pause_request(meta({}), None) == plan.PauseRequest(None)
     recorded = PauseStatus(mode="wait", since=NOW)
-    invalid = plan.pause_request({ANNOTATION_PAUSE: "sometimes"}, recorded)
+    invalid = plan.pause_request(meta({ANNOTATION_PAUSE: "sometimes"}), recorded)
     assert invalid == plan.PauseRequest("wait", invalid_value="sometimes")  # nothing changes
-    assert plan.pause_request({ANNOTATION_PAUSE: "soon"}, None).mode is None
-    resume = plan.pause_request({ANNOTATION_PAUSE: "keep", ANNOTATION_RESUME: ""}, recorded)
+    assert plan.pause_request(meta({ANNOTATION_PAUSE: "soon"}), None).mode is None
+    resume = plan.pause_request(meta({ANNOTATION_PAUSE: "keep", ANNOTATION_RESUME: ""}), recorded)
     assert resume == plan.PauseRequest(None, remove_annotations=(ANNOTATION_RESUME, ANNOTATION_PAUSE))
+
+
+def owns(manager: str, *annotations: str) -> dict[str, Any]:
+    fields = {"f:metadata": {"f:annotations": {f"f:{a}": {} for a in annotations}}}
+    return {"manager": manager, "operation": "Update", "fieldsV1": fields}
+
+
+def test_the_pause_records_who_set_the_annotation_from_its_field_manager() -> None:
+    managed = [owns("kubectl-client-side-apply", "other"), owns("rollfleet-client/trainer-0", ANNOTATION_PAUSE)]
+    request = plan.pause_request(meta({ANNOTATION_PAUSE: "keep"}, managed), None)
+    assert request.requested_by == "rollfleet-client/trainer-0"
+    record = plan.pause_record(request, None, [], NOW)
+    assert record is not None and record.requested_by == "rollfleet-client/trainer-0"
+    # Ownership moves to whoever wrote it last: a later `kubectl annotate --overwrite`.
+    later = [owns("kubectl-annotate", ANNOTATION_PAUSE), owns("rollfleet-client/trainer-0")]
+    assert plan.pause_request(meta({ANNOTATION_PAUSE: "abort"}, later), record).requested_by == "kubectl-annotate"
+    assert plan.annotation_manager(meta({ANNOTATION_PAUSE: "keep"}), ANNOTATION_PAUSE) is None
 
 
 def test_pause_record_keeps_since_and_lasts_until_engines_resumed() -> None:

@@ -8,10 +8,12 @@ real vLLM engines lives in e2e/test_gateway.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import uvicorn
@@ -35,7 +37,6 @@ class Stack:
     url: str
     sims: list[SimEngine]
     sim_urls: list[str]
-    loop: asyncio.AbstractEventLoop
 
     def reset(self) -> None:
         for sim in self.sims:
@@ -45,10 +46,11 @@ class Stack:
             sim.weight_version = "v1"
 
 
-@pytest.fixture(scope="session")
-def stack() -> Iterator[Stack]:
+@contextlib.contextmanager
+def serve_gateway(sims: list[SimEngine], proxy: ProxyConfig, **config: Any) -> Iterator[tuple[str, list[str]]]:
+    """The simulated engines and a static-mode gateway in front of them, served from a background
+    event loop; yields the gateway's URL and the engines'."""
     loop = asyncio.new_event_loop()
-    sims = [SimEngine("sim-a"), SimEngine("sim-b")]
     ports = [free_port() for _ in sims]
     gw_port = free_port()
     ready = threading.Event()
@@ -61,15 +63,9 @@ def stack() -> Iterator[Stack]:
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
-        config = GatewayConfig(
-            token=TOKEN,
-            engines=[f"http://127.0.0.1:{p}" for p in ports],
-            max_body_bytes=64 * 1024,
-            eject_s=0.0,  # failover tests run back to back; exclusion per request is what they check
-            proxy=ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0, version_check_after_s=0.3),
-        )
+        gateway = GatewayConfig(token=TOKEN, engines=[f"http://127.0.0.1:{p}" for p in ports], proxy=proxy, **config)
         server = uvicorn.Server(
-            uvicorn.Config(build_app(config), host="127.0.0.1", port=gw_port, log_level="warning", lifespan="on")
+            uvicorn.Config(build_app(gateway), host="127.0.0.1", port=gw_port, log_level="warning", lifespan="on")
         )
         serving = asyncio.create_task(server.serve())
         while not server.started:  # noqa: ASYNC110 - uvicorn offers no event for this
@@ -84,9 +80,20 @@ def stack() -> Iterator[Stack]:
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
     assert ready.wait(30), "gateway did not start"
-    yield Stack(f"http://127.0.0.1:{gw_port}", sims, [f"http://127.0.0.1:{p}" for p in ports], loop)
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(30)
+    try:
+        yield f"http://127.0.0.1:{gw_port}", [f"http://127.0.0.1:{p}" for p in ports]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    sims = [SimEngine("sim-a"), SimEngine("sim-b")]
+    proxy = ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0, version_check_after_s=0.3)
+    # eject_s 0: failover tests run back to back; exclusion per request is what they check.
+    with serve_gateway(sims, proxy, max_body_bytes=64 * 1024, eject_s=0.0) as (url, sim_urls):
+        yield Stack(url, sims, sim_urls)
 
 
 @pytest.fixture

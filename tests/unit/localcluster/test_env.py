@@ -13,6 +13,7 @@ from rollfleet_dev.localcluster.nodeagent.env import (
     container_env,
     expand,
     referenced_objects,
+    service_links,
 )
 
 VARS = {"A": "1", "B": "two"}
@@ -75,6 +76,22 @@ def test_env_order_expansion_and_references() -> None:
     assert "OPT" not in env
     assert env["MEM"] == "1024"
     assert env["PATH"] == "/bin"
+
+
+def test_services_of_the_namespace_are_in_the_environment_as_kubelet_puts_them() -> None:
+    services = [
+        {
+            "metadata": {"name": "tiny-gateway"},
+            "spec": {"clusterIP": "127.96.0.7", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]},
+        },
+        {"metadata": {"name": "headless"}, "spec": {"clusterIP": "None", "ports": [{"port": 80}]}},
+    ]
+    assert service_links(services) == {
+        "TINY_GATEWAY_SERVICE_HOST": "127.96.0.7",
+        "TINY_GATEWAY_SERVICE_PORT": "8080",
+        "TINY_GATEWAY_SERVICE_PORT_HTTP": "8080",
+        "TINY_GATEWAY_PORT": "tcp://127.96.0.7:8080",
+    }
 
 
 def test_missing_secret_key_is_a_config_error() -> None:

@@ -52,10 +52,11 @@ def expand(text: str, lookup: Callable[[str], str | None]) -> str:
 
 @dataclass
 class Refs:
-    """ConfigMaps and Secrets of the pod's namespace by name (None: does not exist)."""
+    """ConfigMaps and Secrets of the pod's namespace by name (None: does not exist), and its Services."""
 
     config_maps: dict[str, Obj | None] = field(default_factory=dict)
     secrets: dict[str, Obj | None] = field(default_factory=dict)
+    services: list[Obj] = field(default_factory=list)
 
     def config_map_data(self, name: str) -> dict[str, str] | None:
         cm = self.config_maps.get(name)
@@ -118,11 +119,32 @@ def _from_key(kind: str, data: dict[str, str] | None, ref: Obj) -> str | None:
     return data[ref["key"]]
 
 
+def service_links(services: list[Obj]) -> dict[str, str]:
+    """Kubelet's service environment variables (`enableServiceLinks`): for each Service of the pod's
+    namespace with a cluster IP, `<NAME>_SERVICE_HOST`, `<NAME>_SERVICE_PORT` (its first port) and
+    `<NAME>_SERVICE_PORT_<PORT NAME>`, and the Docker-link `<NAME>_PORT=tcp://ip:port`. There is no
+    cluster DNS here, so these are how a pod finds a Service by name."""
+    env: dict[str, str] = {}
+    for svc in services:
+        spec = svc.get("spec") or {}
+        ip, ports = spec.get("clusterIP"), spec.get("ports") or []
+        if not ip or ip == "None" or not ports:
+            continue
+        name = svc["metadata"]["name"].upper().replace("-", "_")
+        env[f"{name}_SERVICE_HOST"] = ip
+        env[f"{name}_SERVICE_PORT"] = str(ports[0]["port"])
+        for port in ports:
+            if port.get("name"):
+                env[f"{name}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(port["port"])
+        env[f"{name}_PORT"] = f"{ports[0].get('protocol', 'TCP').lower()}://{ip}:{ports[0]['port']}"
+    return env
+
+
 def container_env(
     pod: Obj, container: Obj, refs: Refs, base: Mapping[str, str], node_allocatable: dict[str, str]
 ) -> dict[str, str]:
-    """The environment of one container: `base` (PATH, KUBERNETES_SERVICE_*, ...), then envFrom,
-    then env in order, each `value` expanded against what is defined before it."""
+    """The environment of one container: `base` (PATH, KUBERNETES_SERVICE_*, service links, ...), then
+    envFrom, then env in order, each `value` expanded against what is defined before it."""
     env = dict(base)
     for src in container.get("envFrom") or []:
         prefix = src.get("prefix", "")

@@ -244,6 +244,8 @@ class PodWorker:
             refs.config_maps[name] = await api.get_or_none(f"/api/v1/namespaces/{ns}/configmaps/{name}")
         for name in secrets:
             refs.secrets[name] = await api.get_or_none(f"/api/v1/namespaces/{ns}/secrets/{name}")
+        if self.pod["spec"].get("enableServiceLinks", True):
+            refs.services = (await api.get(f"/api/v1/namespaces/{ns}/services")).get("items") or []
         self._refs = refs
 
     async def _tokens(self) -> dict[volumes.TokenKey, str]:
@@ -361,7 +363,7 @@ class PodWorker:
                 "or add an `images:` rule for it to the node agent's pools file (docs/local-cluster.md)"
             )
         hostname = self.pod["spec"].get("hostname") or meta["name"]
-        base = base_env(self.shared, hostname, rule.env if rule else {})
+        base = base_env(self.shared, hostname, rule.env if rule else {}) | envmod.service_links(self._refs.services)
         c.env = envmod.container_env(self.pod_with_ips(), spec, self._refs, base, self.node.allocatable)
         argv = envmod.container_argv(spec, c.env, rule.entrypoint if rule else [], rule.cmd if rule else [])
         if not argv:

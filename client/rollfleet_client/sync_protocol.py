@@ -1,24 +1,46 @@
-"""Bodies of the sidecar's localhost HTTP API, shared by ``server`` and ``client``. Pure.
+"""The sync sidecar's trainer API: port, routes and bodies. Pure.
 
-Routes (all on 127.0.0.1, port 8471 by default):
+The sidecar (``rollfleet.sync.server``) serves it and ``rollfleet_client.sync`` calls it;
+both import it from here. Routes (on 127.0.0.1: the trainer pod's own containers):
 
 - ``POST /v1/pushes`` ``PushDirRequest``: push a safetensors directory (shared volume).
 - ``PUT /v1/pushes/stream?version=V``: push a safetensors stream (the client lays the
-  trainer's tensors out as one shard); header ``X-Rollfleet-Manifest-Sha256`` pins it.
+  trainer's tensors out as one shard; the sidecar spools, hashes and serves it).
 - ``GET /v1/pushes/{generation}?wait=S``: a push's progress; waits up to S seconds for
   it to end.
 - ``GET /v1/version``: the fleet's weight version (``FleetVersionView``).
-- ``GET /healthz``.
+- ``GET /healthz`` (on SYNC_HEALTH_PORT, for kubelet).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+# The trainer API (localhost), the weights server engines pull from (the pod IP), and /healthz
+# for kubelet's probes (the pod network, where kubelet reaches it; nothing else is served there).
+SYNC_API_PORT = 8471
+SYNC_WEIGHTS_PORT = 8472
+SYNC_HEALTH_PORT = 8473
+
+
+def sync_api_url(pod_ip: str | None) -> str:
+    """The trainer API as a container of the sidecar's pod reaches it: on localhost, except on a cluster
+    whose pods share the host's network (the local cluster: each pod has a loopback address of its own as
+    its IP), where the sidecar binds that address. The sidecar's side of this is
+    ``rollfleet_engine.listen.pod_local_host``; a unit test holds the two alike."""
+    host = pod_ip if pod_ip and ipaddress.ip_address(pod_ip).is_loopback else "127.0.0.1"
+    return f"http://{host}:{SYNC_API_PORT}"
+
+
+PUSHES_PATH = "/v1/pushes"
+PUSH_STREAM_PATH = "/v1/pushes/stream"
+VERSION_PATH = "/v1/version"
+HEALTH_PATH = "/healthz"
+
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-MANIFEST_SHA_HEADER = "X-Rollfleet-Manifest-Sha256"
 
 
 class PushDirRequest(BaseModel):

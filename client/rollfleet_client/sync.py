@@ -1,0 +1,132 @@
+"""``SyncClient``: push a trainer's weights to every engine of its fleet, through the sync sidecar.
+
+::
+
+    from rollfleet_client.sync import SyncClient
+
+    with SyncClient() as sync:                          # the sidecar in this pod
+        sync.push(model.state_dict(), version="step-12")  # streams the tensors; returns when the fleet has them
+        sync.push_dir("/shared/ckpt/step-13", version="step-13")  # safetensors files the sidecar can read
+        sync.fleet_version().version  # "step-13"
+
+``push`` lays the tensors out as one safetensors file over their own memory (no copy of
+the state dict; tensors are moved to CPU if they are not there) and streams it. It returns
+the push's final ``PushStatus`` when the fleet is on the new version, and raises
+``PushFailed`` when the fleet stayed on the old one. Talks to the sidecar only; its API is
+``sync_protocol``. ``AsyncRolloutClient.push_weights`` runs it off the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from rollfleet_client.errors import InvalidArgument, PushFailed, SidecarError
+from rollfleet_client.sync_protocol import (
+    PUSH_STREAM_PATH,
+    PUSHES_PATH,
+    VERSION_PATH,
+    FleetVersionView,
+    PushDirRequest,
+    PushState,
+    PushStatus,
+    sync_api_url,
+)
+from rollfleet_client.tensors import tensor_file
+
+_POLL_S = 30.0
+
+
+class SyncClient:
+    def __init__(self, url: str | None = None, timeout_s: float = 60.0) -> None:
+        """``url``: the sidecar's; by default the one in this pod (``POD_IP`` from the downward API)."""
+        self.url = (url or sync_api_url(os.environ.get("POD_IP"))).rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def push(
+        self, state_dict: Mapping[str, Any], version: str, wait: bool = True, timeout_s: float = 1800.0
+    ) -> PushStatus:
+        """Stream ``state_dict`` to the sidecar and push it to the fleet as ``version`` (needs torch)."""
+        _check_version(version)  # refused here, before any byte is sent
+        out = tensor_file(state_dict)
+        resp = self._call(
+            "PUT",
+            PUSH_STREAM_PATH,
+            params={"version": version},
+            content=out.chunks(),
+            headers={"Content-Length": str(out.size)},
+            timeout=timeout_s,
+        )
+        return self._started(resp, wait, timeout_s)
+
+    def push_dir(self, path: str | Path, version: str, wait: bool = True, timeout_s: float = 1800.0) -> PushStatus:
+        """Push the .safetensors files in ``path`` (a directory the sidecar can read) as ``version``."""
+        _check_version(version)
+        body = PushDirRequest(version=version, path=str(path))
+        resp = self._call("POST", PUSHES_PATH, content=body.model_dump_json(), timeout=timeout_s)
+        return self._started(resp, wait, timeout_s)
+
+    def progress(self, generation: int) -> PushStatus:
+        return PushStatus.model_validate(self._call("GET", f"{PUSHES_PATH}/{generation}").json())
+
+    def wait(self, generation: int, timeout_s: float = 1800.0) -> PushStatus:
+        """Block until the push ends; raise ``PushFailed`` unless the fleet reached its version."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SidecarError(f"push generation {generation} still running after {timeout_s:.0f} s")
+            wait_s = min(_POLL_S, left)
+            resp = self._call("GET", f"{PUSHES_PATH}/{generation}", params={"wait": wait_s}, timeout=wait_s + 30)
+            status = PushStatus.model_validate(resp.json())
+            if status.state is PushState.DONE:
+                return status
+            if status.state.terminal:
+                raise PushFailed(status)
+
+    def fleet_version(self) -> FleetVersionView:
+        return FleetVersionView.model_validate(self._call("GET", VERSION_PATH).json())
+
+    def _started(self, resp: httpx.Response, wait: bool, timeout_s: float) -> PushStatus:
+        status = PushStatus.model_validate(resp.json())
+        return self.wait(status.generation, timeout_s) if wait else status
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as err:
+            raise SidecarError(
+                f"no sync sidecar answered at {self.url} ({type(err).__name__}: {err}); run the rollfleet-sync "
+                "sidecar in this pod (manifests/sync/trainer-job.yaml) or pass its URL"
+            ) from err
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("error", resp.text)
+            except ValueError:
+                detail = resp.text
+            raise SidecarError(f"{method} {path}: HTTP {resp.status_code}: {detail}")
+        return resp
+
+
+def _check_version(version: str) -> None:
+    try:
+        PushDirRequest(version=version, path="-")
+    except ValidationError:
+        raise InvalidArgument(
+            f"version {version!r} is not a label: 1-128 characters of [A-Za-z0-9._-], starting with a letter or digit"
+        ) from None
