@@ -9,12 +9,14 @@ Not a test: prints a table and the ratios, all measured in the same run. Parts:
    the pause window the sidecar reports;
 3. a synthetic ~1 GiB state dict to 2 STAND-IN receivers: a real tiny engine cannot
    load 1 GiB of foreign tensors, so each receiver is a process that answers the
-   engine's control routes and runs the engine's own pull code (``fetch_weights``:
-   manifest, stream, sha256 per tensor, tensors built) without vLLM. Both ways a trainer
-   pushes: ``push_dir`` (a checkpoint on a shared volume) and ``push`` (tensors streamed
-   from the trainer process into the sidecar's spool).
+   engine's control routes and runs the engine's own code without vLLM: its stager
+   (prefetch: download and sha256 per tensor into its staging area, in memory) and its
+   loader (``fetch_weights``: from the staging area, or pulled in the pause). Both ways a
+   trainer pushes: ``push_dir`` (a checkpoint on a shared volume) and ``push`` (tensors
+   streamed from the trainer process into the sidecar's spool); ``push_dir`` also with the
+   sidecar's ``--no-prefetch``, the baseline of the pause window: engines pull while paused.
 
-Usage: python -m bench.bench_sync [--gib 1.0] [--repeats 3] [--no-engine]
+Usage: python -m bench.bench_sync [--gib 1.0] [--repeats 3] [--no-engine] [--json PATH]
        python -m bench.bench_sync --receiver HOST:PORT   (one stand-in receiver; used by part 3)
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import statistics
@@ -66,9 +69,10 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], ready_url: str, log: Path) -> Iterator[None]:
+def process(cmd: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        environ = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=environ)
     try:
         wait_http(ready_url, proc)
         yield
@@ -78,14 +82,14 @@ def process(cmd: list[str], ready_url: str, log: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sidecar(engine_urls: list[str], tmp: Path) -> Iterator[SyncClient]:
+def sidecar(engine_urls: list[str], tmp: Path, *flags: str) -> Iterator[SyncClient]:
     tmp.mkdir(parents=True, exist_ok=True)
     token = tmp / "token"
     token.write_text(ENGINE_TOKEN + "\n")
     port = free_port()
     cmd = [sys.executable, "-m", "rollfleet.cli", "sync", "--fleet", "bench", "--engines", ",".join(engine_urls)]
     cmd += ["--token-file", str(token), "--port", str(port), "--weights-port", str(free_port())]
-    cmd += ["--spool-dir", str(tmp / "spool"), "--reconcile-interval", "0.5"]
+    cmd += ["--spool-dir", str(tmp / "spool"), "--reconcile-interval", "0.5", *flags]
     url = f"http://127.0.0.1:{port}"
     with process(cmd, url + "/healthz", tmp / "sidecar.log"), SyncClient(url, timeout_s=600) as client:
         deadline = time.monotonic() + 60
@@ -110,27 +114,30 @@ Row = tuple[str, str, str]
 
 
 def summarize(label: str, runs: list[tuple[float, PushStatus]], engines: int) -> tuple[list[Row], dict[str, float]]:
-    """Table rows, and the throughputs (MiB/s, bytes x engines) for the ratios."""
+    """Table rows, and the figures: throughputs (MiB/s, bytes x engines) for the ratios, and seconds."""
     e2e = statistics.median(t for t, _ in runs)
     nbytes = runs[0][1].bytes
     transfer = statistics.median(s.transfer_s or 0.0 for _, s in runs)
     receive = statistics.median(s.receive_s or 0.0 for _, s in runs)
     staging = statistics.median(s.staging_s or 0.0 for _, s in runs)
+    prefetch = statistics.median(s.prefetch_s or 0.0 for _, s in runs)
     pause = statistics.median(s.pause_window_s or 0.0 for _, s in runs)
     moved = nbytes * engines / MIB
-    rates = {
+    figures = {
         f"{label}, end to end": moved / e2e,
-        f"{label}, pull phase": moved / max(transfer, 1e-9),
-        f"{label}, pull phase per engine": nbytes / MIB / max(transfer, 1e-9),
+        f"{label}, load phase": moved / max(transfer, 1e-9),
+        f"{label}, end to end s": e2e,
+        f"{label}, pause window s": pause,
     }
     rows = [
         (f"{label}: end to end", f"{e2e:,.3f} s", f"{nbytes / MIB:,.1f} MiB to {engines} engines, trainer's view"),
         (f"{label}: receive", f"{receive:,.3f} s", "streamed pushes: trainer -> sidecar spool"),
         (f"{label}: staging", f"{staging:,.3f} s", "sidecar hashes and serves, before any pause"),
-        (f"{label}: pull phase", f"{transfer:,.3f} s", "first pause to last engine verified"),
+        (f"{label}: prefetch", f"{prefetch:,.3f} s", "engines download and verify while serving"),
+        (f"{label}: load phase", f"{transfer:,.3f} s", "first pause to last engine verified"),
         (f"{label}: pause window", f"{pause * 1e3:,.0f} ms", "first pause sent to last resume answered"),
     ]
-    return rows, rates
+    return rows, figures
 
 
 def tiny_part(repeats: int, tmp: Path) -> tuple[list[Row], dict[str, float]]:
@@ -168,32 +175,60 @@ def big_part(gib: float, repeats: int, tmp: Path) -> tuple[list[Row], dict[str, 
     rows: list[Row] = []
     rates: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
-        urls = []
-        for i in range(2):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, "-m", "bench.bench_sync", "--receiver", f"127.0.0.1:{port}"]
-            stack.enter_context(process(cmd, url + "/rollfleet/v1/state", tmp / f"receiver-{i}.log"))
-            urls.append(url)
-        client = stack.enter_context(sidecar(urls, tmp))
+        urls = stack.enter_context(receivers(2, tmp / "prefetch"))
+        client = stack.enter_context(sidecar(urls, tmp / "prefetch"))
+        client.push_dir(ckpts[1], "warm-up")  # as a running trainer's: the stand-ins' parameters exist
         for label, push in (
             (f"{gib:g} GiB push_dir, stand-ins", lambda i: client.push_dir(ckpts[i % 2], f"dir-{i}")),
             (f"{gib:g} GiB push (streamed), stand-ins", lambda i: client.push(state_dicts[i % 2], f"stream-{i}")),
         ):
             r, t = summarize(label, [timed(lambda i=i, push=push: push(i)) for i in range(repeats)], 2)
             rows, rates = rows + r, rates | t
+    with contextlib.ExitStack() as stack:  # the baseline: engines pull while paused
+        urls = stack.enter_context(receivers(2, tmp / "pull"))
+        client = stack.enter_context(sidecar(urls, tmp / "pull", "--no-prefetch"))
+        client.push_dir(ckpts[1], "warm-up")
+        label = f"{gib:g} GiB push_dir, stand-ins, pull in the pause"
+        runs = [timed(lambda i=i: client.push_dir(ckpts[i % 2], f"pull-{i}")) for i in range(repeats)]
+        r, t = summarize(label, runs, 2)
+        rows, rates = rows + r, rates | t
     return rows, rates
+
+
+@contextlib.contextmanager
+def receivers(count: int, tmp: Path, env: dict[int, dict[str, str]] | None = None) -> Iterator[list[str]]:
+    """`count` stand-in engines (`env`: extra environment of some, by index)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i in range(count):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "bench.bench_sync", "--receiver", f"127.0.0.1:{port}"]
+            log = tmp / f"receiver-{i}.log"
+            stack.enter_context(process(cmd, url + "/rollfleet/v1/state", log, (env or {}).get(i)))
+            urls.append(url)
+        yield urls
 
 
 def receiver(address: str) -> None:
     """A stand-in engine: the sidecar's control routes, and the engine's pull code without vLLM."""
     from aiohttp import web
 
-    from rollfleet_engine.protocol import EngineState
+    from rollfleet_engine.protocol import STAGE_PATH, EngineState, WeightUpdateInfo
+    from rollfleet_engine.runtime import default_stager
     from rollfleet_engine.weights_client import fetch_weights
 
     host, port = address.rsplit(":", 1)
     state = {"version": "initial", "paused": False, "staged": []}
+    stager = default_stager()  # the engine's own, in memory (/dev/shm) where the host has it
+
+    async def stage(request: web.Request) -> web.Response:
+        started = stager.start(WeightUpdateInfo.model_validate(await request.json()))
+        return web.json_response(started.model_dump(mode="json"), status=202)
+
+    async def stage_status(_: web.Request) -> web.Response:
+        return web.json_response(stager.status().model_dump(mode="json"))
 
     async def ok(_: web.Request) -> web.Response:
         return web.json_response({})
@@ -211,8 +246,19 @@ def receiver(address: str) -> None:
         state["staged"] = await asyncio.to_thread(fetch_weights, info["url"], info.get("manifest_sha256"), 600)
         return web.json_response({})
 
+    model: dict[str, Any] = {}  # the stand-in's parameters: what load_weights copies into
+
+    def load(tensors: list[tuple[str, Any]]) -> None:
+        for name, tensor in tensors:
+            if name not in model:
+                model[name] = tensor.clone()
+            else:
+                model[name].copy_(tensor)
+
     async def finish(request: web.Request) -> web.Response:
+        await asyncio.to_thread(load, state["staged"])  # as the engine's finish: into the model
         state["version"], state["staged"] = (await request.json())["weight_version"], []
+        stager.release()
         return web.json_response({})
 
     async def engine_state(_: web.Request) -> web.Response:
@@ -232,6 +278,8 @@ def receiver(address: str) -> None:
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_get("/rollfleet/v1/state", engine_state)
     app.router.add_get("/rollfleet/v1/requests", requests)
+    app.router.add_post(STAGE_PATH, stage)
+    app.router.add_get(STAGE_PATH, stage_status)
     web.run_app(app, host=host, port=int(port), print=None)
 
 
@@ -241,6 +289,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-engine", action="store_true", help="skip the part with real vLLM engines")
     parser.add_argument("--receiver", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="also write the figures here, with stable names")
     args = parser.parse_args()
     if args.receiver:
         receiver(args.receiver)
@@ -262,7 +311,25 @@ def main() -> None:
         print(f"{name:<{width}}  {value:>14}  {note}")
     print("\nthroughput (bytes x engines / time) vs raw loopback TCP:")
     for name, mibs in rates.items():
-        print(f"  {name:<{width}}  {mibs:>9,.0f} MiB/s  ratio {mibs / tcp_mibs:.2f}")
+        if not name.endswith(" s"):
+            print(f"  {name:<{width}}  {mibs:>9,.0f} MiB/s  ratio {mibs / tcp_mibs:.2f}")
+    big = f"{args.gib:g} GiB push_dir, stand-ins"
+    report = {
+        "raw_tcp_mib_s": tcp_mibs,
+        "push_dir_tcp_ratio": rates[f"{big}, end to end"] / tcp_mibs,
+        "push_stream_tcp_ratio": rates[f"{args.gib:g} GiB push (streamed), stand-ins, end to end"] / tcp_mibs,
+        "pause_window_s": rates[f"{big}, pause window s"],
+        "pause_window_pull_in_pause_s": rates[f"{big}, pull in the pause, pause window s"],
+        "pause_window_ratio_vs_pull_in_pause": rates[f"{big}, pause window s"]
+        / rates[f"{big}, pull in the pause, pause window s"],
+        "end_to_end_ratio_vs_pull_in_pause": rates[f"{big}, end to end s"]
+        / rates[f"{big}, pull in the pause, end to end s"],
+    }
+    print("\nprefetch vs pulling in the pause (push_dir, same run):")
+    print(f"  pause window ratio {report['pause_window_ratio_vs_pull_in_pause']:.2f} (goal <= 0.25)")
+    print(f"  end-to-end ratio   {report['end_to_end_ratio_vs_pull_in_pause']:.2f} (goal <= 1.0)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -297,13 +297,13 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
     signal_container(cluster, NS, ENGINES[1], "engine", signal.SIGSTOP)  # the push waits on it
     try:
         started = sync.push_dir(f"{MODELS}/{WEIGHTS_B_DIR}", "b-3", wait=False)
+        # Engine 0 has staged b-3 (prefetch, while serving); the sidecar still waits on engine 1's staging.
         wait_for(
             lambda: any(
-                e.name == ENGINES[0] and e.step is EngineStep.VERIFIED
-                for e in sync.progress(started.generation).engines
+                e.name == ENGINES[0] and e.step is EngineStep.STAGED for e in sync.progress(started.generation).engines
             ),
             timeout=120,
-            what=f"{ENGINES[0]} holding b-3, paused",
+            what=f"{ENGINES[0]} holding b-3, staged",
         )
         signal_container(cluster, NS, TRAINER, "rollfleet-sync")  # its container restarts
     finally:

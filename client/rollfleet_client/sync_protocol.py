@@ -50,6 +50,8 @@ class PushDirRequest(BaseModel):
 
 class EngineStep(StrEnum):
     WAITING = "waiting"
+    STAGING = "staging"  # prefetch: downloading and verifying the new weights while it serves
+    STAGED = "staged"
     PAUSED = "paused"
     TRANSFERRING = "transferring"
     VERIFIED = "verified"  # reports the target version
@@ -61,6 +63,7 @@ class EngineStep(StrEnum):
 class EngineProgress(BaseModel):
     name: str
     step: EngineStep = EngineStep.WAITING
+    stage_s: float | None = Field(default=None, description="Prefetch: download and verification, while serving.")
     transfer_s: float | None = None
     error: str | None = None
 
@@ -84,6 +87,7 @@ class PushStatus(BaseModel):
     bytes: int = Field(default=0, description="Size of the weights (one copy).")
     receive_s: float | None = Field(default=None, description="Streamed pushes: writing the tensors into the spool.")
     staging_s: float | None = Field(default=None, description="Hashing and serving the weights, before any pause.")
+    prefetch_s: float | None = Field(default=None, description="Engines staging the weights while they serve.")
     transfer_s: float | None = Field(default=None, description="First pause sent to last engine verified.")
     pause_window_s: float | None = Field(default=None, description="First pause sent to last resume answered.")
     total_s: float | None = None

@@ -68,6 +68,8 @@ class RollfleetMiddleware:
             self.runtime.pause_mode = None
         elif path in _VERSION_ROUTES:
             await self.runtime.refresh_weight_version()
+            if path == FINISH_WEIGHT_UPDATE_PATH:
+                self.runtime.stager.release()  # loaded: the staged copy is not needed any more
 
     async def _tracked(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
         body = await _read_body(receive)

@@ -16,6 +16,14 @@ STATE_PATH = f"{API_PREFIX}/state"
 REQUESTS_PATH = f"{API_PREFIX}/requests"
 ABORT_PATH = f"{API_PREFIX}/abort"
 READY_PATH = f"{API_PREFIX}/ready"
+# Prefetch: POST a WeightUpdateInfo to download and verify the next weights into the engine's staging
+# area while it serves; GET the StageStatus. The staged copy is then loaded by /update_weights with
+# the StageStatus's `staged_url` (file://), which only this engine's staging area may be.
+STAGE_PATH = f"{API_PREFIX}/weights/stage"
+STAGED_URL_SCHEME = "file"
+# Where an engine stages weights (a memory-backed emptyDir in the engine pod), and its bound in bytes.
+STAGING_DIR_ENV = "ROLLFLEET_STAGING_DIR"
+STAGING_MAX_BYTES_ENV = "ROLLFLEET_STAGING_MAX_BYTES"
 
 # vLLM's RL routes that Rollfleet calls (control routes: they need the admin token).
 PAUSE_PATH = "/pause"  # ?mode=, one of PAUSE_MODES
@@ -101,7 +109,10 @@ class EngineState(BaseModel):
 class WeightUpdateInfo(BaseModel):
     """``update_info`` for vLLM's ``/update_weights`` with the ``http`` backend."""
 
-    url: str = Field(description="Base URL of a weights server (rollfleet_engine.weights_server).")
+    url: str = Field(
+        description="Base URL of a weights server (rollfleet_engine.weights_server), or the file:// URL of "
+        "weights this engine staged (StageStatus.staged_url)."
+    )
     manifest_sha256: str | None = Field(
         default=None, description="Expected sha256 of the manifest; pins the exact weights the trainer meant."
     )
@@ -131,3 +142,19 @@ class WeightManifest(BaseModel):
     @property
     def total_bytes(self) -> int:
         return sum(s.size for s in self.shards)
+
+
+class StageState(StrEnum):
+    IDLE = "idle"  # nothing staged
+    STAGING = "staging"
+    STAGED = "staged"  # downloaded and verified: load it with staged_url
+    FAILED = "failed"
+
+
+class StageStatus(BaseModel):
+    state: StageState = StageState.IDLE
+    manifest_sha256: str | None = None
+    bytes: int = Field(default=0, description="Size of the weights being staged.")
+    staged_url: str | None = Field(default=None, description="Give this to /update_weights once staged.")
+    seconds: float | None = Field(default=None, description="Download and verification, once ended.")
+    error: str | None = None

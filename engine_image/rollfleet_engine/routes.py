@@ -1,7 +1,7 @@
-"""The engine's own routes under /rollfleet/v1: state, readiness, tracked requests, abort.
+"""The engine's own routes under /rollfleet/v1: state, readiness, tracked requests, abort, staging.
 
-Access is decided by the middleware (state, ready and requests are open; abort needs
-the control token), so the handlers only do their job.
+Access is decided by the middleware (state, ready and requests are open; abort and staging
+need the control token), so the handlers only do their job.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from rollfleet_engine.protocol import (
     ABORT_PATH,
     READY_PATH,
     REQUESTS_PATH,
+    STAGE_PATH,
     STATE_PATH,
     AbortRequest,
     AbortResult,
     EngineState,
     RequestsView,
+    StageStatus,
     TrackedRequest,
+    WeightUpdateInfo,
 )
 from rollfleet_engine.runtime import Runtime
 
@@ -74,3 +77,17 @@ async def abort(request: Request, body: AbortRequest) -> AbortResult:
     rt = _runtime(request)
     results = await abort_requests(rt.tracker, rt.engine.abort, body.request_ids, body.timeout_s)
     return AbortResult(results=results)
+
+
+@router.post(STAGE_PATH, response_model=StageStatus, status_code=202)
+async def stage(request: Request, body: WeightUpdateInfo) -> StageStatus:
+    """Download and verify these weights into the staging area while the engine serves (prefetch)."""
+    try:
+        return _runtime(request).stager.start(body)
+    except ValueError as err:
+        raise HTTPException(status_code=400, detail=str(err)) from err
+
+
+@router.get(STAGE_PATH, response_model=StageStatus)
+async def stage_status(request: Request) -> StageStatus:
+    return _runtime(request).stager.status()

@@ -1,17 +1,30 @@
 """What the launcher shares with the middleware and the routes: the engine and our state.
 
-Owns the few facts vLLM does not keep for us: the mode of the last pause and a cached
-weight version (read on every inference response, so it must not cost an RPC).
+Owns the few facts vLLM does not keep for us: the mode of the last pause, a cached
+weight version (read on every inference response, so it must not cost an RPC), and the
+weights staged for the next update.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollfleet_engine.access import AccessPolicy
-from rollfleet_engine.protocol import PauseMode
+from rollfleet_engine.protocol import STAGING_MAX_BYTES_ENV, PauseMode
+from rollfleet_engine.staging import Stager
 from rollfleet_engine.tracker import RequestTracker
+from rollfleet_engine.weights_client import staging_root
+
+
+def default_stager() -> Stager:
+    """This engine's directory in the staging area: by its pod name, as engines of the local cluster share
+    the host's /dev/shm (in a pod of its own, /dev/shm is the pod's memory-backed emptyDir)."""
+    limit = os.environ.get(STAGING_MAX_BYTES_ENV)
+    name = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    return Stager(staging_root() / name, int(limit) if limit else None)
 
 
 @dataclass
@@ -21,6 +34,7 @@ class Runtime:
     model_name: str
     weight_backend: str | None
     tracker: RequestTracker = field(default_factory=RequestTracker)
+    stager: Stager = field(default_factory=default_stager)
     weight_version: str = "default"
     pause_mode: PauseMode | None = None
 

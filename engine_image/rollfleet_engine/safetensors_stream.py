@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import struct
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,23 +141,34 @@ def _read_exact(read_into: ReadInto, n: int, what: str) -> bytearray:
     return buf
 
 
-def read_shard(read_into: ReadInto, shard: Shard) -> list[tuple[str, Any]]:
+def read_shard(
+    read_into: ReadInto, shard: Shard, sink: Callable[[bytearray], object] | None = None
+) -> list[tuple[str, Any]]:
     """``(name, tensor)`` for every tensor of a shard stream, each checked against the manifest.
 
     Hashing runs on a second thread while the next tensor is received (hashlib releases
     the GIL), so verification costs little wall time. Nothing is returned unless every
-    tensor verified.
+    tensor verified. With `sink`, every byte read goes to it too (staging writes the shard
+    to a file) and no tensor is kept: the return is then empty, and an exception still
+    says the bytes were wrong.
     """
     torch = _torch()
-    (n,) = _HEADER_LEN.unpack(_read_exact(read_into, 8, "header length"))
+
+    def take(n: int, what: str) -> bytearray:
+        data = _read_exact(read_into, n, what)
+        if sink is not None:
+            sink(data)
+        return data
+
+    (n,) = _HEADER_LEN.unpack(take(8, "header length"))
     if 8 + n > shard.size:
         raise TransferError(f"{shard.path}: header length {n} exceeds the shard size {shard.size}")
-    header = json.loads(bytes(_read_exact(read_into, n, "header")))
+    header = json.loads(bytes(take(n, "header")))
     header.pop("__metadata__", None)
     expected = {e.name: e for e in shard.tensors}
     if set(header) != set(expected):
         raise TransferError(f"{shard.path}: tensors differ from the manifest")
-    received: list[tuple[TensorEntry, bytearray, Future[str]]] = []
+    received: list[tuple[TensorEntry, bytearray | None, Future[str]]] = []
     position = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
         for entry in sorted(shard.tensors, key=lambda e: e.data_offsets[0]):
@@ -171,18 +183,35 @@ def read_shard(read_into: ReadInto, shard: Shard) -> list[tuple[str, Any]]:
             if begin < position:
                 raise TransferError(f"{shard.path}: overlapping tensor {entry.name}")
             if begin > position:
-                _read_exact(read_into, begin - position, "padding")
-            data = _read_exact(read_into, end - begin, entry.name)
-            received.append((entry, data, hasher.submit(sha256_hex, data)))
+                take(begin - position, "padding")
+            data = take(end - begin, entry.name)
+            received.append((entry, None if sink else data, hasher.submit(sha256_hex, data)))
             position = end
     tensors = []
-    for entry, data, digest in received:
+    for entry, kept, digest in received:
         if digest.result() != entry.sha256:
             raise TransferError(f"{entry.name}: sha256 mismatch (corrupt transfer)")
-        dtype = getattr(torch, _ST_TO_TORCH[entry.dtype])
-        tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        tensors.append((entry.name, tensor.reshape(entry.shape)))
+        if kept is not None:
+            tensors.append((entry.name, _tensor(torch, kept, entry)))
     return tensors
+
+
+def tensors_from_buffer(data: bytearray | mmap.mmap, shard: Shard) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` for every tensor of a whole shard already in memory (verified when it was
+    written: ``staging``), each a view of `data`."""
+    torch = _torch()
+    (n,) = _HEADER_LEN.unpack_from(data, 0)
+    base = 8 + n
+    view = memoryview(data)
+    return [
+        (e.name, _tensor(torch, view[base + e.data_offsets[0] : base + e.data_offsets[1]], e)) for e in shard.tensors
+    ]
+
+
+def _tensor(torch: Any, data: bytearray | memoryview, entry: TensorEntry) -> Any:
+    dtype = getattr(torch, _ST_TO_TORCH[entry.dtype])
+    tensor = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
+    return tensor.reshape(entry.shape)
 
 
 def _torch() -> Any:

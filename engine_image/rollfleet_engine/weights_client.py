@@ -1,49 +1,106 @@
 """Engine-side pull of a weights server's snapshot: manifest, then every shard, verified.
 
 Uses only the standard library's HTTP client: each tensor is read straight from the
-socket into its own buffer (one copy) and hashed before it is handed on.
+socket into its own buffer (one copy) and hashed before it is handed on. A ``file://``
+URL is weights this engine staged and verified beforehand (``staging``): read from its
+staging area, which is memory, without hashing again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import http.client
+import mmap
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rollfleet_engine.protocol import WeightManifest
-from rollfleet_engine.safetensors_stream import TransferError, read_shard
+from rollfleet_engine.protocol import STAGED_URL_SCHEME, STAGING_DIR_ENV, Shard, WeightManifest
+from rollfleet_engine.safetensors_stream import TransferError, read_shard, tensors_from_buffer
+
+MANIFEST_FILE = "manifest.json"
 
 
-def fetch_weights(url: str, manifest_sha256: str | None, timeout_s: float) -> list[tuple[str, Any]]:
-    """Download every tensor a weights server offers, each verified; raise on any mismatch."""
+@contextmanager
+def http_get(url: str, path: str, timeout_s: float) -> Iterator[http.client.HTTPResponse]:
+    """An open GET of `path` under the weights server at `url`; refused unless it answers 200."""
     parts = urlsplit(url.rstrip("/"))
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"weights URL must be http://host:port, got {url!r}")
-    base = parts.path
-
-    def get(path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout_s)
-        conn.request("GET", base + path)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    try:
+        conn.request("GET", parts.path + path)
         resp = conn.getresponse()
         if resp.status != 200:
-            conn.close()
             raise TransferError(f"GET {url}{path}: HTTP {resp.status}")
-        return conn, resp
+        yield resp
+    finally:
+        conn.close()
 
-    conn, resp = get("/manifest")
-    raw = resp.read()
-    conn.close()
+
+def check_manifest(raw: bytes, manifest_sha256: str | None) -> WeightManifest:
     if manifest_sha256 is not None and hashlib.sha256(raw).hexdigest() != manifest_sha256:
         raise TransferError("manifest sha256 differs from the one in update_info (server serves other weights)")
-    manifest = WeightManifest.model_validate_json(raw)
+    return WeightManifest.model_validate_json(raw)
+
+
+def fetch_manifest(url: str, manifest_sha256: str | None, timeout_s: float) -> tuple[bytes, WeightManifest]:
+    with http_get(url, "/manifest", timeout_s) as resp:
+        raw = resp.read()
+    return raw, check_manifest(raw, manifest_sha256)
+
+
+def check_length(resp: http.client.HTTPResponse, shard: Shard) -> None:
+    if resp.length is not None and resp.length != shard.size:
+        raise TransferError(f"{shard.path}: {resp.length} bytes offered, manifest says {shard.size}")
+
+
+def fetch_weights(url: str, manifest_sha256: str | None, timeout_s: float) -> list[tuple[str, Any]]:
+    """Every tensor of the weights at `url`, each verified; raise on any mismatch."""
+    if urlsplit(url).scheme == STAGED_URL_SCHEME:
+        return load_staged(Path(urlsplit(url).path), manifest_sha256)
+    _, manifest = fetch_manifest(url, manifest_sha256, timeout_s)
     weights: list[tuple[str, Any]] = []
     for shard in manifest.shards:
-        conn, resp = get(shard.path)
-        try:
-            if resp.length is not None and resp.length != shard.size:
-                raise TransferError(f"{shard.path}: {resp.length} bytes offered, manifest says {shard.size}")
+        with http_get(url, shard.path, timeout_s) as resp:
+            check_length(resp, shard)
             weights.extend(read_shard(resp.readinto, shard))
-        finally:
-            conn.close()
     return weights
+
+
+def staging_root() -> Path:
+    """Where engines stage weights (``ROLLFLEET_STAGING_DIR``; else memory at /dev/shm, else /tmp). Each
+    engine stages in a directory of its own below it (``runtime.default_stager``)."""
+    configured = os.environ.get(STAGING_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return Path("/dev/shm/rollfleet-staging") if Path("/dev/shm").is_dir() else Path("/tmp/rollfleet-staging")
+
+
+def load_staged(directory: Path, manifest_sha256: str | None) -> list[tuple[str, Any]]:
+    """The tensors of weights staged in `directory`: only inside this engine's staging area, and only the
+    manifest the caller names (every tensor was hashed against it when staged)."""
+    root = staging_root().resolve()
+    directory = directory.resolve()
+    if root not in directory.parents:
+        raise TransferError(f"{directory} is not in this engine's staging area {root}")
+    try:
+        manifest = check_manifest((directory / MANIFEST_FILE).read_bytes(), manifest_sha256)
+    except FileNotFoundError:
+        raise TransferError(f"nothing is staged at {directory}; stage the weights again") from None
+    weights: list[tuple[str, Any]] = []
+    for i, shard in enumerate(manifest.shards):
+        with (directory / shard_file(i)).open("rb") as f:
+            # A private mapping of memory (the staging area is tmpfs): no copy until the model's own.
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if len(data) != shard.size:
+            raise TransferError(f"{directory / shard_file(i)}: {len(data)} bytes, manifest says {shard.size}")
+        weights.extend(tensors_from_buffer(data, shard))
+    return weights
+
+
+def shard_file(index: int) -> str:
+    return f"shard-{index}.safetensors"

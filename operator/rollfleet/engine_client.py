@@ -28,6 +28,7 @@ from rollfleet_engine.protocol import (
     PAUSE_PATH,
     REQUESTS_PATH,
     RESUME_PATH,
+    STAGE_PATH,
     START_WEIGHT_UPDATE_PATH,
     STATE_PATH,
     UPDATE_WEIGHTS_PATH,
@@ -37,6 +38,7 @@ from rollfleet_engine.protocol import (
     EngineState,
     PauseMode,
     RequestsView,
+    StageStatus,
     TrackedRequest,
 )
 
@@ -149,6 +151,15 @@ class EngineClient:
         result = await self._answer(AbortResult, "POST", engine, ABORT_PATH, policy, wait_s or 0.0, json=body)
         return result.results
 
+    async def stage(
+        self, engine: EngineRef, update_info: Mapping[str, Any], policy: CallPolicy = CONTROL
+    ) -> StageStatus:
+        """Start staging (prefetching) the weights of `update_info` while the engine serves."""
+        return await self._answer(StageStatus, "POST", engine, STAGE_PATH, policy, json=dict(update_info))
+
+    async def stage_status(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> StageStatus:
+        return await self._answer(StageStatus, "GET", engine, STAGE_PATH, policy)
+
     # --- vLLM's RL routes ------------------------------------------------------------
 
     async def pause(self, engine: EngineRef, mode: PauseMode, policy: CallPolicy | None = None) -> None:
@@ -202,7 +213,7 @@ class EngineClient:
             raise EngineCallError(engine, method, path, f"no answer within {deadline_s:g}s") from err
         except httpx.HTTPError as err:
             raise EngineCallError(engine, method, path, f"{type(err).__name__}: {err}") from err
-        if resp.status_code != 200:
+        if not 200 <= resp.status_code < 300:
             problem = f"HTTP {resp.status_code}: {resp.text[:_QUOTED_CHARS]}"
             raise EngineCallError(engine, method, path, problem, status=resp.status_code)
         return resp

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rollfleet import jsonl
-from rollfleet_engine.protocol import WEIGHT_VERSION_HEADER
+from rollfleet_engine.protocol import STAGE_PATH, WEIGHT_VERSION_HEADER
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
 from rollfleet_engine.weights_server import WeightsServer
@@ -102,8 +102,8 @@ def in_flight_ids(engine: Engine) -> set[str]:
     return {r["request_id"] for r in view["in_flight"]}
 
 
-def control(engine: Engine, path: str, **kwargs: Any) -> httpx.Response:
-    return engine.client.post(engine.url + path, headers=engine.auth, timeout=120, **kwargs)
+def control(engine: Engine, path: str, method: str = "POST", **kwargs: Any) -> httpx.Response:
+    return engine.client.request(method, engine.url + path, headers=engine.auth, timeout=120, **kwargs)
 
 
 def complete(engine: Engine, prompt: list[int], max_tokens: int, **extra: Any) -> httpx.Response:
@@ -329,3 +329,34 @@ def test_corrupt_transfer_fails_and_old_weights_keep_serving(engine: Engine) -> 
         server.stop()
     assert state(engine)["weight_version"] == before_version
     assert complete(engine, PROMPT, 8, ignore_eos=True).json()["choices"][0]["token_ids"] == before
+
+
+def test_prefetched_weights_load_from_the_staging_area(engine: Engine) -> None:
+    """Stage while serving (POST, then GET until staged), then the handshake loads the staged copy."""
+    prompts, max_tokens = [[5, 6, 7, 8], [40, 41, 42]], 12
+    ref_a = _reference_greedy(str(engine.model_dir), prompts, max_tokens)
+    server = WeightsServer(engine.model_dir, host=engine.url.split("//")[1].split(":")[0])
+    server.start()
+    try:
+        info = server.update_info()
+        assert control(engine, STAGE_PATH, json=info).status_code == 202
+        deadline = time.monotonic() + 60
+        while (staged := control(engine, STAGE_PATH, method="GET").json())["state"] == "staging":
+            assert time.monotonic() < deadline, staged
+            time.sleep(0.05)  # polling a condition: the engine's staging thread
+        assert staged["state"] == "staged" and staged["staged_url"].startswith("file://"), staged
+        # Serving goes on while staged: the engine still answers on its old weights.
+        assert complete(engine, PROMPT, 2).headers[WEIGHT_VERSION_HEADER] == state(engine)["weight_version"]
+    finally:
+        server.stop()  # the load below reads the staging area: the weights server is not needed any more
+    outside = {"url": f"file://{engine.model_dir}", "manifest_sha256": info["manifest_sha256"]}
+    assert control(engine, "/start_weight_update").status_code == 200
+    assert control(engine, "/update_weights", json={"update_info": outside}).status_code >= 400
+    staged_info = {"url": staged["staged_url"], "manifest_sha256": info["manifest_sha256"]}
+    assert control(engine, "/start_weight_update").status_code == 200
+    assert control(engine, "/update_weights", json={"update_info": staged_info}).status_code == 200
+    assert control(engine, "/finish_weight_update", json={"weight_version": "a-staged"}).status_code == 200
+    assert state(engine)["weight_version"] == "a-staged"
+    assert [
+        complete(engine, p, max_tokens, ignore_eos=True).json()["choices"][0]["token_ids"] for p in prompts
+    ] == ref_a

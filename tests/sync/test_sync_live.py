@@ -117,6 +117,8 @@ def test_push_during_streaming_rollouts_keeps_them_and_moves_every_engine(
     assert status.pause_window_s is not None and status.total_s is not None
     assert 0 < status.pause_window_s <= status.total_s
     assert [e.step for e in status.engines] == [EngineStep.RESUMED] * 2
+    # Prefetch: each engine staged the weights while it served; the pause covered only the load.
+    assert status.prefetch_s is not None and all(e.stage_s is not None for e in status.engines), status
     spans = []
     for r, e in zip(rollouts, engines * 2, strict=True):
         r.join(timeout=300)
@@ -149,9 +151,10 @@ def test_engine_killed_during_a_push_is_left_out_then_joins_on_the_new_version(
     victim.signal_server(signal.SIGSTOP)  # it stops answering: the push waits on it
     try:
         started = client.push_dir(weights_dirs[new], version, wait=False)
-        wait_engine_step(client, started.generation, survivor.engine, EngineStep.VERIFIED)
+        # The survivor has staged the new weights; the victim's staging call hangs.
+        wait_engine_step(client, started.generation, survivor.engine, EngineStep.STAGED)
     finally:
-        victim.kill()  # mid-push: the survivor holds the new weights, paused, waiting for the commit
+        victim.kill()  # mid-push: its staging fails, so it is not paused, and the survivor loads alone
     status = client.wait(started.generation, timeout_s=120)
 
     steps = {e.name: e.step for e in status.engines}
@@ -177,7 +180,13 @@ def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
     references: dict[str, list[list[int]]],
     weights_dirs: dict[str, Path],
 ) -> None:
-    client = sidecar.client()
+    # Killed in the pull, with an engine paused on the new weights: a sidecar that pulls in the pause
+    # (--no-prefetch; with prefetch an engine that hangs is left out before any pause). The sidecar
+    # that restarts prefetches, as by default.
+    sidecar.kill()
+    pulling = Sidecar([*sidecar.cmd, "--no-prefetch"], sidecar.url, sidecar.log)
+    pulling.start()
+    client = pulling.client()
     first, second = engines
     old_label = str(state(first.engine)["weight_version"])
     old = serving(first.engine, references)
@@ -187,7 +196,7 @@ def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
     try:
         started = client.push(state_dict, version, wait=False)  # streamed into the sidecar's spool
         wait_engine_step(client, started.generation, first.engine, EngineStep.VERIFIED)
-        sidecar.kill()
+        pulling.kill()
     finally:
         second.signal_server(signal.SIGCONT)
 

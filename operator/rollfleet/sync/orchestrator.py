@@ -8,9 +8,12 @@ order that keeps the fleet consistent:
    manifest's sha256). Nothing is paused yet.
 2. record InProgress in the fleet's weights record, abort requests that would become too stale,
    pause every engine (``keep``: in-flight requests are held, not lost).
-3. every engine pulls in parallel: start_weight_update, update_weights (download and
-   verify into host memory), finish_weight_update(version), then its reported
-   version is checked.
+   Before the pause, with prefetch (the default), every engine stages the weights while it
+   serves: it downloads and verifies them into its staging area (memory); an engine whose
+   staging fails is not paused and ends PendingSync.
+3. every paused engine loads in parallel: start_weight_update, update_weights (from its
+   staging area, or, without prefetch, downloaded and verified now), finish_weight_update
+   (version), then its reported version is checked.
 4. commit if at least one engine verified (else roll back), then resume exactly the
    engines on the fleet's version; the others are PendingSync (left paused; the operator,
    which reads the record, takes their pods out of routing) and the reconcile loop
@@ -57,6 +60,7 @@ from rollfleet.sync.protocol import (
 )
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.sync_protocol import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
+from rollfleet_engine.protocol import STAGE_PATH, StageState
 from rollfleet_engine.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,9 @@ class Publisher:
             self._server.stop()
 
 
+STAGE_POLL_S = 0.1
+
+
 async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
     return list(await asyncio.gather(*calls))
 
@@ -114,9 +121,11 @@ class Orchestrator:
         default_max_staleness: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         transfer: CallPolicy = TRANSFER,
+        prefetch: bool = True,
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
         self.transfer = transfer  # update_weights and finish_weight_update: the engine pulls the weights
+        self.prefetch = prefetch  # engines stage the weights while serving; the pause covers only the load
         self.spool = spool
         self._pushes_dir = spool / "pushes"  # streamed weights, one directory per version
         self.pause_mode: PauseMode = pause_mode
@@ -240,6 +249,8 @@ class Orchestrator:
         progress = {p.name: p for p in status.engines}
         await self._notify()
 
+        # Staging first: the engines serve meanwhile, so requests too stale are looked for after it.
+        refs = await self._stage_all(engines, target, progress, status)
         try:
             bound = await self._staleness_bound()
         except ValueError as err:  # changed since the push was accepted: finish it, under the flag's bound
@@ -248,8 +259,7 @@ class Orchestrator:
         status.aborted_stale = sum(await _gather([self._abort_stale(e, record, target, bound) for e in engines]))
 
         t_pause = self.clock()
-        # Each engine pulls as soon as it is paused: a slow or hung engine delays only the commit.
-        ok = await _gather([self._pause_and_sync(e, target, progress[e.name]) for e in engines])
+        ok = await self._load_all(engines, refs, progress)
         status.transfer_s = self.clock() - t_pause
         succeeded = [e.name for e, good in zip(engines, ok, strict=True) if good]
         failed = sorted({e.name for e in engines} - set(succeeded))
@@ -283,6 +293,52 @@ class Orchestrator:
             log.warning("staleness check on %s: %s", engine.name, err)
             return 0
         return len(ids)
+
+    async def _stage_all(
+        self, engines: Sequence[EngineRef], target: WeightsRef, progress: dict[str, EngineProgress], status: PushStatus
+    ) -> list[WeightsRef | None]:
+        """What each engine loads in the pause: with prefetch, its staged copy of `target` (None: it could not
+        stage, and is left out); without, `target` itself, pulled in the pause."""
+        if not self.prefetch:
+            return [target] * len(engines)
+        t0 = self.clock()
+        refs = await _gather([self._stage(e, target, progress[e.name]) for e in engines])
+        status.prefetch_s = self.clock() - t0
+        return refs
+
+    async def _load_all(
+        self, engines: Sequence[EngineRef], refs: Sequence[WeightsRef | None], progress: dict[str, EngineProgress]
+    ) -> list[bool]:
+        """Pause and load every engine that has weights to load; each as soon as it is paused, so that a slow or
+        hung engine delays only the commit. One that could not stage is not paused at all (PendingSync)."""
+
+        async def one(engine: EngineRef, ref: WeightsRef | None) -> bool:
+            return ref is not None and await self._pause_and_sync(engine, ref, progress[engine.name])
+
+        return await _gather([one(e, ref) for e, ref in zip(engines, refs, strict=True)])
+
+    async def _stage(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> WeightsRef | None:
+        """Have the engine stage `ref` while it serves; the ref to load from (its staging area), or None."""
+        progress.step = EngineStep.STAGING
+        await self._notify()
+        t0 = self.clock()
+        try:
+            staged = await self.api.stage(engine, {"url": ref.url, "manifest_sha256": ref.manifest_sha256})
+            while staged.state is StageState.STAGING:
+                if self.clock() - t0 > self.transfer.timeout_s:
+                    raise EngineCallError(engine, "GET", STAGE_PATH, f"still staging after {self.transfer.timeout_s} s")
+                await asyncio.sleep(STAGE_POLL_S)  # polling a condition: the engine's download
+                staged = await self.api.stage_status(engine)
+            if staged.manifest_sha256 != ref.manifest_sha256 or staged.staged_url is None:
+                raise EngineCallError(engine, "GET", STAGE_PATH, f"staging {staged.state}: {staged.error}")
+        except EngineCallError as err:
+            if err.status == 404:  # an engine image without prefetch: it pulls in the pause, as before
+                progress.step = EngineStep.WAITING
+                return ref
+            progress.step, progress.error = EngineStep.FAILED, f"staging failed, not paused: {err}"
+            return None
+        progress.step, progress.stage_s = EngineStep.STAGED, self.clock() - t0
+        return replace(ref, url=staged.staged_url)
 
     async def _pause(self, engine: EngineRef, progress: EngineProgress) -> bool:
         try:

@@ -75,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pause-mode", choices=PAUSE_MODES, default="keep")
     p.add_argument(
+        "--no-prefetch",
+        dest="prefetch",
+        action="store_false",
+        help="engines download the weights while paused, as before prefetch (default: they stage them while "
+        "serving, and the pause covers only the load)",
+    )
+    p.add_argument(
         "--max-staleness",
         type=int,
         default=None,
@@ -177,6 +184,7 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
         spool=spool,
         pause_mode=args.pause_mode,
         default_max_staleness=args.max_staleness,
+        prefetch=args.prefetch,
     )
 
 

@@ -1,0 +1,41 @@
+"""Prefetch through the real sidecar to stand-in engines that run the engine's own stager and loader
+(bench/bench_sync.py's receivers: the engine's control routes without vLLM). Real vLLM engines
+stage in tests/sync/test_sync_live.py and in the e2e suite."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from bench.bench_sync import receivers, sidecar
+from safetensors.torch import save_file
+
+from rollfleet_client.sync_protocol import EngineStep, PushState
+from rollfleet_engine.protocol import STAGING_MAX_BYTES_ENV
+
+
+def version_of(url: str) -> str:
+    return str(httpx.get(url + "/rollfleet/v1/state", timeout=10).json()["weight_version"])
+
+
+def test_an_engine_that_cannot_stage_is_not_paused_and_is_caught_up_after_the_commit(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file({"w": torch.randn(256, 256)}, str(weights / "model.safetensors"))
+    # Engine 1's staging area holds 100 bytes: its staging fails, for want of room.
+    with receivers(2, tmp_path, {1: {STAGING_MAX_BYTES_ENV: "100"}}) as urls, sidecar(urls, tmp_path) as client:
+        status = client.push_dir(weights, "v2")
+        assert status.state is PushState.DONE and status.prefetch_s is not None
+        fits, full = status.engines
+        assert fits.step is EngineStep.RESUMED and fits.stage_s is not None
+        assert full.step is EngineStep.PENDING_SYNC and full.stage_s is None
+        assert "not paused" in (full.error or "") and STAGING_MAX_BYTES_ENV in (full.error or ""), full
+        assert version_of(urls[0]) == "v2"
+        # Left out of the push, never paused; the reconcile loop then pulls it to the fleet's version.
+        deadline = time.monotonic() + 60
+        while version_of(urls[1]) != "v2":
+            assert time.monotonic() < deadline, "the engine that could not stage was never caught up"
+            time.sleep(0.2)  # polling a condition: the sidecar's reconcile loop
+        assert client.fleet_version().pending_sync == []
