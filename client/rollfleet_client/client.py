@@ -139,7 +139,7 @@ def generation_from(request_id: str, r: httpx.Response, generations: Mapping[str
         raise EngineFailed(r.status_code, f"an answer without choices: {str(body)[:300]}")
     choice = choices[0]
     report = body.get("rollfleet") or {}
-    versions = weight_versions(r.headers.get(WEIGHT_VERSION_HEADER))
+    versions = weight_versions(r.headers.get(WEIGHT_VERSION_HEADER))  # parsed once: the generations follow it
     return Generation(
         request_id=request_id,
         token_ids=list(choice.get("token_ids") or []),
@@ -243,11 +243,12 @@ class AsyncRolloutClient:
         except httpx.TransportError as err:
             raise self._unreachable(err) from err
         raise_for_answer(r)
-        versions = weight_versions(r.headers.get(WEIGHT_VERSION_HEADER))
-        if self._token is not None and any(v not in self._generations for v in versions):
+        g = generation_from(rid, r, self._generations)
+        if self._token is not None and None in g.weight_generations:
             with contextlib.suppress(RollfleetClientError):
                 await self.fleet_state()  # learns the generations of the fleet's recent versions
-        return generation_from(rid, r, self._generations)
+            g.weight_generations = [self._generations.get(v) for v in g.weight_versions]
+        return g
 
     async def abort(self, request_ids: list[str], timeout_s: float = ABORT_TIMEOUT_S) -> AbortResult:
         """Abort these ids wherever they run; per id, what the engines confirmed."""

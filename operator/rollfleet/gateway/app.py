@@ -275,8 +275,9 @@ class _Gateway:
         config = self.config
         watch, kube = None, None
         if config.fleet:  # Kubernetes mode: engines come from a watch of the fleet's pods
-            watch = asyncio.create_task(follow_pods(self.registry, config.namespace, config.fleet, config.kubeconfig))
+            # One API client: the watch holds one of its threads, the trainer's control calls use the others.
             kube = Kube(load_client(config.kubeconfig), concurrency=4)
+            watch = asyncio.create_task(follow_pods(self.registry, kube, config.namespace, config.fleet))
             self.control = FleetControl(kube, config.namespace, config.fleet)
         try:
             yield

@@ -29,7 +29,7 @@ from rollfleet.contract import (
     engine_discovery_selector,
     engine_url,
 )
-from rollfleet.kube import POD, Kube, Listed, load_client
+from rollfleet.kube import POD, Kube, Listed
 
 log = logging.getLogger(__name__)
 
@@ -146,16 +146,12 @@ def static_registry(urls: Iterable[str], eject_s: float = 5.0) -> Registry:
     return registry
 
 
-async def follow_pods(registry: Registry, namespace: str, fleet: str, kubeconfig: str | None = None) -> None:
+async def follow_pods(registry: Registry, kube: Kube, namespace: str, fleet: str) -> None:
     """Keep the registry in step with the fleet's engine pods, until cancelled."""
-    kube = Kube(load_client(kubeconfig))
-    try:
-        async for update in kube.watch(POD, namespace, engine_discovery_selector(fleet)):
-            if isinstance(update, Listed):
-                registry.replace_all(engine_from_pod(p) for p in update.items)
-            elif update.type == "DELETED":
-                registry.remove(update.object["metadata"]["name"])
-            else:
-                registry.upsert(engine_from_pod(update.object))
-    finally:
-        kube.close()
+    async for update in kube.watch(POD, namespace, engine_discovery_selector(fleet)):
+        if isinstance(update, Listed):
+            registry.replace_all(engine_from_pod(p) for p in update.items)
+        elif update.type == "DELETED":
+            registry.remove(update.object["metadata"]["name"])
+        else:
+            registry.upsert(engine_from_pod(update.object))
