@@ -31,6 +31,8 @@ RESUME_PATH = "/resume"
 START_WEIGHT_UPDATE_PATH = "/start_weight_update"
 UPDATE_WEIGHTS_PATH = "/update_weights"  # {"update_info": ...}, WeightUpdateInfo for the http backend
 FINISH_WEIGHT_UPDATE_PATH = "/finish_weight_update"  # {"weight_version": ...}
+WORLD_SIZE_PATH = "/get_world_size"  # {"world_size": N}: tensor x data parallel ranks
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 
 # The port engines serve on (vLLM's default): the operator's pods, the gateway and the sidecar use it.
 ENGINE_PORT = 8000

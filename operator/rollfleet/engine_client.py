@@ -27,11 +27,13 @@ from rollfleet_engine.protocol import (
     FINISH_WEIGHT_UPDATE_PATH,
     PAUSE_PATH,
     REQUESTS_PATH,
+    RESET_PREFIX_CACHE_PATH,
     RESUME_PATH,
     STAGE_PATH,
     START_WEIGHT_UPDATE_PATH,
     STATE_PATH,
     UPDATE_WEIGHTS_PATH,
+    WORLD_SIZE_PATH,
     AbortRequest,
     AbortResult,
     AbortStatus,
@@ -182,7 +184,27 @@ class EngineClient:
         """Load the pulled weights and label them `version`."""
         await self._call("POST", engine, FINISH_WEIGHT_UPDATE_PATH, policy, json={"weight_version": version})
 
+    async def world_size(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> int:
+        """How many ranks the engine runs on (tensor x data parallel)."""
+        size = (await self._json("GET", engine, WORLD_SIZE_PATH, policy)).get("world_size")
+        if not isinstance(size, int):
+            raise EngineCallError(engine, "GET", WORLD_SIZE_PATH, f"answered no world size: {size!r}")
+        return size
+
+    async def reset_prefix_cache(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> bool:
+        """Drop the engine's prefix cache; whether it did."""
+        return bool((await self._json("POST", engine, RESET_PREFIX_CACHE_PATH, policy)).get("success"))
+
     # --- one call --------------------------------------------------------------------
+
+    async def _json(self, method: str, engine: EngineRef, path: str, policy: CallPolicy) -> dict[str, Any]:
+        """An answer of vLLM's own routes, which have no model of ours: a JSON object."""
+        resp = await self._call(method, engine, path, policy)
+        try:
+            body = resp.json()
+        except ValueError as err:
+            raise EngineCallError(engine, method, path, f"unexpected answer: {err}", status=resp.status_code) from err
+        return body if isinstance(body, dict) else {}
 
     async def _answer(
         self,

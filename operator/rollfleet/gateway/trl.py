@@ -24,21 +24,20 @@ connection back to itself), and call engines for world size and prefix-cache res
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 from starlette.types import Message, Receive, Scope
 
-from rollfleet.engine_client import bearer_header
+from rollfleet.engine_client import EngineCallError, EngineRef
 from rollfleet.gateway.dialects import BadRequest, Json, Route
 from rollfleet.gateway.inflight import ABORT, InFlight, StopReason
-from rollfleet.gateway.proxy import ENGINE_HEADER, error_body
+from rollfleet.gateway.proxy import ENGINE_HEADER, engine_ref, error_body
 from rollfleet.gateway.refusal import Refused, bearer_ok
 from rollfleet.gateway.registry import Engine
 from rollfleet_client.protocol import (
@@ -75,7 +74,7 @@ MAX_SAMPLES = 16384
 _TOKEN_ID = "token_id:"  # a logprob token asked for as an id (`return_tokens_as_token_ids`): `token_id:<id>`
 _PER_SAMPLE = ("prompt", "n", "stream", "stream_options", "request_id")  # set per sample, or not passed on
 _FORWARDED = (b"authorization", TIMEOUT_HEADER.lower().encode())  # a sample is admitted as its batch was
-_ENGINE_CALL = aiohttp.ClientTimeout(total=30)
+T = TypeVar("T")
 
 
 # --- the translation (pure) ---------------------------------------------------------------
@@ -343,23 +342,18 @@ class _Trl:
         """
         try:
             self._authorize(request)
-            answers = await self._each_engine("GET", TRL_WORLD_SIZE_PATH)
+            sizes = await self._each_engine(TRL_WORLD_SIZE_PATH, self.gateway.proxy.engines.world_size)
         except Refused as refused:
             return self.gateway.refuse(refused)
-        sizes = {key: a.get("world_size") for key, a in answers.items()}
-        bad = sorted(key for key, size in sizes.items() if not isinstance(size, int))
-        if bad:
-            return self.gateway.refuse(Refused(502, f"engines {bad} answered no world size"))
         return JSONResponse({"world_size": sum(sizes.values())})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's answer, for the fleet: success when every routable engine reset its cache."""
         try:
             self._authorize(request)
-            answers = await self._each_engine("POST", TRL_RESET_PREFIX_CACHE_PATH)
+            done = await self._each_engine(TRL_RESET_PREFIX_CACHE_PATH, self.gateway.proxy.engines.reset_prefix_cache)
         except Refused as refused:
             return self.gateway.refuse(refused)
-        done = {key: bool(a.get("success")) for key, a in answers.items()}
         return JSONResponse({"success": all(done.values()), "engines": done})
 
     async def weight_sync(self, request: Request) -> Response:
@@ -374,29 +368,23 @@ class _Trl:
         if config.api_key is not None and not bearer_ok(request, config.api_key, config.token):
             raise Refused(401, "missing or wrong bearer token")
 
-    async def _each_engine(self, method: str, path: str) -> dict[str, Json]:
-        """Every routable engine's JSON answer to one of vLLM's own routes (with the fleet's token)."""
+    async def _each_engine(self, path: str, call: Callable[[EngineRef], Awaitable[T]]) -> dict[str, T]:
+        """`call` on every routable engine (the proxy's engine client, with the fleet's token), by engine."""
         engines = [e for e in self.gateway.registry.routable() if e.url is not None]
         if not engines:
             raise Refused(503, f"{TRL_PREFIX}{path}: no routable engine (engines starting, syncing or draining)")
-        results = await asyncio.gather(*(self._ask(e, method, path) for e in engines))
-        failed = [f"{e.key}: {problem}" for e, (_, problem) in zip(engines, results, strict=True) if problem]
+
+        async def one(engine: Engine) -> T | EngineCallError:
+            try:
+                return await call(engine_ref(engine))
+            except EngineCallError as err:
+                return err
+
+        results = await asyncio.gather(*(one(e) for e in engines))
+        failed = [f"{r.engine.name}: {r.problem}" for r in results if isinstance(r, EngineCallError)]
         if failed:
             raise Refused(502, f"{TRL_PREFIX}{path} failed on " + "; ".join(failed))
-        return {e.key: answer for e, (answer, _) in zip(engines, results, strict=True)}
-
-    async def _ask(self, engine: Engine, method: str, path: str) -> tuple[Json, str | None]:
-        session = self.gateway.proxy.session
-        assert session is not None and engine.url is not None  # opened with the app; routable engines have an address
-        headers = bearer_header(self.gateway.config.token)  # vLLM's reset is a control route at the engine
-        try:
-            async with session.request(method, engine.url + path, headers=headers, timeout=_ENGINE_CALL) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    return {}, f"HTTP {resp.status}: {data[:300].decode(errors='replace')}"
-                return orjson.loads(data), None
-        except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as err:
-            return {}, f"{type(err).__name__}: {err}"
+        return {e.key: r for e, r in zip(engines, results, strict=True) if not isinstance(r, EngineCallError)}
 
 
 def _headers(request_id: str, report: Json) -> dict[str, str]:
