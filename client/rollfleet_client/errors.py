@@ -63,12 +63,21 @@ class GenerateTimeout(RollfleetClientError):
 
 
 class SidecarError(RollfleetClientError):
-    """The sync sidecar refused a call or did not answer."""
+    """The sync sidecar refused a call (``status``: its HTTP status) or did not answer (None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GroupStale(SidecarError):
+    """The fleet's engines changed since the collective group was formed: form it again."""
 
 
 class PushFailed(SidecarError):
     """The push ended without moving the fleet to the new version (rolled back, or failed)."""
 
     def __init__(self, status: PushStatus) -> None:
-        super().__init__(f"push {status.version} ended {status.state.value}: {status.message}")
-        self.status = status
+        errors = "".join(f"; {e.name}: {e.error}" for e in status.engines if e.error)
+        super().__init__(f"push {status.version} ended {status.state.value}: {status.message}{errors}")
+        self.push = status

@@ -27,8 +27,9 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from rollfleet_client.errors import InvalidArgument, PushFailed, SidecarError
+from rollfleet_client.errors import GroupStale, InvalidArgument, PushFailed, SidecarError
 from rollfleet_client.sync_protocol import (
+    GROUP_STALE_STATUS,
     PUSH_STREAM_PATH,
     PUSHES_PATH,
     VERSION_PATH,
@@ -62,9 +63,9 @@ class SyncClient:
         self, state_dict: Mapping[str, Any], version: str, wait: bool = True, timeout_s: float = 1800.0
     ) -> PushStatus:
         """Stream ``state_dict`` to the sidecar and push it to the fleet as ``version`` (needs torch)."""
-        _check_version(version)  # refused here, before any byte is sent
+        check_version(version)  # refused here, before any byte is sent
         out = tensor_file(state_dict)
-        resp = self._call(
+        resp = self.call(
             "PUT",
             PUSH_STREAM_PATH,
             params={"version": version},
@@ -76,13 +77,13 @@ class SyncClient:
 
     def push_dir(self, path: str | Path, version: str, wait: bool = True, timeout_s: float = 1800.0) -> PushStatus:
         """Push the .safetensors files in ``path`` (a directory the sidecar can read) as ``version``."""
-        _check_version(version)
+        check_version(version)
         body = PushDirRequest(version=version, path=str(path))
-        resp = self._call("POST", PUSHES_PATH, content=body.model_dump_json(), timeout=timeout_s)
+        resp = self.call("POST", PUSHES_PATH, content=body.model_dump_json(), timeout=timeout_s)
         return self._started(resp, wait, timeout_s)
 
     def progress(self, generation: int) -> PushStatus:
-        return PushStatus.model_validate(self._call("GET", f"{PUSHES_PATH}/{generation}").json())
+        return PushStatus.model_validate(self.call("GET", f"{PUSHES_PATH}/{generation}").json())
 
     def wait(self, generation: int, timeout_s: float = 1800.0) -> PushStatus:
         """Block until the push ends; raise ``PushFailed`` unless the fleet reached its version."""
@@ -92,7 +93,7 @@ class SyncClient:
             if left <= 0:
                 raise SidecarError(f"push generation {generation} still running after {timeout_s:.0f} s")
             wait_s = min(_POLL_S, left)
-            resp = self._call("GET", f"{PUSHES_PATH}/{generation}", params={"wait": wait_s}, timeout=wait_s + 30)
+            resp = self.call("GET", f"{PUSHES_PATH}/{generation}", params={"wait": wait_s}, timeout=wait_s + 30)
             status = PushStatus.model_validate(resp.json())
             if status.state is PushState.DONE:
                 return status
@@ -100,13 +101,14 @@ class SyncClient:
                 raise PushFailed(status)
 
     def fleet_version(self) -> FleetVersionView:
-        return FleetVersionView.model_validate(self._call("GET", VERSION_PATH).json())
+        return FleetVersionView.model_validate(self.call("GET", VERSION_PATH).json())
 
     def _started(self, resp: httpx.Response, wait: bool, timeout_s: float) -> PushStatus:
         status = PushStatus.model_validate(resp.json())
         return self.wait(status.generation, timeout_s) if wait else status
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One call of the sidecar's API; an error answer raises ``SidecarError`` (``GroupStale`` for 410)."""
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.TransportError as err:
@@ -119,11 +121,12 @@ class SyncClient:
                 detail = resp.json().get("error", resp.text)
             except ValueError:
                 detail = resp.text
-            raise SidecarError(f"{method} {path}: HTTP {resp.status_code}: {detail}")
+            error = GroupStale if resp.status_code == GROUP_STALE_STATUS else SidecarError
+            raise error(f"{method} {path}: HTTP {resp.status_code}: {detail}", resp.status_code)
         return resp
 
 
-def _check_version(version: str) -> None:
+def check_version(version: str) -> None:
     try:
         PushDirRequest(version=version, path="-")
     except ValidationError:

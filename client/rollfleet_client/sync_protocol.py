@@ -9,6 +9,11 @@ both import it from here. Routes (on 127.0.0.1: the trainer pod's own containers
 - ``GET /v1/pushes/{generation}?wait=S``: a push's progress; waits up to S seconds for
   it to end.
 - ``GET /v1/version``: the fleet's weight version (``FleetVersionView``).
+- ``/v1/collective/...``: collective pushes (the trainer broadcasts with vLLM's nccl, or its
+  CPU twin gloo): ``GET /v1/collective`` the group the fleet's engines form
+  (``CollectiveGroup``), then vLLM's handshake, fanned out to the engines: ``POST .../init``
+  ``{"init_info": ...}``, ``.../start`` ``CollectiveStart``, ``.../update``
+  ``{"update_info": ...}``, ``.../finish`` ``{"weight_version": ...}`` (``PushStatus``).
 - ``GET /healthz`` (on SYNC_HEALTH_PORT, for kubelet).
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -39,6 +45,13 @@ PUSHES_PATH = "/v1/pushes"
 PUSH_STREAM_PATH = "/v1/pushes/stream"
 VERSION_PATH = "/v1/version"
 HEALTH_PATH = "/healthz"
+COLLECTIVE_PATH = "/v1/collective"
+COLLECTIVE_INIT_PATH = f"{COLLECTIVE_PATH}/init"
+COLLECTIVE_START_PATH = f"{COLLECTIVE_PATH}/start"
+COLLECTIVE_UPDATE_PATH = f"{COLLECTIVE_PATH}/update"
+COLLECTIVE_FINISH_PATH = f"{COLLECTIVE_PATH}/finish"
+# Answered by start when the engines changed since the group was formed: form it again (init).
+GROUP_STALE_STATUS = 410
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -46,6 +59,36 @@ VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 class PushDirRequest(BaseModel):
     version: str = Field(pattern=VERSION_PATTERN, description="New, unique version label.")
     path: str = Field(min_length=1, description="Directory of .safetensors files, readable by the sidecar.")
+
+
+class CollectiveMember(BaseModel):
+    name: str
+    instance: str = Field(description="The engine process (EngineState.instance): a restarted engine is not a member.")
+    rank_offset: int = Field(description="The engine's first rank in the group (the trainer is rank 0).")
+    ranks: int = Field(description="Its workers (tensor x data parallel).")
+
+
+class CollectiveGroup(BaseModel):
+    members: list[CollectiveMember]
+    world_size: int = Field(description="1 (the trainer) + every member's ranks: the world_size of init_info.")
+    formed: bool = Field(description="Whether these engines are the group last formed: false means init again.")
+
+
+class CollectiveInit(BaseModel):
+    backend: str = Field(description="The trainer's backend: every engine must receive with it.")
+    init_info: dict[str, Any] = Field(description="vLLM's worker init info; the sidecar sets rank_offset.")
+
+
+class CollectiveStart(BaseModel):
+    version: str = Field(pattern=VERSION_PATTERN, description="New, unique version label.")
+
+
+class CollectiveUpdate(BaseModel):
+    update_info: dict[str, Any] = Field(description="vLLM's update info of the backend (names, dtypes, shapes).")
+
+
+class CollectiveFinish(BaseModel):
+    weight_version: str = Field(pattern=VERSION_PATTERN)
 
 
 class EngineStep(StrEnum):

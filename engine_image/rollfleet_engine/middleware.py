@@ -20,6 +20,7 @@ from rollfleet_engine.protocol import (
     PAUSE_PATH,
     REQUEST_ID_HEADER,
     RESUME_PATH,
+    START_WEIGHT_UPDATE_PATH,
     WEIGHT_VERSION_HEADER,
     parse_pause_mode,
 )
@@ -36,6 +37,10 @@ TRACKED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages"}
 )
 _VERSION_ROUTES = frozenset({FINISH_WEIGHT_UPDATE_PATH, "/update_weight_version"})
+_NOT_INTACT = (
+    "the weights are partly updated (an in-place weight update started and did not finish); "
+    "push the full weights again (start, update, finish) before resuming"
+)
 
 
 class RollfleetMiddleware:
@@ -56,6 +61,9 @@ class RollfleetMiddleware:
         if method == "POST" and path in TRACKED_PATHS:
             await self._tracked(scope, receive, send, headers)
             return
+        if path == RESUME_PATH and not self.runtime.weights_intact:
+            await _json(send, 409, {"error": _NOT_INTACT})
+            return
         status = await _run_capturing_status(self.app, scope, receive, send)
         if status == 200:
             await self._after_control(path, scope)
@@ -66,9 +74,12 @@ class RollfleetMiddleware:
             self.runtime.pause_mode = parse_pause_mode(mode)
         elif path == RESUME_PATH:
             self.runtime.pause_mode = None
+        elif path == START_WEIGHT_UPDATE_PATH and self.runtime.loads_in_place:
+            self.runtime.weights_intact = False  # each tensor is loaded as it arrives, from now on
         elif path in _VERSION_ROUTES:
             await self.runtime.refresh_weight_version()
             if path == FINISH_WEIGHT_UPDATE_PATH:
+                self.runtime.weights_intact = True
                 self.runtime.stager.release()  # loaded: the staged copy is not needed any more
 
     async def _tracked(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:

@@ -28,6 +28,8 @@ STAGING_MAX_BYTES_ENV = "ROLLFLEET_STAGING_MAX_BYTES"
 # vLLM's RL routes that Rollfleet calls (control routes: they need the admin token).
 PAUSE_PATH = "/pause"  # ?mode=, one of PAUSE_MODES
 RESUME_PATH = "/resume"
+INIT_WEIGHT_TRANSFER_PATH = "/init_weight_transfer_engine"  # {"init_info": ...}: join a collective group
+SHUTDOWN_WEIGHT_TRANSFER_PATH = "/shutdown_weight_transfer_engine"  # leave it
 START_WEIGHT_UPDATE_PATH = "/start_weight_update"
 UPDATE_WEIGHTS_PATH = "/update_weights"  # {"update_info": ...}, WeightUpdateInfo for the http backend
 FINISH_WEIGHT_UPDATE_PATH = "/finish_weight_update"  # {"weight_version": ...}
@@ -51,8 +53,13 @@ def parse_pause_mode(value: str | None) -> PauseMode | None:
     return next((m for m in PAUSE_MODES if m == value), None)
 
 
-# The backend name this package registers with vLLM's WeightTransferEngineFactory.
+# The backend names this package registers with vLLM's weight transfer factories.
 HTTP_WEIGHT_BACKEND = "http"
+GLOO_WEIGHT_BACKEND = "gloo"  # the CPU twin of vLLM's nccl: the same broadcast over torch's gloo
+# Collective backends: the trainer process broadcasts to the engines' workers (rollfleet_client.collective),
+# which load each tensor as it arrives, so from start_weight_update until finish_weight_update the model
+# holds no one version (the http backend loads at finish). "nccl" is vLLM's own.
+COLLECTIVE_BACKENDS = frozenset({GLOO_WEIGHT_BACKEND, "nccl"})
 
 
 class AbortStatus(StrEnum):
@@ -106,6 +113,20 @@ class EngineState(BaseModel):
     running: int
     waiting: int
     weight_backend: str | None = None
+    instance: str = Field(
+        default="", description="Random id of this engine process: a restart at the same address gets a new one."
+    )
+    weights_intact: bool = Field(
+        default=True,
+        description="False while an update of an in-place backend (COLLECTIVE_BACKENDS) is open or after one "
+        "failed: the model then holds parts of two versions, and the engine refuses to resume until a full "
+        "update finishes.",
+    )
+
+    @property
+    def served_version(self) -> str | None:
+        """The version its weights are, or None while they are no one version."""
+        return self.weight_version if self.weights_intact else None
 
 
 class WeightUpdateInfo(BaseModel):

@@ -46,6 +46,8 @@ async def state(request: Request) -> EngineState:
         running=running,
         waiting=waiting,
         weight_backend=rt.weight_backend,
+        weights_intact=rt.weights_intact,
+        instance=rt.instance,
     )
 
 

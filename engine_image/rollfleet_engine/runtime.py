@@ -1,19 +1,21 @@
 """What the launcher shares with the middleware and the routes: the engine and our state.
 
 Owns the few facts vLLM does not keep for us: the mode of the last pause, a cached
-weight version (read on every inference response, so it must not cost an RPC), and the
-weights staged for the next update.
+weight version (read on every inference response, so it must not cost an RPC), whether
+the weights are one version (not so during an in-place update), and the weights staged
+for the next update.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollfleet_engine.access import AccessPolicy
-from rollfleet_engine.protocol import STAGING_MAX_BYTES_ENV, PauseMode
+from rollfleet_engine.protocol import COLLECTIVE_BACKENDS, STAGING_MAX_BYTES_ENV, PauseMode
 from rollfleet_engine.staging import Stager
 from rollfleet_engine.tracker import RequestTracker
 from rollfleet_engine.weights_client import staging_root
@@ -37,6 +39,12 @@ class Runtime:
     stager: Stager = field(default_factory=default_stager)
     weight_version: str = "default"
     pause_mode: PauseMode | None = None
+    weights_intact: bool = True  # see EngineState.weights_intact
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def loads_in_place(self) -> bool:
+        return self.weight_backend in COLLECTIVE_BACKENDS
 
     async def refresh_weight_version(self) -> str:
         self.weight_version = await self.engine.get_weight_version()

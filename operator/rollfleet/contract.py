@@ -37,6 +37,7 @@ from rollfleet_client.sync_protocol import SYNC_WEIGHTS_PORT as SYNC_WEIGHTS_POR
 
 # The engine's API, re-exported: the engine package owns it and cannot import this module.
 from rollfleet_engine.protocol import ABORT_PATH as ABORT_PATH
+from rollfleet_engine.protocol import COLLECTIVE_BACKENDS as COLLECTIVE_BACKENDS
 from rollfleet_engine.protocol import ENGINE_PORT as ENGINE_PORT
 from rollfleet_engine.protocol import PAUSE_MODES as PAUSE_MODES
 from rollfleet_engine.protocol import READY_PATH as READY_PATH

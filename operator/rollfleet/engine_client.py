@@ -25,10 +25,12 @@ from rollfleet.errors import RollfleetError
 from rollfleet_engine.protocol import (
     ABORT_PATH,
     FINISH_WEIGHT_UPDATE_PATH,
+    INIT_WEIGHT_TRANSFER_PATH,
     PAUSE_PATH,
     REQUESTS_PATH,
     RESET_PREFIX_CACHE_PATH,
     RESUME_PATH,
+    SHUTDOWN_WEIGHT_TRANSFER_PATH,
     STAGE_PATH,
     START_WEIGHT_UPDATE_PATH,
     STATE_PATH,
@@ -170,6 +172,16 @@ class EngineClient:
 
     async def resume(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> None:
         await self._call("POST", engine, RESUME_PATH, policy)
+
+    async def init_weight_transfer(
+        self, engine: EngineRef, init_info: Mapping[str, Any], policy: CallPolicy = TRANSFER
+    ) -> None:
+        """Join a collective backend's group; answers once every rank has joined."""
+        await self._call("POST", engine, INIT_WEIGHT_TRANSFER_PATH, policy, json={"init_info": dict(init_info)})
+
+    async def shutdown_weight_transfer(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> None:
+        """Leave the group joined by init_weight_transfer."""
+        await self._call("POST", engine, SHUTDOWN_WEIGHT_TRANSFER_PATH, policy)
 
     async def start_weight_update(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> None:
         await self._call("POST", engine, START_WEIGHT_UPDATE_PATH, policy)

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 
 START_TIMEOUT_S = 300
@@ -70,7 +71,14 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: fl
     raise TimeoutError(f"engine not ready after {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
-def engine_command(model_dir: Path, host: str, port: int | str, token_file: Path, weight_version: str) -> list[str]:
+def engine_command(
+    model_dir: Path,
+    host: str,
+    port: int | str,
+    token_file: Path,
+    weight_version: str,
+    weight_backend: str = HTTP_WEIGHT_BACKEND,
+) -> list[str]:
     """The launcher's command for a test engine: the tiny model (float32 on CPU), a small batch, loopback."""
     return [
         sys.executable,
@@ -89,6 +97,8 @@ def engine_command(model_dir: Path, host: str, port: int | str, token_file: Path
         str(token_file),
         "--weight-version",
         weight_version,
+        "--weight-backend",
+        weight_backend,
         "--",
         "--dtype",
         "float32",

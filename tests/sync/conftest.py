@@ -9,6 +9,7 @@ Kubernetes restarts a container.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import httpx
 import pytest
 
 from rollfleet_client.sync import SyncClient
+from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from tests.engine.conftest import START_TIMEOUT_S, Engine, engine_command, free_loopback_address, wait_ready
 
@@ -102,31 +104,41 @@ class Sidecar:
         return c
 
 
-def _engine_cmd(engine: Engine, token_file: Path) -> list[str]:
+def _engine_cmd(engine: Engine, token_file: Path, backend: str) -> list[str]:
     host, port = engine.url.removeprefix("http://").split(":")
-    return engine_command(engine.model_dir, host, port, token_file, INITIAL_VERSION)
+    return engine_command(engine.model_dir, host, port, token_file, INITIAL_VERSION, backend)
 
 
-@pytest.fixture(scope="package")
-def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("sync-token") / "token"
+def write_token(tmp: Path) -> Path:
+    path = tmp / "token"
     path.write_text(TOKEN + "\n")
     return path
 
 
+def tiny_weights_dirs() -> dict[str, Path]:
+    """The tiny model's two weight sets: A, which engines start with, and B."""
+    root = ensure_tiny_model()
+    return {"A": root, "B": root / WEIGHTS_B_DIR}
+
+
 @pytest.fixture(scope="package")
-def engines(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[list[EngineProcess]]:
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_token(tmp_path_factory.mktemp("sync-token"))
+
+
+@contextlib.contextmanager
+def running_fleet(tmp: Path, token_file: Path, backend: str = HTTP_WEIGHT_BACKEND) -> Iterator[list[EngineProcess]]:
+    """Two engines with `backend`, started together (the start time is shared), killed at the end."""
     model_dir = ensure_tiny_model()
-    tmp = tmp_path_factory.mktemp("sync-engines")
     fleet = []
     for i in range(2):
         host, port = free_loopback_address()
         engine = Engine(
             url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=tmp / f"e{i}.log"
         )
-        fleet.append(EngineProcess(engine, _engine_cmd(engine, token_file), core=i % (os.cpu_count() or 1)))
+        fleet.append(EngineProcess(engine, _engine_cmd(engine, token_file, backend), core=i % (os.cpu_count() or 1)))
     try:
-        for e in fleet:  # both load at once: the start time is shared
+        for e in fleet:
             e.start()
         for e in fleet:
             e.wait_ready()
@@ -136,11 +148,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Itera
             e.kill()
 
 
-@pytest.fixture(scope="package")
-def sidecar(
-    tmp_path_factory: pytest.TempPathFactory, engines: list[EngineProcess], token_file: Path
-) -> Iterator[Sidecar]:
-    tmp = tmp_path_factory.mktemp("sync-sidecar")
+@contextlib.contextmanager
+def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -> Iterator[Sidecar]:
+    """``rollfleet sync`` in static mode over `engines`, on a loopback address of its own."""
     host, port = free_loopback_address()
     with socket.socket() as s:  # the weights server binds the same loopback address, on its own port
         s.bind((host, 0))
@@ -184,6 +194,19 @@ def sidecar(
 
 
 @pytest.fixture(scope="package")
+def engines(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[list[EngineProcess]]:
+    with running_fleet(tmp_path_factory.mktemp("sync-engines"), token_file) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="package")
+def sidecar(
+    tmp_path_factory: pytest.TempPathFactory, engines: list[EngineProcess], token_file: Path
+) -> Iterator[Sidecar]:
+    with running_sidecar(tmp_path_factory.mktemp("sync-sidecar"), engines, token_file) as car:
+        yield car
+
+
+@pytest.fixture(scope="package")
 def weights_dirs() -> dict[str, Path]:
-    root = ensure_tiny_model()
-    return {"A": root, "B": root / WEIGHTS_B_DIR}
+    return tiny_weights_dirs()

@@ -31,11 +31,16 @@ GREEDY_TOKENS = 12
 ROLLOUT_TOKENS = 1800  # long enough that every rollout is still decoding when the push lands
 
 
-@pytest.fixture(scope="package")
-def references(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
+def reference_outputs(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
+    """Greedy outputs of transformers with each weight set, for PROMPTS."""
     refs = {name: _reference_greedy(str(d), PROMPTS, GREEDY_TOKENS) for name, d in weights_dirs.items()}
     assert refs["A"] != refs["B"]
     return refs
+
+
+@pytest.fixture(scope="package")
+def references(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
+    return reference_outputs(weights_dirs)
 
 
 def greedy(engine: Engine) -> list[list[int]]:

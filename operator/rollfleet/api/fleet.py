@@ -261,8 +261,10 @@ ServiceAccountName = Annotated[
 class WeightSyncSpec(ApiModel):
     """How engines receive new weights from the trainer (through the sync sidecar)."""
 
-    backend: Literal["http", "nccl", "none"] = Field(
-        default="http", description="Weight transfer backend: http (portable), nccl (GPU clusters), none (disabled)."
+    backend: Literal["http", "nccl", "gloo", "none"] = Field(
+        default="http",
+        description="Weight transfer backend: http (portable: engines pull from the sidecar), nccl (GPU clusters: "
+        "the trainer broadcasts, rollfleet_client.collective), gloo (the same broadcast on CPU), none (disabled).",
     )
     initial_version: str | None = Field(
         default=None,

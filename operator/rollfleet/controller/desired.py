@@ -23,6 +23,7 @@ from rollfleet.contract import (
     ANNOTATION_TEMPLATE_HASH,
     API_VERSION,
     APP_NAME,
+    COLLECTIVE_BACKENDS,
     COMPONENT_ADMIN_TOKEN,
     COMPONENT_ENGINE,
     COMPONENT_GATEWAY,
@@ -483,8 +484,8 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
     unknown when the operator does not run in a pod: then no pod can be named for it) read
     engine state and pause, resume and drain; the fleet's trainer pods (component `trainer`,
     the sync sidecar) pause engines and push weights. `extraIngressFrom` peers get the same
-    port. With the nccl backend the trainer (rank 0) and the engines also open connections
-    to each other on ports NCCL picks at run time, so those two may reach every port.
+    port. With a collective backend (nccl, gloo) the trainer (rank 0) and the engines also open
+    connections to each other on ports the library picks at run time, so those two may reach every port.
     Egress stays open: engines pull weights from the trainer pod's weights server. The
     kubelet's probes come from the node, which a NetworkPolicy cannot block.
     """
@@ -499,7 +500,7 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
         )
     sources += [peer.wire() for peer in spec.network_policy.extra_ingress_from]
     ingress: list[Manifest] = [{"from": sources, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}]
-    if spec.weight_sync.backend == "nccl":
+    if spec.weight_sync.backend in COLLECTIVE_BACKENDS:
         ingress.append({"from": [trainers, _pods(component_labels(ref.name, COMPONENT_ENGINE))]})
     return {
         "apiVersion": "networking.k8s.io/v1",

@@ -278,9 +278,10 @@ class FleetLoop:
 
         observed, busy = await self._observe_engines(spec, weights_record)
 
-        # Engines whose state is unknown (still loading) do not make the fleet's version unknown.
+        # Engines whose state is unknown (still loading) do not make the fleet's version unknown; one whose
+        # weights are mixed (an in-place update that did not finish) is on no version: PendingSync.
         versions: dict[str, str | None] = {
-            o.name: o.state.weight_version
+            o.name: o.state.served_version
             for o in observed
             if o.state is not None and not (o.terminating or o.draining)
         }

@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rollfleet.contract import STATE_PATH, PauseMode
+from rollfleet.contract import COLLECTIVE_BACKENDS, STATE_PATH, PauseMode
 from rollfleet.engine_client import CONTROL, TRANSFER, CallPolicy, EngineCallError, EngineClient, EngineRef
 from rollfleet.sync.engines import Discovery, in_flight, observe
 from rollfleet.sync.fleetversion import fleet_weight_version
@@ -60,7 +60,7 @@ from rollfleet.sync.protocol import (
 )
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.sync_protocol import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
-from rollfleet_engine.protocol import STAGE_PATH, StageState
+from rollfleet_engine.protocol import STAGE_PATH, EngineState, StageState
 from rollfleet_engine.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class Orchestrator:
         self.default_max_staleness = default_max_staleness
         self.clock = clock
         # One actor on the engines at a time: a push, a recovery or a catch-up.
-        self._lock = asyncio.Lock()
+        self.lock = asyncio.Lock()
         self._push_task: asyncio.Task[None] | None = None
         self._pushes: dict[int, PushStatus] = {}
         self._changed = asyncio.Condition()
@@ -141,7 +141,7 @@ class Orchestrator:
 
     async def stage_stream(self, version: str, chunks: AsyncIterator[bytes]) -> Path:
         """Write a streamed safetensors shard into the spool; returns its directory."""
-        self._refuse_if_running()
+        self.refuse_if_running()
         record = await read_record(self.store)
         if record.generation_of(version) is not None:
             raise PushRefused(f"version {version!r} was already pushed; every push needs a new version label")
@@ -160,7 +160,7 @@ class Orchestrator:
 
     async def submit(self, version: str, source: Path, receive_s: float | None = None) -> PushStatus:
         """Stage ``source`` and record the push; the fleet is then driven in the background."""
-        self._refuse_if_running()
+        self.refuse_if_running()
         try:
             has_weights = _has_weights(str(source))
         except OSError as err:
@@ -171,10 +171,11 @@ class Orchestrator:
         if not has_weights:
             raise PushRefused(f"no .safetensors files in {source}")
         try:
-            await self._staleness_bound()  # a bad annotation refuses the push before anything changes
+            await self.staleness_bound()  # a bad annotation refuses the push before anything changes
         except ValueError as err:
             raise PushRefused(str(err)) from err
-        async with self._lock:
+        await self._refuse_collective_engines()
+        async with self.lock:
             t0 = self.clock()
             record = await read_record(self.store)
             generation = record.generation + 1
@@ -188,14 +189,29 @@ class Orchestrator:
                 raise
             status = PushStatus(generation=generation, version=version, bytes=nbytes)
             status.receive_s, status.staging_s = receive_s, self.clock() - t0
-            self._remember(status)
+            self.remember(status)
         self._push_task = asyncio.create_task(self._run(status, record, t0))
         return status
 
-    async def _staleness_bound(self) -> int | None:
+    async def _refuse_collective_engines(self) -> None:
+        """Engines of a collective backend receive from the trainer's broadcast, not from this weights server."""
+        engines = await self.discovery.engines()
+        states = await asyncio.gather(*(self.api.state(e, CONTROL) for e in engines), return_exceptions=True)
+        collective = [
+            f"{e.name} ({s.weight_backend})"
+            for e, s in zip(engines, states, strict=True)
+            if isinstance(s, EngineState) and s.weight_backend in COLLECTIVE_BACKENDS
+        ]
+        if collective:
+            raise PushRefused(
+                f"these engines receive weights with a collective backend: {', '.join(collective)}; push from "
+                "the trainer process with rollfleet_client.collective.CollectivePusher"
+            )
+
+    async def staleness_bound(self) -> int | None:
         return max_staleness(await self.store.fleet_annotations(), self.default_max_staleness)
 
-    def _refuse_if_running(self) -> None:
+    def refuse_if_running(self) -> None:
         if self._push_running():
             raise PushRefused("a push is running; wait for it (GET /v1/pushes/<generation>?wait=...)")
 
@@ -229,7 +245,7 @@ class Orchestrator:
 
     async def _run(self, status: PushStatus, record: FleetRecord, t0: float) -> None:
         try:
-            async with self._lock:
+            async with self.lock:
                 await self._drive(record, status)
         except Exception as err:
             log.exception("push %s failed", status.version)
@@ -237,7 +253,7 @@ class Orchestrator:
             status.message = f"{type(err).__name__}: {err}; engines stay paused until the next reconcile recovers"
         finally:
             status.total_s = self.clock() - t0
-            await self._notify()
+            await self.notify()
 
     async def _drive(self, record: FleetRecord, status: PushStatus) -> None:
         """Pause, transfer, commit or roll back, resume: the body of a push and of a roll-forward."""
@@ -247,16 +263,16 @@ class Orchestrator:
         engines = await self.discovery.engines()
         status.engines = [EngineProgress(name=e.name) for e in engines]
         progress = {p.name: p for p in status.engines}
-        await self._notify()
+        await self.notify()
 
         # Staging first: the engines serve meanwhile, so requests too stale are looked for after it.
         refs = await self._stage_all(engines, target, progress, status)
         try:
-            bound = await self._staleness_bound()
+            bound = await self.staleness_bound()
         except ValueError as err:  # changed since the push was accepted: finish it, under the flag's bound
             log.warning("%s; using --max-staleness (%s)", err, self.default_max_staleness)
             bound = self.default_max_staleness
-        status.aborted_stale = sum(await _gather([self._abort_stale(e, record, target, bound) for e in engines]))
+        status.aborted_stale = sum(await _gather([self.abort_stale(e, record, target, bound) for e in engines]))
 
         t_pause = self.clock()
         ok = await self._load_all(engines, refs, progress)
@@ -275,14 +291,14 @@ class Orchestrator:
             status.message = "no engine verified the new weights"
             record = await update(self.store, lambda r: roll_back(_ours(r, target), status.message))
             await self._serve_committed(record)
-        await self._settle(record, engines, progress)
+        await self.settle(record, engines, progress)
         status.pause_window_s = self.clock() - t_pause
         if committing:
             await update(self.store, lambda r: complete(_ours(r, target)))
         status.state = PushState.DONE if committing else PushState.ROLLED_BACK
         self._collect_spool(record)
 
-    async def _abort_stale(self, engine: EngineRef, record: FleetRecord, target: WeightsRef, bound: int | None) -> int:
+    async def abort_stale(self, engine: EngineRef, record: FleetRecord, target: WeightsRef, bound: int | None) -> int:
         if bound is None:
             return 0
         try:
@@ -320,7 +336,7 @@ class Orchestrator:
     async def _stage(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> WeightsRef | None:
         """Have the engine stage `ref` while it serves; the ref to load from (its staging area), or None."""
         progress.step = EngineStep.STAGING
-        await self._notify()
+        await self.notify()
         t0 = self.clock()
         try:
             staged = await self.api.stage(engine, {"url": ref.url, "manifest_sha256": ref.manifest_sha256})
@@ -340,7 +356,7 @@ class Orchestrator:
         progress.step, progress.stage_s = EngineStep.STAGED, self.clock() - t0
         return replace(ref, url=staged.staged_url)
 
-    async def _pause(self, engine: EngineRef, progress: EngineProgress) -> bool:
+    async def pause_engine(self, engine: EngineRef, progress: EngineProgress) -> bool:
         try:
             # The sidecar's control limit whatever the mode: keep (its default) holds requests at once.
             await self.api.pause(engine, self.pause_mode)  # PAUSE[mode]: wait may take minutes
@@ -351,7 +367,7 @@ class Orchestrator:
         return True
 
     async def _pause_and_sync(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
-        return await self._pause(engine, progress) and await self._sync_engine(engine, ref, progress)
+        return await self.pause_engine(engine, progress) and await self._sync_engine(engine, ref, progress)
 
     async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
         """Bring one paused engine to ``ref``; True once it reports that version."""
@@ -360,7 +376,7 @@ class Orchestrator:
             progress.step = EngineStep.VERIFIED
             return True
         progress.step = EngineStep.TRANSFERRING
-        await self._notify()
+        await self.notify()
         t0 = self.clock()
         info = {"url": ref.url, "manifest_sha256": ref.manifest_sha256}
         try:
@@ -378,10 +394,10 @@ class Orchestrator:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
         progress.step, progress.transfer_s = EngineStep.VERIFIED, self.clock() - t0
-        await self._notify()
+        await self.notify()
         return True
 
-    async def _settle(
+    async def settle(
         self, record: FleetRecord, engines: Sequence[EngineRef], progress: dict[str, EngineProgress]
     ) -> None:
         """Resume exactly the engines on the fleet's version; take the others out of routing."""
@@ -413,7 +429,7 @@ class Orchestrator:
 
     async def reconcile_once(self) -> None:
         """Finish or undo an interrupted push; adopt a new fleet's version; catch late engines up."""
-        if self._push_running() or self._lock.locked():
+        if self._push_running() or self.lock.locked():
             return
         # Observe without the lock (busy engines answer slowly): a push must not wait on it.
         record = await read_record(self.store)
@@ -423,7 +439,7 @@ class Orchestrator:
         behind = [e for e, o in observed.items() if needs_catch_up(o, record)]
         if not (active or behind or record.committed is None):
             return
-        async with self._lock:
+        async with self.lock:
             if self._push_running() or await read_record(self.store) != record:
                 return  # a push started meanwhile: look again next round
             if active:
@@ -434,6 +450,10 @@ class Orchestrator:
             else:
                 for engine in behind:
                     await self._catch_up(engine, record)
+
+    def hold(self, push: asyncio.Task[None]) -> None:
+        """Count `push` as the push in progress: a collective push, which the trainer's calls drive."""
+        self._push_task = push
 
     def _push_running(self) -> bool:
         return self._push_task is not None and not self._push_task.done()
@@ -452,7 +472,7 @@ class Orchestrator:
             generation=push.target.generation, version=push.target.version
         )
         status.state, status.message = PushState.RUNNING, f"recovering after an interrupted push: {action.value}"
-        self._remember(status)
+        self.remember(status)
         t0 = self.clock()
         progress = {e.name: EngineProgress(name=e.name) for e in engines}
         status.engines = list(progress.values())
@@ -472,14 +492,14 @@ class Orchestrator:
             elif action is RecoveryAction.COMMIT_PARTIAL:
                 failed = [e.name for e, o in observed.items() if o.version != push.target.version]
                 record = await update(self.store, lambda r: commit(_ours(r, push.target), failed, status.message))
-            await self._settle(record, engines, progress)
+            await self.settle(record, engines, progress)
             if record.push is not None and record.push.phase.active:  # RESUME or COMMIT_PARTIAL
                 await update(self.store, lambda r: complete(_ours(r, push.target)))
                 status.state = PushState.DONE
             self._collect_spool(record)
         finally:
             status.total_s = self.clock() - t0
-            await self._notify()
+            await self.notify()
 
     async def _catch_up(self, engine: EngineRef, record: FleetRecord) -> None:
         """PendingSync -> pull the fleet's version -> Ready, for an engine that started late or failed a push."""
@@ -490,7 +510,7 @@ class Orchestrator:
         ref = replace(record.committed, url=self.publisher.url)
         progress = EngineProgress(name=engine.name)
         if await self._pause_and_sync(engine, ref, progress):
-            await self._settle(record, [engine], {engine.name: progress})
+            await self.settle(record, [engine], {engine.name: progress})
             log.info("caught %s up to %s in %.2fs", engine.name, ref.version, progress.transfer_s or 0.0)
         else:
             log.warning("catching %s up failed: %s", engine.name, progress.error)
@@ -530,12 +550,12 @@ class Orchestrator:
         s = self._pushes.get(generation)
         return s is None or s.state.terminal
 
-    def _remember(self, status: PushStatus) -> None:
+    def remember(self, status: PushStatus) -> None:
         self._pushes[status.generation] = status
         for old in sorted(self._pushes)[:-_KEPT_PUSHES]:
             del self._pushes[old]
 
-    async def _notify(self) -> None:
+    async def notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 

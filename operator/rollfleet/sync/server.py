@@ -11,25 +11,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
 import time
 from pathlib import Path
+from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rollfleet.contract import PAUSE_MODES, SYNC_API_PORT, SYNC_HEALTH_PORT, SYNC_WEIGHTS_PORT, TOKEN_FILE
 from rollfleet.engine_client import TRANSFER, EngineClient
 from rollfleet.errors import RollfleetError
 from rollfleet.kube import Kube, load_client
+from rollfleet.sync.collective import CollectiveDriver, GroupStale
 from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import ConfigMapStore, FileStore, RecordStore
-from rollfleet_client.sync_protocol import HEALTH_PATH, PUSH_STREAM_PATH, PUSHES_PATH, VERSION_PATH, PushDirRequest
+from rollfleet_client.sync_protocol import (
+    COLLECTIVE_FINISH_PATH,
+    COLLECTIVE_INIT_PATH,
+    COLLECTIVE_PATH,
+    COLLECTIVE_START_PATH,
+    COLLECTIVE_UPDATE_PATH,
+    GROUP_STALE_STATUS,
+    HEALTH_PATH,
+    PUSH_STREAM_PATH,
+    PUSHES_PATH,
+    VERSION_PATH,
+    CollectiveFinish,
+    CollectiveInit,
+    CollectiveStart,
+    CollectiveUpdate,
+    PushDirRequest,
+)
 from rollfleet_engine.access import read_token
 from rollfleet_engine.listen import pod_local_host, serving_host
 
@@ -37,6 +56,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SPOOL = "/var/lib/rollfleet-sync"
 _CHUNK = 4 << 20
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,9 +161,63 @@ def build_app(orch: Orchestrator) -> web.Application:
     async def version(_: web.Request) -> web.Response:
         return web.json_response((await orch.fleet_version()).model_dump(mode="json"))
 
+    add_collective_routes(routes, CollectiveDriver(orch))
     app = web.Application(client_max_size=1 << 20, middlewares=[_unavailable_on_failure])
     app.add_routes(routes)
     return app
+
+
+def add_collective_routes(routes: web.RouteTableDef, driver: CollectiveDriver) -> None:
+    """vLLM's weight sync handshake for collective backends, each call fanned out to the fleet's engines."""
+
+    def answer(payload: BaseModel, status: int = 200) -> web.Response:
+        return web.json_response(payload.model_dump(mode="json"), status=status)
+
+    async def body(request: web.Request, model: type[Body]) -> Body:
+        try:
+            return model.model_validate_json(await request.read())
+        except ValidationError as err:
+            raise web.HTTPBadRequest(text=json.dumps({"error": str(err)}), content_type="application/json") from err
+
+    def refused(err: PushRefused) -> web.Response:
+        status = GROUP_STALE_STATUS if isinstance(err, GroupStale) else 409
+        return web.json_response({"error": str(err)}, status=status)
+
+    @routes.get(COLLECTIVE_PATH)
+    async def group(_: web.Request) -> web.Response:
+        return answer(await driver.group())
+
+    @routes.post(COLLECTIVE_INIT_PATH)
+    async def init(request: web.Request) -> web.Response:
+        init = await body(request, CollectiveInit)
+        try:
+            return answer(await driver.init(init.init_info, init.backend))
+        except PushRefused as err:
+            return refused(err)
+
+    @routes.post(COLLECTIVE_START_PATH)
+    async def start(request: web.Request) -> web.Response:
+        version = (await body(request, CollectiveStart)).version
+        try:
+            return answer(await driver.start(version), status=202)
+        except PushRefused as err:
+            return refused(err)
+
+    @routes.post(COLLECTIVE_UPDATE_PATH)
+    async def update(request: web.Request) -> web.Response:
+        update_info = (await body(request, CollectiveUpdate)).update_info
+        try:
+            return answer(await driver.update(update_info))
+        except PushRefused as err:
+            return refused(err)
+
+    @routes.post(COLLECTIVE_FINISH_PATH)
+    async def finish(request: web.Request) -> web.Response:
+        version = (await body(request, CollectiveFinish)).weight_version
+        try:
+            return answer(await driver.finish(version))
+        except PushRefused as err:
+            return refused(err)
 
 
 @web.middleware

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from rollfleet import contract
 from rollfleet.api.fleet import RolloutFleetSpec
 from rollfleet.contract import ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH, TOKEN_FILE
@@ -231,10 +233,15 @@ def test_network_policy_admits_extra_peers_on_the_engine_port() -> None:
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 
-def test_nccl_fleets_also_admit_trainers_and_engines_on_every_port() -> None:
-    policy = desired.engine_network_policy(REF, spec(weightSync={"backend": "nccl"}), "rollfleet-system")
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_collective_fleets_also_admit_trainers_and_engines_on_every_port(backend: str) -> None:
+    policy = desired.engine_network_policy(REF, spec(weightSync={"backend": backend}), "rollfleet-system")
     engines = {"podSelector": {"matchLabels": ENGINES}}
-    assert policy["spec"]["ingress"][1] == {"from": [TRAINERS, engines]}  # no ports: NCCL picks them at run time
+    assert policy["spec"]["ingress"][1] == {"from": [TRAINERS, engines]}  # no ports: the library picks them
+
+
+def test_http_fleets_admit_the_engine_port_only() -> None:
+    assert len(desired.engine_network_policy(REF, spec(), "rollfleet-system")["spec"]["ingress"]) == 1
 
 
 def test_network_policy_can_be_switched_off_and_is_then_deleted() -> None:

@@ -46,9 +46,19 @@ def call(mw: RollfleetMiddleware, path: str, headers: dict[str, str], body: dict
     return {"status": start["status"], "headers": {k.decode(): v.decode() for k, v in start["headers"]}}
 
 
-def make() -> tuple[RollfleetMiddleware, App, Runtime]:
+class Engine:
+    """What the middleware asks vLLM's engine client after a version route: the version."""
+
+    async def get_weight_version(self) -> str:
+        return "v8"
+
+
+CONTROL = {"Authorization": "Bearer ctl"}
+
+
+def make(backend: str = "http") -> tuple[RollfleetMiddleware, App, Runtime]:
     app = App()
-    runtime = Runtime(engine=None, policy=AccessPolicy("ctl"), model_name="m", weight_backend="http")
+    runtime = Runtime(engine=Engine(), policy=AccessPolicy("ctl"), model_name="m", weight_backend=backend)
     runtime.weight_version = "v7"
     return RollfleetMiddleware(app, runtime), app, runtime
 
@@ -79,3 +89,22 @@ def test_in_flight_id_cannot_be_reused() -> None:
     runtime.tracker.open("dup")
     assert call(mw, "/v1/completions", {"X-Request-Id": "dup"})["status"] == 409
     assert app.calls == []
+
+
+def test_a_collective_update_leaves_the_weights_no_one_version_until_it_finishes() -> None:
+    mw, app, runtime = make("gloo")
+    assert call(mw, "/start_weight_update", CONTROL)["status"] == 200
+    assert runtime.weights_intact is False
+    reached = len(app.calls)
+    assert call(mw, "/resume", CONTROL)["status"] == 409  # refused here: vLLM never sees it
+    assert len(app.calls) == reached
+    assert call(mw, "/finish_weight_update", CONTROL)["status"] == 200
+    assert (runtime.weights_intact, runtime.weight_version) == (True, "v8")
+    assert call(mw, "/resume", CONTROL)["status"] == 200
+
+
+def test_an_http_update_loads_at_finish_so_its_start_leaves_the_weights_intact() -> None:
+    mw, _, runtime = make("http")
+    assert call(mw, "/start_weight_update", CONTROL)["status"] == 200
+    assert runtime.weights_intact is True
+    assert call(mw, "/resume", CONTROL)["status"] == 200

@@ -42,3 +42,11 @@ def test_an_unreachable_engine_is_observed_as_version_none() -> None:
 def test_in_flight_requests_carry_the_versions_that_produced_them() -> None:
     api = EngineClient("token", transport=httpx.MockTransport(engine))
     assert asyncio.run(in_flight(api, ENGINE)) == [InFlight("r1", ("v1", "v2"))]
+
+
+def test_an_engine_with_mixed_weights_is_on_no_version() -> None:
+    async def mixed(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={**ANSWERS[STATE_PATH], "weights_intact": False})
+
+    api = EngineClient("token", transport=httpx.MockTransport(mixed))
+    assert asyncio.run(observe(api, ENGINE)) == EngineObservation(version=None, paused=True)

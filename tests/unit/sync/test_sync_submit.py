@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 
 from rollfleet.engine_client import EngineClient
@@ -13,14 +14,15 @@ from rollfleet.sync.engines import StaticDiscovery
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import FileStore
+from rollfleet_engine.protocol import STATE_PATH
 
 
-def submit(tmp_path: Path, source: Path) -> None:
+def submit(tmp_path: Path, source: Path, engines: tuple[str, ...] = (), api: EngineClient | None = None) -> None:
     async def run() -> None:
         orch = Orchestrator(
             store=FileStore(tmp_path / "record.json"),
-            discovery=StaticDiscovery([]),
-            api=EngineClient("token"),
+            discovery=StaticDiscovery(list(engines)),
+            api=api or EngineClient("token"),
             publisher=Publisher("127.0.0.1", 0),
             spool=tmp_path / "spool",
         )
@@ -50,3 +52,19 @@ def test_an_unreadable_directory_is_refused_with_the_uid_to_grant(
         PushRefused, match=r"cannot read .*Permission denied.*runs as uid \d+; make the directory readable"
     ):
         submit(tmp_path, tmp_path / "weights")
+
+
+def test_a_push_to_engines_of_a_collective_backend_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    state = {"model": "tiny", "weight_version": "v1", "paused": False, "running": 0, "waiting": 0}
+
+    async def engine(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == STATE_PATH, request.url  # nothing but a read reaches the engine
+        return httpx.Response(200, json={**state, "weight_backend": "gloo"})
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"")
+    api = EngineClient("token", transport=httpx.MockTransport(engine))
+    with pytest.raises(PushRefused, match=r"collective backend: http://e0:8000 \(gloo\).*CollectivePusher"):
+        submit(tmp_path, weights, ("http://e0:8000",), api)
+    assert not (tmp_path / "record.json").exists()
