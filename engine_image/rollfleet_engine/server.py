@@ -76,7 +76,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weight-backend",
         default=HTTP_WEIGHT_BACKEND,
-        help="vLLM weight transfer backend: 'http' (portable, this package), 'nccl' (GPU clusters) or 'none'",
+        help="vLLM weight transfer backend: 'http' (portable), 'nccl' (GPU clusters), 'gloo' (nccl's protocol on "
+        "CPU; both from this package's collective_backend) or 'none'",
     )
     parser.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto", help="'cpu' applies small-host vLLM defaults"
