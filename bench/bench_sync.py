@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -89,14 +90,19 @@ def sidecar(engine_urls: list[str], tmp: Path, *flags: str) -> Iterator[SyncClie
     port = free_port()
     cmd = [sys.executable, "-m", "rollfleet.cli", "sync", "--fleet", "bench", "--engines", ",".join(engine_urls)]
     cmd += ["--token-file", str(token), "--port", str(port), "--weights-port", str(free_port())]
-    cmd += ["--spool-dir", str(tmp / "spool"), "--reconcile-interval", "0.5", *flags]
+    # The spool in memory, as the manifests' memory-backed emptyDir.
+    spool = tempfile.mkdtemp(prefix="bench-spool-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    cmd += ["--spool-dir", spool, "--reconcile-interval", "0.5", *flags]
     url = f"http://127.0.0.1:{port}"
-    with process(cmd, url + "/healthz", tmp / "sidecar.log"), SyncClient(url, timeout_s=600) as client:
-        deadline = time.monotonic() + 60
-        while client.fleet_version().version is None:  # adopts the engines' version on its first reconcile
-            assert time.monotonic() < deadline, "sidecar never adopted the engines' version"
-            time.sleep(0.1)  # polling a condition
-        yield client
+    try:
+        with process(cmd, url + "/healthz", tmp / "sidecar.log"), SyncClient(url, timeout_s=600) as client:
+            deadline = time.monotonic() + 60
+            while client.fleet_version().version is None:  # adopts the engines' version on its first reconcile
+                assert time.monotonic() < deadline, "sidecar never adopted the engines' version"
+                time.sleep(0.1)  # polling a condition
+            yield client
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
 
 
 TCP_SAMPLE_BYTES = 256 * MIB

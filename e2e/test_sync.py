@@ -121,7 +121,7 @@ def trainer_pod() -> dict[str, Any]:
             ],
             "volumes": [
                 {"name": "fleet-token", "secret": {"secretName": f"{NAME}-admin-token"}},
-                {"name": "sync-spool", "emptyDir": {}},
+                {"name": "sync-spool", "emptyDir": {"medium": "Memory"}},
                 {"name": "models", "hostPath": {"path": NODE_MODEL_DIR, "type": "Directory"}},
             ],
         },

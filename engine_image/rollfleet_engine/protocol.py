@@ -147,7 +147,7 @@ class TensorEntry(BaseModel):
     dtype: str = Field(description="safetensors dtype: F32, BF16, F16, I64, ...")
     shape: list[int]
     data_offsets: tuple[int, int] = Field(description="[begin, end) in the shard's data section.")
-    sha256: str
+    blake3: str = Field(description="BLAKE3 digest (hex) of the tensor's bytes.")
 
 
 class Shard(BaseModel):
@@ -157,7 +157,7 @@ class Shard(BaseModel):
 
 
 class WeightManifest(BaseModel):
-    """What a weights server serves: safetensors shards and a sha256 per tensor."""
+    """What a weights server serves: safetensors shards and a BLAKE3 digest per tensor."""
 
     format: Literal["safetensors"] = "safetensors"
     shards: list[Shard]

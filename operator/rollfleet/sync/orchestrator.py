@@ -151,9 +151,15 @@ class Orchestrator:
         partial.mkdir(parents=True)
         # No fsync: the spool's job is to survive a restart of this container, and the
         # page cache does; fsyncing a gigabyte would add seconds to every push.
+        loop = asyncio.get_running_loop()
         with (partial / _STREAM_FILE).open("wb") as f:
+            writing: asyncio.Future[int] | None = None
             async for chunk in chunks:
-                await asyncio.to_thread(f.write, chunk)
+                if writing is not None:  # double-buffered: a chunk is written while the next one arrives
+                    await writing
+                writing = loop.run_in_executor(None, f.write, chunk)
+            if writing is not None:
+                await writing
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return final
