@@ -218,11 +218,19 @@ def receivers(count: int, tmp: Path, env: dict[int, dict[str, str]] | None = Non
 
 
 def receiver(address: str) -> None:
-    """A stand-in engine: the sidecar's control routes, and the engine's pull code without vLLM."""
+    """A stand-in engine: the sidecar's control routes, and the engine's pull, staging and relay code
+    without vLLM."""
     from aiohttp import web
 
-    from rollfleet_engine.protocol import STAGE_PATH, EngineState, WeightUpdateInfo
+    from rollfleet_engine.protocol import (
+        STAGE_PATH,
+        STAGE_RELAY_PATH,
+        WEIGHTS_MANIFEST_PATH,
+        EngineState,
+        WeightUpdateInfo,
+    )
     from rollfleet_engine.runtime import default_stager
+    from rollfleet_engine.staging import RelayUnavailable
     from rollfleet_engine.weights_client import fetch_weights
 
     host, port = address.rsplit(":", 1)
@@ -235,6 +243,24 @@ def receiver(address: str) -> None:
 
     async def stage_status(_: web.Request) -> web.Response:
         return web.json_response(stager.status().model_dump(mode="json"))
+
+    async def relay_manifest(_: web.Request) -> web.Response:
+        try:
+            return web.Response(body=await asyncio.to_thread(stager.relay_manifest), content_type="application/json")
+        except RelayUnavailable as err:
+            return web.json_response({"error": str(err)}, status=409)
+
+    async def relay_shard(request: web.Request) -> web.StreamResponse:
+        try:
+            shard, chunks = stager.relay_shard("/" + request.match_info["path"])
+        except RelayUnavailable as err:
+            return web.json_response({"error": str(err)}, status=409)
+        resp = web.StreamResponse(headers={"Content-Length": str(shard.size)})
+        await resp.prepare(request)
+        with contextlib.suppress(RelayUnavailable):  # the stream breaks off, as the engine's does
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                await resp.write(chunk)
+        return resp
 
     async def ok(_: web.Request) -> web.Response:
         return web.json_response({})
@@ -286,6 +312,8 @@ def receiver(address: str) -> None:
     app.router.add_get("/rollfleet/v1/requests", requests)
     app.router.add_post(STAGE_PATH, stage)
     app.router.add_get(STAGE_PATH, stage_status)
+    app.router.add_get(STAGE_RELAY_PATH + WEIGHTS_MANIFEST_PATH, relay_manifest)
+    app.router.add_get(STAGE_RELAY_PATH + "/{path:.*}", relay_shard)
     web.run_app(app, host=host, port=int(port), print=None)
 
 

@@ -1,5 +1,5 @@
-"""The engines' NetworkPolicy, enforced: only the gateway, the operator and the fleet's trainers
-reach the engine port, and switching the policy off in the spec opens it.
+"""The engines' NetworkPolicy, enforced: only the gateway, the operator, the fleet's trainers and its
+engines (a push's relay chain) reach the engine port, and switching the policy off in the spec opens it.
 
 Enforcement needs a network plugin that enforces policies, so this module runs on kind (its
 NetworkPolicy agent, docs/kind.md); the local cluster's pods share the host's loopback and
@@ -123,6 +123,8 @@ def test_only_the_gateway_and_trainers_reach_the_engines_until_the_policy_is_swi
         )
         assert connect(live, trainer, ip) == "open"
         assert connect(live, gateway, ip) == "open"
+    # Engines reach each other's engine port: a push's relay chain.
+    assert connect(live, live.engines[0].key, engine_ips[-1], container="engine") == "open"
 
     def switch(enabled: bool) -> None:
         live.cluster.kubectl(

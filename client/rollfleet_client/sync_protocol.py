@@ -107,6 +107,8 @@ class EngineProgress(BaseModel):
     name: str
     step: EngineStep = EngineStep.WAITING
     stage_s: float | None = Field(default=None, description="Prefetch: download and verification, while serving.")
+    source: str | None = Field(default=None, description="The engine it staged from (relay); None: the sidecar.")
+    relay_error: str | None = Field(default=None, description="Why a relay failed, and it staged from the sidecar.")
     transfer_s: float | None = None
     error: str | None = None
 

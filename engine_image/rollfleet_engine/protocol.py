@@ -21,6 +21,10 @@ READY_PATH = f"{API_PREFIX}/ready"
 # the StageStatus's `staged_url` (file://), which only this engine's staging area may be.
 STAGE_PATH = f"{API_PREFIX}/weights/stage"
 STAGED_URL_SCHEME = "file"
+# Relay: an engine staging a set serves it on, as it arrives, to the next engine of a chain: this is
+# the base URL of a weights server (WEIGHTS_MANIFEST_PATH, then each shard's path) on the engine port.
+STAGE_RELAY_PATH = f"{STAGE_PATH}/relay"
+WEIGHTS_MANIFEST_PATH = "/manifest"  # under a weights server's base URL; the manifest names the shards' paths
 # Where an engine stages weights (a memory-backed emptyDir in the engine pod), and its bound in bytes.
 STAGING_DIR_ENV = "ROLLFLEET_STAGING_DIR"
 STAGING_MAX_BYTES_ENV = "ROLLFLEET_STAGING_MAX_BYTES"

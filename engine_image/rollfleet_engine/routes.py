@@ -1,4 +1,4 @@
-"""The engine's own routes under /rollfleet/v1: state, readiness, tracked requests, abort, staging.
+"""The engine's own routes under /rollfleet/v1: state, readiness, tracked requests, abort, staging, relay.
 
 Access is decided by the middleware (state, ready and requests are open; abort and staging
 need the control token), so the handlers only do their job.
@@ -6,7 +6,9 @@ need the control token), so the handlers only do their job.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from rollfleet_engine.abort import abort_requests
 from rollfleet_engine.protocol import (
@@ -14,7 +16,9 @@ from rollfleet_engine.protocol import (
     READY_PATH,
     REQUESTS_PATH,
     STAGE_PATH,
+    STAGE_RELAY_PATH,
     STATE_PATH,
+    WEIGHTS_MANIFEST_PATH,
     AbortRequest,
     AbortResult,
     EngineState,
@@ -24,6 +28,7 @@ from rollfleet_engine.protocol import (
     WeightUpdateInfo,
 )
 from rollfleet_engine.runtime import Runtime
+from rollfleet_engine.staging import RelayUnavailable
 
 router = APIRouter()
 
@@ -83,11 +88,35 @@ async def abort(request: Request, body: AbortRequest) -> AbortResult:
 
 @router.post(STAGE_PATH, response_model=StageStatus, status_code=202)
 async def stage(request: Request, body: WeightUpdateInfo) -> StageStatus:
-    """Download and verify these weights into the staging area while the engine serves (prefetch)."""
+    """Download and verify these weights into the staging area while the engine serves (prefetch).
+
+    The caller's own Authorization goes with the download: from another engine's relay (a control
+    route, the same fleet token), and harmlessly to the sidecar's weights server."""
     try:
-        return _runtime(request).stager.start(body)
+        return _runtime(request).stager.start(body, request.headers.get("authorization"))
     except ValueError as err:
         raise HTTPException(status_code=400, detail=str(err)) from err
+
+
+@router.get(STAGE_RELAY_PATH + WEIGHTS_MANIFEST_PATH)
+async def relay_manifest(request: Request) -> Response:
+    """The manifest of the set this engine stages, for the next engine of a relay chain."""
+    stager = _runtime(request).stager
+    try:
+        raw = await run_in_threadpool(stager.relay_manifest)  # waits until the manifest has arrived
+    except RelayUnavailable as err:
+        raise HTTPException(status_code=409, detail=str(err)) from err
+    return Response(raw, media_type="application/json")
+
+
+@router.get(STAGE_RELAY_PATH + "/{path:path}")
+async def relay_shard(request: Request, path: str) -> StreamingResponse:
+    """A shard of the set this engine stages, its bytes as they arrive (the stream breaks if staging fails)."""
+    try:
+        shard, chunks = _runtime(request).stager.relay_shard("/" + path)
+    except RelayUnavailable as err:
+        raise HTTPException(status_code=409, detail=str(err)) from err
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(shard.size)})
 
 
 @router.get(STAGE_PATH, response_model=StageStatus)

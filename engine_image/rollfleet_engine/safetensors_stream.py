@@ -131,7 +131,11 @@ def shard_from_file(file: Path, path: str) -> Shard:
 ReadInto = Callable[[memoryview], int]
 
 
-def _read_exact(read_into: ReadInto, n: int, what: str) -> bytearray:
+Sink = Callable[[memoryview], object]
+
+
+def _read_exact(read_into: ReadInto, n: int, what: str, sink: Sink | None = None) -> bytearray:
+    """`n` bytes; each piece also goes to `sink` as soon as it is read (a relay forwards it on)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -139,28 +143,25 @@ def _read_exact(read_into: ReadInto, n: int, what: str) -> bytearray:
         k = read_into(view[got:])
         if not k:
             raise TransferError(f"stream ended after {got} of {n} bytes of {what} (truncated transfer)")
+        if sink is not None:
+            sink(view[got : got + k])
         got += k
     return buf
 
 
-def read_shard(
-    read_into: ReadInto, shard: Shard, sink: Callable[[bytearray], object] | None = None
-) -> list[tuple[str, Any]]:
+def read_shard(read_into: ReadInto, shard: Shard, sink: Sink | None = None) -> list[tuple[str, Any]]:
     """``(name, tensor)`` for every tensor of a shard stream, each checked against the manifest.
 
     Hashing runs on a second thread while the next tensor is received (blake3 releases
     the GIL), so verification costs little wall time. Nothing is returned unless every
-    tensor verified. With `sink`, every byte read goes to it too (staging writes the shard
-    to a file) and no tensor is kept: the return is then empty, and an exception still
-    says the bytes were wrong.
+    tensor verified. With `sink`, every byte read goes to it too, as it is read (staging
+    writes the shard to a file, where a relay reads on) and no tensor is kept: the return
+    is then empty, and an exception still says the bytes were wrong.
     """
     torch = _torch()
 
     def take(n: int, what: str) -> bytearray:
-        data = _read_exact(read_into, n, what)
-        if sink is not None:
-            sink(data)
-        return data
+        return _read_exact(read_into, n, what, sink)
 
     (n,) = _HEADER_LEN.unpack(take(8, "header length"))
     if 8 + n > shard.size:

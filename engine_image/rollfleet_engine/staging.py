@@ -11,18 +11,34 @@ staged or already staged changes nothing; a finished weight update releases it (
 holds the weights now), and so does the process's exit. Bounded by ``ROLLFLEET_STAGING_MAX_BYTES`` and by
 the free space of the area; weights that do not fit fail with what to do. Every tensor is
 hashed against the manifest before the set is called staged.
+
+Relay: while it stages, an engine serves what it has received so far to the next engine
+of a chain (``relay_manifest``, ``relay_shard``: its bytes as they land, through
+``STAGE_RELAY_PATH``), so that the sidecar sends each byte about once however many
+engines there are. Every engine still hashes every tensor it receives against the
+manifest, so a relay cannot pass corrupt bytes off as the weights.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
-from rollfleet_engine.protocol import STAGED_URL_SCHEME, StageState, StageStatus, WeightUpdateInfo
+from rollfleet_engine.protocol import (
+    STAGED_URL_SCHEME,
+    Shard,
+    StageState,
+    StageStatus,
+    WeightManifest,
+    WeightUpdateInfo,
+)
 from rollfleet_engine.safetensors_stream import TransferError, read_shard
 from rollfleet_engine.weights_client import MANIFEST_FILE, check_length, fetch_manifest, http_get, shard_file
 
@@ -46,16 +62,33 @@ def fits(needed: int, max_bytes: int | None, free: int) -> str | None:
     return None
 
 
+class RelayUnavailable(TransferError):
+    """This engine is not staging (or no longer) the set asked for: pull it from the sidecar."""
+
+
+_RELAY_CHUNK = 4 << 20
+
+
 @dataclass
 class _Job:
     status: StageStatus
     thread: threading.Thread | None = None
+    # What a relay reads, as it grows: the manifest, each shard's file and its bytes written so far.
+    manifest_raw: bytes | None = None
+    manifest: WeightManifest | None = None
+    files: dict[int, Path] = field(default_factory=dict)
+    written: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def ended(self) -> bool:
+        return self.status.state is not StageState.STAGING
 
 
 class Stager:
     def __init__(self, root: Path, max_bytes: int | None) -> None:
         self.root, self.max_bytes = root, max_bytes
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # relays wait on it for more bytes
         self._job = _Job(StageStatus())
         # The area may be the host's /dev/shm (the local cluster): leave nothing there at exit.
         atexit.register(shutil.rmtree, self.root, ignore_errors=True)
@@ -72,8 +105,9 @@ class Stager:
         with self._lock:
             return self._job.status.model_copy()
 
-    def start(self, info: WeightUpdateInfo) -> StageStatus:
-        """Stage the weights at `info.url` (pinned by its manifest sha256) in the background."""
+    def start(self, info: WeightUpdateInfo, authorization: str | None = None) -> StageStatus:
+        """Stage the weights at `info.url` (pinned by its manifest sha256) in the background. `authorization`
+        goes with the requests to `info.url`: another engine's relay is a control route."""
         if info.manifest_sha256 is None:
             raise ValueError("staging needs manifest_sha256: it names the staged set")
         with self._lock:
@@ -84,25 +118,75 @@ class Stager:
             ):
                 return current.model_copy()
             job = _Job(StageStatus(state=StageState.STAGING, manifest_sha256=info.manifest_sha256))
-            job.thread = threading.Thread(target=self._run, args=(job, info), name="rollfleet-stage", daemon=True)
+            job.thread = threading.Thread(
+                target=self._run, args=(job, info, authorization), name="rollfleet-stage", daemon=True
+            )
             self._job = job
         job.thread.start()
         return job.status.model_copy()
 
-    def _run(self, job: _Job, info: WeightUpdateInfo) -> None:
+    def relay_manifest(self, manifest_sha256: str | None = None) -> bytes:
+        """The manifest being staged, once it is known (blocks until then)."""
+        with self._progress:
+            job = self._job
+            self._progress.wait_for(lambda: job.manifest_raw is not None or job.ended or self._job is not job)
+            if job.manifest_raw is None or self._job is not job or job.status.state is StageState.FAILED:
+                raise RelayUnavailable("this engine is not staging any weights now")
+            if manifest_sha256 is not None and job.status.manifest_sha256 != manifest_sha256:
+                raise RelayUnavailable(f"this engine stages {job.status.manifest_sha256}, not {manifest_sha256}")
+            return job.manifest_raw
+
+    def relay_shard(self, path: str) -> tuple[Shard, Iterator[bytes]]:
+        """The shard of the set being staged at `path` (as the manifest names it), and its bytes as they
+        arrive. The iterator raises if the staging fails or is replaced before the shard is complete."""
+        with self._progress:
+            job, manifest = self._job, self._job.manifest
+            if manifest is None or job.status.state is StageState.FAILED:
+                raise RelayUnavailable("this engine is not staging any weights now")
+        index = next((i for i, sh in enumerate(manifest.shards) if sh.path == path), None)
+        if index is None:
+            raise RelayUnavailable(f"no shard {path!r} in the weights being staged")
+        return manifest.shards[index], self._relay(job, index, manifest.shards[index].size)
+
+    def _relay(self, job: _Job, index: int, size: int) -> Iterator[bytes]:
+        sent, fd = 0, None
+
+        def more() -> bool:  # called under the lock
+            return job.written.get(index, 0) > sent or job.ended or self._job is not job
+
+        try:
+            while sent < size:
+                with self._progress:
+                    self._progress.wait_for(more)
+                    if job.written.get(index, 0) <= sent:  # ended or replaced before the shard was whole
+                        raise RelayUnavailable(f"staging ended {job.status.state.value} after {sent} of {size} bytes")
+                    available = job.written[index]
+                    if fd is None:  # open stays readable when the directory is renamed or removed
+                        fd = os.open(job.files[index], os.O_RDONLY)
+                while sent < available:
+                    chunk = os.pread(fd, min(_RELAY_CHUNK, available - sent), sent)
+                    sent += len(chunk)
+                    yield chunk
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _run(self, job: _Job, info: WeightUpdateInfo, authorization: str | None) -> None:
         t0 = time.monotonic()
         try:
-            url = self._stage(job, info)
+            url = self._stage(job, info, authorization)
             outcome = {"state": StageState.STAGED, "staged_url": url}
         except (OSError, ValueError, TransferError) as err:
             outcome = {"state": StageState.FAILED, "error": f"{type(err).__name__}: {err}"}
-        with self._lock:
+        with self._progress:
             if self._job is job:  # not replaced meanwhile
                 job.status = job.status.model_copy(update={**outcome, "seconds": time.monotonic() - t0})
+            self._progress.notify_all()
 
-    def _stage(self, job: _Job, info: WeightUpdateInfo) -> str:
+    def _stage(self, job: _Job, info: WeightUpdateInfo, authorization: str | None) -> str:
         assert info.manifest_sha256 is not None
-        raw, manifest = fetch_manifest(info.url, info.manifest_sha256, info.timeout_s)
+        headers = {"Authorization": authorization} if authorization else {}
+        raw, manifest = fetch_manifest(info.url, info.manifest_sha256, info.timeout_s, headers)
         job.status.bytes = manifest.total_bytes
         final = self.root / info.manifest_sha256
         partial = self.root / f"{info.manifest_sha256}.partial"
@@ -112,14 +196,30 @@ class Stager:
         if why is not None:
             raise StagingFull(why)
         partial.mkdir()
+        with self._progress:
+            job.manifest_raw, job.manifest = raw, manifest
+            self._progress.notify_all()
         for i, shard in enumerate(manifest.shards):
             # Every tensor is hashed against the manifest as it arrives (staged means verified), and its
-            # bytes land in the shard's file as they are.
-            with http_get(info.url, shard.path, info.timeout_s) as resp, (partial / shard_file(i)).open("wb") as out:
+            # bytes land in the shard's file as they are, for a relay to read on.
+            target = partial / shard_file(i)
+            with http_get(info.url, shard.path, info.timeout_s, headers) as resp, target.open("wb") as out:
                 check_length(resp, shard)
-                read_shard(resp.readinto, shard, sink=out.write)
+                with self._progress:
+                    job.files[i], job.written[i] = target, 0
+
+                def sink(data: memoryview, i: int = i, out: BinaryIO = out) -> None:
+                    out.write(data)
+                    out.flush()  # before a relay is told: it reads the file, not this buffer
+                    with self._progress:
+                        job.written[i] += len(data)
+                        self._progress.notify_all()
+
+                read_shard(resp.readinto, shard, sink=sink)
         (partial / MANIFEST_FILE).write_bytes(raw)
-        partial.rename(final)
+        with self._progress:  # a relay opens the shard files under the lock: never between these two
+            partial.rename(final)
+            job.files = {i: final / shard_file(i) for i in job.files}
         return f"{STAGED_URL_SCHEME}://{final}"
 
     def _clear(self) -> None:

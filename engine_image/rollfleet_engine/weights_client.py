@@ -12,30 +12,40 @@ import hashlib
 import http.client
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rollfleet_engine.protocol import STAGED_URL_SCHEME, STAGING_DIR_ENV, Shard, WeightManifest
+from rollfleet_engine.protocol import (
+    STAGED_URL_SCHEME,
+    STAGING_DIR_ENV,
+    WEIGHTS_MANIFEST_PATH,
+    Shard,
+    WeightManifest,
+)
 from rollfleet_engine.safetensors_stream import TransferError, read_shard, tensors_from_buffer
 
 MANIFEST_FILE = "manifest.json"
+_QUOTED_BYTES = 300  # of a refusal's body, in the error
 
 
 @contextmanager
-def http_get(url: str, path: str, timeout_s: float) -> Iterator[http.client.HTTPResponse]:
-    """An open GET of `path` under the weights server at `url`; refused unless it answers 200."""
+def http_get(
+    url: str, path: str, timeout_s: float, headers: Mapping[str, str] | None = None
+) -> Iterator[http.client.HTTPResponse]:
+    """An open GET of `path` under the weights server (or engine relay) at `url`; refused unless it answers 200."""
     parts = urlsplit(url.rstrip("/"))
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"weights URL must be http://host:port, got {url!r}")
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
     try:
-        conn.request("GET", parts.path + path)
+        conn.request("GET", parts.path + path, headers=dict(headers or {}))
         resp = conn.getresponse()
         if resp.status != 200:
-            raise TransferError(f"GET {url}{path}: HTTP {resp.status}")
+            said = resp.read(_QUOTED_BYTES).decode("utf-8", "replace")
+            raise TransferError(f"GET {url}{path}: HTTP {resp.status}: {said}")
         yield resp
     finally:
         conn.close()
@@ -47,8 +57,10 @@ def check_manifest(raw: bytes, manifest_sha256: str | None) -> WeightManifest:
     return WeightManifest.model_validate_json(raw)
 
 
-def fetch_manifest(url: str, manifest_sha256: str | None, timeout_s: float) -> tuple[bytes, WeightManifest]:
-    with http_get(url, "/manifest", timeout_s) as resp:
+def fetch_manifest(
+    url: str, manifest_sha256: str | None, timeout_s: float, headers: Mapping[str, str] | None = None
+) -> tuple[bytes, WeightManifest]:
+    with http_get(url, WEIGHTS_MANIFEST_PATH, timeout_s, headers) as resp:
         raw = resp.read()
     return raw, check_manifest(raw, manifest_sha256)
 

@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from rollfleet_engine.protocol import WeightManifest, WeightUpdateInfo
+from rollfleet_engine.protocol import WEIGHTS_MANIFEST_PATH, WeightManifest, WeightUpdateInfo
 from rollfleet_engine.safetensors_stream import (
     MemoryShard,
     manifest_bytes,
@@ -123,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         snap = self.snapshot()
-        if self.path == "/manifest":
+        if self.path == WEIGHTS_MANIFEST_PATH:
             self._head(len(snap.manifest_raw), "application/json")
             self.wfile.write(snap.manifest_raw)
         elif self.path in snap.memory:

@@ -39,6 +39,7 @@ from rollfleet_client.sync_protocol import SYNC_WEIGHTS_PORT as SYNC_WEIGHTS_POR
 from rollfleet_engine.protocol import ABORT_PATH as ABORT_PATH
 from rollfleet_engine.protocol import COLLECTIVE_BACKENDS as COLLECTIVE_BACKENDS
 from rollfleet_engine.protocol import ENGINE_PORT as ENGINE_PORT
+from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND as HTTP_WEIGHT_BACKEND
 from rollfleet_engine.protocol import PAUSE_MODES as PAUSE_MODES
 from rollfleet_engine.protocol import READY_PATH as READY_PATH
 from rollfleet_engine.protocol import REQUEST_ID_HEADER as REQUEST_ID_HEADER

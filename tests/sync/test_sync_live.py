@@ -122,8 +122,10 @@ def test_push_during_streaming_rollouts_keeps_them_and_moves_every_engine(
     assert status.pause_window_s is not None and status.total_s is not None
     assert 0 < status.pause_window_s <= status.total_s
     assert [e.step for e in status.engines] == [EngineStep.RESUMED] * 2
-    # Prefetch: each engine staged the weights while it served; the pause covered only the load.
+    # Prefetch: each engine staged the weights while it served; the pause covered only the load. The
+    # second engine staged them from the first, as they arrived (relay), through its token-checked route.
     assert status.prefetch_s is not None and all(e.stage_s is not None for e in status.engines), status
+    assert [(e.source, e.relay_error) for e in status.engines] == [(None, None), (engines[0].engine.url, None)]
     spans = []
     for r, e in zip(rollouts, engines * 2, strict=True):
         r.join(timeout=300)

@@ -32,6 +32,7 @@ from rollfleet.contract import (
     ENGINE_PORT,
     GATEWAY_PORT,
     GROUP,
+    HTTP_WEIGHT_BACKEND,
     LABEL_COMPONENT,
     LABEL_FLEET,
     LABEL_INDEX,
@@ -478,19 +479,24 @@ def _pods(labels: dict[str, str]) -> Manifest:
 
 
 def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namespace: str | None) -> Manifest:
-    """Ingress to the engine pods: the engine port from the gateway, the operator and the trainers, nothing else.
+    """Ingress to the engine pods: the engine port from the gateway, the operator, the trainers and (http
+    weight sync) the other engines, nothing else.
 
     The fleet's gateway pods route requests; the operator's pods (in `operator_namespace`,
     unknown when the operator does not run in a pod: then no pod can be named for it) read
     engine state and pause, resume and drain; the fleet's trainer pods (component `trainer`,
-    the sync sidecar) pause engines and push weights. `extraIngressFrom` peers get the same
+    the sync sidecar) pause engines and push weights; with the http backend the fleet's
+    engines relay a push's weights to each other. `extraIngressFrom` peers get the same
     port. With a collective backend (nccl, gloo) the trainer (rank 0) and the engines also open
     connections to each other on ports the library picks at run time, so those two may reach every port.
     Egress stays open: engines pull weights from the trainer pod's weights server. The
     kubelet's probes come from the node, which a NetworkPolicy cannot block.
     """
     trainers = _pods({LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_FLEET: ref.name})
+    engines = _pods(component_labels(ref.name, COMPONENT_ENGINE))
     sources = [_pods(component_labels(ref.name, COMPONENT_GATEWAY)), trainers]
+    if spec.weight_sync.backend == HTTP_WEIGHT_BACKEND:
+        sources.append(engines)  # a push's relay chain: each engine stages from the one before it
     if operator_namespace:
         sources.append(
             {
@@ -501,7 +507,7 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
     sources += [peer.wire() for peer in spec.network_policy.extra_ingress_from]
     ingress: list[Manifest] = [{"from": sources, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}]
     if spec.weight_sync.backend in COLLECTIVE_BACKENDS:
-        ingress.append({"from": [trainers, _pods(component_labels(ref.name, COMPONENT_ENGINE))]})
+        ingress.append({"from": [trainers, engines]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

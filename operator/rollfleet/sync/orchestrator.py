@@ -10,7 +10,9 @@ order that keeps the fleet consistent:
    pause every engine (``keep``: in-flight requests are held, not lost).
    Before the pause, with prefetch (the default), every engine stages the weights while it
    serves: it downloads and verifies them into its staging area (memory); an engine whose
-   staging fails is not paused and ends PendingSync.
+   staging fails is not paused and ends PendingSync. With relay (the default) the engines
+   form a chain, each staging from the one before it as its bytes arrive, so the sidecar
+   sends each byte about once; a failed relay falls back to the sidecar.
 3. every paused engine loads in parallel: start_weight_update, update_weights (from its
    staging area, or, without prefetch, downloaded and verified now), finish_weight_update
    (version), then its reported version is checked.
@@ -60,7 +62,7 @@ from rollfleet.sync.protocol import (
 )
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.sync_protocol import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
-from rollfleet_engine.protocol import STAGE_PATH, EngineState, StageState
+from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, EngineState, StageState
 from rollfleet_engine.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class Publisher:
 
 
 STAGE_POLL_S = 0.1
+RELAY_BEGIN_S = 10.0  # an engine that has not begun staging by then is left out of the relay chain
 
 
 async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -122,10 +125,12 @@ class Orchestrator:
         clock: Callable[[], float] = time.monotonic,
         transfer: CallPolicy = TRANSFER,
         prefetch: bool = True,
+        relay: bool = True,
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
         self.transfer = transfer  # update_weights and finish_weight_update: the engine pulls the weights
         self.prefetch = prefetch  # engines stage the weights while serving; the pause covers only the load
+        self.relay = relay  # with prefetch: each engine stages from the one before it, as the bytes arrive
         self.spool = spool
         self._pushes_dir = spool / "pushes"  # streamed weights, one directory per version
         self.pause_mode: PauseMode = pause_mode
@@ -320,11 +325,23 @@ class Orchestrator:
         self, engines: Sequence[EngineRef], target: WeightsRef, progress: dict[str, EngineProgress], status: PushStatus
     ) -> list[WeightsRef | None]:
         """What each engine loads in the pause: with prefetch, its staged copy of `target` (None: it could not
-        stage, and is left out); without, `target` itself, pulled in the pause."""
+        stage, and is left out); without, `target` itself, pulled in the pause.
+
+        With relay, the engines form a chain: the sidecar serves the first, each engine the next one from
+        what it has received so far, so the sidecar sends each byte about once. The stagings are begun in
+        chain order (an engine is staging before the next one asks it), then run together; an engine that
+        does not begin within RELAY_BEGIN_S is left out of the chain."""
         if not self.prefetch:
             return [target] * len(engines)
         t0 = self.clock()
-        refs = await _gather([self._stage(e, target, progress[e.name]) for e in engines])
+        stagings, upstream = [], None
+        for engine in engines:
+            begun: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            stagings.append(asyncio.create_task(self._stage(engine, target, progress[engine.name], upstream, begun)))
+            with contextlib.suppress(TimeoutError):  # slow to answer: the next engine neither waits nor relays
+                if await asyncio.wait_for(asyncio.shield(begun), RELAY_BEGIN_S) and self.relay:
+                    upstream = engine
+        refs = list(await asyncio.gather(*stagings))
         status.prefetch_s = self.clock() - t0
         return refs
 
@@ -339,28 +356,58 @@ class Orchestrator:
 
         return await _gather([one(e, ref) for e, ref in zip(engines, refs, strict=True)])
 
-    async def _stage(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> WeightsRef | None:
-        """Have the engine stage `ref` while it serves; the ref to load from (its staging area), or None."""
+    async def _stage(
+        self,
+        engine: EngineRef,
+        ref: WeightsRef,
+        progress: EngineProgress,
+        upstream: EngineRef | None = None,
+        begun: asyncio.Future[bool] | None = None,
+    ) -> WeightsRef | None:
+        """Have the engine stage `ref` while it serves, relayed by `upstream` if given, else (or if that
+        relay fails) from the sidecar; the ref to load from (its staging area), or None."""
         progress.step = EngineStep.STAGING
         await self.notify()
         t0 = self.clock()
         try:
-            staged = await self.api.stage(engine, {"url": ref.url, "manifest_sha256": ref.manifest_sha256})
-            while staged.state is StageState.STAGING:
-                if self.clock() - t0 > self.transfer.timeout_s:
-                    raise EngineCallError(engine, "GET", STAGE_PATH, f"still staging after {self.transfer.timeout_s} s")
-                await asyncio.sleep(STAGE_POLL_S)  # polling a condition: the engine's download
-                staged = await self.api.stage_status(engine)
-            if staged.manifest_sha256 != ref.manifest_sha256 or staged.staged_url is None:
-                raise EngineCallError(engine, "GET", STAGE_PATH, f"staging {staged.state}: {staged.error}")
+            try:
+                progress.source = upstream.name if upstream is not None else None
+                staged = await self._staged(engine, ref, relay_url(upstream) if upstream else ref.url, begun)
+            except EngineCallError as err:
+                if upstream is None or err.status == 404:
+                    raise
+                log.warning("relay from %s to %s failed, staging from the sidecar: %s", upstream.name, engine.name, err)
+                progress.source, progress.relay_error = None, str(err)
+                staged = await self._staged(engine, ref, ref.url)
         except EngineCallError as err:
             if err.status == 404:  # an engine image without prefetch: it pulls in the pause, as before
                 progress.step = EngineStep.WAITING
                 return ref
             progress.step, progress.error = EngineStep.FAILED, f"staging failed, not paused: {err}"
             return None
+        finally:
+            if begun is not None and not begun.done():
+                begun.set_result(False)
         progress.step, progress.stage_s = EngineStep.STAGED, self.clock() - t0
-        return replace(ref, url=staged.staged_url)
+        return replace(ref, url=staged)
+
+    async def _staged(
+        self, engine: EngineRef, ref: WeightsRef, url: str | None, begun: asyncio.Future[bool] | None = None
+    ) -> str:
+        """Stage `ref` from `url` on the engine; the staged URL it loads from. Raises EngineCallError.
+        `begun` is resolved once the engine has begun (it can relay from then on)."""
+        t0 = self.clock()
+        staged = await self.api.stage(engine, {"url": url, "manifest_sha256": ref.manifest_sha256})
+        if begun is not None and not begun.done():
+            begun.set_result(staged.state in (StageState.STAGING, StageState.STAGED))
+        while staged.state is StageState.STAGING:
+            if self.clock() - t0 > self.transfer.timeout_s:
+                raise EngineCallError(engine, "GET", STAGE_PATH, f"still staging after {self.transfer.timeout_s} s")
+            await asyncio.sleep(STAGE_POLL_S)  # polling a condition: the engine's download
+            staged = await self.api.stage_status(engine)
+        if staged.manifest_sha256 != ref.manifest_sha256 or staged.staged_url is None:
+            raise EngineCallError(engine, "GET", STAGE_PATH, f"staging {staged.state}: {staged.error}")
+        return staged.staged_url
 
     async def pause_engine(self, engine: EngineRef, progress: EngineProgress) -> bool:
         try:
@@ -572,6 +619,11 @@ def _ours(record: FleetRecord, target: WeightsRef) -> FleetRecord:
     if push is None or not push.phase.active or push.target.generation != target.generation:
         raise PushRefused(f"the fleet's record no longer shows push {target.version} as active")
     return record
+
+
+def relay_url(engine: EngineRef) -> str:
+    """Where the next engine of a relay chain stages from: what `engine` is staging, as it arrives."""
+    return engine.url.rstrip("/") + STAGE_RELAY_PATH
 
 
 def _has_weights(source: str | None) -> bool:

@@ -102,6 +102,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "serving, and the pause covers only the load)",
     )
     p.add_argument(
+        "--no-relay",
+        dest="relay",
+        action="store_false",
+        help="with prefetch, every engine downloads from this sidecar (a star) instead of from the engine "
+        "before it in a chain (default: the sidecar sends each byte about once)",
+    )
+    p.add_argument(
         "--max-staleness",
         type=int,
         default=None,
@@ -259,6 +266,7 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
         pause_mode=args.pause_mode,
         default_max_staleness=args.max_staleness,
         prefetch=args.prefetch,
+        relay=args.relay,
     )
 
 

@@ -208,9 +208,13 @@ def test_network_policy_admits_only_gateway_trainers_and_operator_to_the_engine_
     assert ENGINES.items() <= pod_labels.items()
     # ... ingress only (egress stays open: engines pull weights from the trainer pod) ...
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    # ... and one rule: the engine port, from the fleet's gateway and trainers and the operator's pods.
+    # ... and one rule: the engine port, from the fleet's gateway, trainers and engines (a push's relay
+    # chain) and the operator's pods.
     assert policy["spec"]["ingress"] == [
-        {"from": [GATEWAY, TRAINERS, OPERATOR], "ports": [{"protocol": "TCP", "port": contract.ENGINE_PORT}]}
+        {
+            "from": [GATEWAY, TRAINERS, {"podSelector": {"matchLabels": ENGINES}}, OPERATOR],
+            "ports": [{"protocol": "TCP", "port": contract.ENGINE_PORT}],
+        }
     ]
     gateway_pods = desired.gateway_deployment(REF, spec())["spec"]["template"]["metadata"]["labels"]
     assert GATEWAY["podSelector"]["matchLabels"].items() <= gateway_pods.items()
@@ -218,7 +222,7 @@ def test_network_policy_admits_only_gateway_trainers_and_operator_to_the_engine_
 
 def test_network_policy_without_a_known_operator_namespace_names_no_operator_pod() -> None:
     sources = desired.engine_network_policy(REF, spec(), None)["spec"]["ingress"][0]["from"]
-    assert sources == [GATEWAY, TRAINERS]
+    assert sources == [GATEWAY, TRAINERS, {"podSelector": {"matchLabels": ENGINES}}]
 
 
 def test_network_policy_admits_extra_peers_on_the_engine_port() -> None:
@@ -229,7 +233,7 @@ def test_network_policy_admits_extra_peers_on_the_engine_port() -> None:
     ]
     policy = desired.engine_network_policy(REF, spec(networkPolicy={"extraIngressFrom": extra}), "ops")
     rule = policy["spec"]["ingress"][0]
-    assert rule["from"][3:] == extra
+    assert rule["from"][4:] == extra
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 
@@ -242,6 +246,13 @@ def test_collective_fleets_also_admit_trainers_and_engines_on_every_port(backend
 
 def test_http_fleets_admit_the_engine_port_only() -> None:
     assert len(desired.engine_network_policy(REF, spec(), "rollfleet-system")["spec"]["ingress"]) == 1
+
+
+def test_engines_reach_each_others_engine_port_only_to_relay_http_pushes() -> None:
+    engines = {"podSelector": {"matchLabels": ENGINES}}
+    for backend in ("gloo", "none"):
+        rule = desired.engine_network_policy(REF, spec(weightSync={"backend": backend}), "ops")["spec"]["ingress"][0]
+        assert engines not in rule["from"]
 
 
 def test_network_policy_can_be_switched_off_and_is_then_deleted() -> None:

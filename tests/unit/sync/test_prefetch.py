@@ -39,3 +39,28 @@ def test_an_engine_that_cannot_stage_is_not_paused_and_is_caught_up_after_the_co
             assert time.monotonic() < deadline, "the engine that could not stage was never caught up"
             time.sleep(0.2)  # polling a condition: the sidecar's reconcile loop
         assert client.fleet_version().pending_sync == []
+
+
+def test_engines_relay_the_weights_down_a_chain_and_each_verifies_them(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file({"w": torch.randn(512, 512), "b": torch.randn(512)}, str(weights / "model.safetensors"))
+    with receivers(3, tmp_path) as urls, sidecar(urls, tmp_path) as client:
+        status = client.push_dir(weights, "v2")
+        assert status.state is PushState.DONE, status
+        assert [(e.source, e.relay_error) for e in status.engines] == [(None, None), (urls[0], None), (urls[1], None)]
+        assert all(e.step is EngineStep.RESUMED for e in status.engines) and {version_of(u) for u in urls} == {"v2"}
+
+
+def test_an_engine_whose_relay_fails_stages_from_the_sidecar(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file({"w": torch.randn(256, 256)}, str(weights / "model.safetensors"))
+    # The head of the chain cannot stage (100 bytes of room), so it has nothing to relay to the next.
+    with receivers(2, tmp_path, {0: {STAGING_MAX_BYTES_ENV: "100"}}) as urls, sidecar(urls, tmp_path) as client:
+        status = client.push_dir(weights, "v2")
+        head, second = status.engines
+        assert head.step is EngineStep.PENDING_SYNC and STAGING_MAX_BYTES_ENV in (head.error or ""), head
+        assert second.step is EngineStep.RESUMED and second.source is None, second
+        assert "not staging" in (second.relay_error or ""), second
+        assert version_of(urls[1]) == "v2"
