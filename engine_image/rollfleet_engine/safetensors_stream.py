@@ -134,13 +134,18 @@ ReadInto = Callable[[memoryview], int]
 Sink = Callable[[memoryview], object]
 
 
+# With a sink, bytes are read (and passed on) in pieces of at most this much: a buffered reader fills
+# what it is given, so a whole tensor (hundreds of MiB in a large model) would reach a relay at once.
+_SINK_PIECE = 1 << 20
+
+
 def _read_exact(read_into: ReadInto, n: int, what: str, sink: Sink | None = None) -> bytearray:
     """`n` bytes; each piece also goes to `sink` as soon as it is read (a relay forwards it on)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = read_into(view[got:])
+        k = read_into(view[got : got + _SINK_PIECE] if sink is not None else view[got:])
         if not k:
             raise TransferError(f"stream ended after {got} of {n} bytes of {what} (truncated transfer)")
         if sink is not None:
