@@ -42,7 +42,8 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 from vllm.logger import init_logger
 
-from rollfleet_engine.protocol import GLOO_WEIGHT_BACKEND
+from rollfleet_engine.protocol import GLOO_WEIGHT_BACKEND, MIXED_WEIGHTS_MARK
+from rollfleet_engine.reload import abandon_layerwise_reload
 
 logger = init_logger(__name__)
 
@@ -111,19 +112,19 @@ class RecoveringNCCLWeightTransferEngine(NCCLWeightTransferEngine):
     """vLLM's NCCL worker engine, able to take the next update after one that failed midway.
 
     vLLM's layerwise reload keeps what a failed update buffered, and its next update would
-    load that first; this engine drops it (``_abandon_layerwise_reload``). The plugin
+    load that first; this engine drops it (``reload.abandon_layerwise_reload``). The plugin
     registers it as ``nccl`` in place of vLLM's own class.
     """
 
     def start_weight_update(self) -> None:
-        _abandon_layerwise_reload(self.model)  # what a failed update left half-loaded
+        abandon_layerwise_reload(self.model)  # what a failed update left half-loaded
         super().start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
             self._update(update_info)
         except Exception:
-            _abandon_layerwise_reload(self.model)
+            abandon_layerwise_reload(self.model)
             raise
 
     def _update(self, update_info: dict[str, Any]) -> None:
@@ -173,32 +174,9 @@ class GlooWeightTransferEngine(RecoveringNCCLWeightTransferEngine):
         # tensor the model refuses is reported only after the whole broadcast was received.
         if refused is not None:
             culprit, cause = refused
-            raise ValueError(f"the pushed weights do not fit the model: {culprit!r}: {cause}") from cause
-
-
-def _abandon_layerwise_reload(model: torch.nn.Module) -> None:
-    """End a layerwise reload that will not finish: layers still waiting for tensors get their current
-    weights back, and drop what they buffered (else the next update would load it). Layers already
-    complete keep the new values, so the model is mixed: the engine stays not intact until a full update.
-    vLLM has no public call for this (finalize would load the partial buffers), hence its helpers."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        _get_original_loader,
-        _place_kernel_tensors,
-        get_layerwise_info,
-    )
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
-    if hasattr(model, "_original_do_torchao_reload"):
-        model._do_torchao_reload = model._original_do_torchao_reload
-    for layer in model.modules():
-        info = get_layerwise_info(layer)
-        if not info.can_load():
-            continue
-        if info.kernel_tensors is not None:
-            _place_kernel_tensors(layer, info)
-        for tensor in get_layer_tensors(layer).values():
-            tensor.weight_loader = _get_original_loader(tensor)
-        info.reset()
+            raise ValueError(
+                f"{MIXED_WEIGHTS_MARK} the pushed weights do not fit the model: {culprit!r}: {cause}"
+            ) from cause
 
 
 class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):

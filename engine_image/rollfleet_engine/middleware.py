@@ -17,10 +17,12 @@ from urllib.parse import parse_qs
 from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.protocol import (
     FINISH_WEIGHT_UPDATE_PATH,
+    MIXED_WEIGHTS_MARK,
     PAUSE_PATH,
     REQUEST_ID_HEADER,
     RESUME_PATH,
     START_WEIGHT_UPDATE_PATH,
+    UPDATE_WEIGHTS_PATH,
     WEIGHT_VERSION_HEADER,
     parse_pause_mode,
 )
@@ -37,6 +39,7 @@ TRACKED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages"}
 )
 _VERSION_ROUTES = frozenset({FINISH_WEIGHT_UPDATE_PATH, "/update_weight_version"})
+_LOADING_ROUTES = frozenset({UPDATE_WEIGHTS_PATH, FINISH_WEIGHT_UPDATE_PATH})
 _NOT_INTACT = (
     "the weights are partly updated (an in-place weight update started and did not finish); "
     "push the full weights again (start, update, finish) before resuming"
@@ -64,8 +67,13 @@ class RollfleetMiddleware:
         if path == RESUME_PATH and not self.runtime.weights_intact:
             await _json(send, 409, {"error": _NOT_INTACT})
             return
-        status = await _run_capturing_status(self.app, scope, receive, send)
-        if status == 200:
+        answer = _Answer()
+        try:
+            await answer.run(self.app, scope, receive, send, keep_error_body=path in _LOADING_ROUTES)
+        finally:  # vLLM's error middleware answers 500, then re-raises
+            if MIXED_WEIGHTS_MARK.encode() in answer.error_body:
+                self.runtime.weights_intact = False  # a load failed after some layers took new values
+        if answer.status == 200:
             await self._after_control(path, scope)
 
     async def _after_control(self, path: str, scope: Scope) -> None:
@@ -115,17 +123,24 @@ class RollfleetMiddleware:
             tracker.close(caller)
 
 
-async def _run_capturing_status(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> int | None:
-    status: int | None = None
+class _Answer:
+    """What the app answered: its status and, for an error of a route that loads weights, its body."""
 
-    async def capture(message: Message) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        await send(message)
+    _KEPT = 64 << 10
 
-    await app(scope, receive, capture)
-    return status
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.error_body = b""
+
+    async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, keep_error_body: bool) -> None:
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+            elif keep_error_body and self.status != 200 and len(self.error_body) < self._KEPT:
+                self.error_body += message.get("body", b"")[: self._KEPT]
+            await send(message)
+
+        await app(scope, receive, capture)
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -64,6 +64,9 @@ GLOO_WEIGHT_BACKEND = "gloo"  # the CPU twin of vLLM's nccl: the same broadcast 
 # which load each tensor as it arrives, so from start_weight_update until finish_weight_update the model
 # holds no one version (the http backend loads at finish). "nccl" is vLLM's own.
 COLLECTIVE_BACKENDS = frozenset({GLOO_WEIGHT_BACKEND, "nccl"})
+# In the error of a weight route whose load failed after some layers took new values: the middleware
+# finds it in the answer and reports the engine not intact (EngineState.weights_intact).
+MIXED_WEIGHTS_MARK = "[rollfleet: weights partly loaded]"
 
 
 class AbortStatus(StrEnum):

@@ -102,6 +102,21 @@ def shard_from_tensors(tensors: Mapping[str, Any], path: str) -> MemoryShard:
     return MemoryShard(Shard(path=path, size=len(header) + offset, tensors=entries), header, buffers)
 
 
+Layout = dict[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
+
+
+def read_layout(directory: Path) -> Layout:
+    """Every tensor's dtype and shape in the .safetensors files of `directory`, from their headers only."""
+    layout: Layout = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (n,) = _HEADER_LEN.unpack(f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        layout.update({name: (meta["dtype"], tuple(meta["shape"])) for name, meta in header.items()})
+    return layout
+
+
 def shard_from_file(file: Path, path: str) -> Shard:
     """Describe an existing .safetensors file (reads it once to hash every tensor, on every core)."""
     with file.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:

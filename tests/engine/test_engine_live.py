@@ -200,13 +200,16 @@ def test_abort_non_streaming_returns_partial_output(engine: Engine) -> None:
     t.start()
     # A non-streaming request shows no tokens until it ends; a streaming companion decoding in
     # the same batch shows that decoding is under way.
-    companion = Stream(engine, rid("companion"), 64)
+    companion = Stream(engine, rid("companion"), 256)
     companion.wait_tokens(8)
     # On a loaded host the thread's request may reach the engine after the companion decodes.
     deadline = time.monotonic() + 60
     while engine.client.get(f"{engine.url}/rollfleet/v1/requests/{request_id}").json().get("phase") != "running":
         assert time.monotonic() < deadline, "the request never ran on the engine"
         time.sleep(0.05)
+    # "running" is from its admission; it shows no tokens before it ends, so a few decoding steps of the
+    # companion (the same batch) say that it has some.
+    companion.wait_tokens(len(companion.tokens) + 4)
     r = control(engine, "/rollfleet/v1/abort", json={"request_ids": [request_id]})
     assert r.json()["results"] == {request_id: "aborted"}
     t.join(120)
@@ -357,6 +360,44 @@ def test_prefetched_weights_load_from_the_staging_area(engine: Engine) -> None:
     assert control(engine, "/update_weights", json={"update_info": staged_info}).status_code == 200
     assert control(engine, "/finish_weight_update", json={"weight_version": "a-staged"}).status_code == 200
     assert state(engine)["weight_version"] == "a-staged"
+    assert [
+        complete(engine, p, max_tokens, ignore_eos=True).json()["choices"][0]["token_ids"] for p in prompts
+    ] == ref_a
+
+
+def test_weights_that_do_not_fit_fail_the_load_and_the_engine_refuses_to_resume_until_a_full_update(
+    engine: Engine,
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    prompts, max_tokens = [[5, 6, 7, 8], [40, 41, 42]], 12
+    ref_a = _reference_greedy(str(engine.model_dir), prompts, max_tokens)
+    host = engine.url.split("//")[1].split(":")[0]
+    bad = load_file(str(engine.model_dir / "model.safetensors"))
+    last = sorted(bad)[-1]  # loaded after the others: some layers take the new values first
+    bad[last] = torch.zeros(bad[last].shape[0] + 1, *bad[last].shape[1:], dtype=bad[last].dtype)
+    assert control(engine, "/pause", params={"mode": "keep"}).status_code == 200
+    try:
+        for weights, ok in ((bad, False), (engine.model_dir, True)):
+            server = WeightsServer(weights, host=host)
+            server.start()
+            try:
+                assert control(engine, "/start_weight_update").status_code == 200
+                update = control(engine, "/update_weights", json={"update_info": server.update_info()})
+                finish = control(engine, "/finish_weight_update", json={"weight_version": f"fit-{ok}"})
+            finally:
+                server.stop()
+            # Every tensor verified, then the load: it fails at the tensor that does not fit.
+            assert (update.status_code == 200) is ok and (finish.status_code == 200) is ok, (update.text, finish.text)
+            assert state(engine)["weights_intact"] is ok
+            if not ok:
+                assert "do not fit the model" in update.text and "Attempted to load weight" in update.text
+                refused = control(engine, "/resume")
+                assert refused.status_code == 409 and "partly updated" in refused.text  # checked at the engine
+    finally:
+        assert control(engine, "/resume").status_code == 200
+    assert state(engine)["weight_version"] == "fit-True"
     assert [
         complete(engine, p, max_tokens, ignore_eos=True).json()["choices"][0]["token_ids"] for p in prompts
     ] == ref_a

@@ -20,13 +20,13 @@ from rollfleet.sync.protocol import EngineObservation, InFlight
 
 
 async def observe(api: EngineClient, engine: EngineRef) -> EngineObservation:
-    """Version and pause state; an unreachable engine, or one whose weights are mixed after an in-place
-    update that did not finish, reads as version None: it is on no version, and is never resumed."""
+    """Version, pause state and whether its weights are one version; an unreachable engine reads as version
+    None. One whose weights are mixed (an update that failed midway) serves no version and is never resumed."""
     try:
         s = await api.state(engine, CONTROL)
     except EngineCallError:
         return EngineObservation(version=None)
-    return EngineObservation(version=s.served_version, paused=s.paused)
+    return EngineObservation(version=s.weight_version, paused=s.paused, intact=s.weights_intact)
 
 
 async def in_flight(api: EngineClient, engine: EngineRef) -> list[InFlight]:

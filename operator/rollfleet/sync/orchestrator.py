@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -53,6 +54,7 @@ from rollfleet.sync.protocol import (
     begin_push,
     commit,
     complete,
+    layout_change,
     max_staleness,
     needs_catch_up,
     plan_recovery,
@@ -63,6 +65,7 @@ from rollfleet.sync.protocol import (
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.sync_protocol import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
 from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, EngineState, StageState
+from rollfleet_engine.safetensors_stream import read_layout
 from rollfleet_engine.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
@@ -144,27 +147,37 @@ class Orchestrator:
 
     # --- the trainer's API -------------------------------------------------------------
 
-    async def stage_stream(self, version: str, chunks: AsyncIterator[bytes]) -> Path:
-        """Write a streamed safetensors shard into the spool; returns its directory."""
+    async def stage_stream(self, version: str, chunks: AsyncIterator[bytes], expected: int | None = None) -> Path:
+        """Write a streamed safetensors shard (`expected` bytes, when the trainer said) into the spool; returns
+        its directory. A stream that breaks off or ends short leaves nothing behind and changes nothing."""
         self.refuse_if_running()
         record = await read_record(self.store)
         if record.generation_of(version) is not None:
             raise PushRefused(f"version {version!r} was already pushed; every push needs a new version label")
         final = self._pushes_dir / version
-        partial = self._pushes_dir / f".{version}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
+        # A directory of its own: a stream that broke off may not have noticed yet when the trainer sends again.
+        partial = self._pushes_dir / f".{version}.{uuid.uuid4().hex[:8]}.partial"
         partial.mkdir(parents=True)
         # No fsync: the spool's job is to survive a restart of this container, and the
         # page cache does; fsyncing a gigabyte would add seconds to every push.
         loop = asyncio.get_running_loop()
-        with (partial / _STREAM_FILE).open("wb") as f:
-            writing: asyncio.Future[int] | None = None
-            async for chunk in chunks:
-                if writing is not None:  # double-buffered: a chunk is written while the next one arrives
+        received = 0
+        try:
+            with (partial / _STREAM_FILE).open("wb") as f:
+                writing: asyncio.Future[int] | None = None
+                async for chunk in chunks:
+                    if writing is not None:  # double-buffered: a chunk is written while the next one arrives
+                        await writing
+                    writing = loop.run_in_executor(None, f.write, chunk)
+                    received += len(chunk)
+                if writing is not None:
                     await writing
-                writing = loop.run_in_executor(None, f.write, chunk)
-            if writing is not None:
-                await writing
+            if expected is not None and received != expected:
+                raise PushRefused(f"the stream ended after {received} of {expected} bytes")
+        except Exception as err:
+            shutil.rmtree(partial, ignore_errors=True)
+            why = err if isinstance(err, PushRefused) else f"the stream broke off after {received} bytes ({err!r})"
+            raise PushRefused(f"{why}: the trainer stopped sending; nothing was pushed") from err
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return final
@@ -191,6 +204,7 @@ class Orchestrator:
             record = await read_record(self.store)
             generation = record.generation + 1
             begin_push(record, WeightsRef(version, generation), time.time())  # refuse early, before hashing
+            await asyncio.to_thread(_refuse_another_layout, source, record.committed)
             url, sha, nbytes = await self.publisher.serve(source)
             target = WeightsRef(version, generation, url=url, manifest_sha256=sha, source=str(source))
             try:
@@ -241,7 +255,7 @@ class Orchestrator:
         data, _ = await self.store.read()
         engines = await self.discovery.engines()
         observed = await _gather([observe(self.api, e) for e in engines])
-        fv = fleet_weight_version(data, {e.name: o.version for e, o in zip(engines, observed, strict=True)})
+        fv = fleet_weight_version(data, {e.name: o.served for e, o in zip(engines, observed, strict=True)})
         last = self._pushes[max(self._pushes)] if self._pushes else None
         return FleetVersionView(
             version=fv.version,
@@ -425,7 +439,7 @@ class Orchestrator:
     async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
         """Bring one paused engine to ``ref``; True once it reports that version."""
         obs = await observe(self.api, engine)
-        if obs.version == ref.version:
+        if obs.served == ref.version:
             progress.step = EngineStep.VERIFIED
             return True
         progress.step = EngineStep.TRANSFERRING
@@ -459,7 +473,7 @@ class Orchestrator:
         async def one(engine: EngineRef) -> None:
             p = progress.setdefault(engine.name, EngineProgress(name=engine.name))
             obs = await observe(self.api, engine)
-            if obs.reachable and (committed is None or obs.version == committed):
+            if obs.reachable and obs.intact and (committed is None or obs.version == committed):
                 try:
                     await self.api.resume(engine)
                     p.step = EngineStep.RESUMED
@@ -498,7 +512,7 @@ class Orchestrator:
             if active:
                 await self._recover(record, engines, observed)
             elif record.committed is None:
-                versions, templates = [o.version for o in observed.values()], await self.discovery.templates()
+                versions, templates = [o.served for o in observed.values()], await self.discovery.templates()
                 await update(self.store, lambda r: adopt_initial(r, versions, templates))
             else:
                 for engine in behind:
@@ -536,14 +550,14 @@ class Orchestrator:
             if action is RecoveryAction.REPUSH_PREVIOUS:
                 assert push.previous is not None
                 previous = replace(push.previous, url=await self._serve_ref(push.previous))
-                behind = [e for e, o in observed.items() if o.version == push.target.version]
+                behind = [e for e, o in observed.items() if o.served == push.target.version]
                 await _gather([self._sync_engine(e, previous, progress[e.name]) for e in behind])
             if action in (RecoveryAction.ROLL_BACK, RecoveryAction.REPUSH_PREVIOUS):
                 record = await update(self.store, lambda r: roll_back(_ours(r, push.target), status.message))
                 await self._serve_committed(record)
                 status.state = PushState.ROLLED_BACK
             elif action is RecoveryAction.COMMIT_PARTIAL:
-                failed = [e.name for e, o in observed.items() if o.version != push.target.version]
+                failed = [e.name for e, o in observed.items() if o.served != push.target.version]
                 record = await update(self.store, lambda r: commit(_ours(r, push.target), failed, status.message))
             await self.settle(record, engines, progress)
             if record.push is not None and record.push.phase.active:  # RESUME or COMMIT_PARTIAL
@@ -619,6 +633,21 @@ def _ours(record: FleetRecord, target: WeightsRef) -> FleetRecord:
     if push is None or not push.phase.active or push.target.generation != target.generation:
         raise PushRefused(f"the fleet's record no longer shows push {target.version} as active")
     return record
+
+
+def _refuse_another_layout(source: Path, committed: WeightsRef | None) -> None:
+    """Weights whose tensors differ (names, dtypes, shapes) from the fleet's current ones would fail in the
+    engines' load, midway: refused before anything changes. Only known when the current version was pushed
+    (its files are kept); the engines' initial weights are checked by the engines' load alone."""
+    if committed is None or not _has_weights(committed.source):
+        return
+    assert committed.source is not None
+    change = layout_change(read_layout(Path(committed.source)), read_layout(source))
+    if change is not None:
+        raise PushRefused(
+            f"these weights do not match the fleet's current ones ({committed.version}): {change}; "
+            "push weights of the model the engines serve"
+        )
 
 
 def relay_url(engine: EngineRef) -> str:

@@ -275,14 +275,37 @@ def _active(record: FleetRecord) -> PushRecord:
 
 @dataclass(frozen=True)
 class EngineObservation:
-    """One engine as the sidecar sees it: None version means unreachable."""
+    """One engine as the sidecar sees it: None version means unreachable. `intact` is false while its
+    weights are no one version (EngineState.weights_intact): then it serves no version (`served`)."""
 
     version: str | None
     paused: bool | None = None
+    intact: bool = True
 
     @property
     def reachable(self) -> bool:
         return self.version is not None
+
+    @property
+    def served(self) -> str | None:
+        return self.version if self.intact else None
+
+
+def layout_change(
+    current: Mapping[str, tuple[str, tuple[int, ...]]], new: Mapping[str, tuple[str, tuple[int, ...]]], shown: int = 3
+) -> str | None:
+    """How a push's tensors (name -> dtype, shape) differ from the fleet's current ones, or None."""
+    problems = [f"{name!r} is not in the current weights" for name in sorted(set(new) - set(current))]
+    problems += [f"{name!r} is missing" for name in sorted(set(current) - set(new))]
+    problems += [
+        f"{name!r} is {new[name][0]} {list(new[name][1])}, the current one {current[name][0]} {list(current[name][1])}"
+        for name in sorted(set(new) & set(current))
+        if new[name] != current[name]
+    ]
+    if not problems:
+        return None
+    more = f" (and {len(problems) - shown} more)" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more
 
 
 def should_commit(succeeded: Sequence[str]) -> bool:
@@ -322,7 +345,7 @@ def plan_recovery(
         return RecoveryAction.RESUME
     if target_source_exists:
         return RecoveryAction.ROLL_FORWARD
-    if not any(o.version == push.target.version for o in observed.values()):
+    if not any(o.served == push.target.version for o in observed.values()):
         return RecoveryAction.ROLL_BACK
     if previous_source_exists:
         return RecoveryAction.REPUSH_PREVIOUS
@@ -346,10 +369,10 @@ def routable(version: str | None, record: FleetRecord) -> bool:
 
 
 def needs_catch_up(obs: EngineObservation, record: FleetRecord) -> bool:
-    """A reachable engine, not on the committed version, that can pull it."""
+    """A reachable engine, not on the committed version (or with mixed weights), that can pull it."""
     c = record.committed
     active = record.push is not None and record.push.phase.active
-    return obs.reachable and c is not None and c.url is not None and obs.version != c.version and not active
+    return obs.reachable and c is not None and c.url is not None and obs.served != c.version and not active
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ def build_app(orch: Orchestrator) -> web.Application:
             return web.json_response({"error": str(err)}, status=400)
         try:
             t0 = time.monotonic()
-            source = await orch.stage_stream(version, request.content.iter_chunked(_CHUNK))
+            source = await orch.stage_stream(version, request.content.iter_chunked(_CHUNK), request.content_length)
             received = time.monotonic() - t0
             status = await orch.submit(version, source, received)
         except PushRefused as err:

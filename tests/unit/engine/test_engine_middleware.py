@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
 from rollfleet_engine.access import AccessPolicy
 from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.middleware import RollfleetMiddleware
+from rollfleet_engine.protocol import MIXED_WEIGHTS_MARK
 from rollfleet_engine.runtime import Runtime
 
 
@@ -108,3 +110,25 @@ def test_an_http_update_loads_at_finish_so_its_start_leaves_the_weights_intact()
     assert call(mw, "/start_weight_update", CONTROL)["status"] == 200
     assert runtime.weights_intact is True
     assert call(mw, "/resume", CONTROL)["status"] == 200
+
+
+class FailingApp:
+    """vLLM's answer to a weight route whose worker raised: a 500 with the error, then the exception."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = json.dumps({"error": {"message": self.error}}).encode()
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+        raise RuntimeError(self.error)
+
+
+def test_a_load_that_failed_midway_leaves_the_weights_not_intact_and_a_transfer_that_failed_does_not() -> None:
+    _, _, runtime = make("http")
+    for error, intact in (("sha256 mismatch", True), (f"{MIXED_WEIGHTS_MARK} does not fit", False)):
+        mw = RollfleetMiddleware(FailingApp(error), runtime)
+        with contextlib.suppress(RuntimeError):
+            call(mw, "/update_weights", CONTROL)
+        assert runtime.weights_intact is intact, error

@@ -49,4 +49,6 @@ def test_an_engine_with_mixed_weights_is_on_no_version() -> None:
         return httpx.Response(200, json={**ANSWERS[STATE_PATH], "weights_intact": False})
 
     api = EngineClient("token", transport=httpx.MockTransport(mixed))
-    assert asyncio.run(observe(api, ENGINE)) == EngineObservation(version=None, paused=True)
+    observed = asyncio.run(observe(api, ENGINE))
+    assert observed == EngineObservation(version="v2", paused=True, intact=False)
+    assert observed.reachable and observed.served is None

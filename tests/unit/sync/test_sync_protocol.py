@@ -28,6 +28,7 @@ from rollfleet.sync.protocol import (
     complete,
     decode_record,
     encode_record,
+    layout_change,
     max_staleness,
     needs_catch_up,
     operator_fields,
@@ -186,6 +187,7 @@ def test_catch_up_only_without_an_active_push_and_with_a_source() -> None:
     done = complete(commit(pushing_b()))
     assert needs_catch_up(EngineObservation("A"), done)
     assert not needs_catch_up(EngineObservation("B"), done)
+    assert needs_catch_up(EngineObservation("B", intact=False), done)  # labelled B, its weights mixed
     assert not needs_catch_up(EngineObservation(None), done)
     assert not needs_catch_up(EngineObservation("A"), commit(pushing_b()))  # resuming: not yet
     assert not needs_catch_up(EngineObservation("Z"), on_a())  # initial weights: no url to pull from
@@ -213,3 +215,12 @@ def test_max_staleness_from_the_fleet_overrides_the_flag() -> None:
     for bad in ("-1", "two", "1.5"):  # refused naming the annotation and what it takes
         with pytest.raises(ValueError, match=r"max-staleness.*whole number >= 0"):
             max_staleness({ANNOTATION_MAX_STALENESS: bad}, None)
+
+
+def test_a_layout_change_names_what_differs_and_no_change_is_none() -> None:
+    current = {"w": ("F32", (4, 4)), "b": ("F32", (4,)), "n": ("BF16", (4,))}
+    assert layout_change(current, dict(current)) is None
+    new = {"w": ("F32", (4, 5)), "n": ("F32", (4,)), "x": ("F32", (1,))}
+    assert layout_change(current, new) == (
+        "'x' is not in the current weights; 'b' is missing; 'n' is F32 [4], the current one BF16 [4] (and 1 more)"
+    )
