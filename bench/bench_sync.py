@@ -258,7 +258,7 @@ def fanout_trainer(spec_json: str) -> None:
     spec = json.loads(spec_json)
     nodes = [netsim.Node(netns, address) for netns, address in spec["receivers"]]
     tmp, ckpts = Path(spec["tmp"]), [Path(c) for c in spec["ckpts"]]
-    flags = () if spec["relay"] else ("--no-relay",)
+    flags = ("--relay-min-engines", "2") if spec["relay"] else ("--no-relay",)
     with (
         receivers(len(nodes), tmp, nodes=nodes) as urls,
         sidecar(urls, tmp, *flags, weights_host=spec["trainer"]) as client,

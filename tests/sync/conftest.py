@@ -180,6 +180,9 @@ def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -
         "0.5",
         "--transfer-timeout",
         "120",
+        # The two engines relay to each other (the sidecar chains from 3 engines by default).
+        "--relay-min-engines",
+        "2",
     ]
     car = Sidecar(cmd=cmd, url=f"http://{host}:{port}", log=tmp / "sidecar.log")
     car.start()

@@ -109,6 +109,9 @@ class Publisher:
 
 STAGE_POLL_S = 0.1
 RELAY_BEGIN_S = 10.0  # an engine that has not begun staging by then is left out of the relay chain
+# A chain costs every engine a second copy of the bytes and a hop; it saves the sidecar's uplink a copy per
+# engine. With a couple of engines the uplink is seldom the limit (and on one host, never): a star, then.
+DEFAULT_RELAY_MIN_ENGINES = 3
 
 
 async def _gather(calls: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -128,12 +131,13 @@ class Orchestrator:
         clock: Callable[[], float] = time.monotonic,
         transfer: CallPolicy = TRANSFER,
         prefetch: bool = True,
-        relay: bool = True,
+        relay_min_engines: int | None = DEFAULT_RELAY_MIN_ENGINES,
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
         self.transfer = transfer  # update_weights and finish_weight_update: the engine pulls the weights
         self.prefetch = prefetch  # engines stage the weights while serving; the pause covers only the load
-        self.relay = relay  # with prefetch: each engine stages from the one before it, as the bytes arrive
+        # With prefetch and at least this many engines (None: never), each engine stages from the one before it.
+        self.relay_min_engines = relay_min_engines
         self.spool = spool
         self._pushes_dir = spool / "pushes"  # streamed weights, one directory per version
         self.pause_mode: PauseMode = pause_mode
@@ -341,19 +345,20 @@ class Orchestrator:
         """What each engine loads in the pause: with prefetch, its staged copy of `target` (None: it could not
         stage, and is left out); without, `target` itself, pulled in the pause.
 
-        With relay, the engines form a chain: the sidecar serves the first, each engine the next one from
-        what it has received so far, so the sidecar sends each byte about once. The stagings are begun in
-        chain order (an engine is staging before the next one asks it), then run together; an engine that
-        does not begin within RELAY_BEGIN_S is left out of the chain."""
+        With relay (`relay_min_engines` or more engines), the engines form a chain: the sidecar serves the
+        first, each engine the next one from what it has received so far, so the sidecar sends each byte
+        about once. The stagings are begun in chain order (an engine is staging before the next one asks
+        it), then run together; an engine that does not begin within RELAY_BEGIN_S is left out of the chain."""
         if not self.prefetch:
             return [target] * len(engines)
         t0 = self.clock()
+        relay = self.relay_min_engines is not None and len(engines) >= self.relay_min_engines
         stagings, upstream = [], None
         for engine in engines:
             begun: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             stagings.append(asyncio.create_task(self._stage(engine, target, progress[engine.name], upstream, begun)))
             with contextlib.suppress(TimeoutError):  # slow to answer: the next engine neither waits nor relays
-                if await asyncio.wait_for(asyncio.shield(begun), RELAY_BEGIN_S) and self.relay:
+                if await asyncio.wait_for(asyncio.shield(begun), RELAY_BEGIN_S) and relay:
                     upstream = engine
         refs = list(await asyncio.gather(*stagings))
         status.prefetch_s = self.clock() - t0

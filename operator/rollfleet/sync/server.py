@@ -29,7 +29,7 @@ from rollfleet.errors import RollfleetError
 from rollfleet.kube import Kube, load_client
 from rollfleet.sync.collective import CollectiveDriver, GroupStale
 from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
-from rollfleet.sync.orchestrator import Orchestrator, Publisher
+from rollfleet.sync.orchestrator import DEFAULT_RELAY_MIN_ENGINES, Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import ConfigMapStore, FileStore, RecordStore
 from rollfleet_client.sync_protocol import (
@@ -101,12 +101,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engines download the weights while paused, as before prefetch (default: they stage them while "
         "serving, and the pause covers only the load)",
     )
-    p.add_argument(
+    relay = p.add_mutually_exclusive_group()
+    relay.add_argument(
+        "--relay-min-engines",
+        type=int,
+        default=DEFAULT_RELAY_MIN_ENGINES,
+        help="with prefetch and at least this many engines, each engine stages from the engine before it in "
+        "a chain, so this sidecar sends each byte about once (default: %(default)s)",
+    )
+    relay.add_argument(
         "--no-relay",
-        dest="relay",
-        action="store_false",
-        help="with prefetch, every engine downloads from this sidecar (a star) instead of from the engine "
-        "before it in a chain (default: the sidecar sends each byte about once)",
+        dest="relay_min_engines",
+        action="store_const",
+        const=None,
+        help="every engine downloads from this sidecar (a star), whatever the fleet's size",
     )
     p.add_argument(
         "--max-staleness",
@@ -266,7 +274,7 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
         pause_mode=args.pause_mode,
         default_max_staleness=args.max_staleness,
         prefetch=args.prefetch,
-        relay=args.relay,
+        relay_min_engines=args.relay_min_engines,
     )
 
 

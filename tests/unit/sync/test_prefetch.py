@@ -45,7 +45,7 @@ def test_engines_relay_the_weights_down_a_chain_and_each_verifies_them(tmp_path:
     weights = tmp_path / "weights"
     weights.mkdir()
     save_file({"w": torch.randn(512, 512), "b": torch.randn(512)}, str(weights / "model.safetensors"))
-    with receivers(3, tmp_path) as urls, sidecar(urls, tmp_path) as client:
+    with receivers(3, tmp_path) as urls, sidecar(urls, tmp_path, "--relay-min-engines", "3") as client:
         status = client.push_dir(weights, "v2")
         assert status.state is PushState.DONE, status
         assert [(e.source, e.relay_error) for e in status.engines] == [(None, None), (urls[0], None), (urls[1], None)]
@@ -57,7 +57,10 @@ def test_an_engine_whose_relay_fails_stages_from_the_sidecar(tmp_path: Path) -> 
     weights.mkdir()
     save_file({"w": torch.randn(256, 256)}, str(weights / "model.safetensors"))
     # The head of the chain cannot stage (100 bytes of room), so it has nothing to relay to the next.
-    with receivers(2, tmp_path, {0: {STAGING_MAX_BYTES_ENV: "100"}}) as urls, sidecar(urls, tmp_path) as client:
+    with (
+        receivers(2, tmp_path, {0: {STAGING_MAX_BYTES_ENV: "100"}}) as urls,
+        sidecar(urls, tmp_path, "--relay-min-engines", "2") as client,
+    ):
         status = client.push_dir(weights, "v2")
         head, second = status.engines
         assert head.step is EngineStep.PENDING_SYNC and STAGING_MAX_BYTES_ENV in (head.error or ""), head
