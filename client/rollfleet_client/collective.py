@@ -72,7 +72,6 @@ class FleetWeightSync:
     def start_weight_update(self) -> None:
         if self.version is None:
             raise SidecarError("set the push's version before sending (CollectivePusher.push does)")
-        self.started, self.finished = None, None
         resp = self._post(COLLECTIVE_START_PATH, CollectiveStart(version=self.version).model_dump_json())
         self.started = PushStatus.model_validate(resp.json())
 
@@ -121,7 +120,8 @@ class CollectivePusher:
         only some engines returns DONE with the others in ``pending_sync``: they rejoin at the next push.
         """
         check_version(version)
-        self.client.version = version
+        # What the sidecar says of this push only: a failure before start must not read the last push's.
+        self.client.version, self.client.started, self.client.finished = version, None, None
         for attempt in range(2):
             if self._engine is None:
                 self._form()

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from rollfleet_client.collective import CollectivePusher, state_dict_source
 from rollfleet_client.errors import PushFailed
-from rollfleet_client.sync_protocol import EngineStep, PushState
+from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
 from tests.sync.conftest import EngineProcess, Sidecar
 from tests.sync.test_sync_live import fresh_version, greedy, state, wait_until
 
@@ -39,6 +39,21 @@ def pusher_for(sidecar: Sidecar, state_dict: dict[str, torch.Tensor]) -> Collect
     )
 
 
+def push_and_check(
+    sidecar: Sidecar, engines: list[EngineProcess], weights_dir: Path, expected: list[list[int]]
+) -> PushStatus:
+    """A good push: every engine on it, intact and serving, computing as transformers does; none pending."""
+    with pusher_for(sidecar, tensors(weights_dir)) as pusher:
+        status = pusher.push(fresh_version(weights_dir.name))
+    assert status.state is PushState.DONE, status
+    for e in engines:
+        s = state(e.engine)
+        assert (s["weight_version"], s["weights_intact"], s["paused"]) == (status.version, True, False), s
+        assert greedy(e.engine) == expected
+    assert sidecar.client().fleet_version().pending_sync == []
+    return status
+
+
 def test_a_collective_push_reaches_every_engine_and_matches_transformers(
     collective_engines: list[EngineProcess],
     collective_sidecar: Sidecar,
@@ -47,19 +62,9 @@ def test_a_collective_push_reaches_every_engine_and_matches_transformers(
 ) -> None:
     client = collective_sidecar.client()
     wait_until("the sidecar adopts the engines' version", lambda: client.fleet_version().version is not None)
-    version = fresh_version("B")
-
-    with pusher_for(collective_sidecar, tensors(weights_dirs["B"])) as pusher:
-        status = pusher.push(version)
-
-    assert status.state is PushState.DONE, status
+    status = push_and_check(collective_sidecar, collective_engines, weights_dirs["B"], references["B"])
     assert [e.step for e in status.engines] == [EngineStep.RESUMED] * 2, status
-    for e in collective_engines:
-        s = state(e.engine)
-        assert (s["weight_version"], s["paused"], s["weights_intact"]) == (version, False, True)
-        assert greedy(e.engine) == references["B"]
-    fv = client.fleet_version()
-    assert (fv.version, fv.pending_sync) == (version, [])
+    assert client.fleet_version().version == status.version
 
 
 def test_a_restarted_engine_waits_out_of_routing_then_the_next_push_brings_it_up(
@@ -76,16 +81,9 @@ def test_a_restarted_engine_waits_out_of_routing_then_the_next_push_brings_it_up
     wait_until(
         "the restarted engine is pending sync", lambda: restarted.engine.url in client.fleet_version().pending_sync
     )
-    with pusher_for(collective_sidecar, tensors(weights_dirs["B"])) as pusher:
-        assert not pusher.client.group().formed  # the group changed: the pusher forms it again
-        version = fresh_version("B")
-        status = pusher.push(version)
-
-    assert status.state is PushState.DONE, status
-    for e in collective_engines:
-        assert state(e.engine)["weight_version"] == version
-        assert greedy(e.engine) == references["B"]
-    assert client.fleet_version().pending_sync == []
+    with pusher_for(collective_sidecar, {}) as pusher:
+        assert not pusher.client.group().formed  # the group changed: the next push forms it again
+    push_and_check(collective_sidecar, collective_engines, weights_dirs["B"], references["B"])
 
 
 def test_weights_that_do_not_fit_the_model_fail_the_push_and_no_engine_serves_them(
@@ -114,13 +112,7 @@ def test_weights_that_do_not_fit_the_model_fail_the_push_and_no_engine_serves_th
         resumed = httpx.post(e.engine.url + "/resume", headers=e.engine.auth, timeout=10)
         assert resumed.status_code == 409 and "partly updated" in resumed.text
 
-    with pusher_for(collective_sidecar, tensors(weights_dirs["A"])) as pusher:
-        status = pusher.push(fresh_version("A"))
-    assert status.state is PushState.DONE, status
-    for e in collective_engines:
-        assert state(e.engine)["weights_intact"] is True
-        assert greedy(e.engine) == references["A"]
-    assert client.fleet_version().pending_sync == []
+    push_and_check(collective_sidecar, collective_engines, weights_dirs["A"], references["A"])
 
 
 def test_a_trainer_that_dies_mid_broadcast_leaves_no_engine_serving_and_the_next_push_heals(
@@ -157,8 +149,4 @@ def test_a_trainer_that_dies_mid_broadcast_leaves_no_engine_serving_and_the_next
     for e in collective_engines:
         assert state(e.engine)["weights_intact"] is False
 
-    with pusher_for(collective_sidecar, tensors(weights_dirs["B"])) as pusher:
-        assert pusher.push(fresh_version("B")).state is PushState.DONE
-    for e in collective_engines:
-        assert greedy(e.engine) == references["B"]
-    assert client.fleet_version().pending_sync == []
+    push_and_check(collective_sidecar, collective_engines, weights_dirs["B"], references["B"])

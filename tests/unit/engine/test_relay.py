@@ -5,7 +5,6 @@ seen to flow before the shard is whole."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.unit.engine.test_staging import settled
 
-from rollfleet_engine.protocol import STAGING_DIR_ENV, StageState, StageStatus, WeightManifest, WeightUpdateInfo
+from rollfleet_engine.protocol import STAGING_DIR_ENV, StageState, WeightManifest, WeightUpdateInfo
 from rollfleet_engine.safetensors_stream import manifest_bytes, sha256_hex, shard_from_tensors
 from rollfleet_engine.staging import RelayUnavailable, Stager
 from rollfleet_engine.weights_client import fetch_weights
@@ -72,14 +72,6 @@ def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldServer
     yield server
     server.release.set()
     http.shutdown()
-
-
-def settled(stager: Stager) -> StageStatus:
-    deadline = time.monotonic() + 30
-    while (status := stager.status()).state is StageState.STAGING:
-        assert time.monotonic() < deadline, status
-        time.sleep(0.01)  # polling a condition: the stager's thread
-    return status
 
 
 def test_a_relay_passes_bytes_on_before_the_shard_is_whole_then_all_of_it(held: HeldServer, tmp_path: Path) -> None:
