@@ -55,7 +55,6 @@ class GlooCommunicator:
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> None:
         timeout = timedelta(seconds=timeout_s)
-        self.rank, self.world_size = rank, world_size
         # Rank 0 (the trainer) hosts the store; the constructor returns once every rank has joined.
         self._store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
         options = dist.ProcessGroupGloo._Options()

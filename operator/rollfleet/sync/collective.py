@@ -34,17 +34,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollfleet.contract import STATE_PATH
 from rollfleet.engine_client import CONTROL, EngineCallError, EngineRef
-from rollfleet.sync.orchestrator import Orchestrator, _gather, _ours
+from rollfleet.sync.orchestrator import Orchestrator, _gather
 from rollfleet.sync.protocol import (
     PushRefused,
     WeightsRef,
     begin_push,
-    commit,
-    complete,
-    roll_back,
-    should_commit,
 )
 from rollfleet.sync.store import read_record, update
 from rollfleet_client.sync_protocol import (
@@ -227,12 +222,8 @@ class CollectiveDriver:
         return True
 
     async def _finish_one(self, engine: EngineRef, version: str, progress: EngineProgress) -> bool:
-        api = self.orch.api
         try:
-            await api.finish_weight_update(engine, version, self.orch.transfer)
-            reported = (await api.state(engine, CONTROL)).served_version
-            if reported != version:
-                raise EngineCallError(engine, "GET", STATE_PATH, f"reports {reported!r} after finishing {version!r}")
+            await self.orch.finish_and_verify(engine, version)
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
@@ -248,19 +239,8 @@ class CollectiveDriver:
         try:
             verified = await _gather([self._finish_one(e, target.version, push.progress[e.name]) for e in updated])
             succeeded = [e.name for e, ok in zip(updated, verified, strict=True) if ok]
-            failed = sorted({e.name for e in push.engines} - set(succeeded))
             status.transfer_s = orch.clock() - push.t_pause
-            if should_commit(succeeded):
-                status.message = f"left out of routing: {', '.join(failed)}" if failed else status.message
-                record = await update(orch.store, lambda r: commit(_ours(r, target), failed, status.message))
-            else:
-                status.message = status.message or "no engine verified the new weights"
-                record = await update(orch.store, lambda r: roll_back(_ours(r, target), status.message))
-            await orch.settle(record, push.engines, push.progress)
-            status.pause_window_s = orch.clock() - push.t_pause
-            if should_commit(succeeded):
-                await update(orch.store, lambda r: complete(_ours(r, target)))
-            status.state = PushState.DONE if should_commit(succeeded) else PushState.ROLLED_BACK
+            await orch.conclude(target, push.engines, push.progress, succeeded, status, push.t_pause, status.message)
         except Exception as err:
             log.exception("collective push %s failed", target.version)
             status.state = PushState.FAILED

@@ -307,25 +307,42 @@ class Orchestrator:
         ok = await self._load_all(engines, refs, progress)
         status.transfer_s = self.clock() - t_pause
         succeeded = [e.name for e, good in zip(engines, ok, strict=True) if good]
-        failed = sorted({e.name for e in engines} - set(succeeded))
         transferred = sum(1 for p in progress.values() if p.transfer_s is not None)
         if status.transfer_s > 0 and transferred:
             status.throughput_bytes_per_s = status.bytes * transferred / status.transfer_s
 
+        record = await self.conclude(target, engines, progress, succeeded, status, t_pause)
+        if status.state is PushState.ROLLED_BACK:
+            await self._serve_committed(record)
+        self._collect_spool(record)
+
+    async def conclude(
+        self,
+        target: WeightsRef,
+        engines: Sequence[EngineRef],
+        progress: dict[str, EngineProgress],
+        succeeded: Sequence[str],
+        status: PushStatus,
+        t_pause: float,
+        reason: str = "",
+    ) -> FleetRecord:
+        """The end of a push, HTTP or collective: commit if an engine verified the target (the others are
+        left out) or roll back, resume exactly the engines on the fleet's version, complete. `reason` is
+        the status message when nothing is left out (on a roll back: when there is no better one)."""
+        failed = sorted({e.name for e in engines} - set(succeeded))
         committing = should_commit(succeeded)
         if committing:
-            status.message = f"left out of routing: {', '.join(failed)}" if failed else ""
+            status.message = f"left out of routing: {', '.join(failed)}" if failed else reason
             record = await update(self.store, lambda r: commit(_ours(r, target), failed, status.message))
         else:
-            status.message = "no engine verified the new weights"
+            status.message = reason or "no engine verified the new weights"
             record = await update(self.store, lambda r: roll_back(_ours(r, target), status.message))
-            await self._serve_committed(record)
         await self.settle(record, engines, progress)
         status.pause_window_s = self.clock() - t_pause
         if committing:
-            await update(self.store, lambda r: complete(_ours(r, target)))
+            record = await update(self.store, lambda r: complete(_ours(r, target)))
         status.state = PushState.DONE if committing else PushState.ROLLED_BACK
-        self._collect_spool(record)
+        return record
 
     async def abort_stale(self, engine: EngineRef, record: FleetRecord, target: WeightsRef, bound: int | None) -> int:
         if bound is None:
@@ -457,17 +474,22 @@ class Orchestrator:
             with contextlib.suppress(EngineCallError):
                 await self.api.start_weight_update(engine)
             await self.api.update_weights(engine, info, self.transfer)
-            await self.api.finish_weight_update(engine, ref.version, self.transfer)
-            reported = (await self.api.state(engine, CONTROL)).weight_version
-            if reported != ref.version:
-                problem = f"reports version {reported!r} after finishing {ref.version!r}"
-                raise EngineCallError(engine, "GET", STATE_PATH, problem)
+            await self.finish_and_verify(engine, ref.version)
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
         progress.step, progress.transfer_s = EngineStep.VERIFIED, self.clock() - t0
         await self.notify()
         return True
+
+    async def finish_and_verify(self, engine: EngineRef, version: str) -> None:
+        """Finish the engine's update as `version`, then check it serves that version; EngineCallError if not."""
+        await self.api.finish_weight_update(engine, version, self.transfer)
+        reported = (await self.api.state(engine, CONTROL)).served_version
+        if reported != version:
+            raise EngineCallError(
+                engine, "GET", STATE_PATH, f"reports version {reported!r} after finishing {version!r}"
+            )
 
     async def settle(
         self, record: FleetRecord, engines: Sequence[EngineRef], progress: dict[str, EngineProgress]
