@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -14,7 +15,7 @@ from rollfleet_dev.localcluster.nodeagent.downward import FieldError, field_valu
 from rollfleet_dev.localcluster.nodeagent.logs import LogsError, find_log, logs_command
 from rollfleet_dev.localcluster.nodeagent.nodes import merge_taints, node_status
 from rollfleet_dev.localcluster.nodeagent.probes import ProbeTiming, Tracker
-from rollfleet_dev.localcluster.nodeagent.serviceproxy import backends, wanted_listeners
+from rollfleet_dev.localcluster.nodeagent.serviceproxy import backends, reset, splice, wanted_listeners
 
 
 def test_default_pools() -> None:
@@ -126,6 +127,40 @@ def test_service_proxy_selection() -> None:
     ]
     assert backends(_svc(), "http", pods) == [("127.10.0.2", 8000), ("127.10.0.3", 8000)]
     assert backends(_svc(), "other-port", pods) == []
+
+
+async def _proxied_exchange(upstream_ends: str) -> bytes:
+    """Send a request through `splice` to an upstream that reads it and then ends as told."""
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(5)
+        if upstream_ends == "reset":  # a killed pod with a request it never answered
+            reset(writer)
+        else:
+            writer.write(b"answer")
+            writer.close()
+
+    async def front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await splice((reader, writer), await asyncio.open_connection("127.0.0.1", up_port))
+
+    up = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    proxy = await asyncio.start_server(front, "127.0.0.1", 0)
+    up_port = up.sockets[0].getsockname()[1]
+    async with up, proxy:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.sockets[0].getsockname()[1])
+        writer.write(b"hello")
+        try:
+            # The client waits for an answer, as an HTTP client does: it must learn the end.
+            return await asyncio.wait_for(reader.read(), 10)
+        except ConnectionResetError:
+            return b"reset"
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize(("upstream_ends", "client_sees"), [("reset", b"reset"), ("answer", b"answer")])
+def test_service_proxy_passes_an_upstream_reset_to_its_client(upstream_ends: str, client_sees: bytes) -> None:
+    assert asyncio.run(_proxied_exchange(upstream_ends)) == client_sees
 
 
 def test_logs_lookup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

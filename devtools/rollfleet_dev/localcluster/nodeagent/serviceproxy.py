@@ -14,11 +14,12 @@ the pods it forwards to.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import ipaddress
 import itertools
 import logging
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,14 +99,47 @@ def backends(service: Obj, port_name: str, pods: list[Obj]) -> list[tuple[str, i
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy until EOF, then half-close: the other direction may still carry an answer."""
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
+
+
+async def splice(
+    a: tuple[asyncio.StreamReader, asyncio.StreamWriter], b: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+) -> None:
+    """Relay two connections both ways until both directions end.
+
+    A reset on either side resets the other, as a dead pod's RST reaches a kube-proxy
+    client: a client waiting for an answer would otherwise wait forever on a live proxy.
+    """
+    (a_reader, a_writer), (b_reader, b_writer) = a, b
+    pipes = [asyncio.create_task(_pipe(a_reader, b_writer)), asyncio.create_task(_pipe(b_reader, a_writer))]
+    broken = True
     try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
+        await asyncio.gather(*pipes)
+        broken = False
     except (ConnectionError, OSError):
         pass
+    finally:
+        for pipe in pipes:
+            pipe.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)
+        for w in (a_writer, b_writer):
+            if broken:
+                reset(w)
+            else:
+                w.close()
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST, not a FIN: the peer learns the connection broke, not that it ended."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 class ServiceProxy:
@@ -186,9 +220,4 @@ class ServiceProxy:
         else:
             writer.close()
             return
-        try:
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        finally:
-            for w in (writer, up_writer):
-                with contextlib.suppress(Exception):
-                    w.close()
+        await splice((reader, writer), (up_reader, up_writer))

@@ -16,6 +16,7 @@ does the I/O.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,12 @@ from rollfleet.kube import Kube, load_client
 
 # Each in-flight sample holds one connection to its gateway; parallelism is per request.
 MAX_CONNECTIONS = 4096
+KEEPALIVE = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+]
 
 
 @kopf.on.startup()
@@ -39,9 +46,14 @@ async def open_clients(memo: kopf.Memo, **_: Any) -> None:
     # Clients of their own, apart from the fleets': a busy request does not queue fleet calls.
     memo.request_kube = Kube(load_client())
     # No read timeout: a sample may wait out a long weight sync on a paused engine; deadlines are ours.
+    # TCP keepalive instead finds a gateway gone without a word (its node lost): the call fails
+    # after about a minute, and the runner stops and resends the sample.
     memo.request_http = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=5.0),
-        limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
+        transport=httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
+            socket_options=KEEPALIVE,
+        ),
     )
     memo.request_tasks = ObjectTasks("request", wanted=_needs_task)
 
