@@ -15,12 +15,15 @@ import httpx
 import pytest
 
 from rollfleet import jsonl
+from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import STAGE_PATH, WEIGHT_VERSION_HEADER
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
 from rollfleet_engine.weights_server import WeightsServer
 
 from .conftest import Engine
+
+FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"  # requests that produced their first token
 
 pytestmark = pytest.mark.engine
 
@@ -189,6 +192,9 @@ def test_abort_by_caller_id_ends_that_request_only(engine: Engine) -> None:
 def test_abort_non_streaming_returns_partial_output(engine: Engine) -> None:
     request_id = rid("plain")
     result: dict[str, httpx.Response] = {}
+    # A non-streaming request shows no tokens until it ends: the engine's count of first tokens says
+    # when it has one (every earlier request has its own counted: none runs now).
+    first_tokens = engine_metric(engine.url, FIRST_TOKENS)
 
     def call() -> None:
         body = {"model": engine.model, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
@@ -198,18 +204,11 @@ def test_abort_non_streaming_returns_partial_output(engine: Engine) -> None:
 
     t = threading.Thread(target=call)
     t.start()
-    # A non-streaming request shows no tokens until it ends; a streaming companion decoding in
-    # the same batch shows that decoding is under way.
-    companion = Stream(engine, rid("companion"), 256)
-    companion.wait_tokens(8)
-    # On a loaded host the thread's request may reach the engine after the companion decodes.
+    companion = Stream(engine, rid("companion"), 256)  # decodes beside it: the abort must leave it be
     deadline = time.monotonic() + 60
-    while engine.client.get(f"{engine.url}/rollfleet/v1/requests/{request_id}").json().get("phase") != "running":
-        assert time.monotonic() < deadline, "the request never ran on the engine"
-        time.sleep(0.05)
-    # "running" is from its admission; it shows no tokens before it ends, so a few decoding steps of the
-    # companion (the same batch) say that it has some.
-    companion.wait_tokens(len(companion.tokens) + 4)
+    while engine_metric(engine.url, FIRST_TOKENS) < first_tokens + 2:
+        assert time.monotonic() < deadline, "the request never produced a token on the engine"
+        time.sleep(0.05)  # polling a condition
     r = control(engine, "/rollfleet/v1/abort", json={"request_ids": [request_id]})
     assert r.json()["results"] == {request_id: "aborted"}
     t.join(120)
