@@ -10,7 +10,10 @@
         sync.fleet_version().version  # "step-13"
 
 ``push`` lays the tensors out as one safetensors file over their own memory (no copy of
-the state dict; tensors are moved to CPU if they are not there) and streams it. It returns
+the state dict; tensors are moved to CPU if they are not there). Where the trainer
+container mounts the sidecar's spool volume (``$ROLLFLEET_SYNC_SPOOL``, as
+manifests/sync/trainer-job.yaml does), it writes that file straight into the spool;
+otherwise it streams it to the sidecar over HTTP, one hop more. It returns
 the push's final ``PushStatus`` when the fleet is on the new version, and raises
 ``PushFailed`` when the fleet stayed on the old one. Talks to the sidecar only; its API is
 ``sync_protocol``. ``AsyncRolloutClient.push_weights`` runs it off the event loop.
@@ -19,7 +22,9 @@ the push's final ``PushStatus`` when the fleet is on the new version, and raises
 from __future__ import annotations
 
 import os
+import shutil
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,25 +35,34 @@ from pydantic import ValidationError
 from rollfleet_client.errors import GroupStale, InvalidArgument, PushFailed, SidecarError
 from rollfleet_client.sync_protocol import (
     GROUP_STALE_STATUS,
+    PUSH_SPOOLED_PATH,
     PUSH_STREAM_PATH,
     PUSHES_PATH,
+    SPOOL_ENV,
+    SPOOL_INCOMING_DIR,
     VERSION_PATH,
     FleetVersionView,
     PushDirRequest,
+    PushSpooledRequest,
     PushState,
     PushStatus,
     sync_api_url,
 )
-from rollfleet_client.tensors import tensor_file
+from rollfleet_client.tensors import TensorFile, tensor_file
 
 _POLL_S = 30.0
+SPOOLED_FILE = "model.safetensors"
 
 
 class SyncClient:
-    def __init__(self, url: str | None = None, timeout_s: float = 60.0) -> None:
-        """``url``: the sidecar's; by default the one in this pod (``POD_IP`` from the downward API)."""
+    def __init__(self, url: str | None = None, timeout_s: float = 60.0, spool: str | Path | None = None) -> None:
+        """``url``: the sidecar's; by default the one in this pod (``POD_IP`` from the downward API).
+        ``spool``: where this container mounts the sidecar's spool (default ``$ROLLFLEET_SYNC_SPOOL``);
+        without one, ``push`` streams over HTTP."""
         self.url = (url or sync_api_url(os.environ.get("POD_IP"))).rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        spool = spool or os.environ.get(SPOOL_ENV)
+        self.spool = Path(spool) if spool else None
 
     def close(self) -> None:
         self._http.close()
@@ -65,6 +79,8 @@ class SyncClient:
         """Stream ``state_dict`` to the sidecar and push it to the fleet as ``version`` (needs torch)."""
         check_version(version)  # refused here, before any byte is sent
         out = tensor_file(state_dict)
+        if self.spool is not None:
+            return self._push_spooled(self.spool, out, version, wait, timeout_s)
         resp = self.call(
             "PUT",
             PUSH_STREAM_PATH,
@@ -73,6 +89,26 @@ class SyncClient:
             headers={"Content-Length": str(out.size)},
             timeout=timeout_s,
         )
+        return self._started(resp, wait, timeout_s)
+
+    def _push_spooled(self, spool: Path, out: TensorFile, version: str, wait: bool, timeout_s: float) -> PushStatus:
+        incoming = spool / SPOOL_INCOMING_DIR
+        if not incoming.is_dir():
+            raise SidecarError(
+                f"{incoming} does not exist: {SPOOL_ENV}={spool} is not the sync sidecar's spool volume "
+                "(mount the volume of its --spool-dir, or unset the variable to stream over HTTP)"
+            )
+        written = incoming / f"{version}.{uuid.uuid4().hex[:8]}"
+        written.mkdir()
+        try:
+            written.chmod(0o777)  # the sidecar (a user of its own) moves it, and deletes it once superseded
+            t0 = time.monotonic()
+            with (written / SPOOLED_FILE).open("wb") as f:
+                out.write_to(f)
+            body = PushSpooledRequest(version=version, name=written.name, write_s=time.monotonic() - t0)
+            resp = self.call("POST", PUSH_SPOOLED_PATH, content=body.model_dump_json(), timeout=timeout_s)
+        finally:  # taken over by the sidecar unless the write or the call failed
+            shutil.rmtree(written, ignore_errors=True)
         return self._started(resp, wait, timeout_s)
 
     def push_dir(self, path: str | Path, version: str, wait: bool = True, timeout_s: float = 1800.0) -> PushStatus:

@@ -6,6 +6,9 @@ both import it from here. Routes (on 127.0.0.1: the trainer pod's own containers
 - ``POST /v1/pushes`` ``PushDirRequest``: push a safetensors directory (shared volume).
 - ``PUT /v1/pushes/stream?version=V``: push a safetensors stream (the client lays the
   trainer's tensors out as one shard; the sidecar spools, hashes and serves it).
+- ``POST /v1/pushes/spooled`` ``PushSpooledRequest``: push a shard the client wrote itself
+  into ``incoming/<name>`` of the sidecar's spool, which the trainer container mounts too
+  (at ``$ROLLFLEET_SYNC_SPOOL``): no network hop. The sidecar takes the directory over.
 - ``GET /v1/pushes/{generation}?wait=S``: a push's progress; waits up to S seconds for
   it to end.
 - ``GET /v1/version``: the fleet's weight version (``FleetVersionView``).
@@ -43,6 +46,11 @@ def sync_api_url(pod_ip: str | None) -> str:
 
 PUSHES_PATH = "/v1/pushes"
 PUSH_STREAM_PATH = "/v1/pushes/stream"
+PUSH_SPOOLED_PATH = "/v1/pushes/spooled"
+# Where the trainer container mounts the sidecar's spool volume; unset: pushes are streamed.
+SPOOL_ENV = "ROLLFLEET_SYNC_SPOOL"
+# The spool's directory that trainers write into: one directory per push, named by the trainer.
+SPOOL_INCOMING_DIR = "incoming"
 VERSION_PATH = "/v1/version"
 HEALTH_PATH = "/healthz"
 COLLECTIVE_PATH = "/v1/collective"
@@ -59,6 +67,16 @@ VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 class PushDirRequest(BaseModel):
     version: str = Field(pattern=VERSION_PATTERN, description="New, unique version label.")
     path: str = Field(min_length=1, description="Directory of .safetensors files, readable by the sidecar.")
+
+
+class PushSpooledRequest(BaseModel):
+    version: str = Field(pattern=VERSION_PATTERN, description="New, unique version label.")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$",
+        description=f"The directory in the spool's {SPOOL_INCOMING_DIR}/ holding the shard (no path: the "
+        "containers may mount the spool at different paths).",
+    )
+    write_s: float | None = Field(default=None, description="How long the trainer took to write it (status only).")
 
 
 class CollectiveMember(BaseModel):
@@ -130,7 +148,9 @@ class PushStatus(BaseModel):
     state: PushState = PushState.RUNNING
     engines: list[EngineProgress] = Field(default_factory=list)
     bytes: int = Field(default=0, description="Size of the weights (one copy).")
-    receive_s: float | None = Field(default=None, description="Streamed pushes: writing the tensors into the spool.")
+    receive_s: float | None = Field(
+        default=None, description="Pushes from the trainer's memory: writing the tensors into the spool."
+    )
     staging_s: float | None = Field(default=None, description="Hashing and serving the weights, before any pause.")
     prefetch_s: float | None = Field(default=None, description="Engines staging the weights while they serve.")
     transfer_s: float | None = Field(default=None, description="First pause sent to last engine verified.")

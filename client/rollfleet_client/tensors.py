@@ -12,7 +12,7 @@ import json
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 _HEADER_LEN = struct.Struct("<Q")
 _CHUNK = 16 << 20
@@ -43,6 +43,12 @@ class TensorFile:
     @property
     def size(self) -> int:
         return len(self.header) + sum(b.nbytes for b in self.buffers)
+
+    def write_to(self, f: BinaryIO) -> None:
+        """Write the file out from the tensors' own memory (no intermediate copy)."""
+        f.write(self.header)
+        for buf in self.buffers:
+            f.write(buf)
 
     def chunks(self, chunk: int = _CHUNK) -> Iterator[bytes]:
         yield self.header

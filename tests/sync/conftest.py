@@ -73,6 +73,7 @@ class Sidecar:
     cmd: list[str]
     url: str
     log: Path
+    spool: Path
     proc: subprocess.Popen[bytes] | None = None
     clients: list[SyncClient] = field(default_factory=list)
 
@@ -98,8 +99,9 @@ class Sidecar:
         self.proc.wait()
         self.proc = None
 
-    def client(self) -> SyncClient:
-        c = SyncClient(self.url)
+    def client(self, spool: Path | None = None) -> SyncClient:
+        """A trainer's client; with `spool` (the sidecar's), one in a container that mounts the spool."""
+        c = SyncClient(self.url, spool=spool)
         self.clients.append(c)
         return c
 
@@ -152,6 +154,7 @@ def running_fleet(tmp: Path, token_file: Path, backend: str = HTTP_WEIGHT_BACKEN
 def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -> Iterator[Sidecar]:
     """``rollfleet sync`` in static mode over `engines`, on a loopback address of its own."""
     host, port = free_loopback_address()
+    spool = tmp / "spool"
     with socket.socket() as s:  # the weights server binds the same loopback address, on its own port
         s.bind((host, 0))
         weights_port = s.getsockname()[1]
@@ -175,7 +178,7 @@ def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -
         "--weights-port",
         str(weights_port),
         "--spool-dir",
-        str(tmp / "spool"),
+        str(spool),
         "--reconcile-interval",
         "0.5",
         "--transfer-timeout",
@@ -184,7 +187,7 @@ def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -
         "--relay-min-engines",
         "2",
     ]
-    car = Sidecar(cmd=cmd, url=f"http://{host}:{port}", log=tmp / "sidecar.log")
+    car = Sidecar(cmd=cmd, url=f"http://{host}:{port}", log=tmp / "sidecar.log", spool=spool)
     car.start()
     try:
         yield car

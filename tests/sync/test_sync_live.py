@@ -17,8 +17,9 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
+from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
-from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
+from rollfleet_client.sync_protocol import SPOOL_INCOMING_DIR, EngineStep, PushState, PushStatus
 from tests.engine.conftest import Engine
 from tests.engine.test_engine_live import Stream, _reference_greedy, complete
 
@@ -181,6 +182,36 @@ def test_engine_killed_during_a_push_is_left_out_then_joins_on_the_new_version(
     assert (fv.version, fv.pending_sync) == (version, [])
 
 
+def test_a_state_dict_written_into_the_shared_spool_reaches_every_engine(
+    engines: list[EngineProcess],
+    sidecar: Sidecar,
+    references: dict[str, list[list[int]]],
+    weights_dirs: dict[str, Path],
+) -> None:
+    # The trainer container mounts the sidecar's spool: the client writes the shard there, no HTTP hop.
+    client = sidecar.client(spool=sidecar.spool)
+    wait_until("the sidecar adopts the engines' version", lambda: client.fleet_version().version is not None)
+    new = other(serving(engines[0].engine, references))
+    version = fresh_version(new)
+    state_dict = load_file(weights_dirs[new] / "model.safetensors")
+    incoming = sidecar.spool / SPOOL_INCOMING_DIR
+
+    status = client.push(state_dict, version)
+
+    assert status.state is PushState.DONE and status.receive_s is not None
+    for e in engines:
+        assert greedy(e.engine) == references[new]
+    assert list(incoming.iterdir()) == []  # the sidecar took the shard over
+    assert [p.name for p in (sidecar.spool / "pushes").iterdir()] == [version]  # and keeps only the fleet's
+
+    # Refused (the version exists): the trainer's write does not stay behind in the spool's memory.
+    with pytest.raises(SidecarError, match="already pushed") as refused:
+        client.push(state_dict, version)
+    assert refused.value.status == 409
+    assert list(incoming.iterdir()) == []
+    assert client.fleet_version().version == version
+
+
 def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
     engines: list[EngineProcess],
     sidecar: Sidecar,
@@ -191,7 +222,7 @@ def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
     # (--no-prefetch; with prefetch an engine that hangs is left out before any pause). The sidecar
     # that restarts prefetches, as by default.
     sidecar.kill()
-    pulling = Sidecar([*sidecar.cmd, "--no-prefetch"], sidecar.url, sidecar.log)
+    pulling = Sidecar([*sidecar.cmd, "--no-prefetch"], sidecar.url, sidecar.log, sidecar.spool)
     pulling.start()
     client = pulling.client()
     first, second = engines

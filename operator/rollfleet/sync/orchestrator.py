@@ -63,7 +63,15 @@ from rollfleet.sync.protocol import (
     stale_requests,
 )
 from rollfleet.sync.store import RecordStore, read_record, update
-from rollfleet_client.sync_protocol import EngineProgress, EngineStep, FleetVersionView, PushState, PushStatus
+from rollfleet_client.sync_protocol import (
+    SPOOL_ENV,
+    SPOOL_INCOMING_DIR,
+    EngineProgress,
+    EngineStep,
+    FleetVersionView,
+    PushState,
+    PushStatus,
+)
 from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, EngineState, StageState
 from rollfleet_engine.safetensors_stream import read_layout
 from rollfleet_engine.weights_server import WeightsServer
@@ -72,6 +80,8 @@ log = logging.getLogger(__name__)
 
 _STREAM_FILE = "model.safetensors"
 _KEPT_PUSHES = 32
+# A write into the spool's incoming/ idle this long was abandoned (its trainer died mid-write).
+ABANDONED_WRITE_S = 600.0
 
 
 class Publisher:
@@ -154,11 +164,7 @@ class Orchestrator:
     async def stage_stream(self, version: str, chunks: AsyncIterator[bytes], expected: int | None = None) -> Path:
         """Write a streamed safetensors shard (`expected` bytes, when the trainer said) into the spool; returns
         its directory. A stream that breaks off or ends short leaves nothing behind and changes nothing."""
-        self.refuse_if_running()
-        record = await read_record(self.store)
-        if record.generation_of(version) is not None:
-            raise PushRefused(f"version {version!r} was already pushed; every push needs a new version label")
-        final = self._pushes_dir / version
+        await self._refuse_version(version)
         # A directory of its own: a stream that broke off may not have noticed yet when the trainer sends again.
         partial = self._pushes_dir / f".{version}.{uuid.uuid4().hex[:8]}.partial"
         partial.mkdir(parents=True)
@@ -182,8 +188,31 @@ class Orchestrator:
             shutil.rmtree(partial, ignore_errors=True)
             why = err if isinstance(err, PushRefused) else f"the stream broke off after {received} bytes ({err!r})"
             raise PushRefused(f"{why}: the trainer stopped sending; nothing was pushed") from err
+        return self._into_pushes(version, partial)
+
+    async def adopt_spooled(self, version: str, name: str) -> Path:
+        """Take over the shard the trainer wrote into the spool's ``incoming/<name>``; returns its directory."""
+        await self._refuse_version(version)
+        written = self.spool / SPOOL_INCOMING_DIR / name
+        if not written.is_dir():
+            raise PushRefused(
+                f"no directory {name!r} in {self.spool / SPOOL_INCOMING_DIR}: the trainer container must mount "
+                f"this sidecar's spool volume (${SPOOL_ENV}; see manifests/sync/trainer-job.yaml)"
+            )
+        return self._into_pushes(version, written)
+
+    async def _refuse_version(self, version: str) -> None:
+        self.refuse_if_running()
+        record = await read_record(self.store)
+        if record.generation_of(version) is not None:
+            raise PushRefused(f"version {version!r} was already pushed; every push needs a new version label")
+
+    def _into_pushes(self, version: str, written: Path) -> Path:
+        """Move a trainer's shard to ``pushes/<version>``, where the spool's collection finds it."""
+        final = self._pushes_dir / version
         shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        written.rename(final)
         return final
 
     async def submit(self, version: str, source: Path, receive_s: float | None = None) -> PushStatus:
@@ -630,14 +659,26 @@ class Orchestrator:
         if record.committed is not None:
             await self._servable(record.committed)
 
+    def open_incoming(self) -> None:
+        """Let the trainer container write into the spool's ``incoming/``: it runs as a user of its own."""
+        incoming = self.spool / SPOOL_INCOMING_DIR
+        incoming.mkdir(parents=True, exist_ok=True)
+        # The volume is the pod's own (an emptyDir): only its containers see it.
+        with contextlib.suppress(PermissionError):  # created by the trainer first: it chose the mode
+            incoming.chmod(0o777)
+
     def _collect_spool(self, record: FleetRecord) -> None:
-        """Delete spooled weights other than the fleet's version (kept for late engines)."""
-        if not self._pushes_dir.is_dir():
-            return
+        """Delete spooled weights other than the fleet's version (kept for late engines), and writes into
+        ``incoming/`` that a trainer gave up long ago (it died mid-write: the spool is in memory)."""
         sources = [record.committed.source if record.committed else None, self.publisher.source]
         keep = {Path(s).resolve() for s in sources if s is not None}
-        for entry in self._pushes_dir.iterdir():
-            if entry.is_dir() and entry.resolve() not in keep:
+        if self._pushes_dir.is_dir():
+            for entry in self._pushes_dir.iterdir():
+                if entry.is_dir() and entry.resolve() not in keep:
+                    shutil.rmtree(entry, ignore_errors=True)
+        incoming = self.spool / SPOOL_INCOMING_DIR
+        if incoming.is_dir():
+            for entry in abandoned_writes(incoming, time.time()):
                 shutil.rmtree(entry, ignore_errors=True)
 
     def _finished(self, generation: int) -> bool:
@@ -652,6 +693,17 @@ class Orchestrator:
     async def notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+
+def abandoned_writes(incoming: Path, now: float, idle_s: float = ABANDONED_WRITE_S) -> list[Path]:
+    """Directories in ``incoming`` where nothing was written for ``idle_s``."""
+    out = []
+    for entry in incoming.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # taken over or deleted by its trainer meanwhile
+            last = max([entry.stat().st_mtime, *(f.stat().st_mtime for f in entry.iterdir())])
+            if now - last > idle_s:
+                out.append(entry)
+    return out
 
 
 def _ours(record: FleetRecord, target: WeightsRef) -> FleetRecord:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,6 +41,7 @@ from rollfleet_client.sync_protocol import (
     COLLECTIVE_UPDATE_PATH,
     GROUP_STALE_STATUS,
     HEALTH_PATH,
+    PUSH_SPOOLED_PATH,
     PUSH_STREAM_PATH,
     PUSHES_PATH,
     VERSION_PATH,
@@ -48,6 +50,8 @@ from rollfleet_client.sync_protocol import (
     CollectiveStart,
     CollectiveUpdate,
     PushDirRequest,
+    PushSpooledRequest,
+    PushStatus,
 )
 from rollfleet_engine.access import read_token
 from rollfleet_engine.listen import pod_local_host, serving_host
@@ -136,17 +140,17 @@ def build_app(orch: Orchestrator) -> web.Application:
 
     routes.get(HEALTH_PATH)(_healthz)
 
-    @routes.post(PUSHES_PATH)
-    async def push_dir(request: web.Request) -> web.Response:
+    async def started(push: Awaitable[PushStatus]) -> web.Response:
         try:
-            body = PushDirRequest.model_validate_json(await request.read())
-        except ValidationError as err:
-            return web.json_response({"error": str(err)}, status=400)
-        try:
-            status = await orch.submit(body.version, Path(body.path))
+            status = await push
         except PushRefused as err:
             return refused(err)
         return web.json_response(status.model_dump(mode="json"), status=202)
+
+    @routes.post(PUSHES_PATH)
+    async def push_dir(request: web.Request) -> web.Response:
+        body = await _body(request, PushDirRequest)
+        return await started(orch.submit(body.version, Path(body.path)))
 
     @routes.put(PUSH_STREAM_PATH)
     async def push_stream(request: web.Request) -> web.Response:
@@ -154,14 +158,22 @@ def build_app(orch: Orchestrator) -> web.Application:
             version = PushDirRequest(version=request.query.get("version", ""), path="-").version
         except ValidationError as err:
             return web.json_response({"error": str(err)}, status=400)
-        try:
+
+        async def push() -> PushStatus:
             t0 = time.monotonic()
             source = await orch.stage_stream(version, request.content.iter_chunked(_CHUNK), request.content_length)
-            received = time.monotonic() - t0
-            status = await orch.submit(version, source, received)
-        except PushRefused as err:
-            return refused(err)
-        return web.json_response(status.model_dump(mode="json"), status=202)
+            return await orch.submit(version, source, time.monotonic() - t0)
+
+        return await started(push())
+
+    @routes.post(PUSH_SPOOLED_PATH)
+    async def push_spooled(request: web.Request) -> web.Response:
+        body = await _body(request, PushSpooledRequest)
+
+        async def push() -> PushStatus:
+            return await orch.submit(body.version, await orch.adopt_spooled(body.version, body.name), body.write_s)
+
+        return await started(push())
 
     @routes.get(PUSHES_PATH + "/{generation}")
     async def push_status(request: web.Request) -> web.Response:
@@ -188,12 +200,6 @@ def add_collective_routes(routes: web.RouteTableDef, driver: CollectiveDriver) -
     def answer(payload: BaseModel, status: int = 200) -> web.Response:
         return web.json_response(payload.model_dump(mode="json"), status=status)
 
-    async def body(request: web.Request, model: type[Body]) -> Body:
-        try:
-            return model.model_validate_json(await request.read())
-        except ValidationError as err:
-            raise web.HTTPBadRequest(text=json.dumps({"error": str(err)}), content_type="application/json") from err
-
     def refused(err: PushRefused) -> web.Response:
         status = GROUP_STALE_STATUS if isinstance(err, GroupStale) else 409
         return web.json_response({"error": str(err)}, status=status)
@@ -204,7 +210,7 @@ def add_collective_routes(routes: web.RouteTableDef, driver: CollectiveDriver) -
 
     @routes.post(COLLECTIVE_INIT_PATH)
     async def init(request: web.Request) -> web.Response:
-        init = await body(request, CollectiveInit)
+        init = await _body(request, CollectiveInit)
         try:
             return answer(await driver.init(init.init_info, init.backend))
         except PushRefused as err:
@@ -212,7 +218,7 @@ def add_collective_routes(routes: web.RouteTableDef, driver: CollectiveDriver) -
 
     @routes.post(COLLECTIVE_START_PATH)
     async def start(request: web.Request) -> web.Response:
-        version = (await body(request, CollectiveStart)).version
+        version = (await _body(request, CollectiveStart)).version
         try:
             return answer(await driver.start(version), status=202)
         except PushRefused as err:
@@ -220,7 +226,7 @@ def add_collective_routes(routes: web.RouteTableDef, driver: CollectiveDriver) -
 
     @routes.post(COLLECTIVE_UPDATE_PATH)
     async def update(request: web.Request) -> web.Response:
-        update_info = (await body(request, CollectiveUpdate)).update_info
+        update_info = (await _body(request, CollectiveUpdate)).update_info
         try:
             return answer(await driver.update(update_info))
         except PushRefused as err:
@@ -228,11 +234,19 @@ def add_collective_routes(routes: web.RouteTableDef, driver: CollectiveDriver) -
 
     @routes.post(COLLECTIVE_FINISH_PATH)
     async def finish(request: web.Request) -> web.Response:
-        version = (await body(request, CollectiveFinish)).weight_version
+        version = (await _body(request, CollectiveFinish)).weight_version
         try:
             return answer(await driver.finish(version))
         except PushRefused as err:
             return refused(err)
+
+
+async def _body(request: web.Request, model: type[Body]) -> Body:
+    """The request's JSON body as `model`; 400 with pydantic's reasons when it is not one."""
+    try:
+        return model.model_validate_json(await request.read())
+    except ValidationError as err:
+        raise web.HTTPBadRequest(text=json.dumps({"error": str(err)}), content_type="application/json") from err
 
 
 @web.middleware
@@ -291,6 +305,7 @@ def _health_app() -> web.Application:
 
 async def serve(args: argparse.Namespace) -> None:
     orch = build_orchestrator(args)
+    orch.open_incoming()
     runner = web.AppRunner(build_app(orch), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

@@ -1,9 +1,10 @@
 """Pushes that must change nothing, through the real sidecar to stand-in engines (bench_sync's receivers:
 the engine's control routes, stager and loader without vLLM): weights of another layout, a second push
-while one runs, and a trainer that stops sending mid-stream."""
+while one runs, a trainer that stops sending mid-stream, and a spooled push of nothing written."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 
 from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
-from rollfleet_client.sync_protocol import PUSH_STREAM_PATH, PushState
+from rollfleet_client.sync_protocol import PUSH_SPOOLED_PATH, PUSH_STREAM_PATH, PushState
 from rollfleet_client.tensors import tensor_file
 
 
@@ -89,3 +90,24 @@ def test_a_trainer_that_stops_sending_mid_stream_pushes_nothing(
     assert fv.last_push is None and {version_of(u) for u in urls} == {"initial"}
     assert client.push(tensors, "v1").state is PushState.DONE  # same label: nothing was recorded
     assert {version_of(u) for u in urls} == {"v1"}
+
+
+def test_a_spooled_push_that_names_no_write_in_the_spool_is_refused(
+    fleet: tuple[list[str], SyncClient], tmp_path: Path
+) -> None:
+    urls, client = fleet
+    for name, status, why in (
+        ("../../etc", 400, "string_pattern_mismatch"),  # a name, never a path out of the spool
+        ("never-written", 409, "must mount this sidecar's spool volume"),
+    ):
+        with pytest.raises(SidecarError, match=why) as refused:
+            client.call("POST", PUSH_SPOOLED_PATH, content=json.dumps({"version": "v1", "name": name}))
+        assert refused.value.status == status
+    assert client.fleet_version().last_push is None and {version_of(u) for u in urls} == {"initial"}
+
+    # A trainer whose spool variable names another directory learns it before writing anything.
+    elsewhere = SyncClient(client.url, spool=tmp_path / "not-the-spool")
+    with pytest.raises(SidecarError, match="is not the sync sidecar's spool volume"):
+        elsewhere.push({"w": torch.randn(8)}, "v1")
+    elsewhere.close()
+    assert not (tmp_path / "not-the-spool").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import httpx
@@ -68,3 +69,15 @@ def test_a_push_to_engines_of_a_collective_backend_is_refused_before_anything_ch
     with pytest.raises(PushRefused, match=r"collective backend: http://e0:8000 \(gloo\).*CollectivePusher"):
         submit(tmp_path, weights, ("http://e0:8000",), api)
     assert not (tmp_path / "record.json").exists()
+
+
+def test_only_writes_idle_for_long_in_the_spool_are_abandoned(tmp_path: Path) -> None:
+    now = 1_000_000.0
+    for name, age in (("old", 3600), ("fresh", 5), ("old-dir-fresh-file", 3600)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x")
+        os.utime(d, (now - age, now - age))
+        os.utime(d / "model.safetensors", (now - age, now - age))
+    os.utime(tmp_path / "old-dir-fresh-file" / "model.safetensors", (now - 1, now - 1))  # still being written
+    assert [p.name for p in orchestrator.abandoned_writes(tmp_path, now)] == ["old"]
