@@ -36,13 +36,15 @@ build() {  # build NAME DOCKERFILE CHECK...: build the image, then run CHECK in 
   say "$name ready in $((SECONDS - start)) s, $(docker image inspect -f '{{.Size}}' "$name" | numfmt --to=iec)"
 }
 
+# vLLM loads the engine package's plugin, and every weight-transfer backend it registers imports.
+engine_check=(python -c "from rollfleet_engine.plugin import check; check()")
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(control-plane engine-cpu)
 for t in "${targets[@]}"; do
   case "$t" in
     control-plane) build "$control_plane" Dockerfile rollfleet --help ;;
-    engine-cpu) build "$engine_cpu" engine_image/Dockerfile.cpu python -c "import vllm, rollfleet_engine" ;;
-    engine-cuda) build "$engine_cuda" engine_image/Dockerfile.gpu python -c "import vllm, rollfleet_engine" ;;
+    engine-cpu) build "$engine_cpu" engine_image/Dockerfile.cpu "${engine_check[@]}" ;;
+    engine-cuda) build "$engine_cuda" engine_image/Dockerfile.gpu "${engine_check[@]}" ;;
     *) die "unknown image '$t': want control-plane, engine-cpu or engine-cuda" ;;
   esac
 done

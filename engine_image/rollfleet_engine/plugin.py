@@ -36,3 +36,24 @@ def register() -> None:
         # register_engine refuses a name taken, so the entry is replaced (lazily loaded, as vLLM's).
         WeightTransferEngineFactory._registry.pop(name, None)
         WeightTransferEngineFactory.register_engine(name, module, cls)
+
+
+def check() -> None:
+    """The engine images' build check: vLLM loads this plugin through its entry point, and every backend
+    it registers imports against this vLLM build (``hack/images.sh``)."""
+    import importlib
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    for factory, engines in (
+        (WeightTransferEngineFactory, _WORKER_ENGINES | _REPLACED_WORKER_ENGINES),
+        (WeightTransferTrainerFactory, _TRAINER_ENGINES),
+    ):
+        for name, (module, cls) in engines.items():
+            ours = getattr(importlib.import_module(module), cls)
+            loader = factory._registry.get(name)
+            if loader is None or loader() is not ours:
+                raise SystemExit(f"vLLM's {factory.__name__} does not create {module}.{cls} for {name!r}")
+            print(f"{factory.__name__} {name}: {module}.{cls}")
