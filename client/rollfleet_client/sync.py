@@ -76,7 +76,8 @@ class SyncClient:
     def push(
         self, state_dict: Mapping[str, Any], version: str, wait: bool = True, timeout_s: float = 1800.0
     ) -> PushStatus:
-        """Stream ``state_dict`` to the sidecar and push it to the fleet as ``version`` (needs torch)."""
+        """Hand ``state_dict`` to the sidecar (written into its spool, or streamed) and push it to the fleet as
+        ``version`` (needs torch)."""
         check_version(version)  # refused here, before any byte is sent
         out = tensor_file(state_dict)
         if self.spool is not None:
