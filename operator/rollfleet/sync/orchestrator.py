@@ -150,6 +150,7 @@ class Orchestrator:
         self.relay_min_engines = relay_min_engines
         self.spool = spool
         self._pushes_dir = spool / "pushes"  # streamed weights, one directory per version
+        self._incoming_dir = spool / SPOOL_INCOMING_DIR  # the trainer's writes (it mounts the spool too)
         self.pause_mode: PauseMode = pause_mode
         self.default_max_staleness = default_max_staleness
         self.clock = clock
@@ -193,10 +194,10 @@ class Orchestrator:
     async def adopt_spooled(self, version: str, name: str) -> Path:
         """Take over the shard the trainer wrote into the spool's ``incoming/<name>``; returns its directory."""
         await self._refuse_version(version)
-        written = self.spool / SPOOL_INCOMING_DIR / name
+        written = self._incoming_dir / name
         if not written.is_dir():
             raise PushRefused(
-                f"no directory {name!r} in {self.spool / SPOOL_INCOMING_DIR}: the trainer container must mount "
+                f"no directory {name!r} in {self._incoming_dir}: the trainer container must mount "
                 f"this sidecar's spool volume (${SPOOL_ENV}; see manifests/sync/trainer-job.yaml)"
             )
         return self._into_pushes(version, written)
@@ -661,11 +662,10 @@ class Orchestrator:
 
     def open_incoming(self) -> None:
         """Let the trainer container write into the spool's ``incoming/``: it runs as a user of its own."""
-        incoming = self.spool / SPOOL_INCOMING_DIR
-        incoming.mkdir(parents=True, exist_ok=True)
+        self._incoming_dir.mkdir(parents=True, exist_ok=True)
         # The volume is the pod's own (an emptyDir): only its containers see it.
         with contextlib.suppress(PermissionError):  # created by the trainer first: it chose the mode
-            incoming.chmod(0o777)
+            self._incoming_dir.chmod(0o777)
 
     def _collect_spool(self, record: FleetRecord) -> None:
         """Delete spooled weights other than the fleet's version (kept for late engines), and writes into
@@ -676,9 +676,8 @@ class Orchestrator:
             for entry in self._pushes_dir.iterdir():
                 if entry.is_dir() and entry.resolve() not in keep:
                     shutil.rmtree(entry, ignore_errors=True)
-        incoming = self.spool / SPOOL_INCOMING_DIR
-        if incoming.is_dir():
-            for entry in abandoned_writes(incoming, time.time()):
+        if self._incoming_dir.is_dir():
+            for entry in abandoned_writes(self._incoming_dir, time.time()):
                 shutil.rmtree(entry, ignore_errors=True)
 
     def _finished(self, generation: int) -> bool:
