@@ -678,7 +678,10 @@ class Orchestrator:
                     shutil.rmtree(entry, ignore_errors=True)
         if self._incoming_dir.is_dir():
             for entry in abandoned_writes(self._incoming_dir, time.time()):
-                shutil.rmtree(entry, ignore_errors=True)
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
 
     def _finished(self, generation: int) -> bool:
         s = self._pushes.get(generation)
@@ -695,11 +698,13 @@ class Orchestrator:
 
 
 def abandoned_writes(incoming: Path, now: float, idle_s: float = ABANDONED_WRITE_S) -> list[Path]:
-    """Directories in ``incoming`` where nothing was written for ``idle_s``."""
+    """Entries of ``incoming`` (a trainer's directory, or anything else put there) where nothing was written
+    for ``idle_s``."""
     out = []
     for entry in incoming.iterdir():
         with contextlib.suppress(FileNotFoundError):  # taken over or deleted by its trainer meanwhile
-            last = max([entry.stat().st_mtime, *(f.stat().st_mtime for f in entry.iterdir())])
+            inside = list(entry.iterdir()) if entry.is_dir() else []
+            last = max([entry.stat().st_mtime, *(f.stat().st_mtime for f in inside)])
             if now - last > idle_s:
                 out.append(entry)
     return out

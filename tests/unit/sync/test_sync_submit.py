@@ -80,4 +80,6 @@ def test_only_writes_idle_for_long_in_the_spool_are_abandoned(tmp_path: Path) ->
         os.utime(d, (now - age, now - age))
         os.utime(d / "model.safetensors", (now - age, now - age))
     os.utime(tmp_path / "old-dir-fresh-file" / "model.safetensors", (now - 1, now - 1))  # still being written
-    assert [p.name for p in orchestrator.abandoned_writes(tmp_path, now)] == ["old"]
+    (tmp_path / "stray-file").write_bytes(b"x")  # not a trainer's directory: judged by its own time
+    os.utime(tmp_path / "stray-file", (now - 3600, now - 3600))
+    assert sorted(p.name for p in orchestrator.abandoned_writes(tmp_path, now)) == ["old", "stray-file"]
