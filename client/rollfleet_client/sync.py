@@ -33,6 +33,7 @@ import httpx
 from pydantic import ValidationError
 
 from rollfleet_client.errors import GroupStale, InvalidArgument, PushFailed, SidecarError
+from rollfleet_client.spool import open_over_spare
 from rollfleet_client.sync_protocol import (
     GROUP_STALE_STATUS,
     PUSH_SPOOLED_PATH,
@@ -104,8 +105,9 @@ class SyncClient:
         try:
             written.chmod(0o777)  # the sidecar (a user of its own) moves it, and deletes it once superseded
             t0 = time.monotonic()
-            with (written / SPOOLED_FILE).open("wb") as f:
+            with open_over_spare(incoming, written / SPOOLED_FILE) as f:
                 out.write_to(f)
+                f.truncate()
             body = PushSpooledRequest(version=version, name=written.name, write_s=time.monotonic() - t0)
             resp = self.call("POST", PUSH_SPOOLED_PATH, content=body.model_dump_json(), timeout=timeout_s)
         finally:  # taken over by the sidecar unless the write or the call failed

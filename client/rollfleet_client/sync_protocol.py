@@ -51,6 +51,8 @@ PUSH_SPOOLED_PATH = "/v1/pushes/spooled"
 SPOOL_ENV = "ROLLFLEET_SYNC_SPOOL"
 # The spool's directory that trainers write into: one directory per push, named by the trainer.
 SPOOL_INCOMING_DIR = "incoming"
+# In incoming/: the file of a superseded push, kept for the next push to write over (``rollfleet_client.spool``).
+SPOOL_SPARE_FILE = ".spare.safetensors"
 VERSION_PATH = "/v1/version"
 HEALTH_PATH = "/healthz"
 COLLECTIVE_PATH = "/v1/collective"

@@ -146,77 +146,118 @@ def shard_from_file(file: Path, path: str) -> Shard:
 ReadInto = Callable[[memoryview], int]
 
 
-Sink = Callable[[memoryview], object]
-
-
-# With a sink, bytes are read (and passed on) in pieces of at most this much: a buffered reader fills
-# what it is given, so a whole tensor (hundreds of MiB in a large model) would reach a relay at once.
-_SINK_PIECE = 1 << 20
-
-
-def _read_exact(read_into: ReadInto, n: int, what: str, sink: Sink | None = None) -> bytearray:
-    """`n` bytes; each piece also goes to `sink` as soon as it is read (a relay forwards it on)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+def _read_exact(read_into: ReadInto, view: memoryview, what: str) -> None:
+    """Fill `view` from the stream."""
+    got, n = 0, len(view)
     while got < n:
-        k = read_into(view[got : got + _SINK_PIECE] if sink is not None else view[got:])
+        k = read_into(view[got:])
         if not k:
             raise TransferError(f"stream ended after {got} of {n} bytes of {what} (truncated transfer)")
-        if sink is not None:
-            sink(view[got : got + k])
         got += k
-    return buf
 
 
-def read_shard(read_into: ReadInto, shard: Shard, sink: Sink | None = None) -> list[tuple[str, Any]]:
-    """``(name, tensor)`` for every tensor of a shard stream, each checked against the manifest.
-
-    Hashing runs on a second thread while the next tensor is received (blake3 releases
-    the GIL), so verification costs little wall time. Nothing is returned unless every
-    tensor verified. With `sink`, every byte read goes to it too, as it is read (staging
-    writes the shard to a file, where a relay reads on) and no tensor is kept: the return
-    is then empty, and an exception still says the bytes were wrong.
-    """
-    torch = _torch()
-
-    def take(n: int, what: str) -> bytearray:
-        return _read_exact(read_into, n, what, sink)
-
-    (n,) = _HEADER_LEN.unpack(take(8, "header length"))
-    if 8 + n > shard.size:
-        raise TransferError(f"{shard.path}: header length {n} exceeds the shard size {shard.size}")
-    header = json.loads(bytes(take(n, "header")))
+def _tensor_entries(header: dict[str, Any], shard: Shard) -> list[TensorEntry]:
+    """The manifest's tensors in the order of their bytes, once the shard's own header agrees with them."""
     header.pop("__metadata__", None)
     expected = {e.name: e for e in shard.tensors}
     if set(header) != set(expected):
         raise TransferError(f"{shard.path}: tensors differ from the manifest")
-    received: list[tuple[TensorEntry, bytearray | None, Future[str]]] = []
-    position = 0
+    entries, position = sorted(shard.tensors, key=lambda e: e.data_offsets[0]), 0
+    for entry in entries:
+        meta = header[entry.name]
+        if (meta["dtype"], list(meta["shape"]), tuple(meta["data_offsets"])) != (
+            entry.dtype,
+            entry.shape,
+            tuple(entry.data_offsets),
+        ):
+            raise TransferError(f"{shard.path}: header of {entry.name} differs from the manifest")
+        if entry.data_offsets[0] < position:
+            raise TransferError(f"{shard.path}: overlapping tensor {entry.name}")
+        position = entry.data_offsets[1]
+    return entries
+
+
+def _header_length(raw: bytes | bytearray | memoryview, shard: Shard) -> int:
+    (n,) = _HEADER_LEN.unpack(raw)
+    if 8 + n > shard.size:
+        raise TransferError(f"{shard.path}: header length {n} exceeds the shard size {shard.size}")
+    return int(n)
+
+
+def _check_digests(received: list[tuple[TensorEntry, Future[str]]]) -> None:
+    for entry, digest in received:
+        if digest.result() != entry.blake3:
+            raise TransferError(f"{entry.name}: digest mismatch (corrupt transfer)")
+
+
+def read_shard(read_into: ReadInto, shard: Shard) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` for every tensor of a shard stream, each in a buffer of its own and checked against
+    the manifest (pulled in the pause: the load copies each tensor into the model and frees it).
+
+    Hashing runs on a second thread while the next tensor is received (blake3 releases
+    the GIL), so verification costs little wall time. Nothing is returned unless every
+    tensor verified.
+    """
+    torch = _torch()
+
+    def take(n: int, what: str) -> bytearray:
+        buf = bytearray(n)
+        _read_exact(read_into, memoryview(buf), what)
+        return buf
+
+    n = _header_length(take(8, "header length"), shard)
+    entries = _tensor_entries(json.loads(bytes(take(n, "header"))), shard)
+    received: list[tuple[TensorEntry, Future[str]]] = []
+    tensors, position = [], 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="blake3") as hasher:
-        for entry in sorted(shard.tensors, key=lambda e: e.data_offsets[0]):
-            meta = header[entry.name]
-            if (meta["dtype"], list(meta["shape"]), tuple(meta["data_offsets"])) != (
-                entry.dtype,
-                entry.shape,
-                tuple(entry.data_offsets),
-            ):
-                raise TransferError(f"{shard.path}: header of {entry.name} differs from the manifest")
+        for entry in entries:
             begin, end = entry.data_offsets
-            if begin < position:
-                raise TransferError(f"{shard.path}: overlapping tensor {entry.name}")
             if begin > position:
                 take(begin - position, "padding")
             data = take(end - begin, entry.name)
-            received.append((entry, None if sink else data, hasher.submit(tensor_digest, data)))
+            received.append((entry, hasher.submit(tensor_digest, data)))
+            tensors.append((entry.name, _tensor(torch, data, entry)))
             position = end
-    tensors = []
-    for entry, kept, digest in received:
-        if digest.result() != entry.blake3:
-            raise TransferError(f"{entry.name}: digest mismatch (corrupt transfer)")
-        if kept is not None:
-            tensors.append((entry.name, _tensor(torch, kept, entry)))
+    _check_digests(received)
     return tensors
+
+
+# Bytes are received into a staging file in pieces of at most this much, each reported as it lands:
+# a relay forwards them on as they arrive, not a whole tensor (hundreds of MiB in a large model) at once.
+_PIECE = 1 << 20
+
+
+def receive_shard(read_into: ReadInto, shard: Shard, into: memoryview, progress: Callable[[int], object]) -> None:
+    """Read a whole shard stream into `into` (``shard.size`` bytes: a mapped staging file), checking its header
+    and every tensor's digest against the manifest; `progress(bytes so far)` after every piece.
+
+    The bytes land once, where they stay (no buffer per tensor, no second copy); each tensor is
+    hashed on a second thread while the next one arrives.
+    """
+    if len(into) != shard.size:
+        raise ValueError(f"{shard.path}: {len(into)} bytes to receive into, manifest says {shard.size}")
+    position = 0
+
+    def take_until(end: int, what: str) -> None:
+        nonlocal position
+        while position < end:
+            piece = min(_PIECE, end - position)
+            _read_exact(read_into, into[position : position + piece], what)
+            position += piece
+            progress(position)
+
+    take_until(8, "header length")
+    n = _header_length(into[:8], shard)
+    take_until(8 + n, "header")
+    entries = _tensor_entries(json.loads(bytes(into[8 : 8 + n])), shard)
+    received: list[tuple[TensorEntry, Future[str]]] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="blake3") as hasher:
+        for entry in entries:
+            begin, end = (8 + n + offset for offset in entry.data_offsets)
+            take_until(end, entry.name)
+            received.append((entry, hasher.submit(tensor_digest, into[begin:end])))
+        take_until(shard.size, "trailing bytes")
+    _check_digests(received)
 
 
 def tensors_from_buffer(data: bytearray | mmap.mmap, shard: Shard) -> list[tuple[str, Any]]:

@@ -8,9 +8,15 @@ the load in the pause that follows is a memory copy: ``/update_weights`` with th
 
 One set is staged at a time: staging another replaces it; asking again for the set being
 staged or already staged changes nothing; a finished weight update releases it (the model
-holds the weights now), and so does the process's exit. Bounded by ``ROLLFLEET_STAGING_MAX_BYTES`` and by
+holds the weights now: it cannot be loaded again). Bounded by ``ROLLFLEET_STAGING_MAX_BYTES`` and by
 the free space of the area; weights that do not fit fail with what to do. Every tensor is
 hashed against the manifest before the set is called staged.
+
+The bytes are received straight into the staging files, mapped, and a released set's files
+are kept and written over by the next set: allocating fresh memory pages (zeroed by the kernel)
+cost more than the transfer itself (1 GiB: 1.1-1.4 s fresh, 0.45-0.5 s written over, on a 2-core
+dev box). The area thus holds one set's memory from the first push on, which the pod's memory
+limit has to allow at every push anyway; the process's exit frees it.
 
 Relay: while it stages, an engine serves what it has received so far to the next engine
 of a chain (``relay_manifest``, ``relay_shard``: its bytes as they land, through
@@ -22,6 +28,7 @@ manifest, so a relay cannot pass corrupt bytes off as the weights.
 from __future__ import annotations
 
 import atexit
+import mmap
 import os
 import shutil
 import threading
@@ -29,7 +36,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 from rollfleet_engine.protocol import (
     STAGED_URL_SCHEME,
@@ -39,7 +45,7 @@ from rollfleet_engine.protocol import (
     WeightManifest,
     WeightUpdateInfo,
 )
-from rollfleet_engine.safetensors_stream import TransferError, read_shard
+from rollfleet_engine.safetensors_stream import TransferError, receive_shard
 from rollfleet_engine.weights_client import MANIFEST_FILE, check_length, fetch_manifest, http_get, shard_file
 
 
@@ -67,6 +73,23 @@ class RelayUnavailable(TransferError):
 
 
 _RELAY_CHUNK = 4 << 20
+_SPARE_DIR = ".spare"  # shard files of an earlier set, kept to be written over
+
+
+def _size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def _mapped(file: Path, size: int) -> memoryview:
+    """`file` (created, or an earlier set's written over) at `size` bytes, mapped for writing.
+
+    The mapping is populated in one call: faulting its pages in one by one costs more than the
+    transfer. It is unmapped when the view is garbage, not closed here: an exception's traceback
+    may still hold slices of it.
+    """
+    with file.open("a+b") as f:
+        f.truncate(size)
+        return memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
 
 
 @dataclass
@@ -94,12 +117,14 @@ class Stager:
         atexit.register(shutil.rmtree, self.root, ignore_errors=True)
 
     def release(self) -> None:
-        """The staged set was loaded (or given up): free its memory. A staging under way goes on."""
+        """The staged set was loaded (or given up): it cannot be loaded again, and its memory is kept for the
+        next set to be written over (see the module's docstring). A staging under way goes on."""
         with self._lock:
             if self._job.status.state is StageState.STAGING:
                 return
             self._job = _Job(StageStatus())
-            self._clear()
+            if self.root.is_dir():
+                self._recycle()
 
     def status(self) -> StageStatus:
         with self._lock:
@@ -190,9 +215,8 @@ class Stager:
         job.status.bytes = manifest.total_bytes
         final = self.root / info.manifest_sha256
         partial = self.root / f"{info.manifest_sha256}.partial"
-        self._clear()  # one set at a time: what was staged before goes first, to make room
-        self.root.mkdir(parents=True, exist_ok=True)
-        why = fits(manifest.total_bytes, self.max_bytes, shutil.disk_usage(self.root).free)
+        spare = self._recycle()  # one set at a time: what was staged before is written over
+        why = fits(manifest.total_bytes, self.max_bytes, shutil.disk_usage(self.root).free + _size(spare))
         if why is not None:
             raise StagingFull(why)
         partial.mkdir()
@@ -200,29 +224,39 @@ class Stager:
             job.manifest_raw, job.manifest = raw, manifest
             self._progress.notify_all()
         for i, shard in enumerate(manifest.shards):
-            # Every tensor is hashed against the manifest as it arrives (staged means verified), and its
-            # bytes land in the shard's file as they are, for a relay to read on.
             target = partial / shard_file(i)
-            with http_get(info.url, shard.path, info.timeout_s, headers) as resp, target.open("wb") as out:
+            if (spare / shard_file(i)).exists():
+                (spare / shard_file(i)).rename(target)
+            with http_get(info.url, shard.path, info.timeout_s, headers) as resp:
                 check_length(resp, shard)
                 with self._progress:
                     job.files[i], job.written[i] = target, 0
 
-                def sink(data: memoryview, i: int = i, out: BinaryIO = out) -> None:
-                    out.write(data)
-                    out.flush()  # before a relay is told: it reads the file, not this buffer
+                def progress(n: int, i: int = i) -> None:
                     with self._progress:
-                        job.written[i] += len(data)
+                        job.written[i] = n
                         self._progress.notify_all()
 
-                read_shard(resp.readinto, shard, sink=sink)
+                # Every tensor is hashed against the manifest as it arrives (staged means verified), and its
+                # bytes land in the shard's file, where a relay reads them on.
+                receive_shard(resp.readinto, shard, _mapped(target, shard.size), progress)
+        shutil.rmtree(spare, ignore_errors=True)  # a set of more shards than this one
         (partial / MANIFEST_FILE).write_bytes(raw)
         with self._progress:  # a relay opens the shard files under the lock: never between these two
             partial.rename(final)
             job.files = {i: final / shard_file(i) for i in job.files}
         return f"{STAGED_URL_SCHEME}://{final}"
 
-    def _clear(self) -> None:
-        if self.root.is_dir():
-            for entry in self.root.iterdir():
-                shutil.rmtree(entry, ignore_errors=True)
+    def _recycle(self) -> Path:
+        """Every shard file left in the area (a set staged or loaded before, a staging cut off) moved into the
+        spare directory, one per shard index, and the rest deleted; the spare directory."""
+        spare = self.root / _SPARE_DIR
+        spare.mkdir(parents=True, exist_ok=True)
+        for entry in self.root.iterdir():
+            if entry == spare:
+                continue
+            for file in entry.glob("shard-*.safetensors") if entry.is_dir() else ():
+                if not (spare / file.name).exists():
+                    file.rename(spare / file.name)
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        return spare

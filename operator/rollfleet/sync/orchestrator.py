@@ -63,9 +63,11 @@ from rollfleet.sync.protocol import (
     stale_requests,
 )
 from rollfleet.sync.store import RecordStore, read_record, update
+from rollfleet_client.spool import keep_as_spare, open_over_spare
 from rollfleet_client.sync_protocol import (
     SPOOL_ENV,
     SPOOL_INCOMING_DIR,
+    SPOOL_SPARE_FILE,
     EngineProgress,
     EngineStep,
     FleetVersionView,
@@ -174,7 +176,7 @@ class Orchestrator:
         loop = asyncio.get_running_loop()
         received = 0
         try:
-            with (partial / _STREAM_FILE).open("wb") as f:
+            with open_over_spare(self._incoming_dir, partial / _STREAM_FILE) as f:
                 writing: asyncio.Future[int] | None = None
                 async for chunk in chunks:
                     if writing is not None:  # double-buffered: a chunk is written while the next one arrives
@@ -183,6 +185,7 @@ class Orchestrator:
                     received += len(chunk)
                 if writing is not None:
                     await writing
+                f.truncate()
             if expected is not None and received != expected:
                 raise PushRefused(f"the stream ended after {received} of {expected} bytes")
         except Exception as err:
@@ -675,6 +678,8 @@ class Orchestrator:
         if self._pushes_dir.is_dir():
             for entry in self._pushes_dir.iterdir():
                 if entry.is_dir() and entry.resolve() not in keep:
+                    for file in entry.glob("*.safetensors"):
+                        keep_as_spare(self._incoming_dir, file)
                     shutil.rmtree(entry, ignore_errors=True)
         if self._incoming_dir.is_dir():
             for entry in abandoned_writes(self._incoming_dir, time.time()):
@@ -702,6 +707,8 @@ def abandoned_writes(incoming: Path, now: float, idle_s: float = ABANDONED_WRITE
     for ``idle_s``."""
     out = []
     for entry in incoming.iterdir():
+        if entry.name == SPOOL_SPARE_FILE:  # kept on purpose, for the next push
+            continue
         with contextlib.suppress(FileNotFoundError):  # taken over or deleted by its trainer meanwhile
             inside = list(entry.iterdir()) if entry.is_dir() else []
             last = max([entry.stat().st_mtime, *(f.stat().st_mtime for f in inside)])

@@ -9,7 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollfleet_engine.safetensors_stream import TransferError, read_shard, shard_from_file, shard_from_tensors
+from rollfleet_engine.safetensors_stream import (
+    TransferError,
+    read_shard,
+    receive_shard,
+    shard_from_file,
+    shard_from_tensors,
+    tensors_from_buffer,
+)
 from rollfleet_engine.weights_client import fetch_weights
 from rollfleet_engine.weights_server import WeightsServer
 
@@ -57,6 +64,21 @@ def test_corrupt_and_truncated_streams_fail() -> None:
         list(read_shard(io.BytesIO(bytes(corrupt)).readinto, shard))  # type: ignore[arg-type]
     with pytest.raises(TransferError, match="truncated"):
         list(read_shard(io.BytesIO(blob[:-5]).readinto, shard))  # type: ignore[arg-type]
+
+
+def test_receive_shard_lands_the_bytes_in_place_verified_and_reports_progress() -> None:
+    blob, shard = _blob(_tensors())
+    into, seen = bytearray(len(blob)), []
+    receive_shard(io.BytesIO(blob).readinto, shard, memoryview(into), seen.append)  # type: ignore[arg-type]
+    assert bytes(into) == blob and seen[-1] == len(blob) and seen == sorted(seen)
+    got = dict(tensors_from_buffer(into, shard))  # type: ignore[arg-type]
+    assert all(torch.equal(got[n], t) for n, t in _tensors().items())
+    corrupt = bytearray(blob)
+    corrupt[-3] ^= 0xFF
+    with pytest.raises(TransferError, match="digest mismatch"):
+        receive_shard(io.BytesIO(bytes(corrupt)).readinto, shard, memoryview(into), seen.append)  # type: ignore[arg-type]
+    with pytest.raises(TransferError, match="truncated"):
+        receive_shard(io.BytesIO(blob[:-5]).readinto, shard, memoryview(into), seen.append)  # type: ignore[arg-type]
 
 
 def test_server_and_fetch(tmp_path: Path) -> None:

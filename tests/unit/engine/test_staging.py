@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,22 @@ def tensors() -> dict[str, torch.Tensor]:
     }
 
 
+@contextmanager
+def serving(directory: Path) -> Iterator[tuple[str, str]]:
+    server = WeightsServer(directory, host="127.0.0.1")
+    url = server.start()
+    try:
+        yield url, server.update_info()["manifest_sha256"]
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
     (tmp_path / "weights").mkdir()
     save_file(tensors(), str(tmp_path / "weights" / "model.safetensors"))
-    server = WeightsServer(tmp_path / "weights", host="127.0.0.1")
-    url = server.start()
-    yield url, server.update_info()["manifest_sha256"]
-    server.stop()
+    with serving(tmp_path / "weights") as running:
+        yield running
 
 
 @pytest.fixture
@@ -64,6 +73,29 @@ def test_staged_weights_load_from_the_staging_area_as_served(served: tuple[str, 
         fetch_weights(status.staged_url, "0" * 64, 10)
 
 
+def test_a_loaded_set_cannot_be_loaded_again_and_the_next_set_is_written_over_its_memory(
+    served: tuple[str, str], root: Path, tmp_path: Path
+) -> None:
+    url, sha = served
+    stager = Stager(root, max_bytes=None)
+    stager.start(WeightUpdateInfo(url=url, manifest_sha256=sha))
+    first = settled(stager).staged_url
+    assert first is not None
+    inode = (root / sha / "shard-0.safetensors").stat().st_ino
+    stager.release()  # as after the engine's finish_weight_update
+    with pytest.raises(TransferError, match="stage the weights again"):
+        fetch_weights(first, sha, 10)
+    changed = {**tensors(), "steps": torch.arange(5) * 7}
+    save_file(changed, str(tmp_path / "weights" / "model.safetensors"))
+    with serving(tmp_path / "weights") as (other_url, other_sha):
+        stager.start(WeightUpdateInfo(url=other_url, manifest_sha256=other_sha))
+        status = settled(stager)
+    assert status.state is StageState.STAGED and status.staged_url is not None, status
+    assert (root / other_sha / "shard-0.safetensors").stat().st_ino == inode  # the same memory, written over
+    got = dict(fetch_weights(status.staged_url, other_sha, 10))
+    assert all(torch.equal(got[n], t) for n, t in changed.items())
+
+
 def test_only_the_staging_area_can_be_loaded_from(served: tuple[str, str], root: Path, tmp_path: Path) -> None:
     with pytest.raises(TransferError, match="staging area"):
         fetch_weights(f"file://{tmp_path / 'weights'}", served[1], 10)
@@ -79,7 +111,7 @@ def test_weights_that_do_not_fit_or_are_not_the_named_ones_fail_with_what_to_do(
     small.start(WeightUpdateInfo(url=url, manifest_sha256=sha))
     status = settled(small)
     assert status.state is StageState.FAILED and "ROLLFLEET_STAGING_MAX_BYTES" in (status.error or ""), status
-    assert not any(root.iterdir())  # nothing half-staged
+    assert not list(root.rglob("*.safetensors")) and not list(root.rglob("*.json"))  # nothing half-staged
     other = Stager(root, max_bytes=None)
     other.start(WeightUpdateInfo(url=url, manifest_sha256="0" * 64))
     assert "manifest sha256" in (settled(other).error or "")

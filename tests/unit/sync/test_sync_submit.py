@@ -15,6 +15,7 @@ from rollfleet.sync.engines import StaticDiscovery
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import FileStore
+from rollfleet_client.sync_protocol import SPOOL_SPARE_FILE
 from rollfleet_engine.protocol import STATE_PATH
 
 
@@ -82,4 +83,6 @@ def test_only_writes_idle_for_long_in_the_spool_are_abandoned(tmp_path: Path) ->
     os.utime(tmp_path / "old-dir-fresh-file" / "model.safetensors", (now - 1, now - 1))  # still being written
     (tmp_path / "stray-file").write_bytes(b"x")  # not a trainer's directory: judged by its own time
     os.utime(tmp_path / "stray-file", (now - 3600, now - 3600))
+    (tmp_path / SPOOL_SPARE_FILE).write_bytes(b"x")  # kept on purpose, for the next push
+    os.utime(tmp_path / SPOOL_SPARE_FILE, (now - 3600, now - 3600))
     assert sorted(p.name for p in orchestrator.abandoned_writes(tmp_path, now)) == ["old", "stray-file"]
