@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +26,8 @@ import httpx
 import pytest
 
 from rollfleet_client.sync import SyncClient
-from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND
+from rollfleet_engine import weights_client
+from rollfleet_engine.protocol import HTTP_WEIGHT_BACKEND, STAGING_DIR_ENV
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from tests.engine.conftest import START_TIMEOUT_S, Engine, engine_command, free_loopback_address, wait_ready
 
@@ -39,12 +42,13 @@ class EngineProcess:
     engine: Engine
     cmd: list[str]
     core: int
+    staging: Path  # its staging area, as a pod's memory-backed /dev/shm: a killed engine leaves it behind
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         # vLLM's CPU backend binds every engine's threads to core 0 by default: two engines
         # on one core starve each other (one decodes, the other waits seconds for a token).
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(self.core)}
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(self.core), STAGING_DIR_ENV: str(self.staging)}
         with self.engine.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -133,12 +137,14 @@ def running_fleet(tmp: Path, token_file: Path, backend: str = HTTP_WEIGHT_BACKEN
     """Two engines with `backend`, started together (the start time is shared), killed at the end."""
     model_dir = ensure_tiny_model()
     fleet = []
+    staging = Path(tempfile.mkdtemp(prefix="sync-test-staging-", dir=weights_client.staging_root().parent))
     for i in range(2):
         host, port = free_loopback_address()
         engine = Engine(
             url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=tmp / f"e{i}.log"
         )
-        fleet.append(EngineProcess(engine, _engine_cmd(engine, token_file, backend), core=i % (os.cpu_count() or 1)))
+        cmd, core = _engine_cmd(engine, token_file, backend), i % (os.cpu_count() or 1)
+        fleet.append(EngineProcess(engine, cmd, core, staging / f"e{i}"))
     try:
         for e in fleet:
             e.start()
@@ -148,6 +154,7 @@ def running_fleet(tmp: Path, token_file: Path, backend: str = HTTP_WEIGHT_BACKEN
     finally:
         for e in fleet:
             e.kill()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager
