@@ -338,8 +338,9 @@ def receiver(address: str) -> None:
         started = stager.start(WeightUpdateInfo.model_validate(await request.json()))
         return web.json_response(started.model_dump(mode="json"), status=202)
 
-    async def stage_status(_: web.Request) -> web.Response:
-        return web.json_response(stager.status().model_dump(mode="json"))
+    async def stage_status(request: web.Request) -> web.Response:
+        status = await asyncio.to_thread(stager.status, float(request.query.get("wait", 0)))
+        return web.json_response(status.model_dump(mode="json"))
 
     async def relay_manifest(_: web.Request) -> web.Response:
         try:

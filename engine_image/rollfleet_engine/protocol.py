@@ -17,10 +17,12 @@ REQUESTS_PATH = f"{API_PREFIX}/requests"
 ABORT_PATH = f"{API_PREFIX}/abort"
 READY_PATH = f"{API_PREFIX}/ready"
 # Prefetch: POST a WeightUpdateInfo to download and verify the next weights into the engine's staging
-# area while it serves; GET the StageStatus. The staged copy is then loaded by /update_weights with
+# area while it serves; GET the StageStatus (``?wait=S``: once it is no longer staging, or after S
+# seconds, at most STAGE_WAIT_MAX_S). The staged copy is then loaded by /update_weights with
 # the StageStatus's `staged_url` (file://), which only this engine's staging area may be.
 STAGE_PATH = f"{API_PREFIX}/weights/stage"
 STAGED_URL_SCHEME = "file"
+STAGE_WAIT_MAX_S = 30.0
 # Relay: an engine staging a set serves it on, as it arrives, to the next engine of a chain: this is
 # the base URL of a weights server (WEIGHTS_MANIFEST_PATH, then each shard's path) on the engine port.
 STAGE_RELAY_PATH = f"{STAGE_PATH}/relay"

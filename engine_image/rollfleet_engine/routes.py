@@ -6,7 +6,9 @@ need the control token), so the handlers only do their job.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -17,6 +19,7 @@ from rollfleet_engine.protocol import (
     REQUESTS_PATH,
     STAGE_PATH,
     STAGE_RELAY_PATH,
+    STAGE_WAIT_MAX_S,
     STATE_PATH,
     WEIGHTS_MANIFEST_PATH,
     AbortRequest,
@@ -120,5 +123,6 @@ async def relay_shard(request: Request, path: str) -> StreamingResponse:
 
 
 @router.get(STAGE_PATH, response_model=StageStatus)
-async def stage_status(request: Request) -> StageStatus:
-    return _runtime(request).stager.status()
+async def stage_status(request: Request, wait: Annotated[float, Query(ge=0, le=STAGE_WAIT_MAX_S)] = 0) -> StageStatus:
+    """The staging's status; with `wait`, once it has ended (or after `wait` seconds): no polling loop."""
+    return await run_in_threadpool(_runtime(request).stager.status, wait)

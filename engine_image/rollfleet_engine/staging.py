@@ -126,8 +126,11 @@ class Stager:
             if self.root.is_dir():
                 self._recycle()
 
-    def status(self) -> StageStatus:
-        with self._lock:
+    def status(self, wait_s: float = 0.0) -> StageStatus:
+        """The staging's status; once it is no longer staging, if that happens within `wait_s` seconds."""
+        with self._progress:
+            job = self._job
+            self._progress.wait_for(lambda: job.ended or self._job is not job, timeout=wait_s)
             return self._job.status.model_copy()
 
     def start(self, info: WeightUpdateInfo, authorization: str | None = None) -> StageStatus:
@@ -147,6 +150,7 @@ class Stager:
                 target=self._run, args=(job, info, authorization), name="rollfleet-stage", daemon=True
             )
             self._job = job
+            self._progress.notify_all()  # a wait on the status of the set replaced ends
         job.thread.start()
         return job.status.model_copy()
 

@@ -161,8 +161,9 @@ class EngineClient:
         """Start staging (prefetching) the weights of `update_info` while the engine serves."""
         return await self._answer(StageStatus, "POST", engine, STAGE_PATH, policy, json=dict(update_info))
 
-    async def stage_status(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> StageStatus:
-        return await self._answer(StageStatus, "GET", engine, STAGE_PATH, policy)
+    async def stage_status(self, engine: EngineRef, wait_s: float = 0.0) -> StageStatus:
+        """The engine's staging status; with `wait_s`, once it is no longer staging (or after `wait_s`)."""
+        return await self._answer(StageStatus, "GET", engine, STAGE_PATH, CONTROL, wait_s, params={"wait": wait_s})
 
     # --- vLLM's RL routes ------------------------------------------------------------
 

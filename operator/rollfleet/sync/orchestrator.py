@@ -119,7 +119,8 @@ class Publisher:
             self._server.stop()
 
 
-STAGE_POLL_S = 0.1
+STAGE_WAIT_S = 10.0  # one wait for the end of an engine's staging (GET ...?wait=)
+STAGE_POLL_S = 0.1  # between asks, for an engine image that does not wait
 RELAY_BEGIN_S = 10.0  # an engine that has not begun staging by then is left out of the relay chain
 # A chain costs every engine a second copy of the bytes and a hop; it saves the sidecar's uplink a copy per
 # engine. With a couple of engines the uplink is seldom the limit (and on one host, never): a star, then.
@@ -472,8 +473,10 @@ class Orchestrator:
         while staged.state is StageState.STAGING:
             if self.clock() - t0 > self.transfer.timeout_s:
                 raise EngineCallError(engine, "GET", STAGE_PATH, f"still staging after {self.transfer.timeout_s} s")
-            await asyncio.sleep(STAGE_POLL_S)  # polling a condition: the engine's download
-            staged = await self.api.stage_status(engine)
+            asked = self.clock()
+            staged = await self.api.stage_status(engine, STAGE_WAIT_S)  # answers once staging has ended
+            if staged.state is StageState.STAGING and self.clock() - asked < STAGE_WAIT_S / 2:
+                await asyncio.sleep(STAGE_POLL_S)  # an engine image that answers at once: polling a condition
         if staged.manifest_sha256 != ref.manifest_sha256 or staged.staged_url is None:
             raise EngineCallError(engine, "GET", STAGE_PATH, f"staging {staged.state}: {staged.error}")
         return staged.staged_url

@@ -120,3 +120,12 @@ def test_a_stager_that_stages_nothing_or_another_set_relays_nothing(held: HeldSe
         busy.relay_manifest("0" * 64)
     with pytest.raises(RelayUnavailable, match="no shard"):
         busy.relay_shard("/shards/9")
+
+
+def test_a_status_asked_with_a_wait_answers_once_the_staging_has_ended(held: HeldServer, tmp_path: Path) -> None:
+    sha = sha256_hex(held.manifest_raw)
+    stager = Stager(tmp_path / "staging" / "waited", max_bytes=None)
+    stager.start(WeightUpdateInfo(url=held.url, manifest_sha256=sha))
+    assert stager.status(wait_s=0.2).state is StageState.STAGING  # held half-way: the wait runs out
+    held.release.set()
+    assert stager.status(wait_s=30).state is StageState.STAGED  # answered when staged, not before
