@@ -8,7 +8,8 @@ through the sidecar. Each step:
    its prefix cache), with the engines' per-token logprobs, and resubmits the stragglers of
    the last step from where they stopped (partial rollout: prompt + tokens so far);
 2. stops every request still running at ``--deadline-s`` (the gateway aborts it at the
-   engine and answers with what was made): a straggler, resumed on the next version;
+   engine and answers with what was made): a straggler, resumed on the next version (so is
+   one whose answer does not come even then, on a busy host: it keeps the tokens it had);
 3. drops samples more than ``--max-staleness`` generations behind the policy, scores the
    complete groups with a verifiable toy reward (the share of completion tokens in a
    target set), and takes a PPO-clipped policy-gradient step, the engines' logprobs being
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollfleet_client import AsyncRolloutClient, Generation, SidecarError, SyncClient
+from rollfleet_client import AsyncRolloutClient, GenerateTimeout, Generation, SidecarError, SyncClient
 
 TARGET_TOKENS = frozenset(range(100, 150))  # the toy task: write tokens from this set
 
@@ -99,19 +100,25 @@ def ppo_loss(model: Any, sample: Sample, advantage: float, clip: float) -> tuple
     return -clipped.mean(), float((new.detach() - old).abs().mean())
 
 
-async def run_sample(client: AsyncRolloutClient, group: str, sample: Sample, deadline_s: float) -> None:
-    """Generate what the sample lacks; at the deadline the gateway stops it and answers what was made."""
-    g = await client.generate(
-        sample.prompt + sample.tokens,
-        group_id=group,
-        request_id=f"{group}-{uuid.uuid4().hex[:8]}",
-        timeout_s=deadline_s,
-        max_tokens=sample.max_tokens - len(sample.tokens),
-        temperature=1.0,
-        logprobs=0,
-        ignore_eos=True,
-    )
+async def run_sample(client: AsyncRolloutClient, group: str, sample: Sample, deadline_s: float) -> bool:
+    """Generate what the sample lacks; at the deadline the gateway stops it and answers what was made.
+    False if no answer came even then (a busy host; the client asked the gateway to stop it): the sample
+    keeps what it had, and is resumed on the next step like any straggler."""
+    try:
+        g = await client.generate(
+            sample.prompt + sample.tokens,
+            group_id=group,
+            request_id=f"{group}-{uuid.uuid4().hex[:8]}",
+            timeout_s=deadline_s,
+            max_tokens=sample.max_tokens - len(sample.tokens),
+            temperature=1.0,
+            logprobs=0,
+            ignore_eos=True,
+        )
+    except GenerateTimeout:
+        return False
     sample.extend(g)
+    return True
 
 
 def new_groups(args: argparse.Namespace, step: int) -> list[Group]:
@@ -156,7 +163,7 @@ async def train(args: argparse.Namespace) -> int:
             resubmitted = sum(1 for _, s in todo if s.tokens)
             for _, s in todo:
                 s.resubmits += bool(s.tokens)
-            await asyncio.gather(*(run_sample(client, key, s, args.deadline_s) for key, s in todo))
+            answered = await asyncio.gather(*(run_sample(client, key, s, args.deadline_s) for key, s in todo))
             sampling_s = time.monotonic() - t0
             stragglers = [s for _, s in todo if not s.finished]
 
@@ -203,6 +210,7 @@ async def train(args: argparse.Namespace) -> int:
                         "max_staleness_seen": max(staleness, default=0),
                         "stragglers": len(stragglers),
                         "straggler_tokens": sum(len(s.tokens) for s in stragglers),  # made so far: resumed next step
+                        "unanswered": answered.count(False),
                         "resumed_used": sum(1 for s in used if s.resubmits),
                         "resubmitted": resubmitted,
                         "dropped": dropped,
