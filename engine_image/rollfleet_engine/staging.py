@@ -259,8 +259,11 @@ class Stager:
         for entry in self.root.iterdir():
             if entry == spare:
                 continue
-            for file in entry.glob("shard-*.safetensors") if entry.is_dir() else ():
+            if not entry.is_dir():
+                entry.unlink(missing_ok=True)
+                continue
+            for file in entry.glob("shard-*.safetensors"):
                 if not (spare / file.name).exists():
                     file.rename(spare / file.name)
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            shutil.rmtree(entry, ignore_errors=True)
         return spare
