@@ -88,6 +88,13 @@ def _kind_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kind_stop(args: argparse.Namespace) -> int:
+    from rollfleet_dev.kind import cluster
+
+    cluster.stop()
+    return 0
+
+
 def _kind_build(args: argparse.Namespace) -> int:
     from rollfleet_dev.kind import nodeimage
 
@@ -112,6 +119,9 @@ def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "up", help="build the node image (once, cached), create the cluster, load the images; idempotent"
     ).set_defaults(func=_kind_up)
     ksub.add_parser("down", help="delete the cluster, its containers and network").set_defaults(func=_kind_down)
+    ksub.add_parser(
+        "stop", help="stop the node containers, keeping the cluster and its images (`up` starts it again)"
+    ).set_defaults(func=_kind_stop)
     ksub.add_parser("build", help="build the node image only").set_defaults(func=_kind_build)
     ksub.add_parser("kubeconfig", help="print the kubeconfig's path").set_defaults(func=_kind_kubeconfig)
 
