@@ -39,9 +39,10 @@ docker: ## make a Docker daemon answer here (installs Debian's docker.io if need
 images: env docker ## build the control-plane and CPU engine images (base images built locally, cached)
 	@hack/images.sh
 
+KIND_UP_ARGS ?=
 .PHONY: kind-up
-kind-up: images ## the e2e kind cluster here (GPU pools, images loaded); node image built offline, cached
-	rollfleet kind up
+kind-up: images ## the e2e kind cluster here (GPU pools, images loaded); node image built offline, cached: KIND_UP_ARGS=--clean
+	rollfleet kind up $(KIND_UP_ARGS)
 
 # What `make kind-e2e` runs on kind: a fleet Ready on the GPU pool, an abort checked at the
 # engine, pause keep losing no token, a pause from the trainer client through the gateway, each

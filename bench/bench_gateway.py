@@ -11,7 +11,9 @@ the report takes the median of each metric (the host's other load drifts during 
 Measured per router and mode (non-streaming, streaming):
 - latency: sequential requests (one in flight), p50/p99 in ms; "added" is the router's
   p50/p99 minus the direct-to-engine p50/p99 measured in the same run;
-- throughput: closed loop with `--concurrency` clients for `--duration` s, requests/s.
+- throughput: closed loop with `--concurrency` clients for `--duration` s, requests/s;
+- CPU time per request (µs): the router's processes' user + system time during the throughput
+  measurement, over the requests it answered (what a router costs the host, whatever else runs).
 Also the upstream-client choice: aiohttp vs httpx against one simulator.
 
 Everything shares this host's cores (load generator, router, simulators), so the
@@ -54,6 +56,7 @@ class Result:
     name: str
     latency_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (p50, p99)
     rps: dict[str, float] = field(default_factory=dict)
+    cpu_us: dict[str, float] = field(default_factory=dict)  # mode -> CPU µs per request (routers only)
     note: str = ""
 
 
@@ -81,7 +84,8 @@ async def latency(url: str, stream: bool, n: int) -> tuple[float, float]:
     return percentile(samples, 0.5), percentile(samples, 0.99)
 
 
-async def throughput(url: str, stream: bool, concurrency: int, duration: float) -> float:
+async def throughput(url: str, stream: bool, concurrency: int, duration: float) -> tuple[float, int]:
+    """Requests/s of a closed loop, and how many requests it made."""
     done = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -95,7 +99,24 @@ async def throughput(url: str, stream: bool, concurrency: int, duration: float) 
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - t0)
+        return done / (time.perf_counter() - t0), done
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and of its descendants alive now (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # it exited meanwhile
+            continue
+    return total
 
 
 async def client_choice(url: str, n: int, concurrency: int) -> dict[str, dict[str, float]]:
@@ -224,15 +245,20 @@ def router_commands(engines: list[str], token_file: Path) -> dict[str, Callable[
     }
 
 
-def measure(results: dict[str, list[Result]], name: str, url: str, args: argparse.Namespace) -> None:
+def measure(results: dict[str, list[Result]], name: str, url: str, args: argparse.Namespace, pid: int | None) -> None:
+    """One round for one target; `pid`: the router's process, whose CPU time is counted (None: direct)."""
     result = Result(name)
     for mode, stream in (("json", False), ("stream", True)):
         result.latency_ms[mode] = asyncio.run(latency(url, stream, args.requests))
-        result.rps[mode] = asyncio.run(throughput(url, stream, args.concurrency, args.duration))
+        cpu_before = cpu_seconds(pid) if pid else 0.0
+        result.rps[mode], done = asyncio.run(throughput(url, stream, args.concurrency, args.duration))
+        if pid:
+            result.cpu_us[mode] = (cpu_seconds(pid) - cpu_before) / max(done, 1) * 1e6
     print(
         f"  {name:<18} "
         + "  ".join(
             f"{m}: p50 {p50:.2f} ms p99 {p99:.2f} ms {result.rps[m]:.0f} req/s"
+            + (f" {result.cpu_us[m]:.0f} CPU µs/req" if m in result.cpu_us else "")
             for m, (p50, p99) in result.latency_ms.items()
         ),
         flush=True,
@@ -249,6 +275,8 @@ def median_result(rounds: list[Result]) -> Result:
             statistics.median(r.latency_ms[mode][1] for r in rounds),
         )
         out.rps[mode] = statistics.median(r.rps[mode] for r in rounds)
+        if mode in rounds[0].cpu_us:
+            out.cpu_us[mode] = statistics.median(r.cpu_us[mode] for r in rounds)
     return out
 
 
@@ -284,6 +312,7 @@ def main() -> int:
         for name, c in choice.items():
             print(f"  {name:<8} p50 {c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms {c['rps']:.0f} req/s")
         targets = {"direct (engine)": engines[0]}
+        pids: dict[str, int | None] = {"direct (engine)": None}
         failed: list[Result] = []
         for name, command in router_commands(engines, token).items():
             port = free_port()
@@ -294,6 +323,7 @@ def main() -> int:
             try:
                 wait_serving(url, procs[-1], log)
                 targets[name] = url
+                pids[name] = procs[-1].pid
             except (RuntimeError, TimeoutError) as err:
                 failed.append(Result(name, note=f"could not run: {str(err)[-300:]}"))
                 print(f"{name} could not run: {str(err)[-300:]}")
@@ -302,7 +332,7 @@ def main() -> int:
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}:")
             for name, url in targets.items():
-                measure(rounds, name, url, args)
+                measure(rounds, name, url, args, pids[name])
     finally:
         for p in procs:
             stop(p)
@@ -330,6 +360,7 @@ def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
             row[f"{mode}_added_p50_ms"] = round(p50 - d50, 3)
             row[f"{mode}_added_p99_ms"] = round(p99 - d99, 3)
             row[f"{mode}_rps"] = round(r.rps[mode], 1)
+            row[f"{mode}_cpu_us_per_request"] = round(r.cpu_us[mode], 1)
         report[r.name] = row
     if ours is not None and not ours.note:
         for r in results[1:]:
@@ -338,6 +369,9 @@ def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
             o, t = report[ours.name], report[r.name]
             for mode in ("json", "stream"):
                 o[f"{mode}_rps_ratio_vs_{r.name}"] = round(float(o[f"{mode}_rps"]) / float(t[f"{mode}_rps"]), 3)
+                o[f"{mode}_cpu_per_request_ratio_vs_{r.name}"] = round(
+                    float(o[f"{mode}_cpu_us_per_request"]) / float(t[f"{mode}_cpu_us_per_request"]), 2
+                )
                 theirs = float(t[f"{mode}_added_p50_ms"])
                 # An added latency within the noise of the direct measurement has no meaningful ratio.
                 o[f"{mode}_added_p50_ratio_vs_{r.name}"] = (

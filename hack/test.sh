@@ -3,11 +3,11 @@
 #
 # Bringing kind up (Docker, the images, the node image, the cluster) is mostly waiting on Docker
 # and on cached builds; cold, it is Go builds. It runs beside the local-cluster suite at low CPU
-# priority instead of after it, and its output goes to a log. The cluster is made anew, so that
-# nothing an earlier run left in it (a fleet of engines, an operator) runs beside this one, and it
-# is stopped once made: an idle cluster costs a share of a core, which the local suite needs. It is
-# started again for the kind subset, once both are done. Without Docker (and no root to install it)
-# use `make test-local`.
+# priority instead of after it, and its output goes to a log. A cluster kept from an earlier run
+# loses what that run left in it (`--clean`: a fleet of engines, an operator), or it would run
+# beside this one; and the cluster is stopped once up, since an idle cluster costs a share of a
+# core that the local suite needs. It is started again for the kind subset, once both are done.
+# Without Docker (and no root to install it) use `make test-local`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,10 +18,11 @@ say() { echo "[test] $*"; }
 
 hack/docker.sh || { say "kind needs Docker; without it, run 'make test-local' (the suite on the local cluster)"; exit 1; }
 mkdir -p "$(dirname "$KIND_LOG")"
-say "making a new kind cluster beside the local suite, at low priority, stopped until the suite is done (log: $KIND_LOG)"
+rm -f "$KIND_LOG.status"
+say "bringing the kind cluster up beside the local suite, at low priority, stopped until the suite is done (log: $KIND_LOG)"
 start=$SECONDS
 (
-  nice -n 10 bash -c 'rollfleet kind down && make --no-print-directory kind-up && rollfleet kind stop' >"$KIND_LOG" 2>&1
+  nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop' >"$KIND_LOG" 2>&1
   echo $? >"$KIND_LOG.status"
 ) &
 kind_pid=$!
@@ -40,13 +41,13 @@ if [ "$kind_status" != 0 ]; then
   exit 1
 fi
 kind_s=$((SECONDS - start))
-say "kind cluster made after $kind_s s (log: $KIND_LOG); starting it"
+say "kind cluster ready after $kind_s s (log: $KIND_LOG); starting it"
 
-# -o kind-up: the cluster and its images were just made; `kind up` only starts the stopped nodes.
+# -o kind-up: the cluster and its images are ready; `kind up` only starts the stopped nodes.
 rollfleet kind up && make --no-print-directory -o kind-up kind-e2e
 kind_e2e_status=$?
 # The end of a run is what a CI page shows: repeat where the local suite's time went.
 { sed -n '/slowest 15 durations/,/^=/p' "$LOCAL_LOG"; grep -E '^(FAILED|ERROR) ' "$LOCAL_LOG"; } | sed 's/^/[local] /'
-say "local suite: $(tail -n 1 "$LOCAL_LOG" | tr -d '=') (exit $local_status, done at $local_s s); kind made at $kind_s s"
+say "local suite: $(tail -n 1 "$LOCAL_LOG" | tr -d '=') (exit $local_status, done at $local_s s); kind ready at $kind_s s"
 say "kind subset: exit $kind_e2e_status; the whole run took $((SECONDS - start)) s"
 [ "$local_status" = 0 ] && [ "$kind_e2e_status" = 0 ]

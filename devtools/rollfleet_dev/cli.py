@@ -77,7 +77,7 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def _kind_up(args: argparse.Namespace) -> int:
     from rollfleet_dev.kind import cluster
 
-    print(cluster.up())
+    print(cluster.up(clean=args.clean))
     return 0
 
 
@@ -115,9 +115,13 @@ def _kind_kubeconfig(args: argparse.Namespace) -> int:
 def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kind = sub.add_parser("kind", help="the e2e kind cluster (GPU node pools) on this machine, built offline")
     ksub = kind.add_subparsers(dest="kind_command", required=True)
-    ksub.add_parser(
+    up = ksub.add_parser(
         "up", help="build the node image (once, cached), create the cluster, load the images; idempotent"
-    ).set_defaults(func=_kind_up)
+    )
+    up.add_argument(
+        "--clean", action="store_true", help="delete every namespace but Kubernetes' own from a cluster that is kept"
+    )
+    up.set_defaults(func=_kind_up)
     ksub.add_parser("down", help="delete the cluster, its containers and network").set_defaults(func=_kind_down)
     ksub.add_parser(
         "stop", help="stop the node containers, keeping the cluster and its images (`up` starts it again)"

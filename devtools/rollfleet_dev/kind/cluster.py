@@ -32,6 +32,9 @@ GPU_POOL_SELECTOR = "rollfleet.dev/pool=gpu"
 GPUS_PER_NODE = 8
 KIND_NETWORK = "kind"
 RESTART_TIMEOUT_S = 180.0
+CLEAN_TIMEOUT_S = 300.0
+# Kubernetes' own namespaces: `up(clean=True)` deletes every other one.
+SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
 
 
 class KindError(RollfleetError, RuntimeError):
@@ -129,6 +132,19 @@ def _restart(kubeconfig: Path, nodes: list[str]) -> bool:
     return _wait_nodes_ready(Kubectl(kubeconfig), len(nodes))
 
 
+def _delete_namespaces(kubectl: Kubectl) -> bool:
+    """Delete every namespace but Kubernetes' own, with what runs in them; True once they are gone."""
+    names = kubectl.run("get", "namespaces", "-o", "name").stdout.split()  # namespace/NAME
+    left = [n for n in names if n.partition("/")[2] not in SYSTEM_NAMESPACES]
+    if not left:
+        return True
+    log(f"kind: deleting what earlier runs left in the cluster: {', '.join(n.partition('/')[2] for n in left)}")
+    timeout = f"--timeout={CLEAN_TIMEOUT_S:.0f}s"
+    return (
+        kubectl.run("delete", *left, "--wait=true", timeout, check=False, timeout=CLEAN_TIMEOUT_S + 60).returncode == 0
+    )
+
+
 def advertise_gpus(kubectl: Kubectl, count: int = GPUS_PER_NODE) -> list[str]:
     """Extended resource `nvidia.com/gpu` in the GPU pool's node status (what a device plugin
     would report), so the scheduler places engines exactly as on a GPU cluster."""
@@ -208,10 +224,12 @@ def _discard_unpacked_layers(node: str, image: str) -> int:
     return sum(layers[d] for d in gone)
 
 
-def up() -> Path:
+def up(clean: bool = False) -> Path:
     """Bring the cluster up and advertise GPUs and load images. Idempotent: a running cluster of the
     current node image and config is kept; a stopped one (Docker restarted) is started again; one of
-    another node image or config is made anew."""
+    another node image or config is made anew. `clean`: a kept cluster loses every namespace but
+    Kubernetes' own (what earlier runs left there would run beside the next one), or is made anew
+    if they do not go away."""
     require_docker()
     kubeconfig = kubeconfig_path()
     kubeconfig.parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +251,13 @@ def up() -> Path:
             [_kind(), "export", "kubeconfig", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig)],
             "kind export kubeconfig",
         )
-    else:
+        if clean and not _delete_namespaces(Kubectl(kubeconfig)):
+            log(
+                f"kind: namespaces of cluster {CLUSTER_NAME} did not go away within {CLEAN_TIMEOUT_S:.0f} s: "
+                "making it anew"
+            )
+            down()
+    if not exists():
         config.write_text(spec)
         log(f"kind: creating cluster {CLUSTER_NAME} from {node}")
         _run(
