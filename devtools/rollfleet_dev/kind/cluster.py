@@ -132,10 +132,14 @@ def _restart(kubeconfig: Path, nodes: list[str]) -> bool:
     return _wait_nodes_ready(Kubectl(kubeconfig), len(nodes))
 
 
+def leftover_namespaces(kubectl_names: list[str]) -> list[str]:
+    """Of `kubectl get namespaces -o name` (namespace/NAME), the ones that are not Kubernetes' own."""
+    return [n for n in kubectl_names if n.partition("/")[2] not in SYSTEM_NAMESPACES]
+
+
 def _delete_namespaces(kubectl: Kubectl) -> bool:
     """Delete every namespace but Kubernetes' own, with what runs in them; True once they are gone."""
-    names = kubectl.run("get", "namespaces", "-o", "name").stdout.split()  # namespace/NAME
-    left = [n for n in names if n.partition("/")[2] not in SYSTEM_NAMESPACES]
+    left = leftover_namespaces(kubectl.run("get", "namespaces", "-o", "name").stdout.split())
     if not left:
         return True
     log(f"kind: deleting what earlier runs left in the cluster: {', '.join(n.partition('/')[2] for n in left)}")

@@ -97,3 +97,16 @@ def test_layer_blobs_of_a_docker_manifest_are_its_layers_not_its_config() -> Non
     }
     assert cluster.layer_blobs(manifest) == {"sha256:l1": 100, "sha256:l2": 2**30}
     assert cluster.layer_blobs({"schemaVersion": 2, "manifests": []}) == {}  # an index names no layers
+
+
+def test_clean_deletes_every_namespace_but_kubernetes_own() -> None:
+    names = [
+        "namespace/default",
+        "namespace/kube-node-lease",
+        "namespace/kube-public",
+        "namespace/kube-system",
+        "namespace/live-e2e-310448",
+        "namespace/rollfleet-system",
+    ]
+    assert cluster.leftover_namespaces(names) == ["namespace/live-e2e-310448", "namespace/rollfleet-system"]
+    assert cluster.leftover_namespaces(names[:4]) == []
