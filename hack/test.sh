@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 CACHE="${ROLLFLEET_CACHE:-$HOME/.cache/rollfleet}"
 KIND_LOG="$CACHE/logs/kind-up.log"
 LOCAL_LOG="$CACHE/logs/local-suite.log"
+SLOWEST=15  # the local suite's slowest tests, repeated at the end
 say() { echo "[test] $*"; }
 
 hack/docker.sh || { say "kind needs Docker; without it, run 'make test-local' (the suite on the local cluster)"; exit 1; }
@@ -28,7 +29,7 @@ start=$SECONDS
 kind_pid=$!
 
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
-pytest --durations=15 $PYTEST_ARGS 2>&1 | tee "$LOCAL_LOG"
+pytest --durations=$SLOWEST $PYTEST_ARGS 2>&1 | tee "$LOCAL_LOG"
 local_status=${PIPESTATUS[0]}
 local_s=$((SECONDS - start))
 say "local-cluster suite: exit $local_status after $local_s s"
@@ -47,7 +48,7 @@ say "kind cluster ready after $kind_s s (log: $KIND_LOG); starting it"
 rollfleet kind up && make --no-print-directory -o kind-up kind-e2e
 kind_e2e_status=$?
 # The end of a run is what a CI page shows: repeat where the local suite's time went.
-{ sed -n '/slowest 15 durations/,/^=/p' "$LOCAL_LOG"; grep -E '^(FAILED|ERROR) ' "$LOCAL_LOG"; } | sed 's/^/[local] /'
+{ sed -n "/slowest $SLOWEST durations/,/^=/p" "$LOCAL_LOG"; grep -E '^(FAILED|ERROR) ' "$LOCAL_LOG"; } | sed 's/^/[local] /'
 say "local suite: $(tail -n 1 "$LOCAL_LOG" | tr -d '=') (exit $local_status, done at $local_s s); kind ready at $kind_s s"
 say "kind subset: exit $kind_e2e_status; the whole run took $((SECONDS - start)) s"
 [ "$local_status" = 0 ] && [ "$kind_e2e_status" = 0 ]

@@ -132,21 +132,23 @@ def _restart(kubeconfig: Path, nodes: list[str]) -> bool:
     return _wait_nodes_ready(Kubectl(kubeconfig), len(nodes))
 
 
-def leftover_namespaces(kubectl_names: list[str]) -> list[str]:
-    """Of `kubectl get namespaces -o name` (namespace/NAME), the ones that are not Kubernetes' own."""
-    return [n for n in kubectl_names if n.partition("/")[2] not in SYSTEM_NAMESPACES]
+def leftover_namespaces(names: list[str]) -> list[str]:
+    """Of a cluster's namespaces, the ones that are not Kubernetes' own."""
+    return [n for n in names if n not in SYSTEM_NAMESPACES]
 
 
 def _delete_namespaces(kubectl: Kubectl) -> bool:
     """Delete every namespace but Kubernetes' own, with what runs in them; True once they are gone."""
-    left = leftover_namespaces(kubectl.run("get", "namespaces", "-o", "name").stdout.split())
+    names = kubectl.run("get", "namespaces", "-o", "jsonpath={.items[*].metadata.name}").stdout.split()
+    left = leftover_namespaces(names)
     if not left:
         return True
-    log(f"kind: deleting what earlier runs left in the cluster: {', '.join(n.partition('/')[2] for n in left)}")
+    log(f"kind: deleting what earlier runs left in the cluster: {', '.join(left)}")
     timeout = f"--timeout={CLEAN_TIMEOUT_S:.0f}s"
-    return (
-        kubectl.run("delete", *left, "--wait=true", timeout, check=False, timeout=CLEAN_TIMEOUT_S + 60).returncode == 0
+    deleted = kubectl.run(
+        "delete", "namespace", *left, "--wait=true", timeout, check=False, timeout=CLEAN_TIMEOUT_S + 60
     )
+    return deleted.returncode == 0
 
 
 def advertise_gpus(kubectl: Kubectl, count: int = GPUS_PER_NODE) -> list[str]:

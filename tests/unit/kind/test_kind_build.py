@@ -100,13 +100,6 @@ def test_layer_blobs_of_a_docker_manifest_are_its_layers_not_its_config() -> Non
 
 
 def test_clean_deletes_every_namespace_but_kubernetes_own() -> None:
-    names = [
-        "namespace/default",
-        "namespace/kube-node-lease",
-        "namespace/kube-public",
-        "namespace/kube-system",
-        "namespace/live-e2e-310448",
-        "namespace/rollfleet-system",
-    ]
-    assert cluster.leftover_namespaces(names) == ["namespace/live-e2e-310448", "namespace/rollfleet-system"]
+    names = ["default", "kube-node-lease", "kube-public", "kube-system", "live-e2e-310448", "rollfleet-system"]
+    assert cluster.leftover_namespaces(names) == ["live-e2e-310448", "rollfleet-system"]
     assert cluster.leftover_namespaces(names[:4]) == []
