@@ -119,17 +119,11 @@ def _wait_nodes_ready(kubectl: Kubectl, count: int, timeout_s: float = RESTART_T
     return False
 
 
-def _restart(kubeconfig: Path, nodes: list[str]) -> bool:
+def _start(nodes: list[str]) -> bool:
     """Start the stopped node containers of an unchanged cluster (kind's entrypoint fixes up a changed
-    node IP); True once every node is Ready again. Much cheaper than a new cluster: the images stay."""
+    node IP). Much cheaper than a new cluster: the images stay."""
     log(f"kind: starting the cluster's stopped node containers ({', '.join(nodes)})")
-    if subprocess.run(["docker", "start", *nodes], capture_output=True).returncode != 0:
-        return False
-    _run(
-        [_kind(), "export", "kubeconfig", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig)],
-        "kind export kubeconfig",
-    )
-    return _wait_nodes_ready(Kubectl(kubeconfig), len(nodes))
+    return subprocess.run(["docker", "start", *nodes], capture_output=True).returncode == 0
 
 
 def leftover_namespaces(names: list[str]) -> list[str]:
@@ -248,15 +242,21 @@ def up(clean: bool = False) -> Path:
         if stale or any(image != node for image, _ in containers.values()):
             log(f"kind: cluster {CLUSTER_NAME} was made from another node image or config: making it anew")
             down()
-        elif not all(running for _, running in containers.values()) and not _restart(kubeconfig, list(containers)):
-            log(f"kind: cluster {CLUSTER_NAME} did not come back: making it anew")
+        elif not all(running for _, running in containers.values()) and not _start(list(containers)):
+            log(f"kind: cluster {CLUSTER_NAME}'s node containers did not start: making it anew")
             down()
     if exists():
-        log(f"kind: cluster {CLUSTER_NAME} is up")
         _run(
             [_kind(), "export", "kubeconfig", "--name", CLUSTER_NAME, "--kubeconfig", str(kubeconfig)],
             "kind export kubeconfig",
         )
+        # Node containers Docker restarted may still be booting: until its RBAC is loaded, the API
+        # server refuses even the admin.
+        if not _wait_nodes_ready(Kubectl(kubeconfig), len(_node_containers())):
+            log(f"kind: cluster {CLUSTER_NAME} did not answer with every node Ready: making it anew")
+            down()
+    if exists():
+        log(f"kind: cluster {CLUSTER_NAME} is up")
         if clean and not _delete_namespaces(Kubectl(kubeconfig)):
             log(
                 f"kind: namespaces of cluster {CLUSTER_NAME} did not go away within {CLEAN_TIMEOUT_S:.0f} s: "

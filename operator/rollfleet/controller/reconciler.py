@@ -325,7 +325,7 @@ class FleetLoop:
             selector=engine_selector(self.ref.name),
             engines=engines,
             weights=weights,
-            pause=PauseView(record, request.invalid_value),
+            pause=PauseView(record, request.invalid_value, resuming=request.mode is None),
             gateway=next(iter(self._gateway_index.get(self.key, ())), None),
             gateway_endpoint=gateway_endpoint(self.ref.name, self.ref.namespace),
             gateway_enabled=spec.gateway.enabled,

@@ -259,6 +259,7 @@ class PauseView:
 
     status: PauseStatus | None
     invalid_value: str | None = None
+    resuming: bool = False  # the pause was lifted; `status` stays until no engine reports paused
 
 
 # A condition's (status, reason, message), before its transition time is settled.
@@ -318,7 +319,9 @@ def _degraded_condition(
 
 
 def _pause_condition(pause: PauseView, paused_engines: int, staying: int) -> CondValue:
-    if pause.status is not None:
+    if pause.status is not None and pause.resuming:
+        cond = (True, "Resuming", f"mode {pause.status.mode} lifted: {paused_engines}/{staying} engines still paused")
+    elif pause.status is not None:
         reason = "Paused" if paused_engines >= staying else "Pausing"
         cond = (True, reason, f"mode {pause.status.mode}: {paused_engines}/{staying} engines paused")
     else:

@@ -239,6 +239,9 @@ def test_pause_shows_mode_count_and_invalid_values() -> None:
     )
     assert conditions(both)["Paused"] == ("True", "Paused")
     assert conditions(both)["Ready"] == ("True", "AllEnginesReady")  # paused engines hold requests: they serve
+    # Lifted, while an engine still reports paused: the fleet is resuming, not paused again.
+    lifted = status([paused, engine(1)], pause=PauseView(record, resuming=True))
+    assert conditions(lifted)["Paused"] == ("True", "Resuming") and lifted.pause is not None
     invalid = status([engine(0), engine(1)], pause=PauseView(None, invalid_value="soon"))
     assert conditions(invalid)["Paused"] == ("False", "InvalidPauseAnnotation")
     assert invalid.pause is None
