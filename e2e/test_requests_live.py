@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods
-from e2e.live_fleet import LiveFleet, create, results, running, status, wait_phase
+from e2e.live_fleet import LiveFleet, create, results, runner_pods, running, status, wait_phase
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_ABORT
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
@@ -152,8 +152,9 @@ def test_a_deadline_shorter_than_the_work_fails_the_request_and_frees_the_engine
     assert rows and all(r["finish_reason"] == "abort" and len(r["token_ids"]) < LONG for r in rows)
 
 
-def test_operator_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:
-    """Runs last in this module: it replaces the operator pod and both gateway pods."""
+def test_operator_runner_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:
+    """Runs last in this module: it replaces the operator pod, the request's runner pod and both
+    gateway pods, each while samples are in flight."""
     prompts, samples, tokens = 32, 4, 120
     name, uid = create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True})
     kubectl = fleet.cluster.kubectl
@@ -172,8 +173,20 @@ def test_operator_then_gateway_killed_mid_run_still_one_result_per_sample(fleet:
         300,
         what="a new operator pod",
     )
+    before_runner_kill = completed()
+    wait_for(lambda: completed() > before_runner_kill, 300, what="the run going on without an operator pod")
+    assert status(fleet, name)["phase"] == "Running"
+
+    # The runner pod, killed: its Job starts another, which stops what the first may have left running.
+    [runner] = runner_pods(fleet, uid)
+    kubectl("-n", fleet.namespace, "delete", "pod", runner["metadata"]["name"], "--grace-period=0", "--force")
+    wait_for(
+        lambda: any(p["metadata"]["uid"] != runner["metadata"]["uid"] for p in runner_pods(fleet, uid)),
+        300,
+        what="a new runner pod",
+    )
     before_gateway_kill = completed()
-    wait_for(lambda: completed() > before_gateway_kill, 300, what="the new operator to carry the run on")
+    wait_for(lambda: completed() > before_gateway_kill, 300, what="the new runner to carry the run on")
     assert status(fleet, name)["phase"] == "Running"
 
     kubectl(

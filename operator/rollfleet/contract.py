@@ -72,6 +72,8 @@ MANAGER = "rollfleet-operator"
 COMPONENT_ENGINE = "engine"
 COMPONENT_ADMIN_TOKEN = "admin-token"
 COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
+# A RolloutRequest's runner: the Job that sends its samples, with its ServiceAccount and RBAC.
+COMPONENT_RUNNER = "runner"
 # The pods that run the sync sidecar (manifests/sync/trainer-job.yaml): with the fleet
 # label, what the engines' NetworkPolicy admits as the fleet's trainers. Also the
 # ServiceAccount and RBAC the operator makes for them.
@@ -178,6 +180,11 @@ def weights_record_name(fleet: str) -> str:
 def trainer_name(fleet: str) -> str:
     """The trainers' ServiceAccount, and the Role and RoleBinding of what their sync sidecar may do."""
     return f"{fleet}-{COMPONENT_TRAINER}"
+
+
+def runner_name(request: str) -> str:
+    """The runner Job of a RolloutRequest, and its ServiceAccount, Role and RoleBinding."""
+    return f"{request}-{COMPONENT_RUNNER}"
 
 
 def network_policy_name(fleet: str) -> str:

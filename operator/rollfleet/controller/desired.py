@@ -151,11 +151,15 @@ def engine_args(spec: RolloutFleetSpec) -> list[str]:
     return args + (["--", *vllm] if vllm else [])
 
 
-def _token_volume(fleet: str) -> Manifest:
-    return {"name": "rollfleet-token", "secret": {"secretName": secret_name(fleet), "defaultMode": 0o440}}
+def token_volume(fleet: str, optional: bool = False) -> Manifest:
+    """The fleet's admin-token Secret as a volume (`optional`: a pod may start before the Secret exists)."""
+    secret: Manifest = {"secretName": secret_name(fleet), "defaultMode": 0o440}
+    if optional:
+        secret["optional"] = True
+    return {"name": "rollfleet-token", "secret": secret}
 
 
-_TOKEN_MOUNT = {"name": "rollfleet-token", "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
+TOKEN_MOUNT = {"name": "rollfleet-token", "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
 
 
 def _resources(requests: dict[str, Any] | None, limits: dict[str, Any] | None) -> Manifest:
@@ -179,8 +183,8 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
 
 def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], list[Manifest]]:
     """The engine pod's volumes and the container's mounts: token, model, shared memory."""
-    volumes = [_token_volume(fleet)]
-    mounts = [dict(_TOKEN_MOUNT)]
+    volumes = [token_volume(fleet)]
+    mounts = [dict(TOKEN_MOUNT)]
     if spec.model.host_path:
         volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -421,7 +425,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "readinessProbe": _http_probe("/ready", "http", 2, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
-        "volumeMounts": [dict(_TOKEN_MOUNT)],
+        "volumeMounts": [dict(TOKEN_MOUNT)],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -454,7 +458,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
                     "enableServiceLinks": False,
                     "securityContext": pod_security,
                     "containers": [container],
-                    "volumes": [_token_volume(ref.name)],
+                    "volumes": [token_volume(ref.name)],
                 },
             },
         },

@@ -3,11 +3,13 @@
 Pure. `Tally` counts stored results (the durable truth: counts are rebuilt from the
 results store after a restart); `finished_verdict` says how a run that has no sample
 left ends; `request_status` renders phase, counts, progress, tokens, versions, times,
-results location, abort record and conditions. Talks to nobody.
+results location, abort record and conditions; `runner_verdict` is what the operator says
+of a runner that cannot say it itself. Talks to nobody.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -21,7 +23,7 @@ from rollfleet.api.request import (
     RolloutRequestStatus,
 )
 from rollfleet.controller.requests.plan import Outcome, SampleResult
-from rollfleet.controller.status import _condition
+from rollfleet.controller.status import _condition, not_running_reason
 
 MAX_VERSIONS = 64  # status.weightVersions keeps the newest ones
 
@@ -66,6 +68,35 @@ class Verdict:
     @property
     def terminal(self) -> bool:
         return self.phase in TERMINAL_PHASES
+
+
+def runner_verdict(
+    job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]], phase: str | None
+) -> Verdict | None:
+    """What the request's status must say of its runner, which cannot say it itself: its Job failed
+    for good (every pod it was allowed failed), or, before the runner wrote any status, its pod
+    cannot start (image, scheduling, volume). None while the runner speaks for itself."""
+    if job is None:
+        return None
+    name = job["metadata"]["name"]
+    last = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "", default=None)
+    why = None
+    if last is not None:
+        pod_status = last.get("status") or {}
+        conditions = {c.get("type"): c for c in pod_status.get("conditions") or []}
+        why = not_running_reason(pod_status, conditions, what="runner")
+    failed = next((c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"), None)
+    if failed is not None and failed.get("status") == "True":
+        return Verdict(
+            "Failed",
+            "RunnerFailed",
+            f"the runner Job {name} failed ({failed.get('reason')}: {failed.get('message')})"
+            + (f"; its last pod: {why}" if why else "")
+            + f"; see `kubectl logs job/{name}`; the results so far are kept",
+        )
+    if phase in (None, "Pending") and last is not None and (last.get("status") or {}).get("phase") == "Pending" and why:
+        return Verdict("Pending", "RunnerNotStarted", f"the runner pod {last['metadata']['name']} cannot start: {why}")
+    return None
 
 
 def finished_verdict(tally: Tally, total: int) -> Verdict:
