@@ -152,6 +152,19 @@ def test_a_deadline_shorter_than_the_work_fails_the_request_and_frees_the_engine
     assert rows and all(r["finish_reason"] == "abort" and len(r["token_ids"]) < LONG for r in rows)
 
 
+def test_deleting_a_running_request_stops_its_samples_on_the_engines_and_its_runner(fleet: LiveFleet) -> None:
+    name, uid = create(fleet, 8, 2, sampling={"maxTokens": LONG, "ignoreEos": True})
+    wait_for(lambda: running(fleet, uid), 120, interval=0.2, what="samples on the engines")
+    assert runner_pods(fleet, uid)
+    fleet.cluster.kubectl("-n", fleet.namespace, "delete", "rr", name, "--wait=false")
+    wait_for(lambda: not running(fleet, uid), ABORT_LIVENESS_S, interval=0.1, what="engines to drop the samples")
+    # Checked at the engines: each sample that ran there ended by an abort, none finished its work.
+    for rid in {f"{uid}-{p}-{s}" for p in range(8) for s in range(2)}:
+        tracked = fleet.tracked(rid)
+        assert tracked is None or tracked.get("finish_reason") == "abort", (rid, tracked)
+    wait_for(lambda: not runner_pods(fleet, uid), 120, what="the runner pod gone with its request")
+
+
 def test_operator_runner_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:
     """Runs last in this module: it replaces the operator pod, the request's runner pod and both
     gateway pods, each while samples are in flight."""

@@ -16,17 +16,23 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
+
 from rollfleet.api.request import TERMINAL_PHASES
 from rollfleet.controller.requests import runner
-from rollfleet.controller.tasks import LiveBody, Stop
+from rollfleet.controller.requests.status import Verdict
+from rollfleet.controller.tasks import LiveBody, Stop, backoff_s
 from rollfleet.controller.tokens import FileTokens
 from rollfleet.kube import REQUEST, ApiError, Changed, Kube, NotFound, load_client
 
 EXIT_STOPPED = 143  # as a process killed by SIGTERM: not done, the Job makes another pod
 FORBIDDEN = 403
+RBAC_WAIT_S = 30.0
+RETRIES = 5  # runs in this pod before it fails (backoff 2, 4, 8, 16 s between them)
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +54,7 @@ async def run_request(namespace: str, name: str, uid: str, token_file: str, kube
     http = runner.gateway_client()
     stop = Stop()
     try:
-        try:
-            first = await kube.get(REQUEST, namespace, name)
-        except NotFound:
-            first = None
+        first = await _first_look(kube, namespace, name)
         if not _ours(first, uid):
             log.info("RolloutRequest %s/%s (uid %s) is gone: nothing to run", namespace, name, uid)
             return 0
@@ -67,17 +70,48 @@ async def run_request(namespace: str, name: str, uid: str, token_file: str, kube
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
         follower = asyncio.create_task(_follow(kube, body, stop, namespace, name, uid))
         try:
-            verdict = await runner.Run(kube, FileTokens(token_file), http, body, stop).run()
+            verdict = await _run(kube, FileTokens(token_file), http, body, stop)
         finally:
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
-        if verdict.terminal:
+        if verdict is not None and verdict.terminal:
             return 0
         return 0 if stop.deleted else EXIT_STOPPED
     finally:
         await http.aclose()
         kube.close()
+
+
+async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any] | None:
+    """The request, or None when it is gone. Its Role is made just before this pod's Job; the API
+    server's authorizer may not know it for a moment: 403 is tried again for RBAC_WAIT_S."""
+    deadline = time.monotonic() + RBAC_WAIT_S
+    while True:
+        try:
+            return await kube.get(REQUEST, namespace, name)
+        except NotFound:
+            return None
+        except ApiError as err:
+            if err.status != FORBIDDEN or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(1.0)  # polling the authorizer: no event tells when the Role is known
+
+
+async def _run(kube: Kube, tokens: FileTokens, http: httpx.AsyncClient, body: LiveBody, stop: Stop) -> Verdict | None:
+    """Run it; a run that fails (an API hiccup outlasting its retries) is run again in this pod after a
+    backoff, adopting what it sent, RETRIES times before the pod fails and its Job takes over."""
+    failures = 0
+    while not stop:
+        try:
+            return await runner.Run(kube, tokens, http, body, stop).run()
+        except Exception:
+            failures += 1
+            log.exception("the run failed (%d of %d tries)", failures, RETRIES)
+            if failures >= RETRIES:
+                raise
+            await stop.wait(backoff_s(failures))
+    return None
 
 
 async def _follow(kube: Kube, body: LiveBody, stop: Stop, namespace: str, name: str, uid: str) -> None:
