@@ -3,12 +3,13 @@ operator says of a runner that cannot start or failed for good."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
-from rollfleet.api.request import RolloutRequestSpec
+from rollfleet.api.request import RolloutRequestSpec, RolloutRequestStatus
 from rollfleet.contract import LABEL_REQUEST_UID, TOKEN_MOUNT_DIR, secret_name
 from rollfleet.controller.requests.desired import RequestRef, runner_objects
-from rollfleet.controller.requests.status import runner_verdict
+from rollfleet.controller.requests.status import Verdict, runner_verdict, status_with_verdict
 
 REF = RequestRef("grpo-step-7", "team-a", "0a1b2c3d-0000-0000-0000-000000000000")
 SPEC = RolloutRequestSpec.model_validate(
@@ -100,3 +101,33 @@ def test_a_failed_job_fails_the_request_naming_its_last_pods_end() -> None:
     assert "BackoffLimitExceeded: 6 failures" in verdict.message
     assert "runner exited with code 1 (Error): boom | KeyError" in verdict.message
     assert "kubectl logs job/r-runner" in verdict.message
+
+
+def test_the_operators_verdict_keeps_what_the_runner_recorded() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    before = RolloutRequestStatus.model_validate(
+        {
+            "phase": "Running",
+            "progress": "5/8",
+            "counts": {"total": 8, "completed": 5, "inFlight": 3},
+            "tokens": 640,
+            "results": {"configMaps": ["r-0a1b2c3d-0000"], "samples": 5},
+        }
+    )
+    failed = status_with_verdict(before, Verdict("Failed", "RunnerFailed", "gone"), 1, now)
+    assert (failed["phase"], failed["reason"], failed["progress"], failed["tokens"]) == (
+        "Failed",
+        "RunnerFailed",
+        "5/8",
+        640,
+    )
+    assert failed["counts"] == {"total": 8, "completed": 5, "aborted": 0, "failed": 0, "inFlight": 0}
+    assert failed["results"]["configMaps"] == ["r-0a1b2c3d-0000"] and failed["completionTime"]
+    assert {c["type"]: c["status"] for c in failed["conditions"]} == {
+        "Running": "False",
+        "Paused": "False",
+        "Failed": "True",
+    }
+    # A verdict on a request the runner never wrote: a Pending status from nothing.
+    pending = status_with_verdict(None, Verdict("Pending", "RunnerNotStarted", "no image"), 1, now)
+    assert (pending["phase"], pending["reason"]) == ("Pending", "RunnerNotStarted") and "completionTime" not in pending

@@ -31,10 +31,10 @@ from rollfleet.contract import COMPONENT_RUNNER, GROUP, LABEL_COMPONENT, LABEL_R
 from rollfleet.controller.events import event_manifest
 from rollfleet.controller.requests import plan, runner
 from rollfleet.controller.requests.desired import RequestRef, runner_objects
-from rollfleet.controller.requests.status import Verdict, runner_verdict
+from rollfleet.controller.requests.status import Verdict, fleet_not_found, runner_verdict, status_with_verdict
 from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
 from rollfleet.controller.tokens import OperatorKey
-from rollfleet.kube import JOB, POD, REQUEST, ApiError, Conflict, Kube, NotFound, load_client
+from rollfleet.kube import FLEET, JOB, POD, REQUEST, ApiError, Conflict, Kube, NotFound, load_client
 
 SUPERVISE_INTERVAL_S = 2.0  # how often a running request's runner Job and pods are looked at
 ABORT_WAIT_S = 5.0
@@ -101,11 +101,19 @@ class RequestRun:
     async def _supervise(self, stop: Stop) -> None:
         """Keep the runner in place until the request is terminal; say what its runner cannot."""
         spec = RolloutRequest.model_validate(dict(self.body)).spec
+        ns, name = self.ref.namespace, runner_name(self.ref.name)
         said: Verdict | None = None
         while not stop and _phase(self.body) not in TERMINAL_PHASES:
-            job = await self._ensure_runner(spec)
+            try:
+                job: Mapping[str, Any] | None = await self.kube.get(JOB, ns, name)
+            except NotFound:
+                job = None
+                failed = await self._make_runner(spec)
+                if failed is not None:
+                    await self._say(failed)
+                    return
             selector = f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={self.ref.uid}"
-            pods = await self.kube.list(POD, self.ref.namespace, selector)
+            pods = await self.kube.list(POD, ns, selector)
             verdict = runner_verdict(job, pods, _phase(self.body))
             if verdict is not None and verdict != said:
                 await self._say(verdict)
@@ -114,25 +122,25 @@ class RequestRun:
                     return
             await stop.wait(SUPERVISE_INTERVAL_S)
 
-    async def _ensure_runner(self, spec: RolloutRequestSpec) -> Mapping[str, Any] | None:
-        """The runner's Job; made (with its ServiceAccount and Role) when missing."""
+    async def _make_runner(self, spec: RolloutRequestSpec) -> Verdict | None:
+        """Make the runner (ServiceAccount, Role, RoleBinding, Job). A request whose fleet does not
+        exist fails at once instead, as its runner would: no pod is spent on it."""
         ns = self.ref.namespace
         try:
-            return await self.kube.get(JOB, ns, runner_name(self.ref.name))
+            await self.kube.get(FLEET, ns, spec.fleet)
         except NotFound:
-            pass
-        job = None
+            return fleet_not_found(spec.fleet, ns)
         for manifest in runner_objects(self.ref, spec, self.image, "IfNotPresent"):
             with contextlib.suppress(Conflict):  # made by an earlier try, or by the operator before a restart
-                job = await self.kube.create(manifest)
+                await self.kube.create(manifest)
         log.info("RolloutRequest %s/%s: runner Job %s created", ns, self.ref.name, runner_name(self.ref.name))
-        return job
+        return None
 
     async def _say(self, verdict: Verdict) -> None:
         ns, name = self.ref.namespace, self.ref.name
-        status: dict[str, Any] = {"phase": verdict.phase, "reason": verdict.reason, "message": verdict.message}
-        if verdict.terminal:
-            status["completionTime"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+        previous = RolloutRequest.model_validate(dict(self.body)).status
+        generation = self.body["metadata"].get("generation")
+        status = status_with_verdict(previous, verdict, generation, datetime.now(UTC))
         with contextlib.suppress(NotFound):
             await self.kube.patch(REQUEST, ns, name, {"status": status}, status=True)
         log.warning("RolloutRequest %s/%s: %s (%s)", ns, name, verdict.reason, verdict.message)

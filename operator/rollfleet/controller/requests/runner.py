@@ -38,7 +38,7 @@ from rollfleet.controller.events import event_manifest
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
 from rollfleet.controller.requests.results import ResultStore
-from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
+from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, fleet_not_found, request_status
 from rollfleet.controller.status import parse_time
 from rollfleet.controller.tasks import Stop
 from rollfleet.controller.tokens import FleetTokens
@@ -233,11 +233,7 @@ class Run:
                 "please report it with the operator's log; the results so far are kept",
             )
         if not self.fleet.exists:
-            return Verdict(
-                "Failed",
-                "FleetNotFound",
-                f"RolloutFleet {self.rr.spec.fleet!r} does not exist in namespace {self.ns!r}",
-            )
+            return fleet_not_found(self.rr.spec.fleet, self.ns)
         token = plan.new_abort_token(
             self.body["metadata"].get("annotations"),
             self.abort_record.token if self.abort_record else None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from rollfleet.api.common import Condition
 from rollfleet.api.request import (
     TERMINAL_PHASES,
     AbortRecord,
@@ -70,6 +71,10 @@ class Verdict:
         return self.phase in TERMINAL_PHASES
 
 
+def fleet_not_found(fleet: str, namespace: str) -> Verdict:
+    return Verdict("Failed", "FleetNotFound", f"RolloutFleet {fleet!r} does not exist in namespace {namespace!r}")
+
+
 def runner_verdict(
     job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]], phase: str | None
 ) -> Verdict | None:
@@ -124,6 +129,49 @@ def request_status(
 ) -> dict[str, Any]:
     """The status subresource (wire form) for one moment of the run."""
     prev = previous or RolloutRequestStatus()
+    status = RolloutRequestStatus(
+        observed_generation=generation,
+        phase=verdict.phase,
+        reason=verdict.reason,
+        message=verdict.message,
+        progress=f"{tally.stored}/{total}",
+        counts=Counts(
+            total=total, completed=tally.completed, aborted=tally.aborted, failed=tally.failed, in_flight=in_flight
+        ),
+        tokens=tally.tokens,
+        weight_versions=list(tally.versions),
+        prompts_digest=digest or prev.prompts_digest,
+        start_time=start_time or prev.start_time,
+        completion_time=prev.completion_time or (now if verdict.terminal else None),
+        results=results,
+        abort=abort or prev.abort,
+        conditions=_conditions(prev, verdict, generation, now),
+    )
+    return status.wire()
+
+
+def status_with_verdict(
+    previous: RolloutRequestStatus | None, verdict: Verdict, generation: int | None, now: datetime
+) -> dict[str, Any]:
+    """The status as the runner left it, with the operator's verdict on a runner that cannot speak
+    for itself (`runner_verdict`): counts, results and times kept; nothing in flight once terminal."""
+    prev = previous or RolloutRequestStatus()
+    counts = prev.counts.model_copy(update={"in_flight": 0}) if verdict.terminal else prev.counts
+    status = prev.model_copy(
+        update={
+            "observed_generation": generation,
+            "phase": verdict.phase,
+            "reason": verdict.reason,
+            "message": verdict.message,
+            "counts": counts,
+            "completion_time": prev.completion_time or (now if verdict.terminal else None),
+            "conditions": _conditions(prev, verdict, generation, now),
+        }
+    )
+    return status.wire()
+
+
+def _conditions(prev: RolloutRequestStatus, verdict: Verdict, generation: int | None, now: datetime) -> list[Condition]:
     conditions = [
         _condition(
             prev.conditions,
@@ -149,22 +197,4 @@ def request_status(
             conditions.append(
                 _condition(prev.conditions, ctype, True, verdict.reason, verdict.message, generation, now)
             )
-    status = RolloutRequestStatus(
-        observed_generation=generation,
-        phase=verdict.phase,
-        reason=verdict.reason,
-        message=verdict.message,
-        progress=f"{tally.stored}/{total}",
-        counts=Counts(
-            total=total, completed=tally.completed, aborted=tally.aborted, failed=tally.failed, in_flight=in_flight
-        ),
-        tokens=tally.tokens,
-        weight_versions=list(tally.versions),
-        prompts_digest=digest or prev.prompts_digest,
-        start_time=start_time or prev.start_time,
-        completion_time=prev.completion_time or (now if verdict.terminal else None),
-        results=results,
-        abort=abort or prev.abort,
-        conditions=conditions,
-    )
-    return status.wire()
+    return conditions
