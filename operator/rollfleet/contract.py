@@ -19,6 +19,7 @@ Pure: no I/O, no pydantic; cheap to import from every process.
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Mapping
 from enum import StrEnum
 
@@ -182,9 +183,18 @@ def trainer_name(fleet: str) -> str:
     return f"{fleet}-{COMPONENT_TRAINER}"
 
 
+# A Job's name is a label value on its pods (at most 63 characters), and they add 6 of their own.
+MAX_JOB_NAME = 57
+
+
 def runner_name(request: str) -> str:
-    """The runner Job of a RolloutRequest, and its ServiceAccount, Role and RoleBinding."""
-    return f"{request}-{COMPONENT_RUNNER}"
+    """The runner Job of a RolloutRequest, and its ServiceAccount, Role and RoleBinding. A request name
+    too long for a Job keeps its start and gets a digest of the whole, so names stay unique."""
+    name = f"{request}-{COMPONENT_RUNNER}"
+    if len(name) <= MAX_JOB_NAME:
+        return name
+    digest = hashlib.sha256(request.encode()).hexdigest()[:8]
+    return f"{request[: MAX_JOB_NAME - len(COMPONENT_RUNNER) - 10].rstrip('-.')}-{digest}-{COMPONENT_RUNNER}"
 
 
 def network_policy_name(fleet: str) -> str:

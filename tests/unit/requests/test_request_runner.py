@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rollfleet.api.request import RolloutRequestSpec, RolloutRequestStatus
-from rollfleet.contract import LABEL_REQUEST_UID, TOKEN_MOUNT_DIR, secret_name
+from rollfleet.contract import LABEL_REQUEST_UID, TOKEN_MOUNT_DIR, runner_name, secret_name
 from rollfleet.controller.requests.desired import RequestRef, runner_objects
 from rollfleet.controller.requests.status import Verdict, runner_verdict, status_with_verdict
 
@@ -131,3 +131,12 @@ def test_the_operators_verdict_keeps_what_the_runner_recorded() -> None:
     # A verdict on a request the runner never wrote: a Pending status from nothing.
     pending = status_with_verdict(None, Verdict("Pending", "RunnerNotStarted", "no image"), 1, now)
     assert (pending["phase"], pending["reason"]) == ("Pending", "RunnerNotStarted") and "completionTime" not in pending
+
+
+def test_runner_names_fit_a_job_whatever_the_request_name() -> None:
+    assert runner_name("step-7") == "step-7-runner"
+    long_a, long_b = "a" * 200 + "x", "a" * 200 + "y"
+    assert len(runner_name(long_a)) <= 57 and runner_name(long_a) != runner_name(long_b)
+    assert runner_name(long_a).startswith("aaaa") and runner_name(long_a).endswith("-runner")
+    dotted = "a" * 39 + "." + "b" * 30
+    assert ".-" not in runner_name(dotted)
