@@ -23,6 +23,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from e2e.fleet_helpers import fleet_manifest
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.request import PLURAL
 from rollfleet.controller.requests.plan import SampleResult
@@ -137,9 +138,13 @@ def test_requests_that_cannot_run_fail_with_the_reason(
         ).returncode
         == 0
     )
-    assert apply(cluster, ns, "nocm", {"fleet": "nosuch", "promptsFrom": [{"name": "missing"}]}).returncode == 0
+    # Prompts are the runner's to read: these name a fleet that exists (no engines, no gateway), so
+    # the operator makes their runners, which find the prompts bad.
+    empty = fleet_manifest("empty", ns, replicas=0, gateway={"enabled": False})
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(empty))
+    assert apply(cluster, ns, "nocm", {"fleet": "empty", "promptsFrom": [{"name": "missing"}]}).returncode == 0
     cluster.kubectl("-n", ns, "create", "configmap", "badprompts", '--from-literal=prompts.jsonl={"text": 1}\n')
-    assert apply(cluster, ns, "badcm", {"fleet": "nosuch", "promptsFrom": [{"name": "badprompts"}]}).returncode == 0
+    assert apply(cluster, ns, "badcm", {"fleet": "empty", "promptsFrom": [{"name": "badprompts"}]}).returncode == 0
     expected = {
         "nofleet": ("FleetNotFound", "RolloutFleet 'nosuch' does not exist"),
         "nocm": ("InvalidPrompts", "ConfigMap 'missing' (spec.promptsFrom) does not exist"),
@@ -147,7 +152,7 @@ def test_requests_that_cannot_run_fail_with_the_reason(
     }
     for name, (reason, message) in expected.items():
         status = wait_for(
-            lambda n=name: status_in(cluster, ns, n, "Failed", operator), timeout=60, what=f"{name} Failed"
+            lambda n=name: status_in(cluster, ns, n, "Failed", operator), timeout=120, what=f"{name} Failed"
         )
         assert status["reason"] == reason and message in status["message"], status
         failed = [c for c in status["conditions"] if c["type"] == "Failed"]
@@ -164,7 +169,9 @@ def test_a_runner_that_cannot_start_is_reported_with_its_pods_reason(
     core.create_namespace({"metadata": {"name": other}})
     try:
         with running_operator(cluster, other, tmp_path / "operator.log", "--runner-image", "rollfleet/nosuch:0") as op:
-            assert apply(cluster, other, "stuck", {"fleet": "nosuch", "prompts": [{"text": "hi"}]}).returncode == 0
+            empty = fleet_manifest("empty", other, replicas=0, gateway={"enabled": False})
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(empty))
+            assert apply(cluster, other, "stuck", {"fleet": "empty", "prompts": [{"text": "hi"}]}).returncode == 0
             status = wait_for(
                 lambda: status_in(cluster, other, "stuck", "Pending", op), timeout=120, what="stuck Pending"
             )

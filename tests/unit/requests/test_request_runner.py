@@ -114,7 +114,7 @@ def test_the_operators_verdict_keeps_what_the_runner_recorded() -> None:
             "results": {"configMaps": ["r-0a1b2c3d-0000"], "samples": 5},
         }
     )
-    failed = status_with_verdict(before, Verdict("Failed", "RunnerFailed", "gone"), 1, now)
+    failed = status_with_verdict(before, Verdict("Failed", "RunnerFailed", "gone"), 1, now, total=99)
     assert (failed["phase"], failed["reason"], failed["progress"], failed["tokens"]) == (
         "Failed",
         "RunnerFailed",
@@ -129,8 +129,9 @@ def test_the_operators_verdict_keeps_what_the_runner_recorded() -> None:
         "Failed": "True",
     }
     # A verdict on a request the runner never wrote: a Pending status from nothing.
-    pending = status_with_verdict(None, Verdict("Pending", "RunnerNotStarted", "no image"), 1, now)
-    assert (pending["phase"], pending["reason"]) == ("Pending", "RunnerNotStarted") and "completionTime" not in pending
+    pending = status_with_verdict(None, Verdict("Pending", "RunnerNotStarted", "no image"), 1, now, total=8)
+    assert (pending["phase"], pending["reason"], pending["progress"]) == ("Pending", "RunnerNotStarted", "0/8")
+    assert pending["counts"]["total"] == 8 and "completionTime" not in pending
 
 
 def test_runner_names_fit_a_job_whatever_the_request_name() -> None:

@@ -138,9 +138,11 @@ class RequestRun:
 
     async def _say(self, verdict: Verdict) -> None:
         ns, name = self.ref.namespace, self.ref.name
-        previous = RolloutRequest.model_validate(dict(self.body)).status
-        generation = self.body["metadata"].get("generation")
-        status = status_with_verdict(previous, verdict, generation, datetime.now(UTC))
+        rr = RolloutRequest.model_validate(dict(self.body))
+        total = len(rr.spec.prompts or []) * rr.spec.samples_per_prompt
+        status = status_with_verdict(
+            rr.status, verdict, self.body["metadata"].get("generation"), datetime.now(UTC), total
+        )
         with contextlib.suppress(NotFound):
             await self.kube.patch(REQUEST, ns, name, {"status": status}, status=True)
         log.warning("RolloutRequest %s/%s: %s (%s)", ns, name, verdict.reason, verdict.message)

@@ -151,12 +151,16 @@ def request_status(
 
 
 def status_with_verdict(
-    previous: RolloutRequestStatus | None, verdict: Verdict, generation: int | None, now: datetime
+    previous: RolloutRequestStatus | None, verdict: Verdict, generation: int | None, now: datetime, total: int
 ) -> dict[str, Any]:
     """The status as the runner left it, with the operator's verdict on a runner that cannot speak
-    for itself (`runner_verdict`): counts, results and times kept; nothing in flight once terminal."""
+    for itself (`runner_verdict`): counts, results and times kept; nothing in flight once terminal.
+    `total`: the samples asked for, as far as the operator knows (inline prompts; 0 otherwise)."""
     prev = previous or RolloutRequestStatus()
-    counts = prev.counts.model_copy(update={"in_flight": 0}) if verdict.terminal else prev.counts
+    counts = prev.counts.model_copy(update={"total": prev.counts.total or total})
+    if verdict.terminal:
+        counts.in_flight = 0
+    stored = counts.completed + counts.aborted + counts.failed
     status = prev.model_copy(
         update={
             "observed_generation": generation,
@@ -164,6 +168,7 @@ def status_with_verdict(
             "reason": verdict.reason,
             "message": verdict.message,
             "counts": counts,
+            "progress": f"{stored}/{counts.total}",
             "completion_time": prev.completion_time or (now if verdict.terminal else None),
             "conditions": _conditions(prev, verdict, generation, now),
         }
