@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from rollfleet.api.common import ROLLFLEET_IMAGE_UID
-from rollfleet.api.fleet import KIND, PLURAL, PlacementSpec, RolloutFleetSpec
+from rollfleet.api.fleet import PLURAL, PlacementSpec, RolloutFleetSpec
 from rollfleet.contract import (
     ANNOTATION_CRASHES,
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
-    API_VERSION,
     APP_NAME,
     COLLECTIVE_BACKENDS,
     COMPONENT_ADMIN_TOKEN,
@@ -53,6 +51,7 @@ from rollfleet.contract import (
     trainer_name,
     weights_record_name,
 )
+from rollfleet.controller.owner import FleetRef
 
 Manifest = dict[str, Any]
 ObjectKey = tuple[str, str]  # (kind, name) of an object in the fleet's namespace
@@ -63,32 +62,6 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 # A lost node's pods are evicted after this long (Kubernetes' default is 300 s); the
 # operator then replaces them, so a fleet heals in about a minute, not five.
 NODE_LOST_TOLERATION_SECONDS = 30
-
-
-@dataclass(frozen=True)
-class FleetRef:
-    """The identity of a RolloutFleet: enough to name and own what it creates."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    @classmethod
-    def of(cls, body: dict[str, Any]) -> FleetRef:
-        meta = body["metadata"]
-        return cls(meta["name"], meta["namespace"], meta["uid"])
-
-    def owner_reference(self) -> Manifest:
-        # controller=True makes the fleet the one manager; the garbage collector deletes
-        # everything it owns when the fleet is deleted.
-        return {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
 
 
 def _meta(ref: FleetRef, name: str, component: str, **extra: Any) -> Manifest:

@@ -8,7 +8,8 @@ from typing import Any
 
 from rollfleet.api.request import RolloutRequestSpec, RolloutRequestStatus
 from rollfleet.contract import LABEL_REQUEST_UID, TOKEN_MOUNT_DIR, runner_name, secret_name
-from rollfleet.controller.requests.desired import RequestRef, runner_objects
+from rollfleet.controller.owner import RequestRef
+from rollfleet.controller.requests.desired import runner_objects
 from rollfleet.controller.requests.status import Verdict, runner_verdict, status_with_verdict
 
 REF = RequestRef("grpo-step-7", "team-a", "0a1b2c3d-0000-0000-0000-000000000000")

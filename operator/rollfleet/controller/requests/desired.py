@@ -13,14 +13,12 @@ operator itself may not read Secrets, so it cannot grant that either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from rollfleet.api.common import ROLLFLEET_IMAGE_UID
 from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
-from rollfleet.api.request import KIND, PLURAL, RolloutRequestSpec
+from rollfleet.api.request import PLURAL, RolloutRequestSpec
 from rollfleet.contract import (
-    API_VERSION,
     APP_NAME,
     COMPONENT_RUNNER,
     GROUP,
@@ -34,6 +32,7 @@ from rollfleet.contract import (
     runner_name,
 )
 from rollfleet.controller.desired import TOKEN_MOUNT, token_volume
+from rollfleet.controller.owner import RequestRef
 
 Manifest = dict[str, Any]
 
@@ -42,20 +41,6 @@ RUNNER_BACKOFF_LIMIT = 6
 # Memory grows with the prompts and the results not yet written (a bounded number).
 RUNNER_RESOURCES: Manifest = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}}
 RUNNER_CONTAINER = "runner"
-
-
-@dataclass(frozen=True)
-class RequestRef:
-    """The identity of a RolloutRequest: enough to name and own its runner."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    @classmethod
-    def of(cls, body: dict[str, Any]) -> RequestRef:
-        meta = body["metadata"]
-        return cls(meta["name"], meta["namespace"], meta["uid"])
 
 
 def runner_labels(ref: RequestRef) -> dict[str, str]:
@@ -73,16 +58,7 @@ def _meta(ref: RequestRef) -> Manifest:
         "namespace": ref.namespace,
         "labels": runner_labels(ref) | {LABEL_MANAGED_BY: MANAGER},
         # controller=True: the request is the one manager; the garbage collector deletes these with it.
-        "ownerReferences": [
-            {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "name": ref.name,
-                "uid": ref.uid,
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ],
+        "ownerReferences": [ref.owner_reference()],
     }
 
 

@@ -29,8 +29,9 @@ import kopf
 from rollfleet.api.request import KIND, PLURAL, TERMINAL_PHASES, RolloutRequest, RolloutRequestSpec
 from rollfleet.contract import COMPONENT_RUNNER, GROUP, LABEL_COMPONENT, LABEL_REQUEST_UID, VERSION, runner_name
 from rollfleet.controller.events import event_manifest
+from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests import plan, runner
-from rollfleet.controller.requests.desired import RequestRef, runner_objects
+from rollfleet.controller.requests.desired import runner_objects
 from rollfleet.controller.requests.status import Verdict, fleet_not_found, runner_verdict, status_with_verdict
 from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
 from rollfleet.controller.tokens import OperatorKey
