@@ -43,6 +43,7 @@ import kubernetes
 from rollfleet import contract
 from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
 from rollfleet.controller import desired
+from rollfleet.controller.owner import FleetRef
 from rollfleet_dev.localcluster import controlplane
 
 BIN = Path(sys.executable).parent
@@ -277,7 +278,7 @@ def baseline_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines:
     core = kubernetes.client.CoreV1Api(client)
     ns = f"bench-raw-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
-    ref = desired.FleetRef("bench", ns, "00000000-0000-0000-0000-000000000000")
+    ref = FleetRef("bench", ns, "00000000-0000-0000-0000-000000000000")
     fleet_spec = RolloutFleetSpec.model_validate(spec(engines))
     pods = []
     for i in range(engines):

@@ -23,7 +23,15 @@ import httpx
 
 from e2e.fleet_helpers import ENGINE_START_S, Fleet, deploy_operator, fleet_manifest, kill_engine_process
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, admin_token, secret_name
+from rollfleet.contract import (
+    COMPONENT_RUNNER,
+    ENGINE_PORT,
+    GATEWAY_PORT,
+    LABEL_COMPONENT,
+    LABEL_REQUEST_UID,
+    admin_token,
+    secret_name,
+)
 
 NAME = "live"
 
@@ -158,6 +166,13 @@ def results(fleet: LiveFleet, name: str) -> list[dict[str, Any]]:
     )
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def runner_pods(fleet: LiveFleet, uid: str) -> list[dict[str, Any]]:
+    """The request's runner pods (its Job's) that are not being deleted."""
+    selector = f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={uid}"
+    out = fleet.cluster.kubectl("-n", fleet.namespace, "get", "pods", "-l", selector, "-o", "json").stdout
+    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
 def running(fleet: LiveFleet, uid: str) -> list[str]:

@@ -9,6 +9,7 @@ of this module, so it can be killed and restarted by tests without touching othe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from typing import Any
 import kubernetes
 import pytest
 
+from e2e.fleet_helpers import fleet_manifest
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.request import PLURAL
 from rollfleet.controller.requests.plan import SampleResult
@@ -31,6 +33,7 @@ from rollfleet.kube import Kube
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+NO_ENDPOINTS = ("--health-port", "0", "--metrics-port", "0")
 
 
 @pytest.fixture(scope="module")
@@ -42,35 +45,28 @@ def ns(cluster: Cluster, core: kubernetes.client.CoreV1Api) -> Iterator[str]:
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
+@contextlib.contextmanager
+def running_operator(cluster: Cluster, ns: str, log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`rollfleet operator -n ns` as a subprocess, its output in `log`."""
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    command = [str(BIN / "rollfleet"), "operator", "-n", ns, "--key-namespace", ns, *NO_ENDPOINTS, *args]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc.log = log  # type: ignore[attr-defined]
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 @pytest.fixture(scope="module")
 def operator(cluster: Cluster, ns: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[bytes]]:
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(BIN / "rollfleet"),
-                "operator",
-                "-n",
-                ns,
-                "--key-namespace",
-                ns,
-                "--health-port",
-                "0",
-                "--metrics-port",
-                "0",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    proc.log = log  # type: ignore[attr-defined]
-    yield proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_operator(cluster, ns, tmp_path_factory.mktemp("operator") / "operator.log") as proc:
+        yield proc
 
 
 def status_in(
@@ -142,9 +138,13 @@ def test_requests_that_cannot_run_fail_with_the_reason(
         ).returncode
         == 0
     )
-    assert apply(cluster, ns, "nocm", {"fleet": "nosuch", "promptsFrom": [{"name": "missing"}]}).returncode == 0
+    # Prompts are the runner's to read: these name a fleet that exists (no engines, no gateway), so
+    # the operator makes their runners, which find the prompts bad.
+    empty = fleet_manifest("empty", ns, replicas=0, gateway={"enabled": False})
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(empty))
+    assert apply(cluster, ns, "nocm", {"fleet": "empty", "promptsFrom": [{"name": "missing"}]}).returncode == 0
     cluster.kubectl("-n", ns, "create", "configmap", "badprompts", '--from-literal=prompts.jsonl={"text": 1}\n')
-    assert apply(cluster, ns, "badcm", {"fleet": "nosuch", "promptsFrom": [{"name": "badprompts"}]}).returncode == 0
+    assert apply(cluster, ns, "badcm", {"fleet": "empty", "promptsFrom": [{"name": "badprompts"}]}).returncode == 0
     expected = {
         "nofleet": ("FleetNotFound", "RolloutFleet 'nosuch' does not exist"),
         "nocm": ("InvalidPrompts", "ConfigMap 'missing' (spec.promptsFrom) does not exist"),
@@ -152,13 +152,41 @@ def test_requests_that_cannot_run_fail_with_the_reason(
     }
     for name, (reason, message) in expected.items():
         status = wait_for(
-            lambda n=name: status_in(cluster, ns, n, "Failed", operator), timeout=60, what=f"{name} Failed"
+            lambda n=name: status_in(cluster, ns, n, "Failed", operator), timeout=120, what=f"{name} Failed"
         )
         assert status["reason"] == reason and message in status["message"], status
         failed = [c for c in status["conditions"] if c["type"] == "Failed"]
         assert failed and failed[0]["status"] == "True" and status["completionTime"]
     table = cluster.kubectl("-n", ns, "get", "rr", "nofleet").stdout
     assert "Failed" in table and "0/2" in table
+
+
+def test_a_runner_that_cannot_start_is_reported_with_its_pods_reason(
+    cluster: Cluster, ns: str, core: kubernetes.client.CoreV1Api, tmp_path: Path
+) -> None:
+    """An operator whose runner image cannot run: the request stays Pending, saying why, with an Event."""
+    other = f"{ns}-noimage"
+    core.create_namespace({"metadata": {"name": other}})
+    try:
+        with running_operator(cluster, other, tmp_path / "operator.log", "--runner-image", "rollfleet/nosuch:0") as op:
+            empty = fleet_manifest("empty", other, replicas=0, gateway={"enabled": False})
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(empty))
+            assert apply(cluster, other, "stuck", {"fleet": "empty", "prompts": [{"text": "hi"}]}).returncode == 0
+            status = wait_for(
+                lambda: status_in(cluster, other, "stuck", "Pending", op), timeout=120, what="stuck Pending"
+            )
+            assert status["reason"] == "RunnerNotStarted", status
+            # The local node agent's and kubelet's words for an image that cannot run.
+            assert "the runner pod stuck-runner-" in status["message"], status
+            assert any(w in status["message"] for w in ("ImageNotRunnableLocally", "ErrImagePull", "ImagePullBackOff"))
+            events = json.loads(
+                cluster.kubectl(
+                    "-n", other, "get", "events", "--field-selector", "involvedObject.name=stuck", "-o", "json"
+                ).stdout
+            )["items"]
+            assert any(e["reason"] == "RunnerNotStarted" and e["type"] == "Warning" for e in events), events
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
 
 
 def test_results_store_chunks_survive_a_reload_print_and_go_with_their_request(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods
-from e2e.live_fleet import LiveFleet, create, results, running, status, wait_phase
+from e2e.live_fleet import LiveFleet, create, results, runner_pods, running, status, wait_phase
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_ABORT
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
@@ -152,8 +152,22 @@ def test_a_deadline_shorter_than_the_work_fails_the_request_and_frees_the_engine
     assert rows and all(r["finish_reason"] == "abort" and len(r["token_ids"]) < LONG for r in rows)
 
 
-def test_operator_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:
-    """Runs last in this module: it replaces the operator pod and both gateway pods."""
+def test_deleting_a_running_request_stops_its_samples_on_the_engines_and_its_runner(fleet: LiveFleet) -> None:
+    name, uid = create(fleet, 8, 2, sampling={"maxTokens": LONG, "ignoreEos": True})
+    wait_for(lambda: running(fleet, uid), 120, interval=0.2, what="samples on the engines")
+    assert runner_pods(fleet, uid)
+    fleet.cluster.kubectl("-n", fleet.namespace, "delete", "rr", name, "--wait=false")
+    wait_for(lambda: not running(fleet, uid), ABORT_LIVENESS_S, interval=0.1, what="engines to drop the samples")
+    # Checked at the engines: each sample that ran there ended by an abort, none finished its work.
+    for rid in {f"{uid}-{p}-{s}" for p in range(8) for s in range(2)}:
+        tracked = fleet.tracked(rid)
+        assert tracked is None or tracked.get("finish_reason") == "abort", (rid, tracked)
+    wait_for(lambda: not runner_pods(fleet, uid), 120, what="the runner pod gone with its request")
+
+
+def test_operator_runner_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:
+    """Runs last in this module: it replaces the operator pod, the request's runner pod and both
+    gateway pods, each while samples are in flight."""
     prompts, samples, tokens = 32, 4, 120
     name, uid = create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True})
     kubectl = fleet.cluster.kubectl
@@ -172,8 +186,20 @@ def test_operator_then_gateway_killed_mid_run_still_one_result_per_sample(fleet:
         300,
         what="a new operator pod",
     )
+    before_runner_kill = completed()
+    wait_for(lambda: completed() > before_runner_kill, 300, what="the run going on without an operator pod")
+    assert status(fleet, name)["phase"] == "Running"
+
+    # The runner pod, killed: its Job starts another, which stops what the first may have left running.
+    [runner] = runner_pods(fleet, uid)
+    kubectl("-n", fleet.namespace, "delete", "pod", runner["metadata"]["name"], "--grace-period=0", "--force")
+    wait_for(
+        lambda: any(p["metadata"]["uid"] != runner["metadata"]["uid"] for p in runner_pods(fleet, uid)),
+        300,
+        what="a new runner pod",
+    )
     before_gateway_kill = completed()
-    wait_for(lambda: completed() > before_gateway_kill, 300, what="the new operator to carry the run on")
+    wait_for(lambda: completed() > before_gateway_kill, 300, what="the new runner to carry the run on")
     assert status(fleet, name)["phase"] == "Running"
 
     kubectl(

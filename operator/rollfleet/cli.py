@@ -39,6 +39,25 @@ def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=operator_main.run)
 
 
+def _add_request_runner(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from rollfleet.contract import TOKEN_FILE
+
+    p = sub.add_parser("request-runner", help="run one RolloutRequest's samples (the process of its runner Job)")
+    p.add_argument("--namespace", required=True, help="the RolloutRequest's namespace")
+    p.add_argument("--name", required=True, help="the RolloutRequest's name")
+    p.add_argument("--uid", required=True, help="its uid: a new request of the same name is not this one's to run")
+    p.add_argument("--token-file", default=TOKEN_FILE, help="the fleet's admin token (its Secret, mounted)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig when not in a pod (default: $KUBECONFIG)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+    def run(args: argparse.Namespace) -> int:
+        from rollfleet.controller.requests import worker
+
+        return worker.main(args.namespace, args.name, args.uid, args.token_file, args.kubeconfig, args.verbose)
+
+    p.set_defaults(func=run)
+
+
 def _add_results(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("results", help="print a RolloutRequest's stored samples as JSONL")
     p.add_argument("target", help="rr/NAME")
@@ -68,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sync(sub)
     _add_gateway(sub)
     _add_operator(sub)
+    _add_request_runner(sub)
     _add_results(sub)
     _add_installed(sub)
     return parser

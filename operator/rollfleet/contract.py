@@ -19,6 +19,7 @@ Pure: no I/O, no pydantic; cheap to import from every process.
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Mapping
 from enum import StrEnum
 
@@ -72,6 +73,8 @@ MANAGER = "rollfleet-operator"
 COMPONENT_ENGINE = "engine"
 COMPONENT_ADMIN_TOKEN = "admin-token"
 COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
+# A RolloutRequest's runner: the Job that sends its samples, with its ServiceAccount and RBAC.
+COMPONENT_RUNNER = "runner"
 # The pods that run the sync sidecar (manifests/sync/trainer-job.yaml): with the fleet
 # label, what the engines' NetworkPolicy admits as the fleet's trainers. Also the
 # ServiceAccount and RBAC the operator makes for them.
@@ -178,6 +181,20 @@ def weights_record_name(fleet: str) -> str:
 def trainer_name(fleet: str) -> str:
     """The trainers' ServiceAccount, and the Role and RoleBinding of what their sync sidecar may do."""
     return f"{fleet}-{COMPONENT_TRAINER}"
+
+
+# A Job's name is a label value on its pods (at most 63 characters), and they add 6 of their own.
+MAX_JOB_NAME = 57
+
+
+def runner_name(request: str) -> str:
+    """The runner Job of a RolloutRequest, and its ServiceAccount, Role and RoleBinding. A request name
+    too long for a Job keeps its start and gets a digest of the whole, so names stay unique."""
+    name = f"{request}-{COMPONENT_RUNNER}"
+    if len(name) <= MAX_JOB_NAME:
+        return name
+    digest = hashlib.sha256(request.encode()).hexdigest()[:8]
+    return f"{request[: MAX_JOB_NAME - len(COMPONENT_RUNNER) - 10].rstrip('-.')}-{digest}-{COMPONENT_RUNNER}"
 
 
 def network_policy_name(fleet: str) -> str:

@@ -109,6 +109,7 @@ class Kind:
 
 _CORE, _APPS = kubernetes.client.CoreV1Api, kubernetes.client.AppsV1Api
 _RBAC, _NET = kubernetes.client.RbacAuthorizationV1Api, kubernetes.client.NetworkingV1Api
+_BATCH = kubernetes.client.BatchV1Api
 POD = Kind("Pod", "pod", "pods", _CORE)
 NODE = Kind("Node", "node", "nodes", _CORE, namespaced=False)
 SECRET = Kind("Secret", "secret", "secrets", _CORE)
@@ -117,6 +118,7 @@ SERVICE = Kind("Service", "service", "services", _CORE)
 SERVICE_ACCOUNT = Kind("ServiceAccount", "service_account", "serviceaccounts", _CORE)
 EVENT = Kind("Event", "event", "events", _CORE)
 DEPLOYMENT = Kind("Deployment", "deployment", "deployments", _APPS)
+JOB = Kind("Job", "job", "jobs", _BATCH)
 ROLE = Kind("Role", "role", "roles", _RBAC)
 ROLE_BINDING = Kind("RoleBinding", "role_binding", "rolebindings", _RBAC)
 NETWORK_POLICY = Kind("NetworkPolicy", "network_policy", "networkpolicies", _NET)
@@ -133,6 +135,7 @@ _BY_KIND = {
         SERVICE_ACCOUNT,
         EVENT,
         DEPLOYMENT,
+        JOB,
         ROLE,
         ROLE_BINDING,
         NETWORK_POLICY,
@@ -272,19 +275,25 @@ class Kube:
         )
 
     async def watch(
-        self, kind: Kind, namespace: str, label_selector: str, timeout_s: int = WATCH_TIMEOUT_S
+        self,
+        kind: Kind,
+        namespace: str,
+        label_selector: str | None = None,
+        timeout_s: int = WATCH_TIMEOUT_S,
+        field_selector: str | None = None,
     ) -> AsyncIterator[Listed | Changed]:
         """List, then every change, until the consumer stops; re-lists on 410 Gone at once and after
         any other failure (an API error, a dropped connection) with a backoff of 0.5 s doubling to 10 s."""
         backoff = BACKOFF_MIN_S
+        selectors = {"label_selector": label_selector, "field_selector": field_selector}
         while True:
             try:
-                listed = await self._list(kind, namespace, label_selector)
+                listed = await self._list(kind, namespace, **selectors)
                 yield Listed(list(listed.get("items") or []))
                 backoff = BACKOFF_MIN_S
                 version = listed["metadata"]["resourceVersion"]
                 while True:  # each watch request ends after timeout_s; the next resumes at `version`
-                    async for event in self._stream(kind, namespace, label_selector, version, timeout_s):
+                    async for event in self._stream(kind, namespace, selectors, version, timeout_s):
                         obj = event["object"]
                         if event["type"] == "ERROR":
                             raise api_error(
@@ -321,10 +330,11 @@ class Kube:
             return GROUP, VERSION, namespace, kind.plural, *([name] if name is not None else [])
         return tuple(a for a in (name, namespace if kind.namespaced else None) if a is not None)
 
-    async def _list(self, kind: Kind, namespace: str | None, label_selector: str | None) -> Obj:
-        return await self._call(
-            f"list {kind.plural}", self._method(kind, "list"), kind, namespace, None, label_selector=label_selector
-        )
+    async def _list(
+        self, kind: Kind, namespace: str | None, label_selector: str | None, field_selector: str | None = None
+    ) -> Obj:
+        selectors = {k: v for k, v in (("label_selector", label_selector), ("field_selector", field_selector)) if v}
+        return await self._call(f"list {kind.plural}", self._method(kind, "list"), kind, namespace, None, **selectors)
 
     async def _call(
         self,
@@ -346,7 +356,7 @@ class Kube:
         return dict(json.loads(resp.data))
 
     async def _stream(
-        self, kind: Kind, namespace: str, label_selector: str, version: str, timeout_s: int
+        self, kind: Kind, namespace: str, selectors: Mapping[str, str | None], version: str, timeout_s: int
     ) -> AsyncIterator[Obj]:
         """One watch request's events. Read in a daemon thread of its own, not the pool: a stream blocks its
         reader for up to `timeout_s`, and the pool's threads are joined when the interpreter exits."""
@@ -357,7 +367,7 @@ class Kube:
         call = functools.partial(
             self._method(kind, "list"),
             *self._args(kind, namespace, None),
-            label_selector=label_selector,
+            **{k: v for k, v in selectors.items() if v},
             watch=True,
             resource_version=version,
             allow_watch_bookmarks=True,

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from rollfleet.api.common import ROLLFLEET_IMAGE_UID
-from rollfleet.api.fleet import KIND, PLURAL, PlacementSpec, RolloutFleetSpec
+from rollfleet.api.fleet import PLURAL, PlacementSpec, RolloutFleetSpec
 from rollfleet.contract import (
     ANNOTATION_CRASHES,
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
-    API_VERSION,
     APP_NAME,
     COLLECTIVE_BACKENDS,
     COMPONENT_ADMIN_TOKEN,
@@ -53,6 +51,7 @@ from rollfleet.contract import (
     trainer_name,
     weights_record_name,
 )
+from rollfleet.controller.owner import FleetRef
 
 Manifest = dict[str, Any]
 ObjectKey = tuple[str, str]  # (kind, name) of an object in the fleet's namespace
@@ -63,32 +62,6 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 # A lost node's pods are evicted after this long (Kubernetes' default is 300 s); the
 # operator then replaces them, so a fleet heals in about a minute, not five.
 NODE_LOST_TOLERATION_SECONDS = 30
-
-
-@dataclass(frozen=True)
-class FleetRef:
-    """The identity of a RolloutFleet: enough to name and own what it creates."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    @classmethod
-    def of(cls, body: dict[str, Any]) -> FleetRef:
-        meta = body["metadata"]
-        return cls(meta["name"], meta["namespace"], meta["uid"])
-
-    def owner_reference(self) -> Manifest:
-        # controller=True makes the fleet the one manager; the garbage collector deletes
-        # everything it owns when the fleet is deleted.
-        return {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
 
 
 def _meta(ref: FleetRef, name: str, component: str, **extra: Any) -> Manifest:
@@ -151,11 +124,15 @@ def engine_args(spec: RolloutFleetSpec) -> list[str]:
     return args + (["--", *vllm] if vllm else [])
 
 
-def _token_volume(fleet: str) -> Manifest:
-    return {"name": "rollfleet-token", "secret": {"secretName": secret_name(fleet), "defaultMode": 0o440}}
+def token_volume(fleet: str, optional: bool = False) -> Manifest:
+    """The fleet's admin-token Secret as a volume (`optional`: a pod may start before the Secret exists)."""
+    secret: Manifest = {"secretName": secret_name(fleet), "defaultMode": 0o440}
+    if optional:
+        secret["optional"] = True
+    return {"name": "rollfleet-token", "secret": secret}
 
 
-_TOKEN_MOUNT = {"name": "rollfleet-token", "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
+TOKEN_MOUNT = {"name": "rollfleet-token", "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
 
 
 def _resources(requests: dict[str, Any] | None, limits: dict[str, Any] | None) -> Manifest:
@@ -179,8 +156,8 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
 
 def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], list[Manifest]]:
     """The engine pod's volumes and the container's mounts: token, model, shared memory."""
-    volumes = [_token_volume(fleet)]
-    mounts = [dict(_TOKEN_MOUNT)]
+    volumes = [token_volume(fleet)]
+    mounts = [dict(TOKEN_MOUNT)]
     if spec.model.host_path:
         volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -421,7 +398,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "readinessProbe": _http_probe("/ready", "http", 2, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
-        "volumeMounts": [dict(_TOKEN_MOUNT)],
+        "volumeMounts": [dict(TOKEN_MOUNT)],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -454,7 +431,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
                     "enableServiceLinks": False,
                     "securityContext": pod_security,
                     "containers": [container],
-                    "volumes": [_token_volume(ref.name)],
+                    "volumes": [token_volume(ref.name)],
                 },
             },
         },

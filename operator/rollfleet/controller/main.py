@@ -12,6 +12,7 @@ import asyncio
 import os
 from typing import Any
 
+from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import OPERATOR_KEY_SECRET, OPERATOR_NAMESPACE
 
 
@@ -38,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-port", type=int, default=8081, help="kopf liveness endpoint /healthz (0 disables)")
     p.add_argument("--metrics-port", type=int, default=8082, help="Prometheus metrics /metrics (0 disables)")
     p.add_argument("--no-requests", action="store_true", help="serve RolloutFleets only, not RolloutRequests")
+    p.add_argument(
+        "--runner-image",
+        default=DEFAULT_ROLLFLEET_IMAGE,
+        help="the image RolloutRequest runner Jobs run (`rollfleet request-runner`): this operator's own "
+        "(default: %(default)s)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -68,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
             standalone=True,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
-            memo=kopf.Memo(operator_key=OperatorKey(args.key_namespace)),
+            memo=kopf.Memo(operator_key=OperatorKey(args.key_namespace), runner_image=args.runner_image),
             liveness_endpoint=f"http://{args.listen}:{args.health_port}/healthz" if args.health_port else None,
         )
     )

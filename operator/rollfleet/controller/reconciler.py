@@ -40,6 +40,7 @@ from rollfleet.contract import (
 )
 from rollfleet.controller import desired, plan
 from rollfleet.controller.events import event_manifest, rfc3339
+from rollfleet.controller.owner import FleetRef
 from rollfleet.controller.status import (
     Engine,
     EngineObs,
@@ -145,7 +146,7 @@ class FleetLoop:
     ) -> None:
         self.shared = shared
         self.body = body  # a live view: always the newest the watch delivered
-        self.ref = desired.FleetRef.of(dict(body))
+        self.ref = FleetRef.of(dict(body))
         self.key: Key = (self.ref.namespace, self.ref.name)
         self._pod_index = pods
         self._gateway_index = gateways

@@ -124,7 +124,7 @@ def observe_pod(pod: Mapping[str, Any], fleet: str, node_lost: bool, state: Engi
         node=(pod.get("spec") or {}).get("nodeName"),
         node_lost=node_lost,
         pod_ip=status.get("podIP"),
-        reason=_not_running_reason(status, conditions),
+        reason=not_running_reason(status, conditions),
         state=state,
         crashes=_int(annotations.get(ANNOTATION_CRASHES)),
         exited=_exited(status),
@@ -149,12 +149,13 @@ def _exited(status: Mapping[str, Any]) -> Exited | None:
     return None
 
 
-def _not_running_reason(status: Mapping[str, Any], conditions: Mapping[str, Any]) -> str | None:
+def not_running_reason(status: Mapping[str, Any], conditions: Mapping[str, Any], what: str = "engine") -> str | None:
+    """Why a pod's container does not run (exited, cannot start, not scheduled), or None."""
     for cs in status.get("containerStatuses") or []:
         state = cs.get("state") or {}
         if "terminated" in state:
             t = state["terminated"]
-            why = f"engine exited with code {t.get('exitCode')} ({t.get('reason') or 'no reason'})"
+            why = f"{what} exited with code {t.get('exitCode')} ({t.get('reason') or 'no reason'})"
             # The container's last log lines (terminationMessagePolicy FallbackToLogsOnError), shortened.
             lines = [line.strip() for line in (t.get("message") or "").splitlines() if line.strip()]
             tail = " | ".join(lines[-LOG_LINES:])

@@ -5,8 +5,9 @@ made at its first start. A fleet's token is HMAC-SHA256(key, "<namespace>/<name>
 the operator writes it once into the fleet's Secret `<fleet>-admin-token`, which engines,
 gateways and trainer pods mount, and after a restart derives it again instead of reading
 that Secret. So its ServiceAccount may create Secrets anywhere but read only its key (a Role
-with `resourceNames`, manifests/base/rbac.yaml). The RolloutRequest runner derives the same
-tokens. Talks to kube-apiserver (the key Secret, through `rollfleet.kube`).
+with `resourceNames`, manifests/base/rbac.yaml). A RolloutRequest's runner, which has no key,
+reads the token from its fleet's Secret mounted in its pod (`FileTokens`). Talks to
+kube-apiserver (the key Secret, through `rollfleet.kube`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import contextlib
 import hashlib
 import hmac
 import secrets
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from rollfleet.contract import OPERATOR_KEY_DATA, OPERATOR_KEY_SECRET
 from rollfleet.errors import RollfleetError
@@ -44,6 +46,26 @@ def key_secret(namespace: str, key: bytes) -> dict[str, Any]:
         "metadata": {"name": OPERATOR_KEY_SECRET, "namespace": namespace},
         "data": {OPERATOR_KEY_DATA: base64.b64encode(key).decode()},
     }
+
+
+class FleetTokens(Protocol):
+    """Where a fleet's admin token comes from; None while the fleet has none yet."""
+
+    async def token(self, kube: Kube, namespace: str, name: str, uid: str) -> str | None: ...
+
+
+class FileTokens:
+    """The token of the one fleet whose Secret is mounted at `path`, read each time: the kubelet
+    updates the file when the Secret changes (a re-created fleet) or appears (a new one)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    async def token(self, kube: Kube, namespace: str, name: str, uid: str) -> str | None:
+        try:
+            return self.path.read_text().strip() or None
+        except FileNotFoundError:
+            return None
 
 
 class OperatorKey:

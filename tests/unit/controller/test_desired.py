@@ -10,8 +10,9 @@ from rollfleet import contract
 from rollfleet.api.fleet import RolloutFleetSpec
 from rollfleet.contract import ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH, TOKEN_FILE
 from rollfleet.controller import desired
+from rollfleet.controller.owner import FleetRef
 
-REF = desired.FleetRef(name="tiny", namespace="team", uid="uid-1")
+REF = FleetRef(name="tiny", namespace="team", uid="uid-1")
 
 
 def spec(**over: Any) -> RolloutFleetSpec:

@@ -1,60 +1,53 @@
-"""kopf registration for RolloutRequest: each request's task.
+"""kopf registration for RolloutRequest: each request's runner, supervised.
 
-A long-lived task per request (`tasks.ObjectTasks`, the fleets' idiom), not on.create/on.update
-handlers, because a run lasts minutes and must react within a fraction of a second to
-annotations on its object: the task holds a live view of the body, which the run loop reads
-every tick. The task ends once the request is terminal (after its TTL when one is set), and
-finished requests without a TTL get no task at all; after an operator restart every running
-request gets a task again and is adopted (see `runner`). A failed run is run again after a
-backoff, and adopts what the failed one sent. A deleted request's task aborts its samples at
-the engines. No finalizer: deletion never waits for the operator.
+The operator does not send samples: each running request gets a runner (`desired`: a Job
+whose pod runs `rollfleet request-runner`, `worker`, with a ServiceAccount and Role of its
+own), so a busy request costs the operator nothing and an operator restart stops no sample.
+A long-lived task per request (`tasks.ObjectTasks`, the fleets' idiom) keeps the runner in
+place while the request runs and speaks for a runner that cannot speak itself: a pod that
+cannot start, a Job that failed for good (`status.runner_verdict`). A finished request keeps
+its task only until its TTL, then is deleted. A deleted request's task stops its samples at
+the gateway, should its runner have gone before it could.
 
 The clients the tasks share (the API server's, through `rollfleet.kube`, and the HTTP client
-to gateways) live in kopf's memo from startup to cleanup. Talks to nobody itself; `runner`
-does the I/O.
+to gateways) live in kopf's memo from startup to cleanup. Talks to kube-apiserver (the
+runner's objects, its pods, the request's status) and to gateways (`runner.gateway_abort`).
 """
 
 from __future__ import annotations
 
-import socket
+import contextlib
+import logging
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import kopf
 
-from rollfleet.api.request import PLURAL, TERMINAL_PHASES
-from rollfleet.contract import GROUP, VERSION
-from rollfleet.controller.requests import runner
+from rollfleet.api.request import KIND, PLURAL, TERMINAL_PHASES, RolloutRequest, RolloutRequestSpec
+from rollfleet.contract import COMPONENT_RUNNER, GROUP, LABEL_COMPONENT, LABEL_REQUEST_UID, VERSION, runner_name
+from rollfleet.controller.events import event_manifest
+from rollfleet.controller.owner import RequestRef
+from rollfleet.controller.requests import plan, runner
+from rollfleet.controller.requests.desired import runner_objects
+from rollfleet.controller.requests.status import Verdict, fleet_not_found, runner_verdict, status_with_verdict
 from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
 from rollfleet.controller.tokens import OperatorKey
-from rollfleet.kube import Kube, load_client
+from rollfleet.kube import FLEET, JOB, POD, REQUEST, ApiError, Conflict, Kube, NotFound, load_client
 
-# Each in-flight sample holds one connection to its gateway; parallelism is per request.
-MAX_CONNECTIONS = 4096
-KEEPALIVE = [
-    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10),
-    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
-]
+SUPERVISE_INTERVAL_S = 2.0  # how often a running request's runner Job and pods are looked at
+ABORT_WAIT_S = 5.0
+
+log = logging.getLogger(__name__)
 
 
 @kopf.on.startup()
 async def open_clients(memo: kopf.Memo, **_: Any) -> None:
-    # Clients of their own, apart from the fleets': a busy request does not queue fleet calls.
+    # Clients of their own, apart from the fleets': request supervision does not queue fleet calls.
     memo.request_kube = Kube(load_client())
-    # No read timeout: a sample may wait out a long weight sync on a paused engine; deadlines are ours.
-    # TCP keepalive instead finds a gateway gone without a word (its node lost): the call fails
-    # after about a minute, and the runner stops and resends the sample.
-    memo.request_http = httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0),
-        transport=httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
-            socket_options=KEEPALIVE,
-        ),
-    )
+    memo.request_http = runner.gateway_client()
     memo.request_tasks = ObjectTasks("request", wanted=_needs_task)
 
 
@@ -67,8 +60,12 @@ async def close_clients(memo: kopf.Memo, **_: Any) -> None:
 
 def _needs_task(body: Mapping[str, Any]) -> bool:
     """Running requests, and finished ones still waiting for their TTL: others cost no task."""
-    status = body.get("status") or {}
-    return status.get("phase") not in TERMINAL_PHASES or body["spec"].get("ttlSecondsAfterFinished") is not None
+    return _phase(body) not in TERMINAL_PHASES or body["spec"].get("ttlSecondsAfterFinished") is not None
+
+
+def _phase(body: Mapping[str, Any]) -> str | None:
+    phase = (body.get("status") or {}).get("phase")
+    return str(phase) if phase is not None else None
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -77,24 +74,105 @@ async def request_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None
     tasks.on_event(
         event.get("type"),
         event["object"],
-        lambda body: RequestRun(memo.request_kube, memo.operator_key, memo.request_http, body),
+        lambda body: RequestRun(memo.request_kube, memo.operator_key, memo.request_http, memo.runner_image, body),
     )
 
 
 class RequestRun:
-    """A request's task: run it to a terminal phase, then delete it once its TTL passed."""
+    """A request's task: its runner until the request ends, then its deletion once its TTL passed."""
 
-    def __init__(self, kube: Kube, key: OperatorKey, http: httpx.AsyncClient, body: LiveBody) -> None:
-        self.kube, self.key, self.http, self.body = kube, key, http, body
+    def __init__(self, kube: Kube, key: OperatorKey, http: httpx.AsyncClient, image: str, body: LiveBody) -> None:
+        self.kube, self.key, self.http, self.image, self.body = kube, key, http, image, body
+        self.ref = RequestRef.of(dict(body))
 
     async def run(self, stop: Stop) -> None:
         finished_at = None
-        if (self.body.get("status") or {}).get("phase") not in TERMINAL_PHASES:
-            verdict = await runner.Run(self.kube, self.key, self.http, self.body, stop).run()
-            if not verdict.terminal or stop:
+        if _phase(self.body) not in TERMINAL_PHASES:
+            await self._supervise(stop)
+            if stop:
+                if stop.deleted:
+                    await self._stop_samples()
                 return
             finished_at = time.time()
         await runner.expire(self.kube, self.body, stop.wait, finished_at)
 
     async def close(self) -> None:
         return
+
+    async def _supervise(self, stop: Stop) -> None:
+        """Keep the runner in place until the request is terminal; say what its runner cannot."""
+        spec = RolloutRequest.model_validate(dict(self.body)).spec
+        ns, name = self.ref.namespace, runner_name(self.ref.name)
+        said: Verdict | None = None
+        while not stop and _phase(self.body) not in TERMINAL_PHASES:
+            try:
+                job: Mapping[str, Any] | None = await self.kube.get(JOB, ns, name)
+            except NotFound:
+                job = None
+                failed = await self._make_runner(spec)
+                if failed is not None:
+                    await self._say(failed)
+                    return
+            selector = f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={self.ref.uid}"
+            pods = await self.kube.list(POD, ns, selector)
+            verdict = runner_verdict(job, pods, _phase(self.body))
+            if verdict is not None and verdict != said:
+                await self._say(verdict)
+                said = verdict
+                if verdict.terminal:
+                    return
+            await stop.wait(SUPERVISE_INTERVAL_S)
+
+    async def _make_runner(self, spec: RolloutRequestSpec) -> Verdict | None:
+        """Make the runner (ServiceAccount, Role, RoleBinding, Job). A request whose fleet does not
+        exist fails at once instead, as its runner would: no pod is spent on it."""
+        ns = self.ref.namespace
+        try:
+            await self.kube.get(FLEET, ns, spec.fleet)
+        except NotFound:
+            return fleet_not_found(spec.fleet, ns)
+        for manifest in runner_objects(self.ref, spec, self.image, "IfNotPresent"):
+            with contextlib.suppress(Conflict):  # made by an earlier try, or by the operator before a restart
+                await self.kube.create(manifest)
+        log.info("RolloutRequest %s/%s: runner Job %s created", ns, self.ref.name, runner_name(self.ref.name))
+        return None
+
+    async def _say(self, verdict: Verdict) -> None:
+        ns, name = self.ref.namespace, self.ref.name
+        rr = RolloutRequest.model_validate(dict(self.body))
+        total = len(rr.spec.prompts or []) * rr.spec.samples_per_prompt
+        status = status_with_verdict(
+            rr.status, verdict, self.body["metadata"].get("generation"), datetime.now(UTC), total
+        )
+        with contextlib.suppress(NotFound):
+            await self.kube.patch(REQUEST, ns, name, {"status": status}, status=True)
+        log.warning("RolloutRequest %s/%s: %s (%s)", ns, name, verdict.reason, verdict.message)
+        event = event_manifest(
+            KIND, name, ns, self.ref.uid, "Warning", verdict.reason, verdict.message, datetime.now(UTC)
+        )
+        try:
+            await self.kube.create(event)
+        except ApiError as err:
+            log.warning("event %s on %s/%s not posted: %s", verdict.reason, ns, name, err)
+
+    async def _stop_samples(self) -> None:
+        """The request was deleted: abort every sample id it has at the gateway (its runner, deleted with
+        it, does the same; this covers a runner that was already gone). Ids that do not run are ignored."""
+        rr = RolloutRequest.model_validate(dict(self.body))
+        total = rr.status.counts.total if rr.status else 0
+        if not total:
+            return
+        per_prompt = rr.spec.samples_per_prompt
+        ids = [plan.sample_id(self.ref.uid, (p, s)) for p in range(total // per_prompt) for s in range(per_prompt)]
+        try:
+            fleet = await runner.read_fleet(self.kube, self.key, self.ref.namespace, rr.spec.fleet)
+        except ApiError as err:
+            log.warning(
+                "RolloutRequest %s/%s deleted; its fleet cannot be read: %s", self.ref.namespace, self.ref.name, err
+            )
+            return
+        _, error = await runner.gateway_abort(self.http, fleet, ids, ABORT_WAIT_S)
+        if error is not None:
+            log.warning(
+                "RolloutRequest %s/%s deleted; its samples not aborted: %s", self.ref.namespace, self.ref.name, error
+            )

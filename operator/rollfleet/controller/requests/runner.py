@@ -1,6 +1,6 @@
 """Runs one RolloutRequest: sends its samples through the fleet's gateway and records them.
 
-Owns the run loop of a request (one per request, in the request's task): observe the
+Owns the run loop of a request (in its runner Job's pod, `worker`): observe the
 fleet (exists? paused? gateway reachable?), act on a new abort annotation or a passed
 deadline, send samples with bounded concurrency, store every finished sample in the
 results store, and patch status at a bounded rate. Decisions come from `plan` and
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -37,10 +38,10 @@ from rollfleet.controller.events import event_manifest
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
 from rollfleet.controller.requests.results import ResultStore
-from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
+from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, fleet_not_found, request_status
 from rollfleet.controller.status import parse_time
 from rollfleet.controller.tasks import Stop
-from rollfleet.controller.tokens import OperatorKey
+from rollfleet.controller.tokens import FleetTokens
 from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SERVICE, ApiError, Conflict, Kube, NotFound
 
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
@@ -53,7 +54,29 @@ ABORT_RESEND_S = 0.25  # calls still out after an abort are aborted again this o
 ABORT_BATCH = 4096  # ids per POST /v1/abort (the gateway's limit)
 STALL_S = 120.0  # samples waiting, the fleet ready, none in flight this long: a bug, reported by failing
 
+# Each in-flight sample holds one connection to its gateway; parallelism is per request.
+MAX_CONNECTIONS = 4096
+KEEPALIVE = [
+    (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10),
+    (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3),
+]
+
 log = logging.getLogger(__name__)
+
+
+def gateway_client() -> httpx.AsyncClient:
+    """The HTTP client for gateways. No read timeout: a sample may wait out a long weight sync on a
+    paused engine; deadlines are ours. TCP keepalive instead finds a gateway gone without a word
+    (its node lost): the call fails after about a minute, and the runner stops and resends the sample."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0),
+        transport=httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
+            socket_options=KEEPALIVE,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -68,8 +91,8 @@ class FleetView:
     weight_version: str | None = None
 
 
-async def read_fleet(kube: Kube, key: OperatorKey, namespace: str, name: str) -> FleetView:
-    """The fleet, its gateway Service's address and its admin token (derived: `tokens`), as they are now."""
+async def read_fleet(kube: Kube, tokens: FleetTokens, namespace: str, name: str) -> FleetView:
+    """The fleet, its gateway Service's address and its admin token (`tokens`), as they are now."""
     try:
         fleet = await kube.get(FLEET, namespace, name)
     except NotFound:
@@ -87,7 +110,7 @@ async def read_fleet(kube: Kube, key: OperatorKey, namespace: str, name: str) ->
         return view
     ip = svc["spec"].get("clusterIP")
     gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
-    token = await key.token(kube, namespace, name, fleet["metadata"]["uid"])
+    token = await tokens.token(kube, namespace, name, fleet["metadata"]["uid"])
     return replace(view, gateway=gateway, token=token)
 
 
@@ -112,9 +135,9 @@ class Run:
     """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
 
     def __init__(
-        self, kube: Kube, key: OperatorKey, http: httpx.AsyncClient, body: Mapping[str, Any], stop: Stop
+        self, kube: Kube, tokens: FleetTokens, http: httpx.AsyncClient, body: Mapping[str, Any], stop: Stop
     ) -> None:
-        self.kube, self.key, self.http = kube, key, http
+        self.kube, self.tokens, self.http = kube, tokens, http
         self.body = body  # a live view: annotations change under us
         self.stop = stop
         meta = body["metadata"]
@@ -210,11 +233,7 @@ class Run:
                 "please report it with the operator's log; the results so far are kept",
             )
         if not self.fleet.exists:
-            return Verdict(
-                "Failed",
-                "FleetNotFound",
-                f"RolloutFleet {self.rr.spec.fleet!r} does not exist in namespace {self.ns!r}",
-            )
+            return fleet_not_found(self.rr.spec.fleet, self.ns)
         token = plan.new_abort_token(
             self.body["metadata"].get("annotations"),
             self.abort_record.token if self.abort_record else None,
@@ -258,7 +277,7 @@ class Run:
 
     async def _observe_fleet(self) -> None:
         try:
-            self.fleet = await read_fleet(self.kube, self.key, self.ns, self.rr.spec.fleet)
+            self.fleet = await read_fleet(self.kube, self.tokens, self.ns, self.rr.spec.fleet)
         except ApiError as err:  # API hiccup: keep the last view
             log.warning("reading fleet %s/%s: %s", self.ns, self.rr.spec.fleet, err)
             return
@@ -355,33 +374,8 @@ class Run:
 
     # --- stopping -------------------------------------------------------------------
     async def _gateway_abort(self, ids: list[str], timeout_s: float) -> dict[str, str] | None:
-        """POST /v1/abort; per id aborted|finished|pending|unconfirmed|unknown; None when the gateway cannot answer."""
-        f = self.fleet
-        if not f.gateway or not f.token:
-            return None
-        results: dict[str, str] = {}
-        try:
-            ready = await self.http.get(f.gateway + "/ready", timeout=5)
-            if ready.status_code != 200:  # its engine list is not synced: "unknown" would mean nothing
-                self.gateway_error = f"its /ready answered {ready.status_code}"
-                return None
-            for i in range(0, len(ids), ABORT_BATCH):
-                resp = await self.http.post(
-                    f.gateway + "/v1/abort",
-                    timeout=timeout_s + 10,
-                    headers={"Authorization": f"Bearer {f.token}"},
-                    json={"request_ids": ids[i : i + ABORT_BATCH], "timeout_s": timeout_s},
-                )
-                if resp.status_code != 200:
-                    log.warning("gateway abort answered %s: %s", resp.status_code, resp.text[:300])
-                    self.gateway_error = f"its abort answered {resp.status_code}"
-                    return None
-                results.update(resp.json()["results"])
-        except (httpx.HTTPError, ValueError, KeyError) as err:
-            log.info("gateway abort failed: %s", err)
-            self.gateway_error = f"{type(err).__name__}: {err}"[:200]
-            return None
-        self.gateway_error = None
+        """Per id aborted|finished|pending|unconfirmed|unknown; None when the gateway cannot answer."""
+        results, self.gateway_error = await gateway_abort(self.http, self.fleet, ids, timeout_s)
         return results
 
     async def _stop_unsure(self) -> None:
@@ -418,7 +412,7 @@ class Run:
             self.abort_record = AbortRecord(token=self.abort_token, time=datetime.now(UTC), stopped=len(stopped))
 
     async def _on_stop(self) -> None:
-        """The task stops: the request was deleted (stop its samples) or the operator exits."""
+        """The run stops: the request was deleted (stop its samples) or its pod is going away."""
         deleted = self.stop.deleted
         if deleted and self.tasks:
             self.aborting = True
@@ -487,6 +481,35 @@ class Run:
             await self.kube.create(event)
         except ApiError as err:
             log.warning("event %s on %s/%s not posted: %s", verdict.reason, self.ns, self.name, err)
+
+
+async def gateway_abort(
+    http: httpx.AsyncClient, fleet: FleetView, ids: list[str], timeout_s: float
+) -> tuple[dict[str, str] | None, str | None]:
+    """POST /v1/abort: per id aborted|finished|pending|unconfirmed|unknown, or None and why the gateway
+    cannot answer (not reachable, or its engine list not synced: "unknown" would then mean nothing)."""
+    if not fleet.gateway or not fleet.token:
+        return None, "no gateway address or token yet"
+    results: dict[str, str] = {}
+    try:
+        ready = await http.get(fleet.gateway + "/ready", timeout=5)
+        if ready.status_code != 200:
+            return None, f"its /ready answered {ready.status_code}"
+        for i in range(0, len(ids), ABORT_BATCH):
+            resp = await http.post(
+                fleet.gateway + "/v1/abort",
+                timeout=timeout_s + 10,
+                headers={"Authorization": f"Bearer {fleet.token}"},
+                json={"request_ids": ids[i : i + ABORT_BATCH], "timeout_s": timeout_s},
+            )
+            if resp.status_code != 200:
+                log.warning("gateway abort answered %s: %s", resp.status_code, resp.text[:300])
+                return None, f"its abort answered {resp.status_code}"
+            results.update(resp.json()["results"])
+    except (httpx.HTTPError, ValueError, KeyError) as err:
+        log.info("gateway abort failed: %s", err)
+        return None, f"{type(err).__name__}: {err}"[:200]
+    return results, None
 
 
 async def expire(

@@ -3,15 +3,18 @@
 Pure. `Tally` counts stored results (the durable truth: counts are rebuilt from the
 results store after a restart); `finished_verdict` says how a run that has no sample
 left ends; `request_status` renders phase, counts, progress, tokens, versions, times,
-results location, abort record and conditions. Talks to nobody.
+results location, abort record and conditions; `runner_verdict` is what the operator says
+of a runner that cannot say it itself. Talks to nobody.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from rollfleet.api.common import Condition
 from rollfleet.api.request import (
     TERMINAL_PHASES,
     AbortRecord,
@@ -21,7 +24,7 @@ from rollfleet.api.request import (
     RolloutRequestStatus,
 )
 from rollfleet.controller.requests.plan import Outcome, SampleResult
-from rollfleet.controller.status import _condition
+from rollfleet.controller.status import _condition, not_running_reason
 
 MAX_VERSIONS = 64  # status.weightVersions keeps the newest ones
 
@@ -68,6 +71,39 @@ class Verdict:
         return self.phase in TERMINAL_PHASES
 
 
+def fleet_not_found(fleet: str, namespace: str) -> Verdict:
+    return Verdict("Failed", "FleetNotFound", f"RolloutFleet {fleet!r} does not exist in namespace {namespace!r}")
+
+
+def runner_verdict(
+    job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]], phase: str | None
+) -> Verdict | None:
+    """What the request's status must say of its runner, which cannot say it itself: its Job failed
+    for good (every pod it was allowed failed), or, before the runner wrote any status, its pod
+    cannot start (image, scheduling, volume). None while the runner speaks for itself."""
+    if job is None:
+        return None
+    name = job["metadata"]["name"]
+    last = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "", default=None)
+    why = None
+    if last is not None:
+        pod_status = last.get("status") or {}
+        conditions = {c.get("type"): c for c in pod_status.get("conditions") or []}
+        why = not_running_reason(pod_status, conditions, what="runner")
+    failed = next((c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"), None)
+    if failed is not None and failed.get("status") == "True":
+        return Verdict(
+            "Failed",
+            "RunnerFailed",
+            f"the runner Job {name} failed ({failed.get('reason')}: {failed.get('message')})"
+            + (f"; its last pod: {why}" if why else "")
+            + f"; see `kubectl logs job/{name}`; the results so far are kept",
+        )
+    if phase in (None, "Pending") and last is not None and (last.get("status") or {}).get("phase") == "Pending" and why:
+        return Verdict("Pending", "RunnerNotStarted", f"the runner pod {last['metadata']['name']} cannot start: {why}")
+    return None
+
+
 def finished_verdict(tally: Tally, total: int) -> Verdict:
     """Every sample has a result: Succeeded, or Failed when some sample failed (their errors are stored)."""
     if tally.failed:
@@ -93,6 +129,54 @@ def request_status(
 ) -> dict[str, Any]:
     """The status subresource (wire form) for one moment of the run."""
     prev = previous or RolloutRequestStatus()
+    status = RolloutRequestStatus(
+        observed_generation=generation,
+        phase=verdict.phase,
+        reason=verdict.reason,
+        message=verdict.message,
+        progress=f"{tally.stored}/{total}",
+        counts=Counts(
+            total=total, completed=tally.completed, aborted=tally.aborted, failed=tally.failed, in_flight=in_flight
+        ),
+        tokens=tally.tokens,
+        weight_versions=list(tally.versions),
+        prompts_digest=digest or prev.prompts_digest,
+        start_time=start_time or prev.start_time,
+        completion_time=prev.completion_time or (now if verdict.terminal else None),
+        results=results,
+        abort=abort or prev.abort,
+        conditions=_conditions(prev, verdict, generation, now),
+    )
+    return status.wire()
+
+
+def status_with_verdict(
+    previous: RolloutRequestStatus | None, verdict: Verdict, generation: int | None, now: datetime, total: int
+) -> dict[str, Any]:
+    """The status as the runner left it, with the operator's verdict on a runner that cannot speak
+    for itself (`runner_verdict`): counts, results and times kept; nothing in flight once terminal.
+    `total`: the samples asked for, as far as the operator knows (inline prompts; 0 otherwise)."""
+    prev = previous or RolloutRequestStatus()
+    counts = prev.counts.model_copy(update={"total": prev.counts.total or total})
+    if verdict.terminal:
+        counts.in_flight = 0
+    stored = counts.completed + counts.aborted + counts.failed
+    status = prev.model_copy(
+        update={
+            "observed_generation": generation,
+            "phase": verdict.phase,
+            "reason": verdict.reason,
+            "message": verdict.message,
+            "counts": counts,
+            "progress": f"{stored}/{counts.total}",
+            "completion_time": prev.completion_time or (now if verdict.terminal else None),
+            "conditions": _conditions(prev, verdict, generation, now),
+        }
+    )
+    return status.wire()
+
+
+def _conditions(prev: RolloutRequestStatus, verdict: Verdict, generation: int | None, now: datetime) -> list[Condition]:
     conditions = [
         _condition(
             prev.conditions,
@@ -118,22 +202,4 @@ def request_status(
             conditions.append(
                 _condition(prev.conditions, ctype, True, verdict.reason, verdict.message, generation, now)
             )
-    status = RolloutRequestStatus(
-        observed_generation=generation,
-        phase=verdict.phase,
-        reason=verdict.reason,
-        message=verdict.message,
-        progress=f"{tally.stored}/{total}",
-        counts=Counts(
-            total=total, completed=tally.completed, aborted=tally.aborted, failed=tally.failed, in_flight=in_flight
-        ),
-        tokens=tally.tokens,
-        weight_versions=list(tally.versions),
-        prompts_digest=digest or prev.prompts_digest,
-        start_time=start_time or prev.start_time,
-        completion_time=prev.completion_time or (now if verdict.terminal else None),
-        results=results,
-        abort=abort or prev.abort,
-        conditions=conditions,
-    )
-    return status.wire()
+    return conditions

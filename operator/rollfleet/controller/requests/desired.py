@@ -1,0 +1,150 @@
+"""What a RolloutRequest's runner is made of: a ServiceAccount, a Role, a RoleBinding and a Job.
+
+Pure. The operator applies these (`handlers`); the Job's pod runs `rollfleet request-runner`
+(`worker`), which sends the request's samples through its fleet's gateway. Every object is
+owned by the request: deleting the request deletes its runner.
+
+The Role grants what one runner needs and no more: its own request (read, watch, status),
+its fleet and that fleet's gateway Service (read), the prompt ConfigMaps its spec names
+(read), result ConfigMaps (create and update: their names are not known in advance), and
+Events. The fleet's admin token (for the gateway's abort) is its Secret, mounted: the
+operator itself may not read Secrets, so it cannot grant that either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollfleet.api.common import ROLLFLEET_IMAGE_UID
+from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
+from rollfleet.api.request import PLURAL, RolloutRequestSpec
+from rollfleet.contract import (
+    APP_NAME,
+    COMPONENT_RUNNER,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_REQUEST,
+    LABEL_REQUEST_UID,
+    MANAGER,
+    gateway_name,
+    runner_name,
+)
+from rollfleet.controller.desired import TOKEN_MOUNT, token_volume
+from rollfleet.controller.owner import RequestRef
+
+Manifest = dict[str, Any]
+
+# A failed runner pod is replaced this many times (each one adopts what the last one sent).
+RUNNER_BACKOFF_LIMIT = 6
+# Memory grows with the prompts and the results not yet written (a bounded number).
+RUNNER_RESOURCES: Manifest = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}}
+RUNNER_CONTAINER = "runner"
+
+
+def runner_labels(ref: RequestRef) -> dict[str, str]:
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_COMPONENT: COMPONENT_RUNNER,
+        LABEL_REQUEST: ref.name,
+        LABEL_REQUEST_UID: ref.uid,
+    }
+
+
+def _meta(ref: RequestRef) -> Manifest:
+    return {
+        "name": runner_name(ref.name),
+        "namespace": ref.namespace,
+        "labels": runner_labels(ref) | {LABEL_MANAGED_BY: MANAGER},
+        # controller=True: the request is the one manager; the garbage collector deletes these with it.
+        "ownerReferences": [ref.owner_reference()],
+    }
+
+
+def runner_service_account(ref: RequestRef) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ref)}
+
+
+def runner_role(ref: RequestRef, spec: RolloutRequestSpec) -> Manifest:
+    prompts = sorted({p.name for p in spec.prompts_from or []})
+    rules: list[Manifest] = [
+        # watch needs list; a list with the field selector metadata.name=<request> is allowed by resourceNames.
+        {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch"], "resourceNames": [ref.name]},
+        {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"], "resourceNames": [ref.name]},
+        {"apiGroups": [GROUP], "resources": [FLEET_PLURAL], "verbs": ["get"], "resourceNames": [spec.fleet]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get"], "resourceNames": [gateway_name(spec.fleet)]},
+        # Result chunks: made as the run goes (names unknown in advance), listed to adopt an earlier run's.
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "list", "update"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ]
+    if prompts:
+        rules.append({"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": prompts})
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(ref), "rules": rules}
+
+
+def runner_role_binding(ref: RequestRef) -> Manifest:
+    name = runner_name(ref.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(ref),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ref.namespace}],
+    }
+
+
+def runner_job(ref: RequestRef, fleet: str, image: str, image_pull_policy: str) -> Manifest:
+    """The Job whose pod runs the request: restarted pods adopt what earlier ones sent, so a pod
+    that fails is simply replaced; the request's own status says how the run goes."""
+    labels = runner_labels(ref)
+    uid = ROLLFLEET_IMAGE_UID
+    container: Manifest = {
+        "name": RUNNER_CONTAINER,
+        "image": image,
+        "imagePullPolicy": image_pull_policy,
+        "args": ["request-runner", "--namespace", ref.namespace, "--name", ref.name, "--uid", ref.uid],
+        "resources": RUNNER_RESOURCES,
+        "volumeMounts": [dict(TOKEN_MOUNT)],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(ref),
+        "spec": {
+            "backoffLimit": RUNNER_BACKOFF_LIMIT,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "serviceAccountName": runner_name(ref.name),
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": uid,
+                        "runAsGroup": uid,
+                        "fsGroup": uid,  # the mounted token (mode 0440) is readable to it
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    # Optional: a request may name a fleet not made yet; the runner waits for it.
+                    "volumes": [token_volume(fleet, optional=True)],
+                },
+            },
+        },
+    }
+
+
+def runner_objects(ref: RequestRef, spec: RolloutRequestSpec, image: str, image_pull_policy: str) -> list[Manifest]:
+    """Everything the runner needs, in the order to apply it (the Job last: its pod needs the rest)."""
+    return [
+        runner_service_account(ref),
+        runner_role(ref, spec),
+        runner_role_binding(ref),
+        runner_job(ref, spec.fleet, image, image_pull_policy),
+    ]

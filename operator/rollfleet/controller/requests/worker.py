@@ -1,0 +1,141 @@
+"""`rollfleet request-runner`: the process in a RolloutRequest's runner Job.
+
+Runs one request to a terminal phase (`runner.Run`) and exits 0. Any other end exits
+non-zero, and the Job starts another pod, which adopts what this one sent (see `runner`).
+A watch keeps a live view of the request, so a new abort annotation acts within a tick.
+SIGTERM (the pod deleted or evicted) stops the run; when the request itself is gone, its
+in-flight samples are aborted at the engines first.
+
+Talks to kube-apiserver (its request, through `rollfleet.kube`); `runner` talks to the
+fleet's gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from rollfleet.api.request import TERMINAL_PHASES
+from rollfleet.controller.requests import runner
+from rollfleet.controller.requests.status import Verdict
+from rollfleet.controller.tasks import LiveBody, Stop, backoff_s
+from rollfleet.controller.tokens import FileTokens
+from rollfleet.kube import REQUEST, ApiError, Changed, Kube, NotFound, load_client
+
+EXIT_STOPPED = 143  # as a process killed by SIGTERM: not done, the Job makes another pod
+FORBIDDEN = 403
+RBAC_WAIT_S = 30.0
+RETRIES = 5  # runs in this pod before it fails (backoff 2, 4, 8, 16 s between them)
+
+log = logging.getLogger(__name__)
+
+
+def main(namespace: str, name: str, uid: str, token_file: str, kubeconfig: str | None, verbose: bool) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="[%(asctime)s] %(name)-20s [%(levelname)-8s] %(message)s",
+    )
+    return asyncio.run(run_request(namespace, name, uid, token_file, kubeconfig))
+
+
+def _ours(obj: Mapping[str, Any] | None, uid: str) -> bool:
+    return obj is not None and obj["metadata"].get("uid") == uid
+
+
+async def run_request(namespace: str, name: str, uid: str, token_file: str, kubeconfig: str | None = None) -> int:
+    kube = Kube(load_client(kubeconfig))
+    http = runner.gateway_client()
+    stop = Stop()
+    try:
+        first = await _first_look(kube, namespace, name)
+        if not _ours(first, uid):
+            log.info("RolloutRequest %s/%s (uid %s) is gone: nothing to run", namespace, name, uid)
+            return 0
+        assert first is not None
+        if (first.get("status") or {}).get("phase") in TERMINAL_PHASES:
+            return 0
+        body = LiveBody(first)
+        terminating: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
+
+        def on_sigterm() -> None:
+            terminating.add(asyncio.ensure_future(_on_sigterm(kube, namespace, name, uid, stop)))
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+        follower = asyncio.create_task(_follow(kube, body, stop, namespace, name, uid))
+        try:
+            verdict = await _run(kube, FileTokens(token_file), http, body, stop)
+        finally:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
+        if verdict is not None and verdict.terminal:
+            return 0
+        return 0 if stop.deleted else EXIT_STOPPED
+    finally:
+        await http.aclose()
+        kube.close()
+
+
+async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any] | None:
+    """The request, or None when it is gone. Its Role is made just before this pod's Job; the API
+    server's authorizer may not know it for a moment: 403 is tried again for RBAC_WAIT_S."""
+    deadline = time.monotonic() + RBAC_WAIT_S
+    while True:
+        try:
+            return await kube.get(REQUEST, namespace, name)
+        except NotFound:
+            return None
+        except ApiError as err:
+            if err.status != FORBIDDEN or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(1.0)  # polling the authorizer: no event tells when the Role is known
+
+
+async def _run(kube: Kube, tokens: FileTokens, http: httpx.AsyncClient, body: LiveBody, stop: Stop) -> Verdict | None:
+    """Run it; a run that fails (an API hiccup outlasting its retries) is run again in this pod after a
+    backoff, adopting what it sent, RETRIES times before the pod fails and its Job takes over."""
+    failures = 0
+    while not stop:
+        try:
+            return await runner.Run(kube, tokens, http, body, stop).run()
+        except Exception:
+            failures += 1
+            log.exception("the run failed (%d of %d tries)", failures, RETRIES)
+            if failures >= RETRIES:
+                raise
+            await stop.wait(backoff_s(failures))
+    return None
+
+
+async def _follow(kube: Kube, body: LiveBody, stop: Stop, namespace: str, name: str, uid: str) -> None:
+    """Keep `body` the request as the API server has it; a deleted (or replaced) request stops the run."""
+    async for update in kube.watch(REQUEST, namespace, field_selector=f"metadata.name={name}"):
+        if isinstance(update, Changed):
+            obj = None if update.type == "DELETED" else update.object
+        else:
+            obj = update.items[0] if update.items else None
+        if not _ours(obj, uid):
+            stop.set(deleted=True)
+            return
+        assert obj is not None
+        body.replace(obj)
+
+
+async def _on_sigterm(kube: Kube, namespace: str, name: str, uid: str, stop: Stop) -> None:
+    """The pod is going away. Gone with the request (the garbage collector deletes the runner with it,
+    its Role included, hence 403 too): stop its samples. Otherwise another pod takes over."""
+    try:
+        deleted = not _ours(await kube.get(REQUEST, namespace, name), uid)
+    except NotFound:
+        deleted = True
+    except ApiError as err:
+        deleted = err.status == FORBIDDEN
+    log.info("SIGTERM: %s", "the request is gone, stopping its samples" if deleted else "handing over to another pod")
+    stop.set(deleted=deleted)
