@@ -50,7 +50,7 @@ async def abort(proxy: Proxy, request_ids: list[str], timeout_s: float) -> dict[
     results = await remote_task
     results.update(zip(local, local_results, strict=True))
     for answer in results.values():
-        proxy.metrics.aborts.labels(answer.status.value).inc()
+        proxy.metrics.of(proxy.metrics.aborts, answer.status.value).inc()
     return {rid: results[rid] for rid in ids}
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,19 +30,21 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Scope
 
 from rollfleet.contract import PAUSE_MODES, PauseMode, parse_pause_mode
 from rollfleet.gateway import abort as abort_mod
 from rollfleet.gateway.control import CALLER_RE, FleetControl, NoSuchFleet, PushRunning, pause_done
 from rollfleet.gateway.dialects import BadRequest, Route, validate
-from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable
+from rollfleet.gateway.httpserver import Client, Direct, HttpServer, Limits, Send
+from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable, StopReason
 from rollfleet.gateway.metrics import Metrics
-from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body
+from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body, send_json
 from rollfleet.gateway.refusal import Refused, bearer_ok
 from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
 from rollfleet.gateway.trl import trl_routes
+from rollfleet.gateway.upstream import UpstreamError
 from rollfleet.kube import ApiError, Kube, load_client
 from rollfleet_client.protocol import (
     ABORT_PATH,
@@ -59,6 +62,9 @@ from rollfleet_engine.protocol import REQUEST_ID_HEADER
 log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+# Header names as looked up: lowercase (the HTTP server's are; Starlette's lookups ignore case).
+_REQUEST_ID, _TIMEOUT = REQUEST_ID_HEADER.lower(), TIMEOUT_HEADER.lower()
+_GROUP, _SESSION, _SESSION_END = GROUP_HEADER.lower(), SESSION_HEADER.lower(), SESSION_END_HEADER.lower()
 MAX_CONTROL_WAIT_S = 600  # a pause or resume waits at most this long for the status to show it done
 
 
@@ -74,12 +80,13 @@ class GatewayConfig:
     eject_s: float = 5.0  # how long an engine that dropped a connection gets no new requests
     request_timeout_s: float = 3600.0
     max_timeout_s: float = 24 * 3600.0
+    shutdown_grace_s: float = 25.0  # on SIGTERM, requests in flight get this long (the pod has 30 s)
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
 
 def _error(status: int, message: str, metrics: Metrics, headers: dict[str, str] | None = None) -> Response:
-    metrics.rejected.labels(str(status)).inc()
+    metrics.refused(status)
     return Response(orjson.dumps(error_body(message, status)), status, headers, media_type="application/json")
 
 
@@ -94,18 +101,24 @@ class _ProxyResponse(Response):
         await self.proxy.serve(self.req, self.entry, send, receive)
 
 
-def _request_id(request: Request, body: dict[str, Any]) -> str:
-    request_id = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"gw-{uuid.uuid4().hex}"
+# Ids the gateway gives requests that come without one: unique per process (a random prefix), and cheap.
+_ID_PREFIX = f"gw-{secrets.token_hex(6)}-"
+_ids = itertools.count()
+
+
+def _request_id(headers: Mapping[str, str], body: dict[str, Any]) -> str:
+    request_id = headers.get(_REQUEST_ID) or body.get("request_id") or f"{_ID_PREFIX}{next(_ids)}"
     if not isinstance(request_id, str) or not _ID_RE.match(request_id):
         raise Refused(400, "request id must be 1-200 characters of [A-Za-z0-9._:@/+=-]")
     return request_id
 
 
-def _timeout_s(request: Request, default_s: float, max_s: float) -> float:
-    if TIMEOUT_HEADER not in request.headers:
+def _timeout_s(headers: Mapping[str, str], default_s: float, max_s: float) -> float:
+    value = headers.get(_TIMEOUT)
+    if value is None:
         return default_s
     try:
-        timeout = float(request.headers[TIMEOUT_HEADER])
+        timeout = float(value)
     except ValueError:
         raise Refused(400, f"{TIMEOUT_HEADER} must be a number of seconds") from None
     if not 0 < timeout <= max_s:
@@ -153,58 +166,82 @@ class _Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def admit(self, route: Route, request: Request) -> tuple[ClientRequest, InFlight]:
-        """Everything checked before routing: token, size, JSON, fields, id, deadline; the id reserved."""
+    def admit(self, route: Route, headers: Mapping[str, str], raw: bytes) -> tuple[ClientRequest, InFlight]:
+        """Everything checked before routing: token, JSON, fields, id, deadline; the id reserved.
+        `headers` are looked up by lowercase name; the body's size was checked as it was read."""
         config = self.config
-        if config.api_key is not None and not bearer_ok(request, config.api_key, config.token):
+        if config.api_key is not None and not bearer_ok(headers, config.api_key, config.token):
             raise Refused(401, "missing or wrong bearer token")
-        raw = await self.read_body(request)
         try:
             body = validate(route, orjson.loads(raw))
         except orjson.JSONDecodeError as err:
             raise Refused(400, f"the request body is not valid JSON: {err}") from None
         except BadRequest as err:
             raise Refused(400, str(err)) from None
-        request_id = _request_id(request, body)
-        timeout = _timeout_s(request, config.request_timeout_s, config.max_timeout_s)
+        request_id = _request_id(headers, body)
+        timeout = _timeout_s(headers, config.request_timeout_s, config.max_timeout_s)
         try:
             entry = self.inflight.open(request_id)
         except IdInUse:
             raise Refused(409, f"request id {request_id!r} is still in flight; ids must not be reused") from None
-        session = request.headers.get(GROUP_HEADER) or request.headers.get(SESSION_HEADER)
         req = ClientRequest(
             route=route,
             body=body,
             request_id=request_id,
-            session=session,
-            end_session=request.headers.get(SESSION_END_HEADER, "").lower() in ("1", "true", "yes"),
+            session=headers.get(_GROUP) or headers.get(_SESSION),
+            end_session=headers.get(_SESSION_END, "").lower() in ("1", "true", "yes"),
             deadline=asyncio.get_running_loop().time() + timeout,
         )
         return req, entry
 
     def generation(self, route: Route) -> Callable[[Request], Awaitable[Response]]:
+        """A generation route as a Starlette endpoint (in-process callers: the TRL routes, tests)."""
+
         async def endpoint(request: Request) -> Response:
             try:
-                req, entry = await self.admit(route, request)
+                req, entry = self.admit(route, request.headers, await self.read_body(request))
             except Refused as refused:
                 return self.refuse(refused)
             return _ProxyResponse(self.proxy, req, entry)
 
         return endpoint
 
+    def direct(self, route: Route) -> Direct:
+        """A generation route as the HTTP server's direct handler: the hot path, no framework."""
+
+        async def handle(client: Client, send: Send) -> None:
+            try:
+                req, entry = self.admit(route, client.headers, client.body)
+            except Refused as refused:
+                self.metrics.refused(refused.status)
+                await send_json(send, refused.status, error_body(str(refused), refused.status))
+                return
+            client.on_leave = lambda: self.proxy.stop(entry, StopReason.DISCONNECT)
+            await self.proxy.serve(req, entry, send)
+
+        return handle
+
+    def refusal(self, status: int, message: str) -> bytes:
+        """The body of a request the HTTP server turns away itself (too large, malformed)."""
+        self.metrics.refused(status)
+        return orjson.dumps(error_body(message, status))
+
     async def models(self, request: Request) -> Response:
-        assert self.proxy.session is not None
+        assert self.proxy.upstream is not None
         for engine in self.registry.routable():
             try:
-                async with self.proxy.session.get(f"{engine.url}/v1/models") as resp:
+                resp = await self.proxy.upstream.request("GET", f"{engine.url}/v1/models")
+                try:
                     if resp.status == 200:
                         return Response(await resp.read(), 200, media_type="application/json")
-            except OSError:
+                finally:
+                    resp.close()
+            except UpstreamError:
                 continue
         return _error(503, "no routable engine to list models from", self.metrics)
 
     async def abort(self, request: Request) -> Response:
-        if not bearer_ok(request, self.config.token):
+        if not bearer_ok(request.headers, self.config.token):
             return _error(401, "POST /v1/abort needs the fleet admin token (Authorization: Bearer ...)", self.metrics)
         try:
             raw = await self.read_body(request)
@@ -230,7 +267,7 @@ class _Gateway:
     async def _control(self, request: Request, action: str | None) -> Response:
         """The fleet's state; with an action, asked for first and waited on (200 done, 202 still going)."""
         path = request.url.path
-        if not bearer_ok(request, self.config.token):
+        if not bearer_ok(request.headers, self.config.token):
             return _error(401, f"{path} needs the fleet admin token (Authorization: Bearer ...)", self.metrics)
         if self.control is None:
             return _error(404, f"{path}: this gateway serves a static engine list (--engines), no fleet", self.metrics)
@@ -336,7 +373,26 @@ class _ControlAsk:
 
 
 def build_app(config: GatewayConfig) -> Starlette:
+    """Every route as one ASGI app, for in-process clients (Starlette's TestClient)."""
     gateway = _Gateway.build(config)
     app = Starlette(routes=gateway.routes(), lifespan=gateway.lifespan)
     app.state.proxy = gateway.proxy
     return app
+
+
+@asynccontextmanager
+async def serving(config: GatewayConfig, host: str, port: int) -> AsyncIterator[HttpServer]:
+    """The gateway serving on host:port until the block ends, then shut down as on SIGTERM: requests in flight
+    get `shutdown_grace_s` to finish. The generation routes are the server's direct routes; the rest is
+    the Starlette app."""
+    gateway = _Gateway.build(config)
+    app = Starlette(routes=gateway.routes())
+    direct = {("POST", r.value): gateway.direct(r) for r in Route}
+    limits = Limits(max_body_bytes=config.max_body_bytes, shutdown_grace_s=config.shutdown_grace_s)
+    server = HttpServer(app, direct, limits, refusal=gateway.refusal)
+    async with gateway.lifespan(app):
+        await server.start(host, port)
+        try:
+            yield server
+        finally:
+            await server.shutdown()

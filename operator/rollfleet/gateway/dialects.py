@@ -2,9 +2,12 @@
 
 Pure (dicts in, dicts out). Owns:
 
-- the upstream body of a first attempt (always streamed from the engine, with token
-  ids, so the gateway knows how far a request got even when the client asked for one
-  JSON response);
+- whether a request is streamed from the engine (`streams_upstream`): streaming clients'
+  always are, and so are non-streaming ones that may generate many tokens, so that the
+  gateway knows how far a request got and a failover continues it; short non-streaming
+  ones are sent whole (a per-token stream costs the engine and the gateway more than
+  a rare restart of a few tokens);
+- the upstream body of a first attempt (with token ids);
 - the body of a continuation attempt: vLLM's token-in/token-out route
   (`/inference/v1/generate`) with prompt + generated tokens and the remaining budget;
 - turning a continuation chunk back into the client's dialect (same id, model,
@@ -93,12 +96,32 @@ def choices_requested(route: Route, body: Json) -> int:
     return int(body.get("n", 1)) * (len(prompts) if many and isinstance(prompts, list) else 1)
 
 
-def first_attempt_body(route: Route, body: Json) -> Json:
-    """What the engine gets on the first attempt: the client's body, streamed, with token ids."""
+def max_new_tokens(route: Route, body: Json) -> int | None:
+    """The most tokens one sequence of this request may generate; None: up to the model's context."""
+    if route is Route.GENERATE:
+        limit = body.get("sampling_params", {}).get("max_tokens")
+    elif route is Route.CHAT:
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    else:
+        limit = body.get("max_tokens", _COMPLETIONS_DEFAULT_MAX_TOKENS)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def streams_upstream(route: Route, body: Json, continue_min_tokens: int) -> bool:
+    """Whether the engine streams this request to the gateway: when the client streams, and when a
+    failover should continue it from its tokens (it may generate `continue_min_tokens` or more)."""
+    if body.get("stream"):
+        return True
+    limit = max_new_tokens(route, body)
+    return limit is None or limit >= continue_min_tokens
+
+
+def first_attempt_body(route: Route, body: Json, stream: bool) -> Json:
+    """What the engine gets on the first attempt: the client's body with token ids, streamed or not."""
     upstream = dict(body)
     if not body.get("stream"):
         upstream.pop("stream_options", None)
-    upstream["stream"] = True
+    upstream["stream"] = stream
     if route is not Route.GENERATE:
         upstream["return_token_ids"] = True
     return upstream

@@ -18,7 +18,7 @@ chunks), and end it for real when asked:
   response header, plus, for an attempt that may have spanned a weight update, what the
   engine's request tracker recorded for the caller id.
 
-Talks to engines (inference over aiohttp; their own API through `rollfleet.engine_client`)
+Talks to engines (inference through `upstream`; their own API through `rollfleet.engine_client`)
 and to the client (raw ASGI send/receive).
 """
 
@@ -29,10 +29,9 @@ import contextlib
 import logging
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
-import aiohttp
 import orjson
 
 from rollfleet.engine_client import GATEWAY_ABORT, EngineCallError, EngineClient, EngineRef, bearer_header
@@ -48,16 +47,19 @@ from rollfleet.gateway.dialects import (
     continuation_chunk,
     first_attempt_body,
     prompt_token_ids,
+    streams_upstream,
 )
 from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry
 from rollfleet.gateway.routing import Decision, NoEngine, Router
+from rollfleet.gateway.upstream import Response, Upstream, UpstreamError
 from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, AbortStatus
 
 log = logging.getLogger(__name__)
 
 ENGINE_HEADER = "X-Rollfleet-Engine"
+_WEIGHT_VERSION = WEIGHT_VERSION_HEADER.lower().encode()  # as the upstream client keeps header names
 Send = Any  # ASGI send/receive callables
 Receive = Any
 
@@ -73,6 +75,9 @@ class ProxyConfig:
     # the engine which versions produced its tokens: a weight sync pauses the engine, so a
     # request spanning one takes at least that long.
     version_check_after_s: float = 2.0
+    # A non-streaming request that may generate fewer tokens is sent whole to the engine: a
+    # failover restarts it instead of continuing from its tokens (dialects.streams_upstream).
+    continue_min_tokens: int = 256
 
 
 @dataclass
@@ -85,7 +90,7 @@ class ClientRequest:
     deadline: float  # event-loop time
 
 
-class Outcome(Enum):
+class Outcome(StrEnum):
     FINISHED = "finished"  # every choice has a finish reason
     FAILED = "failed"  # the engine failed; another may continue
     REJECTED = "rejected"  # the engine refused the request (4xx): the client's answer
@@ -148,6 +153,7 @@ class JsonWriter:
         self.responded = False
         self.tpl: Template | None = None
         self.prompt_tokens: int | None = None
+        self.whole: Json | None = None  # the engine's own answer, when it was not streamed
 
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         return
@@ -159,6 +165,9 @@ class JsonWriter:
     async def done(self, extra: Json, headers: list[tuple[bytes, bytes]]) -> None:
         assert self.tpl is not None
         self.responded = True
+        if self.whole is not None:
+            await send_json(self.send, 200, self.whole | extra, headers)
+            return
         await send_json(self.send, 200, self.assembler.response(self.tpl, self.prompt_tokens, extra), headers)
 
     async def error(self, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
@@ -202,8 +211,9 @@ class Proxy:
         self.token = token
         self.config = config
         self.metrics = metrics
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None
         self.engines = EngineClient(token, max_connections=None)
+        self.upstream_headers = [("Content-Type", "application/json"), *bearer_header(token).items()]
         self._background: set[asyncio.Task[Any]] = set()
 
     def background(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -228,17 +238,15 @@ class Proxy:
         return {rid: results.get(rid, AbortStatus.UNKNOWN) for rid in request_ids}
 
     async def open(self) -> None:
-        # No total/read timeout: a paused engine holds requests for as long as a weight sync
-        # takes; the request's own deadline bounds it instead.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+        # No read timeout: a paused engine holds requests for as long as a weight sync takes;
+        # the request's own deadline bounds it instead.
+        self.upstream = Upstream(connect_timeout_s=self.config.connect_timeout_s)
 
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
-        if self.session is not None:
-            await self.session.close()
+        if self.upstream is not None:
+            self.upstream.close()
         await self.engines.aclose()
 
     def stop(self, entry: InFlight, reason: StopReason) -> None:
@@ -247,12 +255,14 @@ class Proxy:
             return
         entry.request_stop(reason)
         entry.stopping.set_result(None)
-        self.metrics.stops.labels(reason.value).inc()
+        self.metrics.of(self.metrics.stops, reason).inc()
 
-    async def serve(self, req: ClientRequest, entry: InFlight, send: Send, receive: Receive) -> None:
+    async def serve(self, req: ClientRequest, entry: InFlight, send: Send, receive: Receive | None = None) -> None:
+        """Answer one admitted request through ASGI's `send`. A client leaving is seen through `receive`, or,
+        without it, told by the caller (`stop(entry, StopReason.DISCONNECT)`)."""
         loop = asyncio.get_running_loop()
         exchange = _Exchange(self, req, entry, send)
-        watcher = asyncio.create_task(self._watch_disconnect(receive, exchange))
+        watcher = None if receive is None else asyncio.create_task(self._watch_disconnect(receive, exchange))
         timer = loop.call_at(req.deadline, self.stop, entry, StopReason.DEADLINE)
         finish: str | None = None
         started = loop.time()
@@ -260,10 +270,11 @@ class Proxy:
             finish = await exchange.run()
         finally:
             timer.cancel()
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             self.inflight.close(entry, finish)
-            self.metrics.requests.labels(req.route.value, finish or "none").inc()
-            self.metrics.latency.labels(req.route.value).observe(loop.time() - started)
+            self.metrics.of(self.metrics.requests, req.route, finish or "none").inc()
+            self.metrics.of(self.metrics.latency, req.route).observe(loop.time() - started)
 
     async def _watch_disconnect(self, receive: Receive, exchange: _Exchange) -> None:
         # The body was read already; the next message is a disconnect (client gone, or our
@@ -323,7 +334,8 @@ class _Exchange:
             if self.attempts > 1:
                 self.proxy.metrics.failovers.inc()
             result = await self._attempt(engine, decision, *plan)
-            self.proxy.metrics.attempts.labels(engine.key, result.outcome.value).inc()
+            metrics = self.proxy.metrics
+            metrics.of(metrics.attempts, engine.key, result.outcome).inc()
             if result.outcome is Outcome.FINISHED:
                 return await self._close_finished()
             if result.outcome is Outcome.STOPPED:
@@ -365,10 +377,7 @@ class _Exchange:
         entry, req = self.entry, self.req
         if not self.writer.sent_any and entry.generated == 0:
             # Nothing reached the client: (re)start from the client's own request.
-            if isinstance(self.writer, JsonWriter):
-                self.writer.assembler.reset()
-            entry.choices.clear()
-            return req.route.value, first_attempt_body(req.route, req.body), None
+            return self._start_over()
         if self.n == 1 and entry.prompt_token_ids is not None and not self.continuation_refused:
             choice = entry.choice(0)
             body = continuation_body(req.route, req.body, entry.prompt_token_ids, choice.token_ids)
@@ -377,10 +386,17 @@ class _Exchange:
         if isinstance(self.writer, JsonWriter):
             # Nothing was sent yet: start over (several sequences are not stitched, and an
             # engine without the generate route cannot continue one).
-            self.writer.assembler.reset()
-            entry.choices.clear()
-            return req.route.value, first_attempt_body(req.route, req.body), None
+            return self._start_over()
         return None
+
+    def _start_over(self) -> tuple[str, Json, None]:
+        if isinstance(self.writer, JsonWriter):
+            self.writer.assembler.reset()
+            self.writer.whole = None
+        self.entry.choices.clear()
+        route, body = self.req.route, self.req.body
+        stream = streams_upstream(route, body, self.proxy.config.continue_min_tokens)
+        return route.value, first_attempt_body(route, body, stream), None
 
     async def _pick(self) -> tuple[Engine, Decision] | None:
         """An engine this id has not run on; waits (bounded) while none is routable: no 503 storms."""
@@ -411,104 +427,104 @@ class _Exchange:
         entry.engine = engine.key
         entry.engines.append(engine.key)
         entry.tried.add(engine.instance)
-        task = asyncio.create_task(self._exchange(engine, path, body, cont))
+        # The exchange runs in this task (no task per attempt: the hot path); a stop reaches it through
+        # the watch, which aborts the id on the engine and, past the grace period, cancels this task.
+        watch = _StopWatch(self, engine)
+        entry.stopping.add_done_callback(watch.stop)
         try:
-            waiting: set[asyncio.Future[Any]] = {task, entry.stopping}
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                await self._stop_on_engine(engine, task)
-            if task.cancelled():
+            result = await self._exchange(engine, path, body, cont)
+        except asyncio.CancelledError:
+            if watch.cut and watch.task.uncancel() == 0:  # cut by the watch alone, not by anyone else
                 return AttemptResult(Outcome.STOPPED, "stopped")
-            return task.result()
+            raise
         finally:
-            if not task.done():
-                task.cancel()
+            watch.attempt_ended()
+            entry.stopping.remove_done_callback(watch.stop)
             p.router.finish(decision, _now(), end_session=self.req.end_session)
-
-    async def _stop_on_engine(self, engine: Engine, task: asyncio.Task[AttemptResult]) -> None:
-        """Abort the caller id on the engine, then give its stream `stop_grace_s` to deliver the end."""
-        p = self.proxy
-        status = await p.abort_on_engine(engine, [self.req.request_id], p.config.abort_timeout_s)
-        log.info(
-            "request %s stopped (%s): engine %s says %s",
-            self.req.request_id,
-            self.entry.stop,
-            engine.key,
-            status[self.req.request_id].value,
-        )
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), p.config.stop_grace_s)
-        if not task.done():
-            answer = status[self.req.request_id]
-            if answer is not AbortStatus.ABORTED:
-                self.entry.unconfirmed = (
-                    f"engine {engine.key} answered {answer.value!r} to the abort and its stream did not end within "
-                    f"{p.config.stop_grace_s:.0f}s; the gateway closed the connection (vLLM aborts a request whose "
-                    "client left)"
-                )
-            task.cancel()  # closes the connection: vLLM aborts a request whose client left
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        return result
 
     async def _exchange(self, engine: Engine, path: str, body: Json, cont: ContinuationState | None) -> AttemptResult:
-        p, entry, req = self.proxy, self.entry, self.req
-        assert p.session is not None and engine.url is not None
-        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: req.request_id, **bearer_header(p.token)}
+        p, req = self.proxy, self.req
+        assert p.upstream is not None and engine.url is not None
+        headers = [*p.upstream_headers, (REQUEST_ID_HEADER, req.request_id)]
         try:
-            async with p.session.post(engine.url + path, data=orjson.dumps(body), headers=headers) as resp:
-                if resp.status != 200:
-                    data = await resp.read()
-                    detail = f"engine answered {resp.status}: {data[:300].decode(errors='replace')}"
-                    if resp.status >= 500:
-                        return AttemptResult(Outcome.FAILED, detail)
-                    return AttemptResult(Outcome.REJECTED, detail, resp.status, data)
-                version = resp.headers.get(WEIGHT_VERSION_HEADER)
-                if version:
-                    entry.add_versions(version.split(","))
-                    p.registry.observe_version(engine.key, version.split(",")[-1])
-                since = (asyncio.get_running_loop().time(), p.registry.version_epoch(engine.key))
-                # Whatever bytes arrived together are forwarded together: one write to the
-                # client per read, not one per token.
-                pending = b""
-                async for data in resp.content.iter_any():
-                    *events, pending = (pending + data).split(b"\n\n")
-                    batch: list[tuple[Json, bytes | None]] = []
-                    failure = None
-                    for event in events:
-                        payload = event[6:].strip() if event.startswith(b"data: ") else b""
-                        # [DONE] is read past, to the end of the body: a response left unread
-                        # closes its connection instead of returning it to the keep-alive pool.
-                        if payload and payload != b"[DONE]":
-                            failure = self._forward(payload, cont, batch)
-                            if failure is not None:
-                                break
-                    if self._closing is not None:
-                        await self._confirm_versions(engine, *since)
-                        obj, _ = batch[self._closing]
-                        obj["rollfleet"] = self._report()
-                        batch[self._closing] = (obj, None)
-                        self._closing = None
-                    if batch:
-                        # The client's 200 waits for the first chunk: an engine that rejects the request
-                        # in its stream (its first event an error) is answered with its own status.
-                        if not self.writer.started:
-                            await self.writer.start(self._headers())
-                        await self.writer.chunks(batch)
-                    if failure is not None:
-                        return failure
-        except (aiohttp.ClientError, OSError) as err:
+            resp = await p.upstream.request("POST", engine.url + path, orjson.dumps(body), headers)
+            try:
+                return await self._read(engine, resp, cont)
+            finally:
+                resp.close()
+        except UpstreamError as err:
             p.registry.eject(engine.key)
-            return AttemptResult(Outcome.FAILED, f"{type(err).__name__}: {err}")
+            return AttemptResult(Outcome.FAILED, str(err))
+
+    async def _read(self, engine: Engine, resp: Response, cont: ContinuationState | None) -> AttemptResult:
+        p, entry = self.proxy, self.entry
+        if resp.status != 200:
+            data = await resp.read()
+            detail = f"engine answered {resp.status}: {data[:300].decode(errors='replace')}"
+            if resp.status >= 500:
+                return AttemptResult(Outcome.FAILED, detail)
+            return AttemptResult(Outcome.REJECTED, detail, resp.status, data)
+        version = resp.header(_WEIGHT_VERSION)
+        if version:
+            entry.add_versions(version.split(","))
+            p.registry.observe_version(engine.key, version.split(",")[-1])
+        since = (asyncio.get_running_loop().time(), p.registry.version_epoch(engine.key))
+        if not resp.headers.get(b"content-type", b"").startswith(b"text/event-stream"):
+            return await self._read_whole(engine, await resp.read(), since)
+        # Whatever bytes arrived together are forwarded together: one write to the client per
+        # read, not one per token. [DONE] is read past, to the end of the body: a response left
+        # unread closes its connection instead of returning it to the keep-alive pool.
+        pending = b""
+        while data := await resp.read_any():
+            *events, pending = (pending + data).split(b"\n\n")
+            batch: list[tuple[Json, bytes | None]] = []
+            failure = None
+            payloads = [d for e in events if e.startswith(b"data: ") and (d := e[6:].strip()) and d != b"[DONE]"]
+            for payload, obj in zip(payloads, _parse_all(payloads), strict=True):
+                failure = self._forward(payload, obj, cont, batch)
+                if failure is not None:
+                    break
+            if self._closing is not None:
+                await self._confirm_versions(engine, *since)
+                obj, _ = batch[self._closing]
+                obj["rollfleet"] = self._report()
+                batch[self._closing] = (obj, None)
+                self._closing = None
+            if batch:
+                # The client's 200 waits for the first chunk: an engine that rejects the request
+                # in its stream (its first event an error) is answered with its own status.
+                if not self.writer.started:
+                    await self.writer.start(self._headers())
+                await self.writer.chunks(batch)
+            if failure is not None:
+                return failure
         if self._all_finished():
             return AttemptResult(Outcome.FINISHED)
         p.registry.eject(engine.key)
         return AttemptResult(Outcome.FAILED, "the engine's stream ended before the request finished")
 
+    async def _read_whole(self, engine: Engine, data: bytes, since: tuple[float, int]) -> AttemptResult:
+        """The engine's one JSON answer (a request sent whole): tracked as one chunk, then passed on."""
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as err:
+            return AttemptResult(Outcome.FAILED, f"the engine's answer is not JSON: {err}")
+        if not isinstance(self.writer, JsonWriter) or not isinstance(obj, dict):
+            return AttemptResult(Outcome.FAILED, f"the engine answered a stream with one JSON: {data[:300]!r}")
+        self._template(obj)
+        self._track(obj)
+        if not self._all_finished():
+            self.proxy.registry.eject(engine.key)
+            return AttemptResult(Outcome.FAILED, "the engine's answer has a choice without a finish reason")
+        await self._confirm_versions(engine, *since)
+        self.writer.whole = obj
+        return AttemptResult(Outcome.FINISHED)
+
     def _forward(
-        self, payload: bytes, cont: ContinuationState | None, batch: list[tuple[Json, bytes | None]]
+        self, payload: bytes, obj: Json, cont: ContinuationState | None, batch: list[tuple[Json, bytes | None]]
     ) -> AttemptResult | None:
         """Track one upstream chunk and queue it in the client's dialect; a result if it was an error."""
-        obj = orjson.loads(payload)
         error = obj.get("error")
         if error is not None:
             # vLLM answers 200 and then reports some errors in the stream (a token id outside the
@@ -522,7 +538,7 @@ class _Exchange:
         if cont is not None:
             obj = continuation_chunk(self.req.route, obj, self._template(obj), cont)
             raw = None
-        else:
+        elif self.tpl is None:
             self._template(obj)
         if self._track(obj):
             self._closing = len(batch)  # gets the report once the batch is complete
@@ -554,15 +570,18 @@ class _Exchange:
         if entry.prompt_token_ids is None:
             entry.prompt_token_ids = prompt_token_ids(route, self.req.body, obj)
         closed = False
-        for c in obj.get("choices") or []:
-            choice = entry.choice(int(c.get("index", 0)))
+        choices = entry.choices
+        for c in obj.get("choices") or ():
+            index = c.get("index", 0)
+            choice = choices.get(index) or entry.choice(int(index))
             ids = c.get("token_ids")
             if ids:
-                choice.token_ids.extend(ids)
+                choice.token_ids += ids
             if route is Route.COMPLETIONS:
                 choice.text_chars += len(c.get("text") or "")
-            for span in c.get("weight_versions") or []:
-                entry.add_versions([span["version"]])
+            spans = c.get("weight_versions")
+            if spans:
+                entry.add_versions([span["version"] for span in spans])
             if c.get("finish_reason") is not None and choice.finish_reason is None:
                 choice.finish_reason = c["finish_reason"]
                 closed = True
@@ -621,6 +640,66 @@ class _Exchange:
     async def _fail(self, status: int, message: str) -> str:
         await self.writer.error(status, message, self._headers())
         return "error"
+
+
+class _StopWatch:
+    """Ends one attempt when its request must stop (admin abort, client gone, deadline): aborts the caller id
+    on the engine, gives the engine's stream `stop_grace_s` to deliver the end (`finish_reason: "abort"`,
+    with the partial output), and only then cuts the stream by cancelling the attempt's task, which closes
+    the connection (vLLM aborts a request whose client left)."""
+
+    def __init__(self, exchange: _Exchange, engine: Engine) -> None:
+        self.exchange, self.engine = exchange, engine
+        task = asyncio.current_task()
+        assert task is not None, "made by an attempt, in its task"
+        self.task = task
+        self.ended = asyncio.get_running_loop().create_future()
+        self.cut = False
+
+    def stop(self, _: asyncio.Future[None]) -> None:
+        if not self.ended.done():
+            self.exchange.proxy.background(self._stop())
+
+    def attempt_ended(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    async def _stop(self) -> None:
+        p, entry, rid = self.exchange.proxy, self.exchange.entry, self.exchange.req.request_id
+        status = await p.abort_on_engine(self.engine, [rid], p.config.abort_timeout_s)
+        log.info("request %s stopped (%s): engine %s says %s", rid, entry.stop, self.engine.key, status[rid].value)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.ended), p.config.stop_grace_s)
+        if self.ended.done():
+            return
+        if status[rid] is not AbortStatus.ABORTED:
+            entry.unconfirmed = (
+                f"engine {self.engine.key} answered {status[rid].value!r} to the abort and its stream did not end "
+                f"within {p.config.stop_grace_s:.0f}s; the gateway closed the connection (vLLM aborts a request "
+                "whose client left)"
+            )
+        self.cut = True
+        self.task.cancel()
+
+
+def _parse_all(payloads: list[bytes]) -> list[Json]:
+    """The JSON of several SSE payloads, parsed as one array (one call instead of one per token)."""
+    if len(payloads) > 1:
+        try:
+            parsed = orjson.loads(b"[" + b",".join(payloads) + b"]")
+        except orjson.JSONDecodeError:
+            pass  # one of them is not JSON: parse them one by one, to say which
+        else:
+            if all(isinstance(obj, dict) for obj in parsed):
+                return parsed  # type: ignore[no-any-return]
+    out = []
+    for payload in payloads:
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError as err:
+            obj = {"error": {"message": f"the engine streamed an event that is not JSON ({err}): {payload[:200]!r}"}}
+        out.append(obj if isinstance(obj, dict) else {"error": {"message": f"not a JSON object: {payload[:200]!r}"}})
+    return out
 
 
 def engine_ref(engine: Engine) -> EngineRef:

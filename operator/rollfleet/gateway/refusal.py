@@ -5,15 +5,15 @@ Shared by the gateway's endpoints (`app`) and its TRL routes (`trl`). Pure: no I
 
 from __future__ import annotations
 
-from starlette.requests import Request
+from collections.abc import Mapping
 
 from rollfleet.errors import RollfleetError
 from rollfleet_engine.access import bearer, token_matches
 
 
-def bearer_ok(request: Request, *tokens: str | None) -> bool:
-    """The request's bearer token is one of `tokens` (constant-time comparison)."""
-    presented = bearer(request.headers.get("authorization"))
+def bearer_ok(headers: Mapping[str, str], *tokens: str | None) -> bool:
+    """The request's bearer token is one of `tokens` (constant-time comparison); lowercase header names."""
+    presented = bearer(headers.get("authorization"))
     return any(t is not None and token_matches(presented, t) for t in tokens)
 
 

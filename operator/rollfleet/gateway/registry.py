@@ -71,6 +71,9 @@ class Registry:
         # Weight version each engine last stated (response headers) and how often it changed.
         self._versions: dict[str, str] = {}
         self._version_epochs: dict[str, int] = {}
+        # routable(), kept until the table changes or an ejection ends: the proxy asks once per request.
+        self._routable: list[Engine] | None = None
+        self._routable_until = 0.0
 
     # --- fed by a source ------------------------------------------------------------
     def replace_all(self, engines: Iterable[Engine]) -> None:
@@ -94,6 +97,7 @@ class Registry:
     def eject(self, key: str) -> None:
         """The engine refused or dropped a connection: no new traffic for `eject_s`."""
         self._ejected_until[key] = time.monotonic() + self.eject_s
+        self._routable = None
         log.warning("engine %s ejected for %.0fs after a connection failure", key, self.eject_s)
 
     def observe_version(self, key: str, version: str) -> None:
@@ -111,10 +115,13 @@ class Registry:
 
     # --- read side ------------------------------------------------------------------
     def routable(self) -> list[Engine]:
+        """The engines to route to now (do not change the list)."""
         now = time.monotonic()
-        return [
-            e for e in self._engines.values() if e.routable and e.url and self._ejected_until.get(e.key, 0.0) <= now
-        ]
+        if self._routable is None or now >= self._routable_until:
+            ejected = {k: until for k, until in self._ejected_until.items() if until > now}
+            self._routable = [e for e in self._engines.values() if e.routable and e.url and e.key not in ejected]
+            self._routable_until = min(ejected.values(), default=float("inf"))
+        return self._routable
 
     def get(self, key: str) -> Engine | None:
         return self._engines.get(key)
@@ -135,6 +142,7 @@ class Registry:
             callback(key)
 
     def _notify(self) -> None:
+        self._routable = None
         self._changed.set()
         self._changed = asyncio.Event()
 

@@ -277,7 +277,7 @@ class _Trl:
     async def completions(self, request: Request) -> Response:
         gw = self.gateway
         try:
-            batch, entry = await gw.admit(Route.COMPLETIONS, request)
+            batch, entry = gw.admit(Route.COMPLETIONS, request.headers, await gw.read_body(request))
         except Refused as refused:
             return gw.refuse(refused)
         finish: str | None = "error"
@@ -365,7 +365,7 @@ class _Trl:
     def _authorize(self, request: Request) -> None:
         """The inference routes' rule (`admit`'s): the api key or the admin token, when an api key is set."""
         config = self.gateway.config
-        if config.api_key is not None and not bearer_ok(request, config.api_key, config.token):
+        if config.api_key is not None and not bearer_ok(request.headers, config.api_key, config.token):
             raise Refused(401, "missing or wrong bearer token")
 
     async def _each_engine(self, path: str, call: Callable[[EngineRef], Awaitable[T]]) -> dict[str, T]:

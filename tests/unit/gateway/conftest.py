@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import uvicorn
+import uvloop
 from aiohttp import web
 
-from rollfleet.gateway.app import GatewayConfig, build_app
+from rollfleet.gateway.app import GatewayConfig, serving
 from rollfleet.gateway.proxy import ProxyConfig
 from rollfleet_dev.sim_engine import SimEngine
 
@@ -50,7 +50,7 @@ class Stack:
 def serve_gateway(sims: list[SimEngine], proxy: ProxyConfig, **config: Any) -> Iterator[tuple[str, list[str]]]:
     """The simulated engines and a static-mode gateway in front of them, served from a background
     event loop; yields the gateway's URL and the engines'."""
-    loop = asyncio.new_event_loop()
+    loop = uvloop.new_event_loop()  # as the gateway runs
     ports = [free_port() for _ in sims]
     gw_port = free_port()
     ready = threading.Event()
@@ -64,16 +64,9 @@ def serve_gateway(sims: list[SimEngine], proxy: ProxyConfig, **config: Any) -> I
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
         gateway = GatewayConfig(token=TOKEN, engines=[f"http://127.0.0.1:{p}" for p in ports], proxy=proxy, **config)
-        server = uvicorn.Server(
-            uvicorn.Config(build_app(gateway), host="127.0.0.1", port=gw_port, log_level="warning", lifespan="on")
-        )
-        serving = asyncio.create_task(server.serve())
-        while not server.started:  # noqa: ASYNC110 - uvicorn offers no event for this
-            await asyncio.sleep(0.01)
-        ready.set()
-        await stop.wait()
-        server.should_exit = True
-        await serving
+        async with serving(gateway, "127.0.0.1", gw_port):
+            ready.set()
+            await stop.wait()
         for runner in runners:
             await runner.cleanup()
 
@@ -90,7 +83,9 @@ def serve_gateway(sims: list[SimEngine], proxy: ProxyConfig, **config: Any) -> I
 @pytest.fixture(scope="session")
 def stack() -> Iterator[Stack]:
     sims = [SimEngine("sim-a"), SimEngine("sim-b")]
-    proxy = ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0, version_check_after_s=0.3)
+    # continue_min_tokens 8: non-streaming requests of 8 tokens or more are streamed from the engine
+    # (and continued on failover), shorter ones are sent whole; the tests use both.
+    proxy = ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0, version_check_after_s=0.3, continue_min_tokens=8)
     # eject_s 0: failover tests run back to back; exclusion per request is what they check.
     with serve_gateway(sims, proxy, max_body_bytes=64 * 1024, eject_s=0.0) as (url, sim_urls):
         yield Stack(url, sims, sim_urls)

@@ -16,6 +16,7 @@ from rollfleet.gateway.dialects import (
     continuation_chunk,
     first_attempt_body,
     prompt_token_ids,
+    streams_upstream,
     validate,
 )
 
@@ -45,11 +46,28 @@ def test_choices_count_prompts_and_n() -> None:
     assert choices_requested(Route.GENERATE, {"token_ids": [1], "sampling_params": {"n": 3}}) == 3
 
 
-def test_first_attempt_streams_with_token_ids_even_for_a_non_streaming_client() -> None:
+def test_first_attempt_asks_token_ids_streamed_or_not() -> None:
     body = {"prompt": "x", "stream_options": {"include_usage": True}}
-    up = first_attempt_body(Route.COMPLETIONS, body)
+    up = first_attempt_body(Route.COMPLETIONS, body, stream=True)
     assert up["stream"] is True and up["return_token_ids"] is True and "stream_options" not in up
     assert "stream" not in body  # the client's body is not changed
+    whole = first_attempt_body(Route.COMPLETIONS, body, stream=False)
+    assert whole["stream"] is False and whole["return_token_ids"] is True
+    assert "return_token_ids" not in first_attempt_body(Route.GENERATE, {"token_ids": [1]}, stream=False)
+
+
+def test_long_or_streaming_requests_stream_from_the_engine_and_short_ones_are_sent_whole() -> None:
+    def streams(route: Route, body: dict) -> bool:  # type: ignore[type-arg]
+        return streams_upstream(route, body, continue_min_tokens=256)
+
+    assert streams(Route.COMPLETIONS, {"prompt": "x", "max_tokens": 8, "stream": True})
+    assert not streams(Route.COMPLETIONS, {"prompt": "x"})  # vLLM's default: 16 tokens
+    assert streams(Route.COMPLETIONS, {"prompt": "x", "max_tokens": 256})
+    assert streams(Route.CHAT, {"messages": []})  # no limit: up to the context
+    assert not streams(Route.CHAT, {"messages": [], "max_completion_tokens": 64, "max_tokens": 4096})
+    assert streams(Route.CHAT, {"messages": [], "max_tokens": 4096})
+    assert not streams(Route.GENERATE, {"token_ids": [1], "sampling_params": {"max_tokens": 100}})
+    assert streams(Route.GENERATE, {"token_ids": [1], "sampling_params": {}})
 
 
 def test_chat_continuation_carries_sampling_and_the_remaining_budget() -> None:

@@ -31,17 +31,37 @@ def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-unty
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_non_streaming_answer_is_assembled_with_token_ids_and_a_report(gw: Stack, path: str) -> None:
-    body = {"model": "m", "max_tokens": 5}
+@pytest.mark.parametrize("tokens", [5, 10])  # sent whole to the engine / streamed from it and assembled
+def test_non_streaming_answer_has_token_ids_and_a_report(gw: Stack, path: str, tokens: int) -> None:
+    body = {"model": "m", "max_tokens": tokens}
     body |= {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(gw.url + path, json=body, headers={"X-Request-Id": f"whole-{path[-5:]}"})
+    rid = f"whole-{path[-5:]}-{tokens}"
+    r = httpx.post(gw.url + path, json=body, headers={"X-Request-Id": rid})
     assert r.status_code == 200, r.text
     out = r.json()
     choice = out["choices"][0]
-    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 5
-    assert out["usage"]["completion_tokens"] == 5
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == tokens
+    assert out["usage"]["completion_tokens"] == tokens
+    prompt_ids = choice["prompt_token_ids"] if path == "/v1/completions" else out["prompt_token_ids"]
+    assert prompt_ids and out["usage"]["prompt_tokens"] == len(prompt_ids)
     assert out["rollfleet"]["weight_versions"] == ["v1"] and out["rollfleet"]["attempts"] == 1
-    assert r.headers["x-rollfleet-weight-version"] == "v1" and r.headers["x-request-id"].startswith("whole-")
+    assert r.headers["x-rollfleet-weight-version"] == "v1" and r.headers["x-request-id"] == rid
+    assert any(rid in sim.streamed for sim in gw.sims) == (tokens >= 8)
+
+
+def test_a_short_non_streaming_request_whose_engine_dies_starts_over_on_the_other(gw: Stack) -> None:
+    probe = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
+    # Sequential requests alternate between idle engines: the next one goes to the other.
+    victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u != probe["rollfleet"]["engines"][0])
+    victim.die_after = {"/v1/completions": 2}
+    r = httpx.post(
+        gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 5}, headers={"X-Request-Id": "short"}
+    )
+    assert r.status_code == 200, r.text
+    choice, report = r.json()["choices"][0], r.json()["rollfleet"]
+    assert choice["token_ids"] == [(3 + i) % 97 + 3 for i in range(5)] and choice["finish_reason"] == "length"
+    assert report["attempts"] == 2 and len(set(report["engines"])) == 2
+    assert not any("short" in sim.streamed for sim in gw.sims)  # sent whole both times: nothing to continue from
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -200,32 +220,47 @@ def test_an_abort_the_engines_do_not_confirm_is_answered_unconfirmed_with_the_re
     assert again["results"] == {"deaf-1": "unconfirmed"}  # remembered as unconfirmed, not as aborted
 
 
-def test_a_non_streaming_client_that_disconnects_frees_the_engine_request(gw: Stack) -> None:
+# A long non-streaming request is streamed from its engine; a short one (under continue_min_tokens) is sent
+# whole: either way, the engine must stop it.
+STREAMED_OR_WHOLE = pytest.mark.parametrize(
+    ("max_tokens", "delay_ms"), [(2000, 5), (7, 200)], ids=["streamed", "whole"]
+)
+
+
+@STREAMED_OR_WHOLE
+def test_a_non_streaming_client_that_disconnects_frees_the_engine_request(
+    gw: Stack, max_tokens: int, delay_ms: float
+) -> None:
     for sim in gw.sims:
-        sim.token_delay_ms = 5
+        sim.token_delay_ms = delay_ms
+    rid = f"gone-{max_tokens}"
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             gw.url + "/v1/completions",
-            json={"prompt": "x", "max_tokens": 2000},
-            headers={"X-Request-Id": "gone-1"},
+            json={"prompt": "x", "max_tokens": max_tokens},
+            headers={"X-Request-Id": rid},
             timeout=0.5,
         )
-    wait_until(lambda: any(s.finished.get("gone-1") == "abort" for s in gw.sims))
-    assert not any("gone-1" in s.running for s in gw.sims)
+    wait_until(lambda: any(s.finished.get(rid) == "abort" for s in gw.sims))
+    assert not any(rid in s.running for s in gw.sims)
 
 
-def test_a_request_past_its_deadline_returns_its_partial_output_with_abort(gw: Stack) -> None:
+@STREAMED_OR_WHOLE
+def test_a_request_past_its_deadline_returns_its_partial_output_with_abort(
+    gw: Stack, max_tokens: int, delay_ms: float
+) -> None:
     for sim in gw.sims:
-        sim.token_delay_ms = 5
+        sim.token_delay_ms = delay_ms
+    rid = f"late-{max_tokens}"
     r = httpx.post(
         gw.url + "/v1/completions",
-        json={"prompt": "x", "max_tokens": 2000},
-        headers={"X-Request-Id": "late-1", "X-Rollfleet-Timeout": "0.3"},
+        json={"prompt": "x", "max_tokens": max_tokens},
+        headers={"X-Request-Id": rid, "X-Rollfleet-Timeout": "0.3"},
         timeout=10,
     )
     choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
-    assert any(s.finished.get("late-1") == "abort" for s in gw.sims)
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < max_tokens
+    assert any(s.finished.get(rid) == "abort" for s in gw.sims)
 
 
 def test_an_id_still_in_flight_is_refused_not_resent(gw: Stack) -> None:

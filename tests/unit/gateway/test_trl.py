@@ -220,7 +220,8 @@ def test_the_trl_routes_keep_the_inference_key_and_refuse_clearly(locked: TestCl
     # Each sample is admitted with the batch's key, and the engine cannot be reached: which sample, and why.
     r = locked.post(TRL_PREFIX + COMPLETIONS_PATH, json={"prompt": [[1]]}, headers=key | {REQUEST_ID_HEADER: "b"})
     assert r.status_code == 502 and r.json()["error"]["message"].startswith(
-        "sample b-p0-s0 (prompt 0, sample 0) failed: gave up after 1 attempts: http://127.0.0.1:9: ClientConnectorError"
+        "sample b-p0-s0 (prompt 0, sample 0) failed: gave up after 1 attempts: "
+        "http://127.0.0.1:9: cannot connect to 127.0.0.1:9"
     )
     r = locked.get(TRL_PREFIX + TRL_WORLD_SIZE_PATH, headers=key)
     assert r.status_code == 502 and r.json()["error"]["message"].startswith(

@@ -49,7 +49,7 @@ def tokens_after(prompt_len: int, count: int) -> list[int]:
 
 
 class TrlSim(SimEngine):
-    """The simulator, plus the logprobs, prefix-cache reset and world size that TRL's client uses."""
+    """The simulator, plus the prefix-cache reset and world size that TRL's client uses; logprobs of its own."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -68,23 +68,9 @@ class TrlSim(SimEngine):
     async def world_size(self, request: web.Request) -> web.Response:
         return web.json_response({"world_size": 1})
 
-    def _chunk(self, path: str, body: Json, rid: str, created: int, tokens: list[int], *rest: Any, **kw: Any) -> Json:
-        chunk = super()._chunk(path, body, rid, created, tokens, *rest, **kw)
-        choice = chunk["choices"][0]
-        if path == COMPLETIONS_PATH and body.get("logprobs") is not None:
-            names = [f"token_id:{t}" if body.get("return_tokens_as_token_ids") else f"t{t} " for t in tokens]
-            lps = [logprob(t) for t in tokens]
-            choice["logprobs"] = {
-                "text_offset": [0] * len(tokens),
-                "token_logprobs": lps,
-                "tokens": names,
-                "top_logprobs": [{n: lp} for n, lp in zip(names, lps, strict=True)],
-            }
-        elif path == GENERATE_PATH and body["sampling_params"].get("logprobs") is not None:
-            # A continuation (text mode): chat-style logprobs with decoded tokens, as vLLM's route answers.
-            entries = [{"token": f"t{t} ", "logprob": logprob(t), "top_logprobs": []} for t in tokens]
-            choice["logprobs"] = {"content": entries}
-        return chunk
+    @staticmethod
+    def logprob(token: int) -> float:
+        return logprob(token)
 
 
 @dataclass
@@ -115,7 +101,9 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     sims = [TrlSim("sim-a"), TrlSim("sim-b")]
-    with serve_gateway(list(sims), ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0), eject_s=0.0) as (url, _):
+    # continue_min_tokens 1: every sample is streamed from its engine, so that a failover continues it.
+    proxy = ProxyConfig(queue_timeout_s=1.0, stop_grace_s=2.0, continue_min_tokens=1)
+    with serve_gateway(list(sims), proxy, eject_s=0.0) as (url, _):
         yield Fleet(url, sims)
 
 
