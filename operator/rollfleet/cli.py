@@ -7,8 +7,10 @@ and imports lazily, so `rollfleet cluster status` does not import vLLM or kopf.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.errors import RollfleetError
 
 # Entry-point group through which installed packages add subcommands (rollfleet_dev: cluster, demo).
@@ -63,13 +65,33 @@ def _add_results(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("target", help="rr/NAME")
     p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.add_argument(
+        "--image",
+        default=DEFAULT_ROLLFLEET_IMAGE,
+        help="image of the reader pod, for results on a PersistentVolumeClaim (default: %(default)s)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from rollfleet.controller.requests.results import print_results
 
-        return print_results(args.target, args.namespace, args.kubeconfig, sys.stdout)
+        return print_results(args.target, args.namespace, args.kubeconfig, args.image, sys.stdout)
 
     p.set_defaults(func=run)
+
+    s = sub.add_parser("results-server", help="serve one results file (the process of `results`' reader pod)")
+    s.add_argument("--file", required=True, help="the JSONL file on the mounted claim")
+    s.add_argument("--token-sha256", required=True, help="sha256 (hex) of the token a caller must send")
+    s.add_argument("--port", type=int, required=True, help="port to listen on")
+    s.add_argument("--host", help="address to bind (default: every address; $POD_IP where pods share the host's)")
+
+    def serve(args: argparse.Namespace) -> int:
+        from rollfleet.controller.requests.reader import serve
+        from rollfleet_engine.listen import serving_host
+
+        host = args.host or serving_host(os.environ.get("POD_IP"))
+        return serve(args.file, args.token_sha256, host, args.port)
+
+    s.set_defaults(func=serve)
 
 
 def _add_installed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -24,7 +24,7 @@ import functools
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +114,7 @@ POD = Kind("Pod", "pod", "pods", _CORE)
 NODE = Kind("Node", "node", "nodes", _CORE, namespaced=False)
 SECRET = Kind("Secret", "secret", "secrets", _CORE)
 CONFIG_MAP = Kind("ConfigMap", "config_map", "configmaps", _CORE)
+PERSISTENT_VOLUME_CLAIM = Kind("PersistentVolumeClaim", "persistent_volume_claim", "persistentvolumeclaims", _CORE)
 SERVICE = Kind("Service", "service", "services", _CORE)
 SERVICE_ACCOUNT = Kind("ServiceAccount", "service_account", "serviceaccounts", _CORE)
 EVENT = Kind("Event", "event", "events", _CORE)
@@ -205,6 +206,22 @@ class Kube:
         self.client.close()
 
     # --- the verbs ---------------------------------------------------------------------
+    def pod_proxy_stream(
+        self, namespace: str, pod: str, port: int, path: str, headers: Mapping[str, str], chunk: int
+    ) -> Iterator[bytes]:
+        """GET `path` on a pod's port through the API server's pod proxy, streamed (blocking: run it in a thread)."""
+        API_CALLS.labels("proxy pod").inc()
+        try:
+            resp = _CORE(self.client).connect_get_namespaced_pod_proxy_with_path(
+                f"{pod}:{port}", namespace, path.lstrip("/"), _preload_content=False, _headers=dict(headers)
+            )
+        except ApiException as err:
+            raise _mapped(err) from err
+        try:
+            yield from resp.stream(chunk)
+        finally:
+            resp.release_conn()
+
     async def get(self, kind: Kind, namespace: str, name: str) -> Obj:
         return await self._call(f"read {kind.name}", self._method(kind, "read"), kind, namespace, name)
 

@@ -29,6 +29,9 @@ Stickiness = Literal["Prompt", "Request", "None"]
 INLINE_PROMPT_BUDGET = 131_072
 MAX_INLINE_PROMPTS = 1024
 MAX_SAMPLES = 1_000_000
+# Results in ConfigMaps live in etcd, which is no place for data: past this, a request fails (ResultsTooLarge)
+# and names spec.results.persistentVolumeClaim.
+CONFIG_MAP_RESULTS_LIMIT = 16 * 2**20
 
 ShortText = Annotated[str, StringConstraints(max_length=65_536)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -144,6 +147,40 @@ class SamplingParams(ApiModel):
         return out
 
 
+class PersistentVolumeClaimResults(ApiModel):
+    """Results as JSONL in a file on a PersistentVolumeClaim: `<subPath>/<request>-<uid[:8]>/samples.jsonl`."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": validations(
+            cel(
+                "!has(self.subPath) || (!self.subPath.startsWith('/') && !('..' in self.subPath.split('/')))",
+                "results.persistentVolumeClaim.subPath must be a relative path without '..'",
+                field_path=".subPath",
+            ),
+        )
+    }
+
+    claim_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The PersistentVolumeClaim (same namespace); it must exist when the request starts.",
+    )
+    sub_path: str | None = Field(
+        default=None, min_length=1, max_length=1024, description="A directory inside the volume (default: its root)."
+    )
+
+
+class ResultsSpec(ApiModel):
+    """Where a request's results go."""
+
+    persistent_volume_claim: PersistentVolumeClaimResults | None = Field(
+        default=None,
+        description="A volume made for data: what large batches (thousands of samples, logprobs) need. "
+        "Unset: ConfigMaps owned by the request, in etcd, for small requests only.",
+    )
+
+
 class RolloutRequestSpec(ApiModel):
     """The rollouts to run: which fleet, which prompts, how many samples, how, and for how long."""
 
@@ -219,7 +256,12 @@ class RolloutRequestSpec(ApiModel):
         ge=0,
         le=31_536_000,
         description="Seconds after the request finishes (Succeeded, Failed or Aborted) when it is deleted, with "
-        "its results.",
+        "its results (results on a PersistentVolumeClaim stay on the volume).",
+    )
+    results: ResultsSpec = Field(
+        default_factory=ResultsSpec,
+        description="Where results go: a PersistentVolumeClaim for large batches; by default ConfigMaps "
+        f"(at most {CONFIG_MAP_RESULTS_LIMIT // 2**20} MiB).",
     )
 
 
@@ -239,7 +281,10 @@ class ResultsRef(ApiModel):
     """Where the results are."""
 
     config_maps: list[str] = Field(default_factory=list, description="ConfigMaps holding results as JSONL, in order.")
+    persistent_volume_claim: str | None = Field(default=None, description="The PersistentVolumeClaim holding them.")
+    path: str | None = Field(default=None, description="The JSONL file inside that volume.")
     samples: int = Field(default=0, ge=0, description="Samples stored.")
+    bytes: int = Field(default=0, ge=0, description="Bytes of JSONL stored.")
     command: str = Field(default="", description="The command that prints them.")
 
 

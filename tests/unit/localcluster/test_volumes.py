@@ -11,6 +11,7 @@ from rollfleet_dev.localcluster.nodeagent.env import Refs
 from rollfleet_dev.localcluster.nodeagent.volumes import (
     Mount,
     VolumeError,
+    claim_volume,
     mount_plan,
     prepare_host_volume,
     token_requests,
@@ -97,6 +98,21 @@ def test_host_volumes(tmp_path: Path) -> None:
     assert prepare_host_volume({"secret": {"secretName": "s"}}, tmp_path / "s", Path) is None
     with pytest.raises(VolumeError, match="unsupported"):
         prepare_host_volume({"name": "n", "nfs": {}}, tmp_path / "n", Path)
+
+
+def test_a_claim_is_mounted_as_the_host_path_of_its_bound_volume() -> None:
+    volume = {"name": "results", "persistentVolumeClaim": {"claimName": "data"}}
+    bound = {"status": {"phase": "Bound"}, "spec": {"volumeName": "pv-1"}}
+    pv = {"metadata": {"name": "pv-1"}, "spec": {"hostPath": {"path": "/srv/pv-1"}, "capacity": {"storage": "1Gi"}}}
+    assert claim_volume(volume, bound, pv) == {"name": "results", "hostPath": {"path": "/srv/pv-1"}}
+    local = {"metadata": {"name": "pv-1"}, "spec": {"local": {"path": "/mnt/disk"}}}
+    assert claim_volume(volume, bound, local)["hostPath"] == {"path": "/mnt/disk", "type": "Directory"}
+    with pytest.raises(VolumeError, match='persistentvolumeclaim "data" not found'):
+        claim_volume(volume, None, None)
+    with pytest.raises(VolumeError, match="not bound"):
+        claim_volume(volume, {"status": {"phase": "Pending"}, "spec": {}}, None)
+    with pytest.raises(VolumeError, match=r"not hostPath or local: \['nfs'\]"):
+        claim_volume(volume, bound, {"metadata": {"name": "pv-1"}, "spec": {"nfs": {"server": "x"}}})
 
 
 def test_mount_plan() -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from rollfleet.api.request import RolloutRequestSpec, RolloutRequestStatus
+from rollfleet.api.request import ResultsSpec, RolloutRequestSpec, RolloutRequestStatus
 from rollfleet.contract import LABEL_REQUEST_UID, TOKEN_MOUNT_DIR, runner_name, secret_name
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests.desired import runner_objects
+from rollfleet.controller.requests.results_volume import RESULTS_MOUNT
 from rollfleet.controller.requests.status import Verdict, runner_verdict, status_with_verdict
 
 REF = RequestRef("grpo-step-7", "team-a", "0a1b2c3d-0000-0000-0000-000000000000")
@@ -142,3 +143,18 @@ def test_runner_names_fit_a_job_whatever_the_request_name() -> None:
     assert runner_name(long_a).startswith("aaaa") and runner_name(long_a).endswith("-runner")
     dotted = "a" * 39 + "." + "b" * 30
     assert ".-" not in runner_name(dotted)
+
+
+def test_a_runner_with_a_results_claim_mounts_it_and_is_never_two_pods_at_once() -> None:
+    spec = SPEC.model_copy(
+        update={"results": ResultsSpec.model_validate({"persistentVolumeClaim": {"claimName": "data"}})}
+    )
+    job = {m["kind"]: m for m in runner_objects(REF, spec, "img", "IfNotPresent")}["Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["volumes"][1] == {"name": "results", "persistentVolumeClaim": {"claimName": "data"}}
+    assert pod["containers"][0]["volumeMounts"][1] == {"name": "results", "mountPath": RESULTS_MOUNT}
+    assert job["spec"]["podReplacementPolicy"] == "Failed"
+    assert len(objects()["Job"]["spec"]["template"]["spec"]["volumes"]) == 1  # no claim: ConfigMaps
+    role = {m["kind"]: m for m in runner_objects(REF, spec, "img", "IfNotPresent")}["Role"]
+    writes = [r for r in role["rules"] if r["resources"] == ["configmaps"] and "create" in r["verbs"]]
+    assert writes == []  # results on the claim: no ConfigMap to write

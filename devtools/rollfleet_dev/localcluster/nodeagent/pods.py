@@ -270,6 +270,15 @@ class PodWorker:
             out[(audience, seconds)] = resp["status"]["token"]
         return out
 
+    async def _claim_volume(self, vol: Obj) -> Obj:
+        ns, api = self.pod["metadata"]["namespace"], self.shared.api
+        claim = await api.get_or_none(
+            f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{vol['persistentVolumeClaim']['claimName']}"
+        )
+        pv_name = ((claim or {}).get("spec") or {}).get("volumeName")
+        pv = await api.get_or_none(f"/api/v1/persistentvolumes/{pv_name}") if pv_name else None
+        return volumes.claim_volume(vol, claim, pv)
+
     async def render_volumes(self) -> None:
         """(Re)write every volume of the pod; API-backed ones with fresh contents and tokens."""
         await self._fetch_refs()
@@ -278,9 +287,13 @@ class PodWorker:
         host_path = functools.partial(self.shared.config.host_path, cache=cache_dir())
         for vol in self.pod["spec"].get("volumes") or []:
             vol_dir = self.dir / "volumes" / vol["name"]
+            read_only = False
+            if "persistentVolumeClaim" in vol:
+                read_only = bool(vol["persistentVolumeClaim"].get("readOnly"))
+                vol = await self._claim_volume(vol)
             host = volumes.prepare_host_volume(vol, vol_dir, host_path)
             if host is not None:
-                sources[vol["name"]] = (host, False)
+                sources[vol["name"]] = (host, read_only)
                 continue
             files = volumes.volume_files(vol, self.pod, self._refs, tokens, self.node.allocatable)
             volumes.write_atomic(vol_dir, files or {})

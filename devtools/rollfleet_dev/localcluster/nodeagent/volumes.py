@@ -4,7 +4,8 @@
 projected volumes; `write_atomic` publishes them the way kubelet does (a `..data`
 symlink swapped in one rename, so readers never see a half-written update);
 `mount_plan` (pure) says what gets bind-mounted where inside a container's mount
-namespace (done by `launcher`). Token requests go through `pods`, which talks to
+namespace (done by `launcher`); `claim_volume` (pure) turns a persistentVolumeClaim
+volume into the hostPath its bound PersistentVolume names. Token requests go through `pods`, which talks to
 the API server; this module only touches the pod's own directories and hostPaths
 (mapped to this machine's directories by the pools file's extraMounts).
 """
@@ -160,6 +161,23 @@ def write_atomic(target: Path, files: Files) -> None:
         shutil.rmtree(target / old, ignore_errors=True)
 
 
+def claim_volume(volume: Obj, claim: Obj | None, pv: Obj | None) -> Obj:
+    """A persistentVolumeClaim volume as the hostPath (or local) volume its bound PersistentVolume is,
+    as kubelet mounts it. Only those two kinds of PersistentVolume exist on this cluster's nodes."""
+    name = volume["persistentVolumeClaim"]["claimName"]
+    if claim is None:
+        raise VolumeError(f'persistentvolumeclaim "{name}" not found')
+    if (claim.get("status") or {}).get("phase") != "Bound" or pv is None:
+        raise VolumeError(f'persistentvolumeclaim "{name}" is not bound')
+    spec = pv["spec"]
+    if "hostPath" in spec:
+        return {"name": volume["name"], "hostPath": spec["hostPath"]}
+    if "local" in spec:  # a local volume is a directory that exists
+        return {"name": volume["name"], "hostPath": {"path": spec["local"]["path"], "type": "Directory"}}
+    kinds = sorted(k for k in spec if k not in ("capacity", "accessModes", "claimRef", "storageClassName"))
+    raise VolumeError(f"persistentvolume {pv['metadata']['name']!r} is not hostPath or local: {kinds}")
+
+
 def prepare_host_volume(volume: Obj, volume_dir: Path, host_path: Callable[[str], Path]) -> str | None:
     """Create emptyDir / check hostPath volumes; the host path to bind, or None if API-backed.
 
@@ -195,16 +213,16 @@ def prepare_host_volume(volume: Obj, volume_dir: Path, host_path: Callable[[str]
 def mount_plan(container: Obj, volume_sources: dict[str, tuple[str, bool]]) -> list[Mount]:
     """The binds of one container: each volumeMount's source (with subPath) at its mountPath.
 
-    `volume_sources` maps a volume to (host path, API-backed). API-backed volumes are always
-    read-only, as in kubelet; others honour `readOnly`.
+    `volume_sources` maps a volume to (host path, read-only). API-backed volumes and claims
+    with `readOnly` are always read-only, as in kubelet; others honour the mount's `readOnly`.
     """
     mounts = []
     for vm in container.get("volumeMounts") or []:
         name = vm["name"]
         if name not in volume_sources:
             raise VolumeError(f"volumeMount {name!r} names no volume of the pod")
-        source, api_backed = volume_sources[name]
-        read_only = api_backed or bool(vm.get("readOnly"))
+        source, volume_read_only = volume_sources[name]
+        read_only = volume_read_only or bool(vm.get("readOnly"))
         sub = vm.get("subPath") or ""
         if sub:
             if sub.startswith("/") or ".." in Path(sub).parts:

@@ -6,9 +6,10 @@ owned by the request: deleting the request deletes its runner.
 
 The Role grants what one runner needs and no more: its own request (read, watch, status),
 its fleet and that fleet's gateway Service (read), the prompt ConfigMaps its spec names
-(read), result ConfigMaps (create and update: their names are not known in advance), and
-Events. The fleet's admin token (for the gateway's abort) is its Secret, mounted: the
-operator itself may not read Secrets, so it cannot grant that either.
+(read), result ConfigMaps (create and update: their names are not known in advance) unless
+its results go to a claim (mounted: no API access needed), and Events. The fleet's admin
+token (for the gateway's abort) is its Secret, mounted: the operator itself may not read
+Secrets, so it cannot grant that either.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from rollfleet.contract import (
 )
 from rollfleet.controller.desired import TOKEN_MOUNT, token_volume
 from rollfleet.controller.owner import RequestRef
+from rollfleet.controller.requests.results_volume import RESULTS_MOUNT
 
 Manifest = dict[str, Any]
 
@@ -41,6 +43,7 @@ RUNNER_BACKOFF_LIMIT = 6
 # Memory grows with the prompts and the results not yet written (a bounded number).
 RUNNER_RESOURCES: Manifest = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}}
 RUNNER_CONTAINER = "runner"
+RESULTS_VOLUME = "results"
 
 
 def runner_labels(ref: RequestRef) -> dict[str, str]:
@@ -74,10 +77,11 @@ def runner_role(ref: RequestRef, spec: RolloutRequestSpec) -> Manifest:
         {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"], "resourceNames": [ref.name]},
         {"apiGroups": [GROUP], "resources": [FLEET_PLURAL], "verbs": ["get"], "resourceNames": [spec.fleet]},
         {"apiGroups": [""], "resources": ["services"], "verbs": ["get"], "resourceNames": [gateway_name(spec.fleet)]},
-        # Result chunks: made as the run goes (names unknown in advance), listed to adopt an earlier run's.
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "list", "update"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
+    if spec.results.persistent_volume_claim is None:
+        # Result chunks: made as the run goes (names unknown in advance), listed to adopt an earlier run's.
+        rules.append({"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "list", "update"]})
     if prompts:
         rules.append({"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": prompts})
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(ref), "rules": rules}
@@ -94,10 +98,17 @@ def runner_role_binding(ref: RequestRef) -> Manifest:
     }
 
 
-def runner_job(ref: RequestRef, fleet: str, image: str, image_pull_policy: str) -> Manifest:
+def runner_job(ref: RequestRef, spec: RolloutRequestSpec, image: str, image_pull_policy: str) -> Manifest:
     """The Job whose pod runs the request: restarted pods adopt what earlier ones sent, so a pod
     that fails is simply replaced; the request's own status says how the run goes."""
     labels = runner_labels(ref)
+    # Optional: a request may name a fleet not made yet; the runner waits for it.
+    volumes: list[Manifest] = [token_volume(spec.fleet, optional=True)]
+    mounts: list[Manifest] = [dict(TOKEN_MOUNT)]
+    claim = spec.results.persistent_volume_claim
+    if claim is not None:
+        volumes.append({"name": RESULTS_VOLUME, "persistentVolumeClaim": {"claimName": claim.claim_name}})
+        mounts.append({"name": RESULTS_VOLUME, "mountPath": RESULTS_MOUNT})
     uid = ROLLFLEET_IMAGE_UID
     container: Manifest = {
         "name": RUNNER_CONTAINER,
@@ -105,7 +116,7 @@ def runner_job(ref: RequestRef, fleet: str, image: str, image_pull_policy: str) 
         "imagePullPolicy": image_pull_policy,
         "args": ["request-runner", "--namespace", ref.namespace, "--name", ref.name, "--uid", ref.uid],
         "resources": RUNNER_RESOURCES,
-        "volumeMounts": [dict(TOKEN_MOUNT)],
+        "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -118,6 +129,8 @@ def runner_job(ref: RequestRef, fleet: str, image: str, image_pull_policy: str) 
         "metadata": _meta(ref),
         "spec": {
             "backoffLimit": RUNNER_BACKOFF_LIMIT,
+            # A new pod only once the old one has ended: two runners would both send (and write) samples.
+            "podReplacementPolicy": "Failed",
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
@@ -132,8 +145,7 @@ def runner_job(ref: RequestRef, fleet: str, image: str, image_pull_policy: str) 
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
-                    # Optional: a request may name a fleet not made yet; the runner waits for it.
-                    "volumes": [token_volume(fleet, optional=True)],
+                    "volumes": volumes,
                 },
             },
         },
@@ -146,5 +158,5 @@ def runner_objects(ref: RequestRef, spec: RolloutRequestSpec, image: str, image_
         runner_service_account(ref),
         runner_role(ref, spec),
         runner_role_binding(ref),
-        runner_job(ref, spec.fleet, image, image_pull_policy),
+        runner_job(ref, spec, image, image_pull_policy),
     ]

@@ -32,10 +32,27 @@ from rollfleet.controller.events import event_manifest
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests import plan, runner
 from rollfleet.controller.requests.desired import runner_objects
-from rollfleet.controller.requests.status import Verdict, fleet_not_found, runner_verdict, status_with_verdict
+from rollfleet.controller.requests.status import (
+    Verdict,
+    fleet_not_found,
+    results_claim_not_found,
+    runner_verdict,
+    status_with_verdict,
+)
 from rollfleet.controller.tasks import LiveBody, ObjectTasks, Stop
 from rollfleet.controller.tokens import OperatorKey
-from rollfleet.kube import FLEET, JOB, POD, REQUEST, ApiError, Conflict, Kube, NotFound, load_client
+from rollfleet.kube import (
+    FLEET,
+    JOB,
+    PERSISTENT_VOLUME_CLAIM,
+    POD,
+    REQUEST,
+    ApiError,
+    Conflict,
+    Kube,
+    NotFound,
+    load_client,
+)
 
 SUPERVISE_INTERVAL_S = 2.0  # how often a running request's runner Job and pods are looked at
 ABORT_WAIT_S = 5.0
@@ -124,13 +141,19 @@ class RequestRun:
             await stop.wait(SUPERVISE_INTERVAL_S)
 
     async def _make_runner(self, spec: RolloutRequestSpec) -> Verdict | None:
-        """Make the runner (ServiceAccount, Role, RoleBinding, Job). A request whose fleet does not
-        exist fails at once instead, as its runner would: no pod is spent on it."""
+        """Make the runner (ServiceAccount, Role, RoleBinding, Job). A request whose fleet or results
+        claim does not exist fails at once instead: no pod is spent on it (one would wait for ever)."""
         ns = self.ref.namespace
         try:
             await self.kube.get(FLEET, ns, spec.fleet)
         except NotFound:
             return fleet_not_found(spec.fleet, ns)
+        claim = spec.results.persistent_volume_claim
+        if claim is not None:
+            try:
+                await self.kube.get(PERSISTENT_VOLUME_CLAIM, ns, claim.claim_name)
+            except NotFound:
+                return results_claim_not_found(claim.claim_name, ns)
         for manifest in runner_objects(self.ref, spec, self.image, "IfNotPresent"):
             with contextlib.suppress(Conflict):  # made by an earlier try, or by the operator before a restart
                 await self.kube.create(manifest)

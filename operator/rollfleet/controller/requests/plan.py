@@ -135,6 +135,18 @@ class Outcome(StrEnum):
 
 
 @dataclass(frozen=True)
+class Summary:
+    """What a run keeps in memory of a stored sample: enough to count it. Its tokens, logprobs and
+    text stay in the results store (a GRPO batch of them is hundreds of MB)."""
+
+    key: SampleKey
+    outcome: Outcome
+    tokens: int
+    weight_versions: tuple[str, ...]
+    error: str | None
+
+
+@dataclass(frozen=True)
 class SampleResult:
     """One finished sample, as stored (one JSON line) and printed by `rollfleet results`."""
 
@@ -161,6 +173,13 @@ class SampleResult:
         if self.error is not None:
             return Outcome.FAILED
         return Outcome.ABORTED if self.finish_reason == ABORT else Outcome.COMPLETED
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    def summary(self) -> Summary:
+        return Summary(self.key, self.outcome, self.tokens, tuple(self.weight_versions), self.error)
 
     def line(self) -> str:
         out = {

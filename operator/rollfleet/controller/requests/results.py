@@ -12,7 +12,7 @@ its predecessor's chunks) and labelled with the request's name, uid and chunk in
 
 `Layout` is the pure part (which lines go in which chunk, which chunks need a write);
 `ResultStore` does the I/O (ConfigMaps, through `rollfleet.kube`); `print_results` is
-`rollfleet results`.
+`rollfleet results` (for results on a PersistentVolumeClaim: `results_volume`, `reader`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from rollfleet import jsonl
-from rollfleet.api.request import KIND, PLURAL
+from rollfleet.api.request import CONFIG_MAP_RESULTS_LIMIT, KIND, PLURAL, ResultsRef, RolloutRequest
 from rollfleet.contract import (
     API_VERSION,
     APP_NAME,
@@ -39,6 +39,7 @@ from rollfleet.contract import (
     MANAGER,
 )
 from rollfleet.controller.requests.plan import SampleResult
+from rollfleet.controller.requests.reader import ReaderError, read_volume_results
 from rollfleet.kube import CONFIG_MAP, REQUEST, Kube, NotFound, context_namespace, load_client
 
 DATA_KEY = "samples.jsonl"
@@ -114,6 +115,8 @@ def parse_chunk(cm: dict[str, Any]) -> Chunk:
 class ResultStore:
     """The results of one RolloutRequest, loaded from and written to its ConfigMaps."""
 
+    limit: int | None = CONFIG_MAP_RESULTS_LIMIT  # etcd is no place for more
+
     def __init__(self, kube: Kube, namespace: str, name: str, uid: str, limit: int = CHUNK_LIMIT) -> None:
         self.kube, self.namespace, self.name, self.uid = kube, namespace, name, uid
         self.layout = Layout(limit)
@@ -146,8 +149,24 @@ class ResultStore:
         for chunk in self.layout.dirty():
             await self._write(chunk)
 
+    @property
+    def bytes(self) -> int:
+        return sum(c.size for c in self.layout.chunks)
+
     def names(self) -> list[str]:
         return [chunk_name(self.name, self.uid, c.index) for c in self.layout.chunks if c.written >= 0]
+
+    def ref(self, command: str) -> ResultsRef:
+        written = [c for c in self.layout.chunks if c.written >= 0]
+        return ResultsRef(
+            config_maps=self.names(),
+            samples=len(self.results) - self.pending,
+            bytes=sum(len("".join(line + "\n" for line in c.lines[: c.written]).encode()) for c in written),
+            command=command,
+        )
+
+    def close(self) -> None:
+        """Nothing held between writes."""
 
     def _body(self, chunk: Chunk) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -202,8 +221,9 @@ async def read_lines(kube: Kube, namespace: str, uid: str) -> list[str]:
     return sorted(lines, key=lambda line: SampleResult.from_line(line).key)
 
 
-def print_results(target: str, namespace: str | None, kubeconfig: str | None, out: TextIO) -> int:
-    """`rollfleet results rr/NAME`: every stored sample of the request as JSONL on `out`."""
+def print_results(target: str, namespace: str | None, kubeconfig: str | None, image: str, out: TextIO) -> int:
+    """`rollfleet results rr/NAME`: every stored sample of the request as JSONL on `out`, from its
+    ConfigMaps or (through a reader pod running `image`) from its PersistentVolumeClaim."""
     kind, _, name = target.rpartition("/")
     if kind not in ("", "rr", "rolloutrequest", "rolloutrequests", f"{PLURAL}.{GROUP}"):
         print(f"rollfleet results: want rr/NAME, not {target!r}", file=sys.stderr)
@@ -213,17 +233,19 @@ def print_results(target: str, namespace: str | None, kubeconfig: str | None, ou
     namespace = namespace or "default"
     kube = Kube(load_client(kubeconfig))
     try:
-        lines = asyncio.run(_request_lines(kube, namespace, name))
+        rr = asyncio.run(kube.get(REQUEST, namespace, name))
+        if RolloutRequest.model_validate(rr).spec.results.persistent_volume_claim is not None:
+            asyncio.run(read_volume_results(kube, rr, image, out))
+            return 0
+        lines = asyncio.run(read_lines(kube, namespace, rr["metadata"]["uid"]))
     except NotFound:
         print(f"rollfleet results: RolloutRequest {namespace}/{name} not found", file=sys.stderr)
+        return 1
+    except ReaderError as err:
+        print(f"rollfleet results: {err}", file=sys.stderr)
         return 1
     finally:
         kube.close()
     for line in lines:
         out.write(jsonl.safe_line(line) + "\n")  # lines stored by an older operator may hold raw breaks
     return 0
-
-
-async def _request_lines(kube: Kube, namespace: str, name: str) -> list[str]:
-    rr = await kube.get(REQUEST, namespace, name)
-    return await read_lines(kube, namespace, rr["metadata"]["uid"])

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +39,7 @@ from rollfleet.controller.events import event_manifest
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.plan import Outcome, PromptError, SampleKey, SampleResult
 from rollfleet.controller.requests.results import ResultStore
+from rollfleet.controller.requests.results_volume import RESULTS_MOUNT, FileStore, ResultsVolumeError, VolumeFailure
 from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, fleet_not_found, request_status
 from rollfleet.controller.status import parse_time
 from rollfleet.controller.tasks import Stop
@@ -114,6 +116,14 @@ async def read_fleet(kube: Kube, tokens: FleetTokens, namespace: str, name: str)
     return replace(view, gateway=gateway, token=token)
 
 
+def results_store(kube: Kube, rr: RolloutRequest, namespace: str, name: str, uid: str) -> ResultStore | FileStore:
+    """The request's results store: its file on the claim its spec names (mounted by its pod), else ConfigMaps."""
+    volume = rr.spec.results.persistent_volume_claim
+    if volume is not None:
+        return FileStore(Path(RESULTS_MOUNT), volume, name, uid)
+    return ResultStore(kube, namespace, name, uid)
+
+
 async def load_prompts(kube: Kube, namespace: str, rr: RolloutRequest) -> list[Prompt]:
     if rr.spec.prompts is not None:
         return list(rr.spec.prompts)
@@ -143,7 +153,8 @@ class Run:
         meta = body["metadata"]
         self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.rr = RolloutRequest.model_validate(dict(body))
-        self.store = ResultStore(kube, self.ns, self.name, self.uid)
+        self.store = results_store(kube, self.rr, self.ns, self.name, self.uid)
+        self.volume_failure: VolumeFailure | None = None  # the results volume took no more
         self.tally = Tally()
         self.prompts: list[Prompt] = []
         self.total = 0
@@ -170,6 +181,7 @@ class Run:
         try:
             return await self._loop()
         finally:
+            self.store.close()
             # After a failure, a retry adopts what this run sent: its calls must not outlive it
             # (a cancelled call closes its connection, and the gateway stops the sample).
             for task in self.tasks:
@@ -214,6 +226,16 @@ class Run:
             await self._patch_status(len(schedule.in_flight))
 
     def _final_verdict(self, schedule: plan.Schedule, now: float) -> Verdict | None:
+        if self.volume_failure is not None:
+            return Verdict("Failed", self.volume_failure.reason, self.volume_failure.message)
+        limit = self.store.limit
+        if limit is not None and self.store.bytes > limit:
+            return Verdict(
+                "Failed",
+                "ResultsTooLarge",
+                f"the results reached {self.store.bytes / 2**20:.1f} MiB, more than ConfigMaps (in etcd) should hold "
+                f"({limit // 2**20} MiB): set spec.results.persistentVolumeClaim; the samples so far are kept",
+            )
         if schedule.idle and not self.unsure:
             return finished_verdict(self.tally, self.total)
         if self.stuck_since is not None and now - self.stuck_since >= STALL_S:
@@ -257,7 +279,11 @@ class Run:
 
     async def _prepare(self) -> Verdict | None:
         """Load stored results and prompts; a verdict when the request cannot run at all."""
-        for r in await self.store.load():
+        try:
+            stored = await self.store.load()
+        except ResultsVolumeError as err:
+            return Verdict("Failed", err.failure.reason, err.failure.message)
+        for r in stored:
             self.tally.add(r)
         try:
             self.prompts = await load_prompts(self.kube, self.ns, self.rr)
@@ -430,17 +456,20 @@ class Run:
             return
         try:
             await self.store.flush()
+        except ResultsVolumeError as err:
+            # Results the volume did not take are not stored: counts say what is.
+            log.error("results of %s/%s: %s", self.ns, self.name, err)
+            self.volume_failure = err.failure
+            self.tally = Tally()
+            for r in self.store.results.values():
+                self.tally.add(r)
         except ApiError as err:
             if urgent:
                 raise
             log.warning("writing results of %s/%s: %s (will retry)", self.ns, self.name, err)
 
     def _results_ref(self) -> ResultsRef:
-        return ResultsRef(
-            config_maps=self.store.names(),
-            samples=len(self.store.results) - self.store.pending,
-            command=f"rollfleet results rr/{self.name} -n {self.ns}",
-        )
+        return self.store.ref(f"rollfleet results rr/{self.name} -n {self.ns}")
 
     async def _patch_status(self, in_flight: int, urgent: bool = False) -> None:
         changed = self.last_patched is None or self.last_patched.phase != self.verdict.phase

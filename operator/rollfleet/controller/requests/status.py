@@ -23,7 +23,7 @@ from rollfleet.api.request import (
     ResultsRef,
     RolloutRequestStatus,
 )
-from rollfleet.controller.requests.plan import Outcome, SampleResult
+from rollfleet.controller.requests.plan import Outcome, SampleResult, Summary
 from rollfleet.controller.status import _condition, not_running_reason
 
 MAX_VERSIONS = 64  # status.weightVersions keeps the newest ones
@@ -40,7 +40,7 @@ class Tally:
     versions: list[str] = field(default_factory=list)
     first_error: str | None = None
 
-    def add(self, result: SampleResult) -> None:
+    def add(self, result: SampleResult | Summary) -> None:
         outcome = result.outcome
         if outcome is Outcome.COMPLETED:
             self.completed += 1
@@ -49,7 +49,7 @@ class Tally:
         else:
             self.failed += 1
             self.first_error = self.first_error or result.error
-        self.tokens += len(result.token_ids)
+        self.tokens += result.tokens
         for v in result.weight_versions:
             if v not in self.versions:
                 self.versions.append(v)
@@ -73,6 +73,15 @@ class Verdict:
 
 def fleet_not_found(fleet: str, namespace: str) -> Verdict:
     return Verdict("Failed", "FleetNotFound", f"RolloutFleet {fleet!r} does not exist in namespace {namespace!r}")
+
+
+def results_claim_not_found(claim: str, namespace: str) -> Verdict:
+    return Verdict(
+        "Failed",
+        "ResultsVolumeNotFound",
+        f"PersistentVolumeClaim {claim!r} (spec.results.persistentVolumeClaim) does not exist in namespace "
+        f"{namespace!r}: create it, then create the request again",
+    )
 
 
 def runner_verdict(
