@@ -14,7 +14,7 @@ Measured per router and mode (non-streaming, streaming):
 - throughput: closed loop with `--concurrency` clients for `--duration` s, requests/s;
 - CPU time per request (µs): the router's processes' user + system time during the throughput
   measurement, over the requests it answered (what a router costs the host, whatever else runs).
-Also the upstream-client choice: aiohttp vs httpx against one simulator.
+Also the upstream-client choice: the gateway's own client vs aiohttp's, against one simulator.
 
 Everything shares this host's cores (load generator, router, simulators), so the
 absolute numbers are small-host numbers; the ratios are what to read.
@@ -39,6 +39,8 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+
+from rollfleet.gateway.upstream import Upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -120,7 +122,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def client_choice(url: str, n: int, concurrency: int) -> dict[str, dict[str, float]]:
-    """The gateway's upstream client: aiohttp vs httpx, same requests to one simulator."""
+    """The gateway's upstream client (rollfleet.gateway.upstream) vs aiohttp's, same requests to one simulator."""
 
     async def run_aiohttp() -> Callable[[], Awaitable[None]]:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -132,17 +134,24 @@ async def client_choice(url: str, n: int, concurrency: int) -> dict[str, dict[st
         call.close = session.close  # type: ignore[attr-defined]
         return call
 
-    async def run_httpx() -> Callable[[], Awaitable[None]]:
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+    async def run_upstream() -> Callable[[], Awaitable[None]]:
+        client = Upstream()
+        body, headers = json.dumps(BODY).encode(), [("Content-Type", "application/json")]
 
         async def call() -> None:
-            (await client.post(url + "/v1/completions", json=BODY)).read()
+            resp = await client.request("POST", url + "/v1/completions", body, headers)
+            await resp.read()
+            resp.close()
 
-        call.close = client.aclose  # type: ignore[attr-defined]
+        async def close() -> None:
+            client.close()
+
+        call.close = close  # type: ignore[attr-defined]
         return call
 
     out = {}
-    for name, make in (("aiohttp", run_aiohttp), ("httpx", run_httpx)):
+    # Twice, the numbers of the second time kept: the first one also warms the simulator up.
+    for name, make in [("rollfleet upstream", run_upstream), ("aiohttp", run_aiohttp)] * 2:
         call = await make()
         for _ in range(50):
             await call()
@@ -310,7 +319,7 @@ def main() -> int:
         print("upstream client for the gateway (one simulator, non-streaming):")
         choice = asyncio.run(client_choice(engines[0], args.requests, args.concurrency))
         for name, c in choice.items():
-            print(f"  {name:<8} p50 {c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms {c['rps']:.0f} req/s")
+            print(f"  {name:<18} p50 {c['p50_ms']:.2f} ms p99 {c['p99_ms']:.2f} ms {c['rps']:.0f} req/s")
         targets = {"direct (engine)": engines[0]}
         pids: dict[str, int | None] = {"direct (engine)": None}
         failed: list[Result] = []

@@ -151,18 +151,20 @@ class _Reply:
         if self.started:
             raise RuntimeError("http.response.start sent twice")
         self.started = True
-        has_length = any(k.lower() == b"content-length" for k, _ in headers)
+        fields = b"".join(b"%b: %b\r\n" % kv for kv in headers)
+        has_length = b"content-length:" in fields.lower()
         self.chunked = not has_length and self.request.version != "1.0" and self.request.method != "HEAD"
         if not has_length and not self.chunked:
             self.request.keep_alive = False  # the end of the body is the end of the connection
-        lines = [b"HTTP/1.1 %d %b\r\n" % (status, _reason(status))]
-        lines += [b"%b: %b\r\n" % (k, v) for k, v in headers]
-        if self.chunked:
-            lines.append(b"transfer-encoding: chunked\r\n")
-        if not self.request.keep_alive:
-            lines.append(b"connection: close\r\n")
-        lines.append(b"\r\n")
-        self._head = b"".join(lines)
+        self._head = b"".join(
+            (
+                _STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, _reason(status)),
+                fields,
+                b"transfer-encoding: chunked\r\n" if self.chunked else b"",
+                b"" if self.request.keep_alive else b"connection: close\r\n",
+                b"\r\n",
+            )
+        )
 
 
 class _Connection(asyncio.Protocol):
@@ -183,6 +185,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._continue = False  # the client waits for "100 Continue" before it sends the body
 
     # --- asyncio.Protocol -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -237,18 +240,22 @@ class _Connection(asyncio.Protocol):
             raise _Refusal(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        self._headers.append((name, value))
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise _Refusal(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
+        if name == b"content-length":
+            limit = self.server.limits.max_body_bytes
+            if value.isdigit() and int(value) > limit:
+                raise _Refusal(413, f"request body of {int(value)} bytes exceeds {limit}")
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self._continue = True
 
     def on_headers_complete(self) -> None:
-        limit = self.server.limits.max_body_bytes
-        for name, value in self._headers:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise _Refusal(413, f"request body of {int(value)} bytes exceeds {limit}")
-            if name == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self._continue and self.transport is not None:
+            self._continue = False
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -257,11 +264,15 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        url = httptools.parse_url(self._url)
+        if self._url.startswith(b"/"):  # origin form, what clients send to a server
+            path, _, query = self._url.partition(b"?")
+        else:  # absolute form (a client that thinks it talks to a proxy)
+            url = httptools.parse_url(self._url)
+            path, query = url.path or b"/", url.query or b""
         request = _Request(
             method=self.parser.get_method().decode("ascii"),
-            path=url.path.decode("utf-8", "surrogateescape"),
-            query=url.query or b"",
+            path=path.decode("utf-8", "surrogateescape"),
+            query=query,
             version=self.parser.get_http_version(),
             headers=self._headers,
             body=b"".join(self._body),
@@ -449,6 +460,9 @@ _REASONS = {
     503: b"Service Unavailable",
     504: b"Gateway Timeout",
 }
+
+
+_STATUS_LINES = {status: b"HTTP/1.1 %d %b\r\n" % (status, reason) for status, reason in _REASONS.items()}
 
 
 def _reason(status: int) -> bytes:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, 
 log = logging.getLogger(__name__)
 
 ENGINE_HEADER = "X-Rollfleet-Engine"
-_WEIGHT_VERSION = WEIGHT_VERSION_HEADER.lower().encode()  # as the upstream client keeps header names
+# Header names as bytes, lowercase: as the upstream client keeps them and as ASGI sends them.
+_WEIGHT_VERSION = WEIGHT_VERSION_HEADER.lower().encode()
+_REQUEST_ID_NAME, _ENGINE_NAME = REQUEST_ID_HEADER.lower().encode(), ENGINE_HEADER.lower().encode()
 Send = Any  # ASGI send/receive callables
 Receive = Any
 
@@ -113,6 +116,7 @@ class StreamWriter:
         self.started = False
         self.sent_any = False
         self.responded = False
+        self._held = b""  # the chunks that end the request, sent with [DONE] in one write
 
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
@@ -124,14 +128,20 @@ class StreamWriter:
             }
         )
 
-    async def chunks(self, batch: list[tuple[Json, bytes | None]]) -> None:
+    async def chunks(self, batch: list[tuple[Json, bytes | None]], last: bool = False) -> None:
+        """Send a batch of chunks; `last`: they end the request, and wait for [DONE] to go with them."""
         self.sent_any = True
         body = b"".join(b"data: " + (raw if raw is not None else orjson.dumps(obj)) + b"\n\n" for obj, raw in batch)
+        body, self._held = self._held + body, b""
+        if last:
+            self._held = body
+            return
         await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def done(self, extra: Json, headers: list[tuple[bytes, bytes]]) -> None:
         self.responded = True
-        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        body, self._held = self._held + b"data: [DONE]\n\n", b""
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def error(self, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
         if not self.started:
@@ -158,7 +168,7 @@ class JsonWriter:
     async def start(self, headers: list[tuple[bytes, bytes]]) -> None:
         return
 
-    async def chunks(self, batch: list[tuple[Json, bytes | None]]) -> None:
+    async def chunks(self, batch: list[tuple[Json, bytes | None]], last: bool = False) -> None:
         for obj, _ in batch:
             self.assembler.add(obj)
 
@@ -273,8 +283,7 @@ class Proxy:
             if watcher is not None:
                 watcher.cancel()
             self.inflight.close(entry, finish)
-            self.metrics.of(self.metrics.requests, req.route, finish or "none").inc()
-            self.metrics.of(self.metrics.latency, req.route).observe(loop.time() - started)
+            self.metrics.request_done(req.route, finish or "none", loop.time() - started)
 
     async def _watch_disconnect(self, receive: Receive, exchange: _Exchange) -> None:
         # The body was read already; the next message is a disconnect (client gone, or our
@@ -295,7 +304,6 @@ class _Exchange:
         self.req = req
         self.entry = entry
         self.n = choices_requested(req.route, req.body)
-        self.fallback = Template.fallback(req.route, req.request_id, req.body)
         self.tpl: Template | None = None
         self.writer: Writer
         if req.body.get("stream"):
@@ -334,8 +342,7 @@ class _Exchange:
             if self.attempts > 1:
                 self.proxy.metrics.failovers.inc()
             result = await self._attempt(engine, decision, *plan)
-            metrics = self.proxy.metrics
-            metrics.of(metrics.attempts, engine.key, result.outcome).inc()
+            self.proxy.metrics.attempt_done(engine.key, result.outcome)
             if result.outcome is Outcome.FINISHED:
                 return await self._close_finished()
             if result.outcome is Outcome.STOPPED:
@@ -485,6 +492,7 @@ class _Exchange:
                 failure = self._forward(payload, obj, cont, batch)
                 if failure is not None:
                     break
+            last = self._closing is not None
             if self._closing is not None:
                 await self._confirm_versions(engine, *since)
                 obj, _ = batch[self._closing]
@@ -496,7 +504,7 @@ class _Exchange:
                 # in its stream (its first event an error) is answered with its own status.
                 if not self.writer.started:
                     await self.writer.start(self._headers())
-                await self.writer.chunks(batch)
+                await self.writer.chunks(batch, last)
             if failure is not None:
                 return failure
         if self._all_finished():
@@ -561,7 +569,12 @@ class _Exchange:
 
     def _template(self, first: Json) -> Template:
         if self.tpl is None:
-            self.tpl = Template.of(self.req.route, first, self.fallback)
+            key = "request_id" if self.req.route is Route.GENERATE else "id"
+            rid, created, model = first.get(key), first.get("created"), first.get("model")
+            if rid and created and model:  # what vLLM says: no fallback needed
+                self.tpl = Template(rid, created, model)
+            else:
+                self.tpl = Template.of(self.req.route, first, self.fallback)
         return self.tpl
 
     def _track(self, obj: Json) -> bool:
@@ -591,6 +604,11 @@ class _Exchange:
         done = [c for c in self.entry.choices.values() if c.finish_reason is not None]
         return len(done) >= self.n
 
+    @functools.cached_property
+    def fallback(self) -> Template:
+        """What the client's chunks share when the engine said nothing (made only then)."""
+        return Template.fallback(self.req.route, self.req.request_id, self.req.body)
+
     def _report(self) -> Json:
         return {
             "weight_versions": list(self.entry.versions),
@@ -600,11 +618,11 @@ class _Exchange:
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         entry = self.entry
-        headers = [(REQUEST_ID_HEADER.lower().encode(), self.req.request_id.encode("latin-1"))]
+        headers = [(_REQUEST_ID_NAME, self.req.request_id.encode("latin-1"))]
         if entry.engines:
-            headers.append((ENGINE_HEADER.lower().encode(), ",".join(entry.engines).encode("latin-1")))
+            headers.append((_ENGINE_NAME, ",".join(entry.engines).encode("latin-1")))
         if entry.versions:
-            headers.append((WEIGHT_VERSION_HEADER.lower().encode(), ",".join(entry.versions).encode("latin-1")))
+            headers.append((_WEIGHT_VERSION, ",".join(entry.versions).encode("latin-1")))
         return headers
 
     def _finish_reason(self) -> str | None:
@@ -653,24 +671,27 @@ class _StopWatch:
         task = asyncio.current_task()
         assert task is not None, "made by an attempt, in its task"
         self.task = task
-        self.ended = asyncio.get_running_loop().create_future()
+        self.over = False
+        self.ended: asyncio.Future[None] | None = None  # made by a stop: most attempts are never stopped
         self.cut = False
 
     def stop(self, _: asyncio.Future[None]) -> None:
-        if not self.ended.done():
-            self.exchange.proxy.background(self._stop())
+        if not self.over:
+            self.ended = asyncio.get_running_loop().create_future()
+            self.exchange.proxy.background(self._stop(self.ended))
 
     def attempt_ended(self) -> None:
-        if not self.ended.done():
+        self.over = True
+        if self.ended is not None and not self.ended.done():
             self.ended.set_result(None)
 
-    async def _stop(self) -> None:
+    async def _stop(self, ended: asyncio.Future[None]) -> None:
         p, entry, rid = self.exchange.proxy, self.exchange.entry, self.exchange.req.request_id
         status = await p.abort_on_engine(self.engine, [rid], p.config.abort_timeout_s)
         log.info("request %s stopped (%s): engine %s says %s", rid, entry.stop, self.engine.key, status[rid].value)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self.ended), p.config.stop_grace_s)
-        if self.ended.done():
+            await asyncio.wait_for(asyncio.shield(ended), p.config.stop_grace_s)
+        if self.over:
             return
         if status[rid] is not AbortStatus.ABORTED:
             entry.unconfirmed = (

@@ -55,6 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how long an engine that dropped a connection gets no new requests (default: %(default)s)",
     )
     p.add_argument("--max-attempts", type=int, default=3, help="attempts per request, failovers included")
+    p.add_argument(
+        "--continue-min-tokens",
+        type=int,
+        default=256,
+        help="non-streaming requests that may generate fewer tokens are sent whole to the engine (a failover "
+        "restarts them); longer ones are streamed from it, so that a failover continues from their tokens "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds requests in flight get to finish (default: %(default)s; the pod has 30)",
+    )
     p.add_argument("--session-ttl", type=float, default=600.0, help="idle seconds before a sticky session is dropped")
     p.add_argument(
         "--imbalance-abs",
@@ -82,7 +96,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         routing=RoutingPolicy(
             session_ttl_s=args.session_ttl, imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel
         ),
-        proxy=ProxyConfig(max_attempts=args.max_attempts, queue_timeout_s=args.queue_timeout),
+        shutdown_grace_s=args.shutdown_grace,
+        proxy=ProxyConfig(
+            max_attempts=args.max_attempts,
+            queue_timeout_s=args.queue_timeout,
+            continue_min_tokens=args.continue_min_tokens,
+        ),
     )
 
 

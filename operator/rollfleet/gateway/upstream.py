@@ -53,11 +53,14 @@ class _Connection(asyncio.Protocol):
         if self.response is None:  # an idle connection the engine talks on: not HTTP we can use
             self.close()
             return
+        response = self.response
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as err:
-            self.response._fail(UpstreamError(f"unparseable answer from {self.pool.name}: {err}"))
+            response._fail(UpstreamError(f"unparseable answer from {self.pool.name}: {err}"))
             self.close()
+        # Woken once per read, not per piece of body: a chunked SSE stream is a piece per event.
+        response._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -79,7 +82,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self.response is not None
-        self.response._headers_done(self.parser.get_status_code())
+        self.response.status = self.parser.get_status_code()
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
@@ -87,7 +90,8 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
-        self.response._end(self.parser.should_keep_alive())
+        self.response.complete = True
+        self.response._keep_alive = self.parser.should_keep_alive()
 
     # --- for the pool and the response ----------------------------------------------
     def send(self, data: bytes, response: Response) -> None:
@@ -164,21 +168,11 @@ class Response:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _headers_done(self, status: int) -> None:
-        self.status = status
-        self._wake()
-
     def _data(self, body: bytes) -> None:
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered >= HIGH_WATER and self._conn.transport is not None:
             self._conn.transport.pause_reading()
-        self._wake()
-
-    def _end(self, keep_alive: bool) -> None:
-        self.complete = True
-        self._keep_alive = keep_alive
-        self._wake()
 
     def _fail(self, error: UpstreamError) -> None:
         if self._error is None:
