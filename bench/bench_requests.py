@@ -1,40 +1,53 @@
-"""RolloutRequest benchmark: samples/s through the operator vs the same gateway used directly,
-and the operator's memory with 1,000 finished requests kept.
+"""RolloutRequest benchmark: samples/s of a request vs the same samples sent straight to the gateway,
+time to the first sample, and what a 10,000-sample request adds to the operator and to etcd.
 
-Not a test: prints numbers and ratios, all measured in the same run on the same cluster.
+Not a test: prints numbers and ratios, all measured in the same run on the local cluster.
+The fleet is 2 simulated engines (`rollfleet_dev.sim_engine`: tokens and logprobs at once)
+behind a real gateway, so what is measured is the request path: the runner Job's pod, the
+gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), the status.
 
-1. memory: a fresh `rollfleet operator -n <ns>` (RSS from /proc) before and after 1,000
-   RolloutRequests reach a terminal phase and stay (no TTL). They name a fleet that does
-   not exist, so they finish at once: what is measured is what the operator keeps per
-   finished request (kopf's per-object state; a finished request's run is gone).
-2. throughput (with `--fleet NS/NAME`, a Ready fleet): one RolloutRequest of P prompts x n
-   samples through the operator, timed from create to Succeeded, then the same number of
-   samples sent straight to the fleet's gateway with the same bodies and concurrency.
+1. memory (`--finished N`): a fresh `rollfleet operator -n <ns>` (RSS from /proc) before and
+   after N RolloutRequests reach a terminal phase and stay (no TTL). They name a fleet that
+   does not exist, so they finish at once, with no pod: what is measured is what the operator
+   keeps per finished request.
+2. throughput: one RolloutRequest of P prompts x n samples (by default a GRPO step's batch, 512 x 16
+   of 64 tokens), timed from create to Succeeded,
+   then the same samples sent straight to the fleet's gateway with the same bodies and
+   concurrency (`samples_per_s_ratio_vs_direct`, goal >= 0.9); and the time from create to
+   the first sample sent (`apply_to_first_sample_s`: the runner Job's pod starting).
+3. a request of 10,000 samples x 256 tokens with logprobs, results on the claim: the
+   operator's RSS growth (goal < 50 MiB) and the bytes it adds to etcd (goal < 1 MiB: the
+   namespace's objects as stored after it, less before; etcd's own in-use size is printed
+   too, which counts revisions not yet compacted).
 
-Usage: python -m bench.bench_requests [--requests 1000] [--fleet NS/NAME --prompts 64 --n 4
-       --max-tokens 64 --parallelism 64]
+Usage: python -m bench.bench_requests [--json PATH] [--finished 1000] [--prompts 512 --n 16
+       --max-tokens 64 --parallelism 64] [--samples 10000 --tokens 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import kubernetes
 
+from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
-from rollfleet.contract import GROUP, OPERATOR_NAMESPACE, VERSION
+from rollfleet.contract import GROUP, VERSION
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import read_fleet
 from rollfleet.controller.tokens import OperatorKey
@@ -88,7 +101,7 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: int) -> None:
+def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: int) -> dict[str, float]:
     core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
     ns = f"rr-bench-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
@@ -128,6 +141,7 @@ def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: i
         print(f"create -> terminal for {count}       {took:8.1f} s    ({count / took:.1f} requests/s)")
     finally:
         core.delete_namespace(ns)
+    return {"operator_rss_idle_mib": idle, "operator_rss_per_finished_request_kib": (kept - idle) * 1024 / count}
 
 
 async def direct(gateway: str, calls: list[plan.Call], parallelism: int) -> float:
@@ -146,29 +160,138 @@ async def direct(gateway: str, calls: list[plan.Call], parallelism: int) -> floa
         return time.monotonic() - start
 
 
+# --- the stand-in fleet and its results claim ---------------------------------------------
+
+FLEET = "sim"
+MODEL = "sim"
+
+
+def sim_fleet_spec(engines: int) -> dict[str, Any]:
+    """A fleet of simulated engines (rollfleet_dev.sim_engine: instant, deterministic tokens and logprobs)
+    behind a real gateway: what is measured is the request path, not the engines."""
+    return {
+        "replicas": engines,
+        "model": {"servedName": MODEL, "imagePath": "/nonexistent"},
+        "engine": {
+            "image": "python:3.12-slim",
+            "command": [sys.executable, "-m", "rollfleet_dev.sim_engine"],
+            "gpusPerEngine": 0,
+            "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        },
+        "weightSync": {"initialVersion": "v1"},
+        "placement": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "drainTimeoutSeconds": 0,
+    }
+
+
+def fleet_ready(custom: kubernetes.client.CustomObjectsApi, namespace: str, engines: int) -> bool:
+    status = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, FLEET_PLURAL, FLEET).get("status") or {}
+    gateway = status.get("gateway") or {}
+    return bool(status.get("readyReplicas") == engines and gateway.get("readyReplicas"))
+
+
+@contextmanager
+def results_claim(core: kubernetes.client.CoreV1Api, namespace: str) -> Iterator[tuple[str, Path]]:
+    """A claim bound to a hostPath volume at a fresh directory of this machine (the local cluster's nodes)."""
+    with tempfile.TemporaryDirectory(prefix="rr-bench-results-") as directory:
+        pv = f"{namespace}-results"
+        core.create_persistent_volume(
+            {
+                "metadata": {"name": pv},
+                "spec": {
+                    "capacity": {"storage": "10Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "storageClassName": "",
+                    "hostPath": {"path": directory, "type": "Directory"},
+                },
+            }
+        )
+        try:
+            core.create_namespaced_persistent_volume_claim(
+                namespace,
+                {
+                    "metadata": {"name": "results"},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "storageClassName": "",
+                        "volumeName": pv,
+                        "resources": {"requests": {"storage": "10Gi"}},
+                    },
+                },
+            )
+            wait_until(
+                lambda: core.read_namespaced_persistent_volume_claim("results", namespace).status.phase == "Bound",
+                timeout=60,
+                what="the results claim bound",
+            )
+            yield "results", Path(directory)
+        finally:
+            core.delete_persistent_volume(pv)
+
+
+# --- what is measured ----------------------------------------------------------------------
+
+
+def etcd_in_use_bytes() -> float:
+    """etcd's own count of the bytes its database holds (live keys and revisions not yet compacted)."""
+    text = httpx.get(f"http://127.0.0.1:{controlplane.PORTS['etcd']}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("etcd_mvcc_db_total_size_in_use_in_bytes "):
+            return float(line.split()[1])
+    raise RuntimeError("etcd exports no etcd_mvcc_db_total_size_in_use_in_bytes")
+
+
+def live_object_bytes(client: kubernetes.client.ApiClient, namespace: str) -> int:
+    """Bytes of JSON of every object in the namespace: what its objects hold in etcd now."""
+    core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
+    batch = kubernetes.client.BatchV1Api(client)
+    lists = [
+        core.list_namespaced_config_map(namespace, _preload_content=False),
+        core.list_namespaced_pod(namespace, _preload_content=False),
+        core.list_namespaced_event(namespace, _preload_content=False),
+        batch.list_namespaced_job(namespace, _preload_content=False),
+        custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _preload_content=False),
+    ]
+    return sum(len(json.dumps(item)) for resp in lists for item in json.loads(resp.data)["items"])
+
+
+def run_request(custom: kubernetes.client.CustomObjectsApi, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Create a request and wait for its end: its status, the seconds to its end, and to its first sample."""
+    rr = f"bench-{uuid.uuid4().hex[:6]}"
+    created = time.time()
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, request_body(rr, spec))
+    wait_until(lambda: phases(custom, namespace).get(rr) in TERMINAL_PHASES, timeout=3600, what=f"{rr} finished")
+    took = time.time() - created
+    status = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, rr)["status"]
+    first = datetime.fromisoformat(status["startTime"]).timestamp() - created
+    return {"name": rr, "status": status, "seconds": took, "first_sample_s": first}
+
+
 def bench_throughput(
-    client: kubernetes.client.ApiClient, fleet: str, prompts: int, n: int, max_tokens: int, parallelism: int
-) -> None:
-    ns, name = fleet.split("/", 1)
+    client: kubernetes.client.ApiClient,
+    namespace: str,
+    claim: str,
+    prompts: int,
+    n: int,
+    max_tokens: int,
+    parallelism: int,
+) -> dict[str, float]:
     custom = kubernetes.client.CustomObjectsApi(client)
     texts = [f"Question {i}: what comes after {i}?" for i in range(prompts)]
     spec = {
-        "fleet": name,
+        "fleet": FLEET,
         "prompts": [{"text": t} for t in texts],
         "samplesPerPrompt": n,
-        "sampling": {"maxTokens": max_tokens, "minTokens": max_tokens, "temperature": 1.0, "ignoreEos": True},
+        "sampling": {"maxTokens": max_tokens, "ignoreEos": True},
         "parallelism": parallelism,
-        "ttlSecondsAfterFinished": 60,
+        "results": {"persistentVolumeClaim": {"claimName": claim}},
     }
-    rr = f"bench-{uuid.uuid4().hex[:6]}"
-    start = time.monotonic()
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, request_body(rr, spec))
-    wait_until(lambda: phases(custom, ns).get(rr) in TERMINAL_PHASES, timeout=1800, what=f"{rr} finished")
-    via_operator = time.monotonic() - start
-    phase = phases(custom, ns)[rr]
+    run = run_request(custom, namespace, spec)
+    assert run["status"]["phase"] == "Succeeded", run["status"]
 
-    view = asyncio.run(read_fleet(Kube(client), OperatorKey(OPERATOR_NAMESPACE), ns, name))
-    assert view.gateway and view.model, f"fleet {fleet} has no gateway yet"
+    view = asyncio.run(read_fleet(Kube(client), OperatorKey(namespace), namespace, FLEET))
+    assert view.gateway and view.model, f"fleet {namespace}/{FLEET} has no gateway yet"
     parsed = RolloutRequestSpec.model_validate(spec)
     uid = f"direct-{uuid.uuid4().hex[:8]}"
     calls = [
@@ -178,32 +301,121 @@ def bench_throughput(
     ]
     via_gateway = asyncio.run(direct(view.gateway, calls, parallelism))
     total = prompts * n
+    out = {
+        "samples": total,
+        "samples_per_s_request": total / run["seconds"],
+        "samples_per_s_direct": total / via_gateway,
+        "samples_per_s_ratio_vs_direct": via_gateway / run["seconds"],
+        # Without the runner's start: what the runner's sending costs next to sending directly.
+        "samples_per_s_ratio_vs_direct_after_start": via_gateway / (run["seconds"] - run["first_sample_s"]),
+        "apply_to_first_sample_s": run["first_sample_s"],
+    }
     print(
-        f"operator path   {total} samples in {via_operator:6.1f} s = {total / via_operator:7.1f} samples/s "
-        f"(phase {phase}; includes create, watch and status latency)"
+        f"RolloutRequest  {total} samples in {run['seconds']:6.1f} s = {out['samples_per_s_request']:7.1f} samples/s "
+        f"(from create to Succeeded: runner Job start, sending, results on the claim, status)"
     )
-    print(f"gateway direct  {total} samples in {via_gateway:6.1f} s = {total / via_gateway:7.1f} samples/s")
-    print(f"operator / direct: {via_gateway / via_operator:.2f}")
+    print(f"gateway direct  {total} samples in {via_gateway:6.1f} s = {out['samples_per_s_direct']:7.1f} samples/s")
+    print(
+        f"request / direct: {out['samples_per_s_ratio_vs_direct']:.2f}   (goal >= 0.9; from the first sample on: "
+        f"{out['samples_per_s_ratio_vs_direct_after_start']:.2f})"
+    )
+    print(f"apply -> first sample in flight: {run['first_sample_s']:.2f} s")
+    return out
+
+
+def bench_big_request(
+    client: kubernetes.client.ApiClient,
+    namespace: str,
+    claim: tuple[str, Path],
+    operator_pid: int,
+    samples: int,
+    tokens: int,
+) -> dict[str, float]:
+    """One request of `samples` samples of `tokens` tokens with logprobs, results on the claim: what it adds to
+    the operator's memory and to etcd."""
+    core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
+    per_prompt = 8
+    prompts = "".join(json.dumps({"text": f"Problem {i}:"}) + "\n" for i in range(samples // per_prompt))
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "big-prompts"}, "data": {"prompts.jsonl": prompts}}
+    )
+    spec = {
+        "fleet": FLEET,
+        "promptsFrom": [{"name": "big-prompts"}],
+        "samplesPerPrompt": per_prompt,
+        "sampling": {"maxTokens": tokens, "ignoreEos": True, "logprobs": 0},
+        "parallelism": 256,
+        "results": {"persistentVolumeClaim": {"claimName": claim[0]}},
+    }
+    rss_before, live_before, etcd_before = (
+        rss_mib(operator_pid),
+        live_object_bytes(client, namespace),
+        etcd_in_use_bytes(),
+    )
+    run = run_request(custom, namespace, spec)
+    rss_after, live_after, etcd_after = rss_mib(operator_pid), live_object_bytes(client, namespace), etcd_in_use_bytes()
+    status = run["status"]
+    assert status["phase"] == "Succeeded" and status["results"]["samples"] == samples, status
+    results_bytes = (claim[1] / status["results"]["path"]).stat().st_size
+    out = {
+        "big_request_samples": samples,
+        "big_request_tokens_per_sample": tokens,
+        "big_request_seconds": run["seconds"],
+        "big_request_results_bytes": results_bytes,
+        "operator_rss_growth_mib": rss_after - rss_before,
+        "etcd_bytes_added": live_after - live_before,
+        "etcd_db_in_use_bytes_added": etcd_after - etcd_before,
+    }
+    print(
+        f"{samples} samples x {tokens} tokens with logprobs in {run['seconds']:.1f} s; "
+        f"results file {results_bytes / 2**20:.1f} MiB"
+    )
+    print(f"operator RSS growth   {out['operator_rss_growth_mib']:7.1f} MiB   (goal < 50)")
+    print(
+        f"etcd bytes added      {out['etcd_bytes_added'] / 2**10:7.1f} KiB   "
+        "(goal < 1024; the namespace's objects as stored now)"
+    )
+    print(
+        f"etcd db in use added  {out['etcd_db_in_use_bytes_added'] / 2**10:7.1f} KiB   "
+        "(with revisions not yet compacted)"
+    )
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=1000, help="finished requests for the memory part")
-    parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--fleet", help="NS/NAME of a Ready fleet for the throughput part")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--finished", type=int, default=1000, help="finished requests for the memory part (0: skip)")
+    parser.add_argument("--engines", type=int, default=2, help="simulated engines in the fleet")
+    # A GRPO step's batch: 512 prompts x 16 samples.
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--parallelism", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=10_000, help="samples of the large request")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per sample of the large request")
     args = parser.parse_args()
     kubeconfig = controlplane.up().kubeconfig
     client = load_client(str(kubeconfig))
-    if not args.no_memory:
-        bench_memory(kubeconfig, client, args.requests)
-    if args.fleet:
-        bench_throughput(client, args.fleet, args.prompts, args.n, args.max_tokens, args.parallelism)
-    else:
-        print("throughput: skipped (pass --fleet NS/NAME of a Ready fleet)")
+    core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
+    report: dict[str, float] = {}
+    if args.finished:
+        report |= bench_memory(kubeconfig, client, args.finished)
+    ns = f"rr-bench-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+    try:
+        with operator(kubeconfig, ns) as proc, results_claim(core, ns) as claim:
+            fleet = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RolloutFleet", "metadata": {"name": FLEET}}
+            custom.create_namespaced_custom_object(
+                GROUP, VERSION, ns, FLEET_PLURAL, fleet | {"spec": sim_fleet_spec(args.engines)}
+            )
+            wait_until(lambda: fleet_ready(custom, ns, args.engines), timeout=300, what="the simulated fleet Ready")
+            report |= bench_throughput(client, ns, claim[0], args.prompts, args.n, args.max_tokens, args.parallelism)
+            report |= bench_big_request(client, ns, claim, proc.pid, args.samples, args.tokens)
+    finally:
+        core.delete_namespace(ns)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return 0
 
 

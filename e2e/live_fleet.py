@@ -218,3 +218,47 @@ def live_fleet(cluster: Cluster) -> Iterator[LiveFleet]:
             yield live
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@contextlib.contextmanager
+def host_path_claim(fleet: LiveFleet, directory: Path) -> Iterator[str]:
+    """A PersistentVolumeClaim in the fleet's namespace, bound to a hostPath volume at `directory` (a directory of
+    this machine, where the local cluster's pods run), deleted after; its name."""
+    name = f"results-{uuid.uuid4().hex[:6]}"
+    pv = f"{fleet.namespace}-{name}"
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": pv},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "",
+            "hostPath": {"path": str(directory), "type": "Directory"},
+        },
+    }
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "namespace": fleet.namespace},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "",
+            "volumeName": pv,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    kubectl = fleet.cluster.kubectl
+    for doc in (volume, claim):
+        kubectl("apply", "-f", "-", input=json.dumps(doc))
+
+    def bound() -> bool:
+        return kubectl("-n", fleet.namespace, "get", "pvc", name, "-o", "jsonpath={.status.phase}").stdout == "Bound"
+
+    wait_for(bound, 60, what=f"claim {name} bound")
+    try:
+        yield name
+    finally:
+        kubectl("-n", fleet.namespace, "delete", "pvc", name, "--wait=false")
+        kubectl("delete", "pv", pv, "--wait=false")

@@ -10,14 +10,16 @@ The test that kills the operator and the gateway runs last in this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods
-from e2e.live_fleet import LiveFleet, create, results, runner_pods, running, status, wait_phase
+from e2e.live_fleet import LiveFleet, create, host_path_claim, results, runner_pods, running, status, wait_phase
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_ABORT
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
@@ -165,11 +167,25 @@ def test_deleting_a_running_request_stops_its_samples_on_the_engines_and_its_run
     wait_for(lambda: not runner_pods(fleet, uid), 120, what="the runner pod gone with its request")
 
 
-def test_operator_runner_then_gateway_killed_mid_run_still_one_result_per_sample(fleet: LiveFleet) -> None:
+@pytest.mark.parametrize("store", ["configmaps", "claim"])
+def test_operator_runner_then_gateway_killed_mid_run_still_one_result_per_sample(
+    fleet: LiveFleet, store: str, tmp_path: Path
+) -> None:
     """Runs last in this module: it replaces the operator pod, the request's runner pod and both
-    gateway pods, each while samples are in flight."""
+    gateway pods, each while samples are in flight; results in ConfigMaps, or in a file on a claim."""
+    with contextlib.ExitStack() as stack:
+        spec: dict[str, Any] = {}
+        if store == "claim":
+            if fleet.cluster.provider != "local":
+                pytest.skip("the claim's volume is a directory of this machine: the local cluster's nodes are it")
+            claim = stack.enter_context(host_path_claim(fleet, tmp_path))
+            spec["results"] = {"persistentVolumeClaim": {"claimName": claim}}
+        _kill_everything_mid_run(fleet, spec)
+
+
+def _kill_everything_mid_run(fleet: LiveFleet, spec: dict[str, Any]) -> None:
     prompts, samples, tokens = 32, 4, 120
-    name, uid = create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True})
+    name, uid = create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True}, **spec)
     kubectl = fleet.cluster.kubectl
 
     def completed() -> int:

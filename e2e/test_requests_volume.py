@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from e2e.live_fleet import LiveFleet, create, results, wait_phase
+from e2e.live_fleet import LiveFleet, create, host_path_claim, results, wait_phase
 from e2e.provider import wait_for
 from rollfleet.contract import LABEL_REQUEST, LABEL_REQUEST_UID, runner_name
 
@@ -38,55 +37,13 @@ def fleet(live: LiveFleet) -> LiveFleet:
     return live
 
 
-def _apply(fleet: LiveFleet, doc: dict[str, Any]) -> None:
-    fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
-
-
 @pytest.fixture
 def claim(fleet: LiveFleet, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A claim bound to a hostPath volume at a fresh directory here: (claim name, directory)."""
-    name = f"results-{uuid.uuid4().hex[:6]}"
     directory = tmp_path / "volume"
     directory.mkdir()
-    pv = f"{fleet.namespace}-{name}"
-    _apply(
-        fleet,
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadWriteOnce"],
-                "persistentVolumeReclaimPolicy": "Retain",
-                "storageClassName": "",
-                "hostPath": {"path": str(directory), "type": "Directory"},
-            },
-        },
-    )
-    _apply(
-        fleet,
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": name, "namespace": fleet.namespace},
-            "spec": {
-                "accessModes": ["ReadWriteOnce"],
-                "storageClassName": "",
-                "volumeName": pv,
-                "resources": {"requests": {"storage": "1Gi"}},
-            },
-        },
-    )
-
-    def bound() -> bool:
-        out = fleet.cluster.kubectl("-n", fleet.namespace, "get", "pvc", name, "-o", "jsonpath={.status.phase}")
-        return out.stdout == "Bound"
-
-    wait_for(bound, 60, what=f"claim {name} bound")
-    yield name, directory
-    fleet.cluster.kubectl("-n", fleet.namespace, "delete", "pvc", name, "--wait=false")
-    fleet.cluster.kubectl("delete", "pv", pv, "--wait=false")
+    with host_path_claim(fleet, directory) as name:
+        yield name, directory
 
 
 @pytest.fixture
