@@ -187,6 +187,7 @@ class Agent:
                 except TimeoutError:
                     log.warning("%s: worker did not finish; cancelled", worker.ref)
             if delete:
+                await worker.report_final()
                 await self._delete(node.keeper.api, worker.pod)
             worker.cleanup()
         finally:
@@ -195,6 +196,13 @@ class Agent:
 
     async def _force_delete(self, api: Api, node: NodeRuntime, pod: Obj) -> None:
         try:
+            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                # Nothing of it runs here: it ended without a word (a node agent restart). Its finalizers'
+                # controllers (a Job's pod tracking) wait for a terminal phase.
+                meta = pod["metadata"]
+                path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
+                with contextlib.suppress(ApiError):
+                    await api.strategic_patch(path, {"status": {"phase": "Failed", "reason": "Terminated"}})
             await self._delete(api, pod)
         finally:
             node.finishing.discard(pod["metadata"]["uid"])

@@ -200,25 +200,41 @@ class PodWorker:
 
     async def status_loop(self) -> None:
         """Patch pods/status whenever the computed status differs from what was last sent."""
-        meta = self.pod["metadata"]
-        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            status = self.compute_status()
-            if self._muted or status == self._last_sent:
-                continue
             try:
-                updated = await self.shared.api.strategic_patch(path, {"status": status})
-            except (ApiError, aiohttp.ClientError, OSError, TimeoutError) as e:
-                if isinstance(e, ApiError) and e.status == 404:
+                if not await self._send_status():
                     return
+            except (ApiError, aiohttp.ClientError, OSError, TimeoutError) as e:
                 log.warning("%s: status patch failed: %s", self.ref, e)
                 await asyncio.sleep(1)
                 self._dirty.set()
-                continue
-            self._last_sent = status
-            self.pod = {**self.pod, "status": updated.get("status", status)}
+
+    async def report_final(self) -> None:
+        """Send the status of the stopped pod (kubelet does before a deleted pod goes): controllers wait for
+        its terminal phase, a Job for one to remove its pod-tracking finalizer and to make a replacement."""
+        try:
+            await self._send_status()
+        except (ApiError, aiohttp.ClientError, OSError, TimeoutError) as e:
+            log.warning("%s: final status not sent: %s", self.ref, e)
+
+    async def _send_status(self) -> bool:
+        """Patch pods/status if it changed; False when the pod is gone."""
+        status = self.compute_status()
+        if self._muted or status == self._last_sent:
+            return True
+        meta = self.pod["metadata"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
+        try:
+            updated = await self.shared.api.strategic_patch(path, {"status": status})
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        self._last_sent = status
+        self.pod = {**self.pod, "status": updated.get("status", status)}
+        return True
 
     def update(self, pod: Obj) -> None:
         """A newer version of the pod from the watch."""
