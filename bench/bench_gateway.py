@@ -11,7 +11,7 @@ the report takes the median of each metric (the host's other load drifts during 
 Measured per router and mode (non-streaming, streaming):
 - latency: sequential requests (one in flight), p50/p99 in ms; "added" is the router's
   p50/p99 minus the direct-to-engine p50/p99 measured in the same run;
-- throughput: closed loop with `--concurrency` clients for `--duration` s, requests/s;
+- throughput: closed loop with `--concurrency` clients for `--duration` s after a 1 s warm-up, requests/s;
 - CPU time per request (µs): the router's processes' user + system time during the throughput
   measurement, over the requests it answered (what a router costs the host, whatever else runs).
 Also the upstream-client choice: the gateway's own client vs aiohttp's, against one simulator.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ from rollfleet.gateway.upstream import Upstream
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BODY = {"model": "sim", "prompt": "benchmark prompt", "max_tokens": 16}
+WARM_UP_S = 1.0
 
 
 def free_port() -> int:
@@ -86,22 +88,26 @@ async def latency(url: str, stream: bool, n: int) -> tuple[float, float]:
     return percentile(samples, 0.5), percentile(samples, 0.99)
 
 
-async def throughput(url: str, stream: bool, concurrency: int, duration: float) -> tuple[float, int]:
-    """Requests/s of a closed loop, and how many requests it made."""
+async def throughput(
+    url: str, stream: bool, concurrency: int, duration: float, cpu: Callable[[], float]
+) -> tuple[float, float]:
+    """Requests/s of a closed loop in its steady state, and the CPU seconds (`cpu()`) per request then."""
     done = 0
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        end = time.perf_counter() + duration
 
-        async def worker() -> None:
+        async def loop(until: float) -> None:
             nonlocal done
-            while time.perf_counter() < end:
+            while time.perf_counter() < until:
                 await one(session, url, stream)
                 done += 1
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - t0), done
+        # Warm up first (every connection opened, the router's pools filled), then measure.
+        await asyncio.gather(*(loop(time.perf_counter() + WARM_UP_S) for _ in range(concurrency)))
+        done = 0
+        cpu_before, t0 = cpu(), time.perf_counter()
+        await asyncio.gather(*(loop(t0 + duration) for _ in range(concurrency)))
+        return done / (time.perf_counter() - t0), (cpu() - cpu_before) / max(done, 1)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -259,10 +265,10 @@ def measure(results: dict[str, list[Result]], name: str, url: str, args: argpars
     result = Result(name)
     for mode, stream in (("json", False), ("stream", True)):
         result.latency_ms[mode] = asyncio.run(latency(url, stream, args.requests))
-        cpu_before = cpu_seconds(pid) if pid else 0.0
-        result.rps[mode], done = asyncio.run(throughput(url, stream, args.concurrency, args.duration))
+        cpu = functools.partial(cpu_seconds, pid) if pid else lambda: 0.0
+        result.rps[mode], cpu_s = asyncio.run(throughput(url, stream, args.concurrency, args.duration, cpu))
         if pid:
-            result.cpu_us[mode] = (cpu_seconds(pid) - cpu_before) / max(done, 1) * 1e6
+            result.cpu_us[mode] = cpu_s * 1e6
     print(
         f"  {name:<18} "
         + "  ".join(
@@ -302,7 +308,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=300, help="sequential requests per latency measurement")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=2.0, help="seconds per throughput measurement")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per throughput measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the report takes medians")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
