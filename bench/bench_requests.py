@@ -52,7 +52,7 @@ from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import read_fleet
 from rollfleet.controller.tokens import OperatorKey
 from rollfleet.kube import Kube, load_client
-from rollfleet_dev.localcluster import controlplane
+from rollfleet_dev.localcluster import claims, controlplane
 
 BIN = Path(sys.executable).parent
 
@@ -194,32 +194,10 @@ def fleet_ready(custom: kubernetes.client.CustomObjectsApi, namespace: str, engi
 def results_claim(core: kubernetes.client.CoreV1Api, namespace: str) -> Iterator[tuple[str, Path]]:
     """A claim bound to a hostPath volume at a fresh directory of this machine (the local cluster's nodes)."""
     with tempfile.TemporaryDirectory(prefix="rr-bench-results-") as directory:
-        pv = f"{namespace}-results"
-        core.create_persistent_volume(
-            {
-                "metadata": {"name": pv},
-                "spec": {
-                    "capacity": {"storage": "10Gi"},
-                    "accessModes": ["ReadWriteOnce"],
-                    "persistentVolumeReclaimPolicy": "Retain",
-                    "storageClassName": "",
-                    "hostPath": {"path": directory, "type": "Directory"},
-                },
-            }
-        )
+        pv, pvc = claims.host_path_claim(namespace, "results", Path(directory), size="10Gi")
+        core.create_persistent_volume(pv)
         try:
-            core.create_namespaced_persistent_volume_claim(
-                namespace,
-                {
-                    "metadata": {"name": "results"},
-                    "spec": {
-                        "accessModes": ["ReadWriteOnce"],
-                        "storageClassName": "",
-                        "volumeName": pv,
-                        "resources": {"requests": {"storage": "10Gi"}},
-                    },
-                },
-            )
+            core.create_namespaced_persistent_volume_claim(namespace, pvc)
             wait_until(
                 lambda: core.read_namespaced_persistent_volume_claim("results", namespace).status.phase == "Bound",
                 timeout=60,
@@ -227,7 +205,7 @@ def results_claim(core: kubernetes.client.CoreV1Api, namespace: str) -> Iterator
             )
             yield "results", Path(directory)
         finally:
-            core.delete_persistent_volume(pv)
+            core.delete_persistent_volume(pv["metadata"]["name"])
 
 
 # --- what is measured ----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from rollfleet.contract import (
     admin_token,
     secret_name,
 )
+from rollfleet_dev.localcluster import claims
 
 NAME = "live"
 
@@ -225,30 +226,7 @@ def host_path_claim(fleet: LiveFleet, directory: Path) -> Iterator[str]:
     """A PersistentVolumeClaim in the fleet's namespace, bound to a hostPath volume at `directory` (a directory of
     this machine, where the local cluster's pods run), deleted after; its name."""
     name = f"results-{uuid.uuid4().hex[:6]}"
-    pv = f"{fleet.namespace}-{name}"
-    volume = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": pv},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteOnce"],
-            "persistentVolumeReclaimPolicy": "Retain",
-            "storageClassName": "",
-            "hostPath": {"path": str(directory), "type": "Directory"},
-        },
-    }
-    claim = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name, "namespace": fleet.namespace},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "",
-            "volumeName": pv,
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
-    }
+    volume, claim = claims.host_path_claim(fleet.namespace, name, directory)
     kubectl = fleet.cluster.kubectl
     for doc in (volume, claim):
         kubectl("apply", "-f", "-", input=json.dumps(doc))
@@ -261,4 +239,4 @@ def host_path_claim(fleet: LiveFleet, directory: Path) -> Iterator[str]:
         yield name
     finally:
         kubectl("-n", fleet.namespace, "delete", "pvc", name, "--wait=false")
-        kubectl("delete", "pv", pv, "--wait=false")
+        kubectl("delete", "pv", volume["metadata"]["name"], "--wait=false")

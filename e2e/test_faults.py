@@ -32,6 +32,7 @@ from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
 PROMPTS, SAMPLES, TOKENS = 16, 4, 120
+PARALLELISM = 16
 
 
 @pytest.fixture
@@ -74,7 +75,10 @@ def run_with_fault(
     fleet: LiveFleet, case: str, inject: Callable[[], None], after: Callable[[], None] = lambda: None
 ) -> None:
     """The case's request, its fault injected mid-run, and every promise checked; prints its table row."""
-    name, uid = create(fleet, PROMPTS, SAMPLES, sampling={"maxTokens": TOKENS, "ignoreEos": True})
+    # In waves (16 of the 64 in flight at once): the fault must land while some samples are done and others
+    # decode, and samples that all start together on an engine also end together.
+    spec = {"sampling": {"maxTokens": TOKENS, "ignoreEos": True}, "parallelism": PARALLELISM}
+    name, uid = create(fleet, PROMPTS, SAMPLES, **spec)
     wait_for(
         lambda: status(fleet, name).get("counts", {}).get("completed", 0) >= 8 and running(fleet, uid),
         300,
