@@ -136,7 +136,7 @@ class _Reply:
             if not more:
                 data += b"0\r\n\r\n"
         else:
-            data = body
+            data = body if self.request.method != "HEAD" else b""  # a HEAD answer is the head alone
         if self._head:  # the head goes out with the first piece of body: one write, one segment
             data, self._head = self._head + data, b""
         if data:
@@ -151,6 +151,8 @@ class _Reply:
         if self.started:
             raise RuntimeError("http.response.start sent twice")
         self.started = True
+        if self.conn.server.stopping:
+            self.request.keep_alive = False  # tell the client: this connection closes after the answer
         fields = b"".join(b"%b: %b\r\n" % kv for kv in headers)
         has_length = b"content-length:" in fields.lower()
         self.chunked = not has_length and self.request.version != "1.0" and self.request.method != "HEAD"
