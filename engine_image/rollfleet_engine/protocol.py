@@ -156,7 +156,7 @@ class TensorEntry(BaseModel):
     dtype: str = Field(description="safetensors dtype: F32, BF16, F16, I64, ...")
     shape: list[int]
     data_offsets: tuple[int, int] = Field(description="[begin, end) in the shard's data section.")
-    blake3: str = Field(description="BLAKE3 digest (hex) of the tensor's bytes.")
+    xxh3_128: str = Field(description="XXH3-128 checksum (hex) of the tensor's bytes.")
 
 
 class Shard(BaseModel):
@@ -166,7 +166,7 @@ class Shard(BaseModel):
 
 
 class WeightManifest(BaseModel):
-    """What a weights server serves: safetensors shards and a BLAKE3 digest per tensor."""
+    """What a weights server serves: safetensors shards and a checksum per tensor (its own sha256 pins it)."""
 
     format: Literal["safetensors"] = "safetensors"
     shards: list[Shard]

@@ -10,25 +10,24 @@ One set is staged at a time: staging another replaces it; asking again for the s
 staged or already staged changes nothing; a finished weight update releases it (the model
 holds the weights now: it cannot be loaded again). Bounded by ``ROLLFLEET_STAGING_MAX_BYTES`` and by
 the free space of the area; weights that do not fit fail with what to do. Every tensor is
-hashed against the manifest before the set is called staged.
+checked against the manifest before the set is called staged.
 
-The bytes are received straight into the staging files, mapped, and a released set's files
-are kept and written over by the next set: allocating fresh memory pages (zeroed by the kernel)
-cost more than the transfer itself (1 GiB: 1.1-1.4 s fresh, 0.45-0.5 s written over, on a 2-core
-dev box). The area thus holds one set's memory from the first push on, which the pod's memory
+The bytes are received straight into the staging files, mapped (once: ``mappings``), and a
+released set's files are kept and written over by the next set: allocating fresh memory pages
+(zeroed by the kernel) cost more than the transfer itself (1 GiB: 1.1-1.4 s fresh, 0.45-0.5 s
+written over, on a 2-core dev box). The area thus holds one set's memory from the first push on, which the pod's memory
 limit has to allow at every push anyway; the process's exit frees it.
 
 Relay: while it stages, an engine serves what it has received so far to the next engine
 of a chain (``relay_manifest``, ``relay_shard``: its bytes as they land, through
 ``STAGE_RELAY_PATH``), so that the sidecar sends each byte about once however many
-engines there are. Every engine still hashes every tensor it receives against the
-manifest, so a relay cannot pass corrupt bytes off as the weights.
+engines there are. Every engine still checks every tensor it receives against the
+manifest, so a relay cannot pass corrupted or truncated bytes on as the weights.
 """
 
 from __future__ import annotations
 
 import atexit
-import mmap
 import os
 import shutil
 import threading
@@ -37,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollfleet_engine.mappings import Mappings
 from rollfleet_engine.protocol import (
     STAGED_URL_SCHEME,
     Shard,
@@ -80,18 +80,6 @@ def _size(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.iterdir())
 
 
-def _mapped(file: Path, size: int) -> memoryview:
-    """`file` (created, or an earlier set's written over) at `size` bytes, mapped for writing.
-
-    The mapping is populated in one call: faulting its pages in one by one costs more than the
-    transfer. It is unmapped when the view is garbage, not closed here: an exception's traceback
-    may still hold slices of it.
-    """
-    with file.open("a+b") as f:
-        f.truncate(size)
-        return memoryview(mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
-
-
 @dataclass
 class _Job:
     status: StageStatus
@@ -112,7 +100,10 @@ class Stager:
         self.root, self.max_bytes = root, max_bytes
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # relays wait on it for more bytes
+        # Waits for the end of a staging, apart: they need not wake at each of its pieces.
+        self._ended = threading.Condition(self._lock)
         self._job = _Job(StageStatus())
+        self._mappings = Mappings()  # the files received into, mapped once (``mappings``)
         # The area may be the host's /dev/shm (the local cluster): leave nothing there at exit.
         atexit.register(shutil.rmtree, self.root, ignore_errors=True)
 
@@ -128,9 +119,9 @@ class Stager:
 
     def status(self, wait_s: float = 0.0) -> StageStatus:
         """The staging's status; once it is no longer staging, if that happens within `wait_s` seconds."""
-        with self._progress:
+        with self._ended:
             job = self._job
-            self._progress.wait_for(lambda: job.ended or self._job is not job, timeout=wait_s)
+            self._ended.wait_for(lambda: job.ended or self._job is not job, timeout=wait_s)
             return self._job.status.model_copy()
 
     def start(self, info: WeightUpdateInfo, authorization: str | None = None) -> StageStatus:
@@ -150,7 +141,8 @@ class Stager:
                 target=self._run, args=(job, info, authorization), name="rollfleet-stage", daemon=True
             )
             self._job = job
-            self._progress.notify_all()  # a wait on the status of the set replaced ends
+            self._progress.notify_all()  # relays of the set replaced, and waits on its status, end
+            self._ended.notify_all()
         job.thread.start()
         return job.status.model_copy()
 
@@ -211,6 +203,7 @@ class Stager:
             if self._job is job:  # not replaced meanwhile
                 job.status = job.status.model_copy(update={**outcome, "seconds": time.monotonic() - t0})
             self._progress.notify_all()
+            self._ended.notify_all()
 
     def _stage(self, job: _Job, info: WeightUpdateInfo, authorization: str | None) -> str:
         assert info.manifest_sha256 is not None
@@ -241,10 +234,11 @@ class Stager:
                         job.written[i] = n
                         self._progress.notify_all()
 
-                # Every tensor is hashed against the manifest as it arrives (staged means verified), and its
+                # Every tensor is checked against the manifest as it arrives (staged means verified), and its
                 # bytes land in the shard's file, where a relay reads them on.
-                receive_shard(resp.readinto, shard, _mapped(target, shard.size), progress)
+                receive_shard(resp.readinto, shard, self._mappings.view(target, shard.size), progress)
         shutil.rmtree(spare, ignore_errors=True)  # a set of more shards than this one
+        self._mappings.keep_only(partial.iterdir())  # and its files' memory goes with their mappings
         (partial / MANIFEST_FILE).write_bytes(raw)
         with self._progress:  # a relay opens the shard files under the lock: never between these two
             partial.rename(final)
@@ -266,4 +260,5 @@ class Stager:
                 if not (spare / file.name).exists():
                     file.rename(spare / file.name)
             shutil.rmtree(entry, ignore_errors=True)
+        self._mappings.keep_only(spare.iterdir())
         return spare

@@ -1,7 +1,7 @@
 """Engine-side pull of a weights server's snapshot: manifest, then every shard, verified.
 
 Uses only the standard library's HTTP client: each tensor is read straight from the
-socket into its own buffer (one copy) and hashed before it is handed on. A ``file://``
+socket into its own buffer (one copy) and checked before it is handed on. A ``file://``
 URL is weights this engine staged and verified beforehand (``staging``): read from its
 staging area, which is memory, without hashing again.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import mmap
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from rollfleet_engine.mappings import Mappings
 from rollfleet_engine.protocol import (
     STAGED_URL_SCHEME,
     STAGING_DIR_ENV,
@@ -94,7 +94,7 @@ def staging_root() -> Path:
 
 def load_staged(directory: Path, manifest_sha256: str | None) -> list[tuple[str, Any]]:
     """The tensors of weights staged in `directory`: only inside this engine's staging area, and only the
-    manifest the caller names (every tensor was hashed against it when staged)."""
+    manifest the caller names (every tensor was checked against it when staged)."""
     root = staging_root().resolve()
     directory = directory.resolve()
     if root not in directory.parents:
@@ -103,15 +103,21 @@ def load_staged(directory: Path, manifest_sha256: str | None) -> list[tuple[str,
         manifest = check_manifest((directory / MANIFEST_FILE).read_bytes(), manifest_sha256)
     except FileNotFoundError:
         raise TransferError(f"nothing is staged at {directory}; stage the weights again") from None
+    files = [directory / shard_file(i) for i in range(len(manifest.shards))]
+    _LOADED.keep_only(files)  # the set loaded before, unless these are its files written over
     weights: list[tuple[str, Any]] = []
-    for i, shard in enumerate(manifest.shards):
-        with (directory / shard_file(i)).open("rb") as f:
-            # A private mapping of memory (the staging area is tmpfs): no copy until the model's own.
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    for file, shard in zip(files, manifest.shards, strict=True):
+        # The staging area is memory (tmpfs): no copy until the model's own. The mapping is shared
+        # and kept (``mappings``): a loader that writes into a tensor writes into a set that is
+        # released after this load anyway.
+        data = _LOADED.view(file)
         if len(data) != shard.size:
-            raise TransferError(f"{directory / shard_file(i)}: {len(data)} bytes, manifest says {shard.size}")
+            raise TransferError(f"{file}: {len(data)} bytes, manifest says {shard.size}")
         weights.extend(tensors_from_buffer(data, shard))
     return weights
+
+
+_LOADED = Mappings()  # this process's mappings of the staging files it loads from
 
 
 def shard_file(index: int) -> str:

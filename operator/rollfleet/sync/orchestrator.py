@@ -4,7 +4,7 @@ Every decision comes from ``protocol``; this module does the I/O around it, in t
 order that keeps the fleet consistent:
 
 1. stage: the weights are in a directory (the trainer's shared volume, or the spool
-   the client streamed into) and the weights server serves it (hashed: pinned by the
+   the client streamed into) and the weights server serves it (checksummed, pinned by the
    manifest's sha256). Nothing is paused yet.
 2. record InProgress in the fleet's weights record, abort requests that would become too stale,
    pause every engine (``keep``: in-flight requests are held, not lost).

@@ -60,7 +60,7 @@ def test_corrupt_and_truncated_streams_fail() -> None:
     blob, shard = _blob(_tensors())
     corrupt = bytearray(blob)
     corrupt[-3] ^= 0xFF
-    with pytest.raises(TransferError, match="digest mismatch"):
+    with pytest.raises(TransferError, match="checksum mismatch"):
         list(read_shard(io.BytesIO(bytes(corrupt)).readinto, shard))  # type: ignore[arg-type]
     with pytest.raises(TransferError, match="truncated"):
         list(read_shard(io.BytesIO(blob[:-5]).readinto, shard))  # type: ignore[arg-type]
@@ -75,7 +75,7 @@ def test_receive_shard_lands_the_bytes_in_place_verified_and_reports_progress() 
     assert all(torch.equal(got[n], t) for n, t in _tensors().items())
     corrupt = bytearray(blob)
     corrupt[-3] ^= 0xFF
-    with pytest.raises(TransferError, match="digest mismatch"):
+    with pytest.raises(TransferError, match="checksum mismatch"):
         receive_shard(io.BytesIO(bytes(corrupt)).readinto, shard, memoryview(into), seen.append)  # type: ignore[arg-type]
     with pytest.raises(TransferError, match="truncated"):
         receive_shard(io.BytesIO(blob[:-5]).readinto, shard, memoryview(into), seen.append)  # type: ignore[arg-type]
@@ -92,7 +92,7 @@ def test_server_and_fetch(tmp_path: Path) -> None:
         with pytest.raises(TransferError, match="manifest"):
             fetch_weights(url, "0" * 64, 10)
         tensors["a.weight"].add_(1)  # changed after the manifest: a corrupt transfer
-        with pytest.raises(TransferError, match="digest mismatch"):
+        with pytest.raises(TransferError, match="checksum mismatch"):
             fetch_weights(url, info["manifest_sha256"], 10)
     finally:
         server.stop()

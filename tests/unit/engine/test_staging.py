@@ -82,6 +82,9 @@ def test_a_loaded_set_cannot_be_loaded_again_and_the_next_set_is_written_over_it
     first = settled(stager).staged_url
     assert first is not None
     inode = (root / sha / "shard-0.safetensors").stat().st_ino
+    loaded = dict(fetch_weights(first, sha, 10))  # the loader keeps its mapping of the file (``mappings``)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors().items())
+    del loaded
     stager.release()  # as after the engine's finish_weight_update
     with pytest.raises(TransferError, match="stage the weights again"):
         fetch_weights(first, sha, 10)
