@@ -11,8 +11,9 @@ the sidecar and once per engine, and BLAKE3 cost 0.25 s of CPU per GiB on each (
 0.05 s). A cryptographic digest would only matter against a peer that forges bytes, and
 the peers of a relay chain are engines that hold the fleet's control token: one that is
 compromised can already tell every other engine to load anything. What the checksums
-guard against is corruption and truncation, which XXH3-128 catches. torch is imported lazily: the manifest side of this
-module is usable without it.
+guard against is corruption and truncation, which XXH3-128 catches.
+
+torch is imported lazily: the manifest side of this module is usable without it.
 """
 
 from __future__ import annotations

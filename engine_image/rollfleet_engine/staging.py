@@ -15,8 +15,8 @@ checked against the manifest before the set is called staged.
 The bytes are received straight into the staging files, mapped (once: ``mappings``), and a
 released set's files are kept and written over by the next set: allocating fresh memory pages
 (zeroed by the kernel) cost more than the transfer itself (1 GiB: 1.1-1.4 s fresh, 0.45-0.5 s
-written over, on a 2-core dev box). The area thus holds one set's memory from the first push on, which the pod's memory
-limit has to allow at every push anyway; the process's exit frees it.
+written over, on a 2-core dev box). The area thus holds one set's memory from the first push on,
+which the pod's memory limit has to allow at every push anyway; the process's exit frees it.
 
 Relay: while it stages, an engine serves what it has received so far to the next engine
 of a chain (``relay_manifest``, ``relay_shard``: its bytes as they land, through

@@ -3,7 +3,7 @@
 Uses only the standard library's HTTP client: each tensor is read straight from the
 socket into its own buffer (one copy) and checked before it is handed on. A ``file://``
 URL is weights this engine staged and verified beforehand (``staging``): read from its
-staging area, which is memory, without hashing again.
+staging area, which is memory, without checking again.
 """
 
 from __future__ import annotations
