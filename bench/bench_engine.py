@@ -5,7 +5,7 @@ the ratios hold on whatever machine runs it. Three parts:
 
 1. raw loopback TCP: one socket, sender thread -> ``recv_into`` a preallocated buffer;
 2. portable pull: ``WeightsServer`` -> ``fetch_weights`` (manifest, safetensors stream,
-   sha256 per tensor, tensors built), the engine's data path without the model copy;
+   XXH3-128 per tensor, tensors built), the engine's data path without the model copy;
 3. a real engine (vLLM on CPU, tiny model): end-to-end ``/start_weight_update`` +
    ``/update_weights`` + ``/finish_weight_update``, and ``/pause?mode=keep`` /
    ``/resume`` latency with streams decoding.
@@ -186,7 +186,7 @@ def main() -> None:
 
     rows = [
         ("raw loopback TCP", f"{tcp_mbs:,.0f} MiB/s", f"{args.mib} MiB, median of {args.repeats}"),
-        ("portable pull (http backend)", f"{pull_mbs:,.0f} MiB/s", "manifest + stream + sha256 + tensors"),
+        ("portable pull (http backend)", f"{pull_mbs:,.0f} MiB/s", "manifest + stream + XXH3-128 + tensors"),
     ]
     if not args.no_engine:
         with engine_process() as url:

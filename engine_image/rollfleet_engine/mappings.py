@@ -9,7 +9,8 @@ process) the ones it loads from. Both map the files shared, so the loader reads 
 stager wrote into the same pages.
 
 A mapping holds its file's memory even after the file is deleted: ``keep_only`` unmaps all
-but the files in use, and each user calls it after every set.
+but the files in use, and each user calls it after every set. The loader of a GPU engine also
+page-locks its mappings (``pinning``), for as long as it keeps them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+from rollfleet_engine.pinning import Pinning
+
 
 def _key(st: os.stat_result) -> tuple[int, int]:
     # While it is mapped a file's inode cannot be freed, so its number cannot name another file meanwhile.
@@ -29,9 +32,10 @@ def _key(st: os.stat_result) -> tuple[int, int]:
 class Mappings:
     """Shared, populated mappings of files, one per file, reused while the file keeps its size."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinning: Pinning | None = None) -> None:
         self._lock = threading.Lock()
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._pinning = pinning
 
     def view(self, file: Path, size: int | None = None) -> memoryview:
         """`file` mapped for reading and writing. With `size`, the file is created or resized to it first.
@@ -48,7 +52,11 @@ class Mappings:
             with self._lock:
                 mapped = self._maps.get(_key(st))
                 if mapped is None or len(mapped) != length:
+                    if mapped is not None:
+                        self._forget(_key(st))
                     mapped = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                    if self._pinning is not None:
+                        self._pinning.pin(mapped)
                     self._maps[_key(st)] = mapped
         finally:
             os.close(fd)
@@ -64,4 +72,9 @@ class Mappings:
                 continue
         with self._lock:
             for key in [k for k in self._maps if k not in keep]:
-                del self._maps[key]
+                self._forget(key)
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        mapped = self._maps.pop(key)
+        if self._pinning is not None:
+            self._pinning.unpin(mapped)

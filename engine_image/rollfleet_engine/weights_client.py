@@ -8,6 +8,7 @@ staging area, which is memory, without checking again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import http.client
 import os
@@ -18,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollfleet_engine.mappings import Mappings
+from rollfleet_engine.pinning import cuda_pinning
 from rollfleet_engine.protocol import (
     STAGED_URL_SCHEME,
     STAGING_DIR_ENV,
@@ -104,20 +106,25 @@ def load_staged(directory: Path, manifest_sha256: str | None) -> list[tuple[str,
     except FileNotFoundError:
         raise TransferError(f"nothing is staged at {directory}; stage the weights again") from None
     files = [directory / shard_file(i) for i in range(len(manifest.shards))]
-    _LOADED.keep_only(files)  # the set loaded before, unless these are its files written over
+    loaded = _loaded_mappings()
+    loaded.keep_only(files)  # the set loaded before, unless these are its files written over
     weights: list[tuple[str, Any]] = []
     for file, shard in zip(files, manifest.shards, strict=True):
         # The staging area is memory (tmpfs): no copy until the model's own. The mapping is shared
         # and kept (``mappings``): a loader that writes into a tensor writes into a set that is
-        # released after this load anyway.
-        data = _LOADED.view(file)
+        # released after this load anyway. On a GPU the mapping is page-locked (``pinning``).
+        data = loaded.view(file)
         if len(data) != shard.size:
             raise TransferError(f"{file}: {len(data)} bytes, manifest says {shard.size}")
         weights.extend(tensors_from_buffer(data, shard))
     return weights
 
 
-_LOADED = Mappings()  # this process's mappings of the staging files it loads from
+@functools.cache
+def _loaded_mappings() -> Mappings:
+    """This process's mappings of the staging files it loads from. Made at the first load, in vLLM's
+    worker: the process that holds the GPU, if there is one."""
+    return Mappings(pinning=cuda_pinning())
 
 
 def shard_file(index: int) -> str:

@@ -3,9 +3,11 @@ another process's mapping wrote, and forgotten once the file is not in use."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 from rollfleet_engine.mappings import Mappings
+from rollfleet_engine.pinning import address
 
 
 def test_a_file_is_mapped_once_and_a_reader_sees_what_the_writer_wrote_over(tmp_path: Path) -> None:
@@ -43,3 +45,32 @@ def test_keep_only_forgets_the_files_not_in_use(tmp_path: Path) -> None:
     assert recreated.obj is not first_gone.obj
     mappings.keep_only([])
     assert mappings.view(used).obj is not first_used.obj
+
+
+class RecordingPinning:
+    """Stands in for CUDA (no GPU here; the lent GPU's measurement is bench/bench_gpu_load.py)."""
+
+    def __init__(self) -> None:
+        self.pinned: list[int] = []
+
+    def pin(self, mapped: mmap.mmap) -> None:
+        self.pinned.append(address(mapped))
+
+    def unpin(self, mapped: mmap.mmap) -> None:
+        self.pinned.remove(address(mapped))
+
+
+def test_a_kept_mapping_is_pinned_once_and_unpinned_when_forgotten_or_replaced(tmp_path: Path) -> None:
+    file, other = tmp_path / "shard-0.safetensors", tmp_path / "shard-1.safetensors"
+    pinning = RecordingPinning()
+    mappings = Mappings(pinning)
+    first = mappings.view(file, 8)
+    mappings.view(file, 8)  # the next push, written over: still pinned, not pinned again
+    assert pinning.pinned == [address(first.obj)]
+    bigger = mappings.view(file, 16)  # remapped at its new size: the old range is let go first
+    mappings.view(other, 8)
+    assert address(bigger.obj) in pinning.pinned and len(pinning.pinned) == 2
+    mappings.keep_only([other])
+    assert len(pinning.pinned) == 1 and address(bigger.obj) not in pinning.pinned
+    mappings.keep_only([])
+    assert pinning.pinned == []
