@@ -28,7 +28,6 @@ manifest, so a relay cannot pass corrupted or truncated bytes on as the weights.
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import threading
 import time
@@ -84,10 +83,11 @@ def _size(directory: Path) -> int:
 class _Job:
     status: StageStatus
     thread: threading.Thread | None = None
-    # What a relay reads, as it grows: the manifest, each shard's file and its bytes written so far.
+    # What a relay reads, as it grows: the manifest, the mapping each shard is received into, and its bytes
+    # written so far.
     manifest_raw: bytes | None = None
     manifest: WeightManifest | None = None
-    files: dict[int, Path] = field(default_factory=dict)
+    views: dict[int, memoryview] = field(default_factory=dict)
     written: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -157,7 +157,7 @@ class Stager:
                 raise RelayUnavailable(f"this engine stages {job.status.manifest_sha256}, not {manifest_sha256}")
             return job.manifest_raw
 
-    def relay_shard(self, path: str) -> tuple[Shard, Iterator[bytes]]:
+    def relay_shard(self, path: str) -> tuple[Shard, Iterator[memoryview]]:
         """The shard of the set being staged at `path` (as the manifest names it), and its bytes as they
         arrive. The iterator raises if the staging fails or is replaced before the shard is complete."""
         with self._progress:
@@ -169,28 +169,24 @@ class Stager:
             raise RelayUnavailable(f"no shard {path!r} in the weights being staged")
         return manifest.shards[index], self._relay(job, index, manifest.shards[index].size)
 
-    def _relay(self, job: _Job, index: int, size: int) -> Iterator[bytes]:
-        sent, fd = 0, None
+    def _relay(self, job: _Job, index: int, size: int) -> Iterator[memoryview]:
+        sent = 0
 
         def more() -> bool:  # called under the lock
             return job.written.get(index, 0) > sent or job.ended or self._job is not job
 
-        try:
-            while sent < size:
-                with self._progress:
-                    self._progress.wait_for(more)
-                    if job.written.get(index, 0) <= sent:  # ended or replaced before the shard was whole
-                        raise RelayUnavailable(f"staging ended {job.status.state.value} after {sent} of {size} bytes")
-                    available = job.written[index]
-                    if fd is None:  # open stays readable when the directory is renamed or removed
-                        fd = os.open(job.files[index], os.O_RDONLY)
-                while sent < available:
-                    chunk = os.pread(fd, min(_RELAY_CHUNK, available - sent), sent)
-                    sent += len(chunk)
-                    yield chunk
-        finally:
-            if fd is not None:
-                os.close(fd)
+        while sent < size:
+            with self._progress:
+                self._progress.wait_for(more)
+                if job.written.get(index, 0) <= sent or self._job is not job:  # ended or replaced before it was whole
+                    raise RelayUnavailable(f"staging ended {job.status.state.value} after {sent} of {size} bytes")
+                available, data = job.written[index], job.views[index]
+            # Slices of the mapping the bytes were received into, handed to the socket without a copy (a
+            # pread copied every relayed byte once more, on the CPU the engine shares).
+            while sent < available:
+                chunk = data[sent : min(sent + _RELAY_CHUNK, available)]
+                sent += len(chunk)
+                yield chunk
 
     def _run(self, job: _Job, info: WeightUpdateInfo, authorization: str | None) -> None:
         t0 = time.monotonic()
@@ -226,8 +222,9 @@ class Stager:
                 (spare / shard_file(i)).rename(target)
             with http_get(info.url, shard.path, info.timeout_s, headers) as resp:
                 check_length(resp, shard)
+                view = self._mappings.view(target, shard.size)
                 with self._progress:
-                    job.files[i], job.written[i] = target, 0
+                    job.views[i], job.written[i] = view, 0
 
                 def progress(n: int, i: int = i) -> None:
                     with self._progress:
@@ -236,13 +233,11 @@ class Stager:
 
                 # Every tensor is checked against the manifest as it arrives (staged means verified), and its
                 # bytes land in the shard's file, where a relay reads them on.
-                receive_shard(resp.readinto, shard, self._mappings.view(target, shard.size), progress)
+                receive_shard(resp.readinto, shard, view, progress)
         shutil.rmtree(spare, ignore_errors=True)  # a set of more shards than this one
         self._mappings.keep_only(partial.iterdir())  # and its files' memory goes with their mappings
         (partial / MANIFEST_FILE).write_bytes(raw)
-        with self._progress:  # a relay opens the shard files under the lock: never between these two
-            partial.rename(final)
-            job.files = {i: final / shard_file(i) for i in job.files}
+        partial.rename(final)
         return f"{STAGED_URL_SCHEME}://{final}"
 
     def _recycle(self) -> Path:

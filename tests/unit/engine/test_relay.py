@@ -80,7 +80,7 @@ def test_a_relay_passes_bytes_on_before_the_shard_is_whole_then_all_of_it(held: 
     upstream.start(WeightUpdateInfo(url=held.url, manifest_sha256=sha))
     assert upstream.relay_manifest(sha) == held.manifest_raw
     shard, chunks = upstream.relay_shard("/shards/0")
-    first = next(chunks)  # the held server has sent half: the relay already has bytes to give
+    first = bytes(next(chunks))  # the held server has sent half: the relay already has bytes to give
     assert 0 < len(first) <= len(held.data) // 2 and held.data.startswith(first)
     assert upstream.status().state is StageState.STAGING
     held.release.set()
