@@ -300,6 +300,10 @@ def fanout_trainer(spec_json: str) -> None:
     print(json.dumps(phases))
 
 
+# A test's fault for a stand-in: it dies (its process exits at once) once it has relayed this many bytes.
+RELAY_DIES_AFTER_ENV = "STANDIN_RELAY_DIES_AFTER_BYTES"
+
+
 @contextlib.contextmanager
 def receivers(
     count: int, tmp: Path, env: dict[int, dict[str, str]] | None = None, nodes: list[netsim.Node] | None = None
@@ -343,6 +347,7 @@ def receiver(address: str) -> None:
 
     host, port = address.rsplit(":", 1)
     state = {"version": "initial", "paused": False, "staged": []}
+    dies_after = int(os.environ.get(RELAY_DIES_AFTER_ENV, "0")) or None
     stager = default_stager()  # the engine's own, in memory (/dev/shm) where the host has it
 
     async def stage(request: web.Request) -> web.Response:
@@ -366,8 +371,13 @@ def receiver(address: str) -> None:
             return web.json_response({"error": str(err)}, status=409)
         resp = web.StreamResponse(headers={"Content-Length": str(shard.size)})
         await resp.prepare(request)
+        relayed = 0
         with contextlib.suppress(RelayUnavailable):  # the stream breaks off, as the engine's does
             while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                if dies_after is not None and relayed + len(chunk) > dies_after:
+                    await resp.write(chunk[: dies_after - relayed])
+                    os._exit(1)  # mid-chunk, closing nothing first: as a process killed
+                relayed += len(chunk)
                 await resp.write(chunk)
         return resp
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import torch
-from bench.bench_sync import receivers, sidecar
+from bench.bench_sync import RELAY_DIES_AFTER_ENV, receivers, sidecar
 from safetensors.torch import save_file
 
 from rollfleet_client.sync_protocol import EngineStep, PushState
@@ -67,3 +67,24 @@ def test_an_engine_whose_relay_fails_stages_from_the_sidecar(tmp_path: Path) -> 
         assert second.step is EngineStep.RESUMED and second.source is None, second
         assert "not staging" in (second.relay_error or ""), second
         assert version_of(urls[1]) == "v2"
+
+
+def test_an_engine_whose_relay_peer_dies_mid_chunk_stages_from_the_sidecar(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    tensors = {"w": torch.randn(512, 512), "b": torch.randn(512)}
+    save_file(tensors, str(weights / "model.safetensors"))
+    # The head of the chain dies 100,000 bytes into what it relays: inside the first tensor and the first chunk.
+    with (
+        receivers(2, tmp_path, {0: {RELAY_DIES_AFTER_ENV: "100000"}}) as urls,
+        sidecar(urls, tmp_path, "--relay-min-engines", "2") as client,
+    ):
+        status = client.push_dir(weights, "v2")
+        head, second = status.engines
+        # The dead engine is left out (found dead while it stages or at the pause: a matter of timing); the one
+        # it fed saw a truncated tensor, and staged everything again from the sidecar.
+        assert head.step is EngineStep.PENDING_SYNC and urls[0] in (head.error or ""), head
+        assert second.step is EngineStep.RESUMED and second.source is None, second
+        assert "truncated" in (second.relay_error or ""), second
+        assert version_of(urls[1]) == "v2"
+        assert status.state is PushState.DONE, status
