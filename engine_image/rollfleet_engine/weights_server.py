@@ -36,16 +36,34 @@ from rollfleet_engine.safetensors_stream import (
 _SEND_CHUNK = 16 << 20
 
 
+FileStamp = tuple[tuple[str, int, int, int, int], ...]
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _stamp(files: list[Path]) -> FileStamp:
+    """What changes when a file is written over or replaced (as make and rsync tell): name, size, inode, and
+    the times of its last write and of its last change of metadata."""
+    stats = [(f.name, f.stat()) for f in files]
+    return tuple((name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats)
+
+
 class _Snapshot:
     """One version of the weights, as shards ready to send."""
 
     def __init__(self, source: Mapping[str, Any] | str | Path) -> None:
         self.memory: dict[str, MemoryShard] = {}
         self.files: dict[str, Path] = {}
+        self.directory: Path | None = None
+        self.stamp: FileStamp = ()
         if isinstance(source, str | Path):
-            files = sorted(Path(source).glob("*.safetensors"))
+            files = _weight_files(Path(source))
             if not files:
                 raise FileNotFoundError(f"no .safetensors files in {source}")
+            # Taken before hashing: a write while hashing shows as a change at the next look.
+            self.directory, self.stamp = Path(source), _stamp(files)
             shards = []
             for i, file in enumerate(files):
                 path = f"/shards/{i}"
@@ -97,6 +115,15 @@ class WeightsServer:
     def replace(self, source: Mapping[str, Any] | str | Path) -> None:
         """Serve a new snapshot from now on (requests already streaming finish on the old one)."""
         self._snapshot = _Snapshot(source)
+
+    def serves(self, directory: Path) -> bool:
+        """Whether this serves the weights in `directory` as they are now: its files, none written over,
+        added or removed since they were hashed."""
+        snapshot = self._snapshot
+        try:
+            return snapshot.directory == directory and snapshot.stamp == _stamp(_weight_files(directory))
+        except OSError:  # a file went while we looked: not the same
+            return False
 
     def update_info(self) -> dict[str, Any]:
         """The ``update_info`` body for vLLM's ``/update_weights`` with the ``http`` backend."""

@@ -97,14 +97,16 @@ class Publisher:
         self.total_bytes = 0
 
     async def serve(self, source: Path) -> tuple[str, str, int]:
-        """Serve ``source`` from now on; returns (url, manifest sha256, bytes). Hashes every tensor."""
+        """Serve ``source`` from now on; returns (url, manifest sha256, bytes). Hashes every tensor, unless it
+        serves those files already and none was written since (a trainer may write each checkpoint into
+        the same directory)."""
 
         def load() -> WeightsServer:
             if self._server is None:
                 server = WeightsServer(source, self._host, self._port)
                 server.start()
                 return server
-            if self.source != source:
+            if not self._server.serves(source):
                 self._server.replace(source)
             return self._server
 
