@@ -31,6 +31,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from bench.processes import stop
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from rollfleet_engine.weights_client import fetch_weights
 from rollfleet_engine.weights_server import WeightsServer
@@ -111,8 +112,7 @@ def engine_process() -> Iterator[str]:
                 raise RuntimeError(f"engine did not start; log in {log.name}")
             yield url
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop(proc)
             log.close()
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from bench.processes import stop
 from rollfleet.gateway.upstream import Upstream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,15 +296,6 @@ def median_result(rounds: list[Result]) -> Result:
     return out
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=300, help="sequential requests per latency measurement")
@@ -350,7 +342,7 @@ def main() -> int:
                 measure(rounds, name, url, args, pids[name])
     finally:
         for p in procs:
-            stop(p)
+            stop(p, 10)
     results = [median_result(rounds[name]) for name in targets] + failed
     report = summarize(results)
     if args.json:

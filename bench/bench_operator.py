@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import kubernetes
 
+from bench.processes import stop
 from rollfleet import contract
 from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
 from rollfleet.controller import desired
@@ -131,8 +132,7 @@ def operator(kubeconfig: Path, namespace: str, metrics_port: int) -> Iterator[su
     try:
         yield proc
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop(proc)
 
 
 def api_calls(metrics_port: int) -> dict[str, float]:

@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 import kubernetes
 
+from bench.processes import stop
 from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
 from rollfleet.contract import GROUP, VERSION
@@ -79,8 +80,7 @@ def operator(kubeconfig: Path, namespace: str) -> Iterator[subprocess.Popen[byte
     try:
         yield proc
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop(proc)
 
 
 def request_body(name: str, spec: dict[str, Any]) -> dict[str, Any]:

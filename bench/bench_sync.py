@@ -15,8 +15,8 @@ Not a test: prints a table and the ratios, all measured in the same run. Parts:
    trainer pushes: ``push_dir`` (a checkpoint on a shared volume), ``push`` (tensors from
    the trainer's memory written into the sidecar's spool, which the trainer container
    mounts) and ``push`` without that mount (streamed to the sidecar over HTTP); ``push_dir``
-   also with the sidecar's ``--no-prefetch``, the baseline of the pause window: engines pull
-   while paused.
+   also through a second sidecar with ``--no-prefetch``, the baseline: engines pull while
+   paused. The two sidecars push to the same stand-ins in turns.
 4. fan-out: a 128 MiB ``push_dir`` to 1, 2, 4 and 8 stand-ins on a simulated datacenter
    network (``netsim``: a namespace per node, 1 Gbit/s links shaped with tc), with the
    engines' relay chain and, as the baseline, the star (``--no-relay``: the sidecar sends
@@ -51,6 +51,7 @@ from safetensors.torch import save_file
 
 from bench import netsim
 from bench.bench_engine import engine_process, raw_tcp_seconds, stream_forever, synthetic_state_dict
+from bench.processes import stop
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import PushStatus
 from rollfleet_engine.protocol import ENGINE_PORT, STATE_PATH
@@ -87,12 +88,14 @@ def process(cmd: list[str], ready_url: str, log: Path, env: dict[str, str] | Non
         wait_http(ready_url, proc)
         yield
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop(proc)
 
 
 @contextlib.contextmanager
-def sidecar(engine_urls: list[str], tmp: Path, *flags: str, weights_host: str = "127.0.0.1") -> Iterator[SyncClient]:
+def sidecar(
+    engine_urls: list[str], tmp: Path, *flags: str, weights_host: str = "127.0.0.1", record: Path | None = None
+) -> Iterator[SyncClient]:
+    """A sidecar in static mode on `engine_urls`, its record in `record` (default: its spool)."""
     tmp.mkdir(parents=True, exist_ok=True)
     token = tmp / "token"
     token.write_text(ENGINE_TOKEN + "\n")
@@ -105,6 +108,7 @@ def sidecar(engine_urls: list[str], tmp: Path, *flags: str, weights_host: str = 
     # The spool in memory, as the manifests' memory-backed emptyDir.
     spool = tempfile.mkdtemp(prefix="bench-spool-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     cmd += ["--spool-dir", spool, "--reconcile-interval", "0.5", *flags]
+    cmd += ["--state-file", str(record)] if record is not None else []
     url = f"http://127.0.0.1:{port}"
     try:
         # The trainer's container mounts the spool, as in manifests/sync/trainer-job.yaml.
@@ -206,27 +210,57 @@ def big_part(gib: float, repeats: int, tmp: Path) -> tuple[list[Row], dict[str, 
     rows: list[Row] = []
     rates: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
-        urls = stack.enter_context(receivers(2, tmp / "prefetch"))
-        client = stack.enter_context(sidecar(urls, tmp / "prefetch"))
+        urls = stack.enter_context(receivers(2, tmp / "stand-ins"))
+        record = tmp / "record.json"
+        client = stack.enter_context(sidecar(urls, tmp / "prefetch", *SHARED_RECORD, record=record))
         http_only = stack.enter_context(SyncClient(client.url, 600))  # a trainer without the spool mounted
+        rows, rates = prefetch_against_pull(gib, repeats, tmp / "pull", client, urls, ckpts, record)
         for label, push in (
-            (f"{gib:g} GiB push_dir, stand-ins", lambda i, v: client.push_dir(ckpts[i % 2], f"dir-{v}")),
             (f"{gib:g} GiB push (spool), stand-ins", lambda i, v: client.push(state_dicts[i % 2], f"spool-{v}")),
             (f"{gib:g} GiB push (HTTP), stand-ins", lambda i, v: http_only.push(state_dicts[i % 2], f"http-{v}")),
         ):
-            # As a running trainer's: the stand-ins' parameters exist, and the spool holds a superseded
-            # push's file to write over (``rollfleet_client.spool``).
+            # As a running trainer's: the spool holds a superseded push's file to write over
+            # (``rollfleet_client.spool``).
             for i in range(WARM_UPS):
                 push(i, f"warm-up-{i}")
             r, t = summarize(label, [timed(lambda i=i, push=push: push(i, str(i))) for i in range(repeats)], 2)
             rows, rates = rows + r, rates | t
-    with contextlib.ExitStack() as stack:  # the baseline: engines pull while paused
-        urls = stack.enter_context(receivers(2, tmp / "pull"))
-        client = stack.enter_context(sidecar(urls, tmp / "pull", "--no-prefetch"))
-        client.push_dir(ckpts[1], "warm-up")
-        label = f"{gib:g} GiB push_dir, stand-ins, pull in the pause"
-        runs = [timed(lambda i=i: client.push_dir(ckpts[i % 2], f"pull-{i}")) for i in range(repeats)]
-        r, t = summarize(label, runs, 2)
+    return rows, rates
+
+
+# Two sidecars on the same engines, one record: each would take a push of the other's in progress for one
+# interrupted by a restart, and drive it. So they push in turns, and neither reconciles after its first look.
+SHARED_RECORD = ("--reconcile-interval", "86400")
+
+
+def prefetch_against_pull(
+    gib: float, repeats: int, tmp: Path, client: SyncClient, urls: list[str], ckpts: list[Path], record: Path
+) -> tuple[list[Row], dict[str, float]]:
+    """``push_dir`` with prefetch (`client`), and the baseline: a second sidecar on the same stand-ins
+    with ``--no-prefetch`` (they pull while paused). The two push in turns, so that a drift of the host's
+    speed in the run falls on both alike (measured one after the other, on two sets of stand-ins, the end
+    to end ratio moved between 0.86 and 1.03 from run to run)."""
+    prefetch = f"{gib:g} GiB push_dir, stand-ins"
+    pull = f"{prefetch}, pull in the pause"
+    with sidecar(urls, tmp, "--no-prefetch", *SHARED_RECORD, record=record) as pulling:
+        # Each sidecar's pushes alternate between the two checkpoints, so that it hashes every push's files, as
+        # it does a trainer's new checkpoint. Warm-ups first, as in a running trainer's fleet: the stand-ins'
+        # parameters and staging area exist.
+        runs: dict[str, list[Run]] = {prefetch: [], pull: []}
+        for i in range(-WARM_UPS, repeats):
+            pushes = (
+                (prefetch, lambda i=i: client.push_dir(ckpts[i % 2], f"dir-{i}")),
+                (pull, lambda i=i: pulling.push_dir(ckpts[(i + 1) % 2], f"pull-{i}")),
+            )
+            for label, push in pushes:
+                if i < 0:
+                    push()
+                else:
+                    runs[label].append(timed(push))
+    rows: list[Row] = []
+    rates: dict[str, float] = {}
+    for label, timed_runs in runs.items():
+        r, t = summarize(label, timed_runs, 2)
         rows, rates = rows + r, rates | t
     return rows, rates
 
