@@ -18,11 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from e2e.provider import Cluster, wait_for
 from rollfleet import jsonl
-from rollfleet.contract import ENGINE_PORT, REQUEST_ID_HEADER, STATE_PATH, admin_token, secret_name
+from rollfleet.contract import (
+    ANNOTATION_PAUSE,
+    ANNOTATION_RESUME,
+    ENGINE_PORT,
+    REQUEST_ID_HEADER,
+    STATE_PATH,
+    admin_token,
+    secret_name,
+)
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,6 +211,67 @@ class Fleet:
         with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
             r = httpx.post(url + path, headers={"Authorization": f"Bearer {self.admin_token()}"}, timeout=60)
             assert r.status_code == 200, (path, r.status_code, r.text)
+
+
+FAULT_ENV = "ROLLFLEET_E2E_FAULT"
+
+
+def fault_point(name: str) -> None:
+    """Fail the running case here when ROLLFLEET_E2E_FAULT names this point: how a case that fails
+    midway, with the shared fleet changed, is shown to leave the module's next cases green."""
+    if os.environ.get(FAULT_ENV) == name:
+        raise AssertionError(f"fault injected at {name!r} ({FAULT_ENV})")
+
+
+@dataclass
+class SharedFleet:
+    """A fleet that the cases of a module share.
+
+    Each case starts from the same state (`replicas` engines Ready, nothing paused), and its
+    teardown puts the fleet back whatever the case left behind: the pause annotations, engines
+    paused at their own control route, the replica count. A fleet that cannot be put back makes the
+    module's later cases fail at once, with the name of the case that left it so, instead of each
+    waiting out a timeout.
+    """
+
+    fleet: Fleet
+    replicas: int
+    broken: str | None = None
+
+    def acquire(self) -> Fleet:
+        if self.broken is not None:
+            pytest.fail(f"the shared fleet {self.fleet.name} is broken: {self.broken}", pytrace=False)
+        try:
+            self.fleet.wait_ready(self.replicas)
+        except AssertionError as err:
+            self.broken = f"it was never Ready with {self.replicas} engines ({err})"
+            raise
+        return self.fleet
+
+    def restore(self, case: str) -> None:
+        f = self.fleet
+        try:
+            # Resumed first: a draining engine whose requests a pause holds is deleted only once they end.
+            unpause = {"metadata": {"annotations": {ANNOTATION_PAUSE: None, ANNOTATION_RESUME: None}}}
+            f.cluster.kubectl("-n", f.namespace, "patch", "rf", f.name, "--type=merge", "-p", json.dumps(unpause))
+            for pod in f.pods():
+                conditions = (pod.get("status") or {}).get("conditions") or []
+                serving = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+                if serving and f.engine_state(pod["metadata"]["name"])["paused"]:
+                    f.engine_control(pod["metadata"]["name"], "/resume")
+            f.cluster.kubectl("-n", f.namespace, "scale", "rf", f.name, f"--replicas={self.replicas}")
+            f.wait_ready(self.replicas)
+            f.wait(
+                lambda s: (
+                    all(e["phase"] == "Ready" for e in s["engines"])
+                    and next(c for c in s["conditions"] if c["type"] == "Paused")["reason"] == "Running"
+                ),
+                "every engine Ready and none paused",
+                120,
+            )
+        except Exception as err:
+            self.broken = f"{case} changed it, and putting it back failed: {err}"
+            raise
 
 
 def sse(text: str) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """RolloutFleet end to end: the operator deployed from manifests/, real vLLM engines.
 
-One fleet is shared by the module (engines take a minute to start on this machine);
-the tests run in file order and each leaves the fleet converged for the next. Every
+One fleet is shared by the module (engines take a minute to start on this machine). Every
+case that uses it starts from REPLICAS Ready engines with nothing paused, and its teardown
+puts the fleet back whatever the case did (`SharedFleet`), so a failed case fails alone. Every
 wait is on an observable condition (status, pods, token streams), never a fixed sleep.
 """
 
@@ -19,15 +20,17 @@ from e2e.fleet_helpers import (
     ENGINE_START_S,
     OPERATOR_NS,
     Fleet,
+    SharedFleet,
     Stream,
     deploy_operator,
+    fault_point,
     fleet_manifest,
     kill_engine_process,
     operator_pods,
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import ANNOTATION_CRASHES, REQUESTS_PATH, engine_pod_name
-from rollfleet.controller.status import CRASH_BACKOFF_START_S, parse_time
+from rollfleet.controller.status import CRASH_BACKOFF_START_S, ENGINES_PAUSED_ALONE, parse_time
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION, TINY_MODEL_CONTEXT
 
@@ -35,6 +38,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
 NS = "rf-e2e"
 NAME = "e2e"
+REPLICAS = 2  # what every case of the shared fleet starts from, and finds again after the one before
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +50,16 @@ def operator(cluster: Cluster) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster: Cluster, operator: None) -> Fleet:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(NAME, NS, replicas=2)))
-    return Fleet(cluster, NAME, NS)
+def shared(cluster: Cluster, operator: None) -> SharedFleet:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(NAME, NS, replicas=REPLICAS)))
+    return SharedFleet(Fleet(cluster, NAME, NS), REPLICAS)
+
+
+@pytest.fixture
+def fleet(shared: SharedFleet, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """The shared fleet, Ready and not paused; put back so after the case, pass or fail."""
+    yield shared.acquire()
+    shared.restore(request.node.name)
 
 
 def _create(cluster: Cluster, manifest: dict[str, Any]) -> str:
@@ -154,7 +165,6 @@ def test_an_engine_that_cannot_start_backs_off_says_why_and_recovers_once_the_sp
 
 
 def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> None:
-    fleet.wait_ready(2)
     table = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()
     header = table[0].split()
     assert header[:7] == ["NAME", "READY", "DESIRED", "UP-TO-DATE", "PAUSED", "WEIGHTS", "AGE"]
@@ -225,7 +235,6 @@ def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> Non
 def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Fleet) -> None:
     """Judged at the engine, whose core runs ahead of what the client has seen: while the fleet
     is paused the engine holds the request and produces no token; resumed, it finishes them all."""
-    fleet.wait_ready(2)
     n, max_tokens = 2, 8000  # the core needs tens of seconds for these, the pause lands in a few
     with cluster.reach(NS, "e2e-engine-0", 8000) as url:
         stream = Stream(url, max_tokens=max_tokens, n=n).start()
@@ -280,7 +289,6 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
 def test_pause_abort_ends_in_flight_requests_checked_at_the_engines(cluster: Cluster, fleet: Fleet) -> None:
     """`pause=abort` ends what the engines run: the caller gets finish_reason abort with its partial
     output, and the engine itself records the request finished by an abort, with nothing running."""
-    fleet.wait_ready(2)
     request_id = f"pause-abort-{uuid.uuid4().hex[:8]}"
     with cluster.reach(NS, "e2e-engine-0", 8000) as url:
         stream = Stream(url, max_tokens=LONG_GENERATION, request_id=request_id).start()
@@ -303,17 +311,31 @@ def test_pause_abort_ends_in_flight_requests_checked_at_the_engines(cluster: Clu
 
 def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: Fleet) -> None:
     """A scale-down drains: the engine leaving is deleted only once its requests finished. The
-    requests are held at the engine by a pause of that engine alone (the operator leaves such a
-    pause to whoever made it), so they are still in flight whatever the decoding speed."""
+    requests are held at the engine by a pause of that engine alone, taken before they are sent, so
+    they are in flight whatever the decoding speed. The fleet names such an engine, and the
+    operator leaves its pause to whoever made it."""
     cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=3")
     fleet.wait_ready(3)
+    fleet.engine_control("e2e-engine-2", "/pause?mode=keep")
+    st = fleet.wait(
+        lambda s: next(c for c in s["conditions"] if c["type"] == "Paused")["reason"] == ENGINES_PAUSED_ALONE,
+        "the engine paused alone named in the Paused condition",
+        60,
+    )
+    paused = next(c for c in st["conditions"] if c["type"] == "Paused")
+    assert paused["status"] == "False" and "e2e-engine-2 (keep)" in paused["message"], paused
+    assert "pause" not in st and fleet.engine("e2e-engine-2")["phase"] == "Paused"
     with cluster.reach(NS, "e2e-engine-2", 8000) as url:
         streams = [Stream(url, max_tokens=600, n=8).start() for _ in range(2)]
-        wait_for(lambda: fleet.engine_state("e2e-engine-2")["running"] >= 1, timeout=60, what="requests running")
-        fleet.engine_control("e2e-engine-2", "/pause?mode=keep")
-        held = fleet.engine_state("e2e-engine-2")
-        assert held["paused"] and held["running"] >= 1, held
-        cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=1")
+
+        def both_held() -> dict[str, Any] | None:
+            state = fleet.engine_state("e2e-engine-2")
+            return state if state["running"] + state["waiting"] == 2 else None
+
+        held = wait_for(both_held, timeout=60, what="both requests held at the paused engine")
+        assert held["paused"] and [s.tokens() for s in streams] == [0, 0], held
+        fault_point("drain: scaled up, engine paused, requests held")
+        cluster.kubectl("-n", NS, "scale", "rf", NAME, f"--replicas={REPLICAS}")
 
         def draining(st: dict[str, Any]) -> bool:
             e: dict[str, Any] = next((e for e in st["engines"] if e["name"] == "e2e-engine-2"), {})
@@ -329,17 +351,17 @@ def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: F
     for s in streams:
         assert s.finish == dict.fromkeys(range(8), "length")
         assert s.completion_tokens == 8 * 600
-    fleet.wait_ready(1)
+    fleet.wait_ready(REPLICAS)
     wait_for(
-        lambda: [p["metadata"]["name"] for p in fleet.pods()] == ["e2e-engine-0"],
+        lambda: sorted(p["metadata"]["name"] for p in fleet.pods()) == ["e2e-engine-0", "e2e-engine-1"],
         timeout=120,
-        what="only e2e-engine-0 left",
+        what="only e2e-engine-0 and e2e-engine-1 left",
     )
-    reasons = [e["reason"] for e in fleet.events()]
-    assert reasons.count("EngineDraining") >= 2
-    drained = [
-        e["message"] for e in fleet.events() if e["reason"] == "EngineDeleted" and "e2e-engine-2" in e["message"]
-    ]
+    events = fleet.events()
+    assert [e["reason"] for e in events].count("EngineDraining") >= 1
+    alone = [e for e in events if e["reason"] == "PausedFalse" and ENGINES_PAUSED_ALONE in e["message"]]
+    assert alone and alone[-1]["type"] == "Warning" and "e2e-engine-2" in alone[-1]["message"], alone
+    drained = [e["message"] for e in events if e["reason"] == "EngineDeleted" and "e2e-engine-2" in e["message"]]
     assert drained and "drained" in drained[-1], drained
 
 
@@ -347,28 +369,30 @@ def _replaced(fleet: Fleet, name: str, old_uid: str) -> bool:
     return any(p["metadata"]["name"] == name and p["metadata"]["uid"] != old_uid for p in fleet.pods())
 
 
+def _pod(fleet: Fleet, name: str) -> dict[str, Any]:
+    return next(p for p in fleet.pods() if p["metadata"]["name"] == name)
+
+
 def test_killed_engine_process_is_replaced_and_degraded_meanwhile(cluster: Cluster, fleet: Fleet) -> None:
-    fleet.wait_ready(1)
-    old = fleet.pods()[0]
+    old = _pod(fleet, "e2e-engine-0")
     kill_engine_process(cluster, NS, "e2e-engine-0")
     degraded = fleet.wait(
         lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
         "Degraded",
         120,
     )
-    assert degraded["readyReplicas"] == 0
+    assert degraded["readyReplicas"] == REPLICAS - 1
     assert next(c for c in degraded["conditions"] if c["type"] == "Ready")["status"] == "False"
     wait_for(
         lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=120, what="a new e2e-engine-0 pod"
     )
-    fleet.wait_ready(1)
+    fleet.wait_ready(REPLICAS)
     assert fleet.condition("Degraded")["status"] == "False"
     assert any(e["reason"] in ("EngineReplaced", "EngineFailed") for e in fleet.events())
 
 
 def test_deleted_engine_pod_is_replaced_and_degraded_meanwhile(cluster: Cluster, fleet: Fleet) -> None:
-    fleet.wait_ready(1)
-    old = fleet.pods()[0]
+    old = _pod(fleet, "e2e-engine-0")
     cluster.kubectl("-n", NS, "delete", "pod", "e2e-engine-0", "--wait=false")
     fleet.wait(
         lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
@@ -378,15 +402,14 @@ def test_deleted_engine_pod_is_replaced_and_degraded_meanwhile(cluster: Cluster,
     wait_for(
         lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=180, what="a new e2e-engine-0 pod"
     )
-    fleet.wait_ready(1)
+    fleet.wait_ready(REPLICAS)
     assert fleet.condition("Degraded")["status"] == "False"
 
 
 def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluster, fleet: Fleet) -> None:
-    fleet.wait_ready(1)
     [before] = operator_pods(cluster)
     cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=3")
-    wait_for(lambda: len(fleet.pods()) >= 2, timeout=60, what="the scale-up under way")
+    wait_for(lambda: len(fleet.pods()) >= 3, timeout=60, what="the scale-up under way")
     cluster.kubectl("-n", OPERATOR_NS, "delete", "pod", before["metadata"]["name"], "--wait=false")
     wait_for(
         lambda: any(
@@ -408,7 +431,8 @@ def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluste
     assert all(p["metadata"]["ownerReferences"][0]["uid"] == uid for p in everything)
 
 
-def test_deleting_the_fleet_removes_everything_it_created(cluster: Cluster, fleet: Fleet) -> None:
+def test_deleting_the_fleet_removes_everything_it_created(cluster: Cluster, shared: SharedFleet) -> None:
+    shared.acquire()
     cluster.kubectl("-n", NS, "delete", "rf", NAME, "--wait=true", "--timeout=120s", timeout=150)
     selector = f"rollfleet.dev/fleet={NAME}"
     kinds = "pods,deployments,replicasets,services,secrets,serviceaccounts,roles,rolebindings,networkpolicies"

@@ -42,6 +42,7 @@ from rollfleet.controller import desired, plan
 from rollfleet.controller.events import event_manifest, rfc3339
 from rollfleet.controller.owner import FleetRef
 from rollfleet.controller.status import (
+    ENGINES_PAUSED_ALONE,
     Engine,
     EngineObs,
     GatewayObs,
@@ -533,7 +534,10 @@ class FleetLoop:
         for c in status.conditions:
             o = old_conds.get(c.type)
             if o is None or (o.status, o.reason) != (c.status, c.reason):
-                warn = (c.type == "Degraded" and c.status == "True") or c.reason == "InvalidPauseAnnotation"
+                warn = (c.type == "Degraded" and c.status == "True") or c.reason in (
+                    "InvalidPauseAnnotation",
+                    ENGINES_PAUSED_ALONE,
+                )
                 self.event("Warning" if warn else "Normal", f"{c.type}{c.status}", f"{c.reason}: {c.message}")
         if previous.pause and status.pause and previous.pause.mode != status.pause.mode:
             self.event("Normal", "PauseModeChanged", f"pause mode {previous.pause.mode} -> {status.pause.mode}")

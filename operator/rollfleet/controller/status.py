@@ -27,6 +27,8 @@ from rollfleet.contract import (
 )
 from rollfleet_engine.protocol import EngineState
 
+# The Paused condition's reason (and a Warning event) while engines are paused but the fleet is not.
+ENGINES_PAUSED_ALONE = "EnginesPausedAlone"
 LOG_LINES = 5  # of a failed engine's log, in its status message
 LOG_CHARS = 600
 
@@ -319,12 +321,22 @@ def _degraded_condition(
     return False, "AsExpected", "no engine failed"
 
 
-def _pause_condition(pause: PauseView, paused_engines: int, staying: int) -> CondValue:
+def _pause_condition(pause: PauseView, paused: Sequence[Engine], staying: int) -> CondValue:
     if pause.status is not None and pause.resuming:
-        cond = (True, "Resuming", f"mode {pause.status.mode} lifted: {paused_engines}/{staying} engines still paused")
+        cond = (True, "Resuming", f"mode {pause.status.mode} lifted: {len(paused)}/{staying} engines still paused")
     elif pause.status is not None:
-        reason = "Paused" if paused_engines >= staying else "Pausing"
-        cond = (True, reason, f"mode {pause.status.mode}: {paused_engines}/{staying} engines paused")
+        reason = "Paused" if len(paused) >= staying else "Pausing"
+        cond = (True, reason, f"mode {pause.status.mode}: {len(paused)}/{staying} engines paused")
+    elif paused:
+        # Paused at the engine's own control route (a person, a test, a framework), not by the fleet:
+        # the operator cannot tell whether whoever paused it still needs it held, so it leaves it.
+        names = ", ".join(f"{e.obs.name} ({e.obs.state.pause_mode if e.obs.state else None})" for e in paused)
+        cond = (
+            False,
+            ENGINES_PAUSED_ALONE,
+            f"the fleet is not paused, but {names} paused at its own control route; the operator leaves such "
+            "a pause to whoever made it: POST /resume to the engine, or pause the fleet and resume it",
+        )
     else:
         cond = (False, "Running", "not paused")
     if pause.invalid_value is None:
@@ -374,15 +386,15 @@ def fleet_status(
         )
         for e in sorted(engines, key=lambda e: e.obs.index)
     ]
-    paused_engines = sum(e.phase == EnginePhase.PAUSED for e in staying)
-    pause_status = pause.status.model_copy(update={"paused_engines": paused_engines}) if pause.status else None
+    paused = [e for e in staying if e.phase == EnginePhase.PAUSED]
+    pause_status = pause.status.model_copy(update={"paused_engines": len(paused)}) if pause.status else None
 
     prev_conditions = previous.conditions if previous else []
     values = {
         "Ready": _ready_condition(ready, desired, gateway, gateway_enabled),
         "Progressing": _progress_condition(len(staying), len(leaving), updated, ready, desired),
         "Degraded": _degraded_condition(engines, staying, ready, desired, generation, previous),
-        "Paused": _pause_condition(pause, paused_engines, len(staying)),
+        "Paused": _pause_condition(pause, paused, len(staying)),
     }
     conditions = [_condition(prev_conditions, t, *c, generation=generation, now=now) for t, c in values.items()]
     return RolloutFleetStatus(

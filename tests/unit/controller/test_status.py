@@ -10,6 +10,7 @@ from tests.unit.controller.fleet_fixtures import HASH, NO_WEIGHTS, NOW, draining
 from rollfleet.api.fleet import PauseStatus, RolloutFleetSpec, RolloutFleetStatus
 from rollfleet.contract import ANNOTATION_CRASHES, ANNOTATION_DRAINING_SINCE, ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH
 from rollfleet.controller.status import (
+    ENGINES_PAUSED_ALONE,
     Engine,
     GatewayObs,
     PauseView,
@@ -245,6 +246,18 @@ def test_pause_shows_mode_count_and_invalid_values() -> None:
     invalid = status([engine(0), engine(1)], pause=PauseView(None, invalid_value="soon"))
     assert conditions(invalid)["Paused"] == ("False", "InvalidPauseAnnotation")
     assert invalid.pause is None
+
+
+def test_an_engine_paused_alone_is_named_while_the_fleet_runs() -> None:
+    """Paused at its own control route while the fleet is not: the fleet is not Paused, and the
+    condition names the engine and who may resume it (the operator leaves it)."""
+    alone = status([engine(0), engine(1, engine=state(paused=True, mode="keep"))])
+    cond = next(c for c in alone.conditions if c.type == "Paused")
+    assert (cond.status, cond.reason) == ("False", ENGINES_PAUSED_ALONE)
+    assert "f-engine-1 (keep)" in cond.message and "f-engine-0" not in cond.message
+    assert "POST /resume" in cond.message
+    assert alone.pause is None and alone.ready_replicas == 2  # it holds requests: it still serves
+    assert conditions(status([engine(0), engine(1)], previous=alone))["Paused"] == ("False", "Running")
 
 
 def test_a_crashed_engine_says_why_with_its_last_log_lines_and_when_it_is_replaced() -> None:
