@@ -1,7 +1,10 @@
 """The gateway's HTTP/1.1 server: httptools (llhttp) on uvloop, one asyncio.Protocol per connection.
 
 Owns connections from clients: parsing, body limits, keep-alive, pipelined requests in
-order, backpressure, and shutdown that lets requests in flight finish. Each request is
+order, backpressure, and shutdown that lets requests in flight finish. It refuses what a strict
+HTTP/1.1 parser (h11, RFC 9112) refuses where llhttp is lenient: a missing or repeated Host,
+transfer codings other than chunked, HTTP/0.9; trailers never become headers; a request head must
+arrive within a deadline and within its byte limit as it arrives, and connections are capped. Each request is
 handed over as an ASGI call (`scope`, `receive`, `send`), so the Starlette routes run
 unchanged; routes named in `direct` skip the framework and get the same call with a
 `Client` instead of `receive`, which says when the client leaves through a callback
@@ -74,7 +77,25 @@ Direct = Callable[[Client, Send], Awaitable[None]]
 class Limits:
     max_body_bytes: int = 8 * 1024 * 1024
     keep_alive_s: float = 75.0
+    head_timeout_s: float = 10.0  # a new connection, or a request begun, has this long to send its head (408)
+    max_connections: int = 4096  # past it a new connection gets a 503 and is closed (file descriptors are finite)
+    max_pipelined: int = 16  # complete requests waiting behind the one answered before reading stops
     shutdown_grace_s: float = 25.0  # requests in flight get this long to finish on SIGTERM
+
+
+def head_problem(version: str, headers: list[tuple[bytes, bytes]], upgrade: bool) -> tuple[int, str] | None:
+    """Why a request head that llhttp accepted is refused, as h11 would refuse it (status, message)."""
+    if version not in ("1.0", "1.1"):
+        return 400, f"HTTP/{version} is not served: send HTTP/1.1"
+    hosts = sum(name == b"host" for name, _ in headers)
+    if hosts > 1 or (hosts == 0 and version == "1.1"):
+        return 400, f"an HTTP/1.1 request needs exactly one Host header ({hosts} sent)"
+    codings = [value for name, value in headers if name == b"transfer-encoding"]
+    if codings and (len(codings) > 1 or codings[0].strip().lower() != b"chunked"):
+        return 501, "only Transfer-Encoding: chunked is served, once"
+    if upgrade:
+        return 501, "protocol upgrades are not served"
+    return None
 
 
 @dataclass
@@ -154,7 +175,7 @@ class _Reply:
         if self.conn.server.stopping:
             self.request.keep_alive = False  # tell the client: this connection closes after the answer
         fields = b"".join(b"%b: %b\r\n" % kv for kv in headers)
-        has_length = b"content-length:" in fields.lower()
+        has_length = any(name.lower() == b"content-length" for name, _ in headers)
         self.chunked = not has_length and self.request.version != "1.0" and self.request.method != "HEAD"
         if not has_length and not self.chunked:
             self.request.keep_alive = False  # the end of the body is the end of the connection
@@ -187,24 +208,41 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
+        self._in_head = False  # a request begun whose head is not complete (after it, headers are trailers)
         self._continue = False  # the client waits for "100 Continue" before it sends the body
+        self._continue_owed = False  # ... and gets it once the answers before its request are written
+        self._refusal: _Refusal | None = None  # to write once the answers before the refused request are
+        self._queued_bytes = 0
+        self._head_received = 0  # bytes of reads that were all head, for the limit (llhttp buffers a header whole)
+        self.head_since: float | None = time.monotonic()  # waiting for a head since (the head deadline)
 
     # --- asyncio.Protocol -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        if len(self.server.connections) >= self.server.limits.max_connections:
+            self._refuse(503, f"the gateway serves at most {self.server.limits.max_connections} connections")
+            return
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            return  # refused: nothing more is read
+        in_head = self._in_head
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(501, "protocol upgrades are not served")
         except httptools.HttpParserError as err:
             refusal = err.__context__  # what a callback raised
             if isinstance(refusal, _Refusal):
                 self._refuse(refusal.status, refusal.message)
             else:
                 self._refuse(400, f"malformed HTTP request: {err}")
+            return
+        if in_head and self._in_head:
+            # The whole read is head: counted as it arrives, since llhttp hands a header over only once
+            # it is complete (a single value of 64 MiB would be buffered whole first).
+            self._head_received += len(data)
+            if self._head_received > MAX_HEAD_BYTES:
+                self._refuse(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -234,6 +272,9 @@ class _Connection(asyncio.Protocol):
     # --- httptools callbacks --------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._head_bytes, self._body, self._body_bytes = b"", [], 0, [], 0
+        self._in_head, self._head_received = True, 0
+        if self.head_since is None:
+            self.head_since = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -242,11 +283,13 @@ class _Connection(asyncio.Protocol):
             raise _Refusal(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        name = name.lower()
-        self._headers.append((name, value))
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise _Refusal(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes")
+        if not self._in_head:
+            return  # a trailer: what a request says is in its head, never after its body
+        name = name.lower()
+        self._headers.append((name, value))
         if name == b"content-length":
             limit = self.server.limits.max_body_bytes
             if value.isdigit() and int(value) > limit:
@@ -255,8 +298,19 @@ class _Connection(asyncio.Protocol):
             self._continue = True
 
     def on_headers_complete(self) -> None:
-        if self._continue and self.transport is not None:
+        self._in_head, self.head_since = False, None
+        problem = head_problem(self.parser.get_http_version(), self._headers, self.parser.should_upgrade())
+        if problem is not None:
+            raise _Refusal(*problem)
+        if self._continue:
             self._continue = False
+            # Not inside the answer of a request before it (that would land in its body): after it.
+            self._continue_owed = True
+            self._write_continue_if_due()
+
+    def _write_continue_if_due(self) -> None:
+        if self._continue_owed and self._reply is None and not self._queue and self.transport is not None:
+            self._continue_owed = False
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -280,11 +334,16 @@ class _Connection(asyncio.Protocol):
             body=b"".join(self._body),
             keep_alive=self.parser.should_keep_alive(),
         )
+        self._continue_owed = False  # the body came without it
         if self._reply is None:
             self._begin(request)
         else:
             self._queue.append(request)  # pipelined: answered in order
-            if len(self._queue) > 16 and self.transport is not None:
+            self._queued_bytes += len(request.body)
+            limits = self.server.limits
+            if (len(self._queue) > limits.max_pipelined or self._queued_bytes > limits.max_body_bytes) and (
+                self.transport is not None
+            ):
                 self.transport.pause_reading()  # a client that does not wait for its answers
 
     # --- answering ------------------------------------------------------------------
@@ -322,11 +381,16 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
             return
         if self._queue:
-            if len(self._queue) <= 16:
-                self.transport.resume_reading()
-            self._begin(self._queue.popleft())
+            request = self._queue.popleft()
+            self._queued_bytes -= len(request.body)
+            if self._refusal is None:
+                self.transport.resume_reading()  # (a no-op unless the queue had stopped it)
+            self._begin(request)
+        elif self._refusal is not None:
+            self._write_refusal(self._refusal)
         else:
             self.idle_since = time.monotonic()
+            self._write_continue_if_due()
 
     def _scope(self, request: _Request) -> Message:
         server = self.transport.get_extra_info("sockname") if self.transport is not None else None
@@ -361,20 +425,33 @@ class _Connection(asyncio.Protocol):
         return receive
 
     # --- limits ---------------------------------------------------------------------
-    def close_if_idle(self, since: float) -> None:
-        """Close the connection if it has had nothing to answer since before `since`."""
-        if self._reply is None and self.idle_since < since and self.transport is not None and not self.closed:
+    def sweep(self, idle_before: float, head_before: float) -> None:
+        """Close the connection if it has been idle since before `idle_before` (keep-alive), or answer
+        408 if a request head it owes has been under way since before `head_before`."""
+        if self.transport is None or self.closed or self._reply is not None or self._queue:
+            return
+        if self.head_since is not None and self.head_since < head_before:
+            self._refuse(408, "the request head did not arrive in time")
+        elif self.head_since is None and self.idle_since < idle_before:
             self.transport.close()
 
     def _refuse(self, status: int, message: str) -> None:
-        """Answer a request that cannot be read (when no answer is under way) and close the connection."""
-        if self.transport is None or self.closed:
+        """Answer a request that cannot be read and close the connection. The answers of the requests
+        before it come first: they ran, and their clients are owed them."""
+        if self.transport is None or self.closed or self._refusal is not None:
             return
-        if self._reply is None:
-            render = self.server.refusal
-            body, kind = (render(status, message), b"application/json") if render else (message.encode(), b"text/plain")
-            head = b"HTTP/1.1 %d %b\r\ncontent-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            self.transport.write(head % (status, _reason(status), kind, len(body)) + body)
+        self._refusal = _Refusal(status, message)
+        self.transport.pause_reading()
+        if self._reply is None and not self._queue:
+            self._write_refusal(self._refusal)
+
+    def _write_refusal(self, refusal: _Refusal) -> None:
+        assert self.transport is not None
+        render = self.server.refusal
+        status, message = refusal.status, refusal.message
+        body, kind = (render(status, message), b"application/json") if render else (message.encode(), b"text/plain")
+        head = b"HTTP/1.1 %d %b\r\ncontent-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        self.transport.write(head % (status, _reason(status), kind, len(body)) + body)
         self.transport.close()
 
 
@@ -407,13 +484,13 @@ class HttpServer:
             self._sweeper = asyncio.create_task(self._close_idle_connections())
 
     async def _close_idle_connections(self) -> None:
-        # One sweep a while, not a timer per response: keep-alive needs no precision.
-        keep_alive = self.limits.keep_alive_s
+        # One sweep a while, not a timer per response: neither deadline needs precision.
+        limits = self.limits
         while True:
-            await asyncio.sleep(min(keep_alive / 4, 5.0))
-            since = time.monotonic() - keep_alive
+            await asyncio.sleep(min(limits.keep_alive_s / 4, limits.head_timeout_s / 2, 5.0))
+            now = time.monotonic()
             for conn in list(self.connections):
-                conn.close_if_idle(since)
+                conn.sweep(now - limits.keep_alive_s, now - limits.head_timeout_s)
 
     @property
     def ports(self) -> list[int]:
@@ -452,6 +529,7 @@ _REASONS = {
     403: b"Forbidden",
     404: b"Not Found",
     405: b"Method Not Allowed",
+    408: b"Request Timeout",
     409: b"Conflict",
     413: b"Content Too Large",
     422: b"Unprocessable Content",
