@@ -217,8 +217,9 @@ FAULT_ENV = "ROLLFLEET_E2E_FAULT"
 
 
 def fault_point(name: str) -> None:
-    """Fail the running case here when ROLLFLEET_E2E_FAULT names this point: how a case that fails
-    midway, with the shared fleet changed, is shown to leave the module's next cases green."""
+    """Fail here when ROLLFLEET_E2E_FAULT names this point: how a case that fails midway, with the
+    shared fleet changed, is shown to leave the module's next cases green, and a fleet that cannot be
+    put back to fail them at once."""
     if os.environ.get(FAULT_ENV) == name:
         raise AssertionError(f"fault injected at {name!r} ({FAULT_ENV})")
 
@@ -251,6 +252,7 @@ class SharedFleet:
     def restore(self, case: str) -> None:
         f = self.fleet
         try:
+            fault_point(f"restore after {case}")
             # Resumed first: a draining engine whose requests a pause holds is deleted only once they end.
             unpause = {"metadata": {"annotations": {ANNOTATION_PAUSE: None, ANNOTATION_RESUME: None}}}
             f.cluster.kubectl("-n", f.namespace, "patch", "rf", f.name, "--type=merge", "-p", json.dumps(unpause))
