@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope
 from rollfleet.contract import PAUSE_MODES, PauseMode, parse_pause_mode
 from rollfleet.gateway import abort as abort_mod
 from rollfleet.gateway.control import CALLER_RE, FleetControl, NoSuchFleet, PushRunning, pause_done
-from rollfleet.gateway.dialects import BadRequest, Route, validate
+from rollfleet.gateway.dialects import BadRequest, Route, check_depth, validate
 from rollfleet.gateway.httpserver import Client, Direct, HttpServer, Limits, Send
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable, StopReason
 from rollfleet.gateway.metrics import Metrics
@@ -173,7 +173,9 @@ class _Gateway:
         if config.api_key is not None and not bearer_ok(headers, config.api_key, config.token):
             raise Refused(401, "missing or wrong bearer token")
         try:
-            body = validate(route, orjson.loads(raw))
+            parsed = orjson.loads(raw)
+            check_depth(raw, parsed)
+            body = validate(route, parsed)
         except orjson.JSONDecodeError as err:
             raise Refused(400, f"the request body is not valid JSON: {err}") from None
         except BadRequest as err:

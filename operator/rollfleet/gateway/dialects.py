@@ -65,6 +65,29 @@ _SHARED_SAMPLING = (
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+MAX_JSON_DEPTH = 128  # nesting of a request body; orjson serializes at most 254 levels (a 500 past that)
+
+
+def check_depth(raw: bytes, body: Any) -> None:
+    """BadRequest if `body` (parsed from `raw`) nests deeper than MAX_JSON_DEPTH. Walked only when
+    `raw` holds that many brackets at all, which no request of a usual shape does."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    level: list[Any] = [body]
+    for depth in range(1, MAX_JSON_DEPTH + 2):
+        level = [
+            child
+            for item in level
+            if isinstance(item, dict | list)
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return
+        if depth > MAX_JSON_DEPTH - 1:
+            raise BadRequest(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+
+
 def validate(route: Route, body: Any) -> Json:
     """The body, if it is one the gateway can route; BadRequest with a clear reason otherwise."""
     if not isinstance(body, dict):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from rollfleet.gateway.dialects import (
+    MAX_JSON_DEPTH,
     Assembler,
     BadRequest,
     ContinuationState,
     Route,
     Template,
+    check_depth,
     choices_requested,
     closing_chunk,
     continuation_body,
@@ -219,3 +222,22 @@ def test_closing_chunk_ends_open_choices_in_each_dialect() -> None:
     asm.add(closing_chunk(Route.COMPLETIONS, TPL, [0], "abort"))
     choice = asm.response(TPL, 1, {})["choices"][0]
     assert choice["text"] == "ab" and choice["finish_reason"] == "abort"
+
+
+def test_json_deeper_than_the_limit_is_a_bad_request_not_a_server_error() -> None:
+    """D8: 254-1023 levels parsed, then failed to serialize for the engine (a 500 with a traceback)."""
+
+    def nested(depth: int) -> bytes:
+        return b'{"prompt": "x", "extra": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+    for depth in (2, MAX_JSON_DEPTH):
+        raw = nested(depth)
+        check_depth(raw, orjson.loads(raw))
+        orjson.dumps(orjson.loads(raw))  # what the gateway sends on must serialize
+    for depth in (MAX_JSON_DEPTH + 1, 300, 1000):
+        raw = nested(depth)
+        with pytest.raises(BadRequest, match=f"deeper than {MAX_JSON_DEPTH} levels"):
+            check_depth(raw, orjson.loads(raw))
+    # Many brackets side by side are not depth.
+    wide = b'{"prompt": [' + b",".join([b"[1]"] * 1000) + b"]}"
+    check_depth(wide, orjson.loads(wide))

@@ -14,6 +14,8 @@ import httpx
 import pytest
 from tests.unit.gateway.conftest import TOKEN, Stack
 
+from rollfleet.gateway.dialects import MAX_JSON_DEPTH
+
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -327,3 +329,9 @@ def test_an_api_key_guards_inference_routes_and_the_admin_token_passes_too() -> 
         # The inference key is not the admin token.
         r = client.post("/v1/abort", json={"request_ids": ["a"]}, headers={"Authorization": "Bearer inference-key"})
         assert r.status_code == 401
+
+
+def test_a_deep_body_gets_a_400_from_the_gateway(gw: Stack) -> None:
+    deep = b'{"prompt": "x", "max_tokens": 1, "extra": ' + b"[" * 299 + b"]" * 299 + b"}"
+    r = httpx.post(f"{gw.url}/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and f"deeper than {MAX_JSON_DEPTH} levels" in r.json()["error"]["message"], r.text
