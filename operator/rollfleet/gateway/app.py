@@ -65,6 +65,7 @@ _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 # Header names as looked up: lowercase (the HTTP server's are; Starlette's lookups ignore case).
 _REQUEST_ID, _TIMEOUT = REQUEST_ID_HEADER.lower(), TIMEOUT_HEADER.lower()
 _GROUP, _SESSION, _SESSION_END = GROUP_HEADER.lower(), SESSION_HEADER.lower(), SESSION_END_HEADER.lower()
+MAX_SESSION_KEY = 256  # characters; the session table keeps every key for its TTL
 MAX_CONTROL_WAIT_S = 600  # a pause or resume waits at most this long for the status to show it done
 
 
@@ -180,6 +181,9 @@ class _Gateway:
             raise Refused(400, f"the request body is not valid JSON: {err}") from None
         except BadRequest as err:
             raise Refused(400, str(err)) from None
+        session = headers.get(_GROUP) or headers.get(_SESSION)
+        if session is not None and len(session) > MAX_SESSION_KEY:
+            raise Refused(400, f"{GROUP_HEADER} or {SESSION_HEADER} is longer than {MAX_SESSION_KEY} characters")
         request_id = _request_id(headers, body)
         timeout = _timeout_s(headers, config.request_timeout_s, config.max_timeout_s)
         try:
@@ -190,7 +194,7 @@ class _Gateway:
             route=route,
             body=body,
             request_id=request_id,
-            session=headers.get(_GROUP) or headers.get(_SESSION),
+            session=session,
             end_session=headers.get(_SESSION_END, "").lower() in ("1", "true", "yes"),
             deadline=asyncio.get_running_loop().time() + timeout,
         )

@@ -33,6 +33,8 @@ class RoutingPolicy:
     imbalance_rel: float = 1.5
     # Sweeping the session table is O(sessions); do it at most this often.
     sweep_interval_s: float = 5.0
+    # Callers choose session keys: past this many, a new session is routed as a request without one.
+    max_sessions: int = 100_000
 
 
 @dataclass
@@ -71,6 +73,9 @@ class Router:
             self._start(least)
             return Decision(least, None)
         entry = self.sessions.get(session)
+        if entry is None and len(self.sessions) >= self.policy.max_sessions:
+            self._start(least)  # the table is full: no stickiness rather than unbounded memory
+            return Decision(least, None)
         if entry is None:
             self.sessions[session] = Session(least, now, active=1)
             self._start(least)

@@ -335,3 +335,13 @@ def test_a_deep_body_gets_a_400_from_the_gateway(gw: Stack) -> None:
     deep = b'{"prompt": "x", "max_tokens": 1, "extra": ' + b"[" * 299 + b"]" * 299 + b"}"
     r = httpx.post(f"{gw.url}/v1/completions", content=deep, headers={"content-type": "application/json"})
     assert r.status_code == 400 and f"deeper than {MAX_JSON_DEPTH} levels" in r.json()["error"]["message"], r.text
+
+
+def test_a_session_key_longer_than_the_limit_is_refused(gw: Stack) -> None:
+    from rollfleet.gateway.app import MAX_SESSION_KEY
+
+    body = {"prompt": "x", "max_tokens": 1}
+    r = httpx.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * (MAX_SESSION_KEY + 1)})
+    assert r.status_code == 400 and f"longer than {MAX_SESSION_KEY} characters" in r.json()["error"]["message"]
+    r = httpx.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * MAX_SESSION_KEY})
+    assert r.status_code == 200, r.text

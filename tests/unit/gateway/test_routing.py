@@ -100,3 +100,19 @@ def test_outstanding_counts_return_to_zero() -> None:
     for d in decisions:
         router.finish(d, now=10)
     assert all(v == 0 for v in router.outstanding.values())
+
+
+def test_the_session_table_is_capped() -> None:
+    """D9: callers choose session keys; 3,000 distinct ones of 60 KB kept 130 MB for the TTL."""
+    router = Router(RoutingPolicy(max_sessions=2))
+    for key in ("a", "b"):
+        router.finish(router.choose(["e0", "e1"], key, now=0.0), now=0.0)
+    third = router.choose(["e0", "e1"], "c", now=1.0)
+    assert third.session is None and set(router.sessions) == {"a", "b"}  # routed, not remembered
+    router.finish(third, now=1.0)
+    assert router.load(third.engine) == 0
+    assert router.choose(["e0", "e1"], "a", now=2.0).session == "a"  # known sessions still stick
+    # Expired sessions make room again.
+    later = 2.0 + RoutingPolicy().session_ttl_s + RoutingPolicy().sweep_interval_s
+    router.finish(router.choose(["e0", "e1"], "a", now=2.0), now=2.0)
+    assert router.choose(["e0", "e1"], "d", now=later + 10).session == "d"
