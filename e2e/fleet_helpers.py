@@ -272,7 +272,7 @@ class SharedFleet:
                 120,
             )
         except Exception as err:
-            self.broken = f"{case} changed it, and putting it back failed: {err}"
+            self.broken = f"putting it back after {case} failed: {err}"
             raise
 
 
