@@ -50,7 +50,7 @@ kind-up: images ## the e2e kind cluster here (GPU pools, images loaded); node im
 # push through the trainer's sidecar, and the NetworkPolicy enforced. The whole suite runs there too: `make kind-e2e KIND_E2E=e2e`.
 KIND_E2E ?= e2e/test_fleet.py::test_fleet_becomes_ready_on_gpu_nodes \
 	e2e/test_fleet.py::test_pause_keep_during_a_stream_loses_no_token \
-	e2e/test_gateway.py::test_abort_one_of_two_streams_by_id \
+	"e2e/test_gateway.py::test_abort_one_of_two_streams_by_id[vllm]" \
 	e2e/test_client.py::test_pause_and_resume_from_the_client_are_the_fleets_annotation_and_reach_every_engine \
 	e2e/test_network_policy.py \
 	e2e/test_sync.py::test_each_component_may_do_what_it_needs_and_no_more \
@@ -65,23 +65,37 @@ kind-down: ## delete the kind cluster: no container, network or kubeconfig left
 	@if [ -x $(BIN)/rollfleet ]; then rollfleet kind down; fi
 
 .PHONY: lint
-lint: env ## ruff (lint and format), mypy (strict), import contracts, actionlint (as .pre-commit-config.yaml)
+lint: env ## ruff (lint and format), mypy (strict), import contracts, every test in one tier, actionlint
 	ruff check $(PY_SOURCES)
 	ruff format --check $(PY_SOURCES)
 	mypy
 	lint-imports
+	python -m tests.tiers check
 	hack/actionlint.sh
 
-.PHONY: unit
-unit: env ## fast tests, no cluster and no engine
-	pytest -q tests/unit $(PYTEST_ARGS)
+# The tiers (docs/testing.md; defined in tests/tiers.py): each runs alone, and `make test` runs them all.
+.PHONY: test-unit
+test-unit: env ## tier 1: no cluster and no engine (under 2 minutes)
+	python -m tests.tiers run unit $(PYTEST_ARGS)
+
+.PHONY: test-engine
+test-engine: env ## tier 2: real vLLM without a cluster, and the engine contract (simulator and vLLM)
+	python -m tests.tiers run engine $(PYTEST_ARGS)
+
+.PHONY: test-controlplane
+test-controlplane: env build ## tier 3: the local cluster with the real operator, gateway and runner; simulated engines
+	python -m tests.tiers run controlplane $(PYTEST_ARGS)
+
+.PHONY: test-acceptance
+test-acceptance: env build ## tier 4 on the local cluster: real vLLM engines (the kind part: make kind-e2e)
+	python -m tests.tiers run acceptance $(PYTEST_ARGS)
 
 .PHONY: test
-test: env build lint ## everything: unit, engine and e2e tests on the local cluster, then the acceptance subset on kind
+test: env build lint ## every tier, then the acceptance subset on kind; prints each tier's time against its budget
 	@PYTEST_ARGS="$(PYTEST_ARGS)" hack/test.sh
 
 .PHONY: test-local
-test-local: env build lint ## everything on the local cluster only (no Docker needed)
+test-local: env build lint ## every tier, on the local cluster only (no Docker needed)
 	pytest $(PYTEST_ARGS)
 
 .PHONY: bench

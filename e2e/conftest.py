@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
+from e2e.fleet_helpers import sim_engine
 from e2e.live_fleet import LiveFleet, live_fleet
 from e2e.provider import Cluster
 
@@ -27,6 +28,18 @@ def cluster() -> Iterator[Cluster]:
 def live(cluster: Cluster) -> Iterator[LiveFleet]:
     """A 2-engine fleet with 2 gateway replicas, shared by the gateway and RolloutRequest acceptance tests."""
     with live_fleet(cluster) as fleet:
+        yield fleet
+
+
+# The simulated engines' pace: a 120-token sample takes about 2.4 s, as long as on the real tiny engine
+# when 16 decode at once, so that a fault lands while some samples are done and others decode.
+SIM_TOKEN_DELAY_MS = 20.0
+
+
+@pytest.fixture(scope="session")
+def sim_live(cluster: Cluster) -> Iterator[LiveFleet]:
+    """The control-plane tier's shared fleet: as `live`, with simulated engines (`rollfleet_dev.sim_engine`)."""
+    with live_fleet(cluster, engine=sim_engine(SIM_TOKEN_DELAY_MS)) as fleet:
         yield fleet
 
 

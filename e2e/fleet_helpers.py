@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -125,6 +126,19 @@ def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dic
             "drainTimeoutSeconds": 600,
             **spec,
         },
+    }
+
+
+def sim_engine(token_delay_ms: float) -> dict[str, Any]:
+    """A fleet's `spec.engine` for the control-plane tier: `rollfleet_dev.sim_engine`, the engine's protocol
+    without vLLM (held to the real engine by tests/engine/test_contract.py), `token_delay_ms` before each
+    token. It starts in about a second, where a real engine takes 30-90 s. A local-cluster pod runs this
+    interpreter: the simulator is development tooling, in no image."""
+    return {
+        "command": [sys.executable, "-m", "rollfleet_dev.sim_engine"],
+        # The batch of the real fleets' engines (fleet_manifest): requests past it wait, as in vLLM.
+        "args": ["--token-delay-ms", str(token_delay_ms), "--max-num-seqs", "8"],
+        "maxModelLen": TINY_MODEL_CONTEXT,
     }
 
 

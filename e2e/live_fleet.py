@@ -20,8 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from e2e.fleet_helpers import ENGINE_START_S, Fleet, deploy_operator, fleet_manifest, kill_engine_process
+from e2e.fleet_helpers import (
+    ENGINE_START_S,
+    Fleet,
+    deploy_operator,
+    fleet_manifest,
+    kill_engine_process,
+)
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import (
     COMPONENT_RUNNER,
@@ -113,6 +120,19 @@ class LiveFleet:
         return None
 
 
+# A module's `fleet` fixture takes the shared fleet by parameter (`shared`): `sim` (the control-plane
+# tier's simulated engines) by default; these marks run a case on real engines too, or only there.
+ON_BOTH = pytest.mark.parametrize("fleet", ["sim", pytest.param("vllm", marks=pytest.mark.engine)], indirect=True)
+REAL_ONLY = pytest.mark.parametrize("fleet", [pytest.param("vllm", marks=pytest.mark.engine)], indirect=True)
+
+
+def shared(request: pytest.FixtureRequest) -> LiveFleet:
+    """The session's fleet a case's parameter names (`sim`: `sim_live`, `vllm`: `live`), healed."""
+    fleet: LiveFleet = request.getfixturevalue("sim_live" if request.param == "sim" else "live")
+    fleet.ready()
+    return fleet
+
+
 # --- RolloutRequests on the live fleet ---------------------------------------------------
 
 ROLLFLEET = str(Path(sys.executable).parent / "rollfleet")
@@ -201,11 +221,15 @@ def _ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def live_fleet(cluster: Cluster) -> Iterator[LiveFleet]:
-    namespace = f"live-e2e-{uuid.uuid4().hex[:6]}"
+def live_fleet(cluster: Cluster, engine: dict[str, Any] | None = None) -> Iterator[LiveFleet]:
+    """The operator serving a fresh namespace, and a fleet there: 2 engines (real ones, or `engine` as the
+    spec's `engine`), 2 gateway replicas."""
+    namespace = f"{'live' if engine is None else 'sim'}-e2e-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     deploy_operator(cluster, [namespace])
-    manifest = fleet_manifest(NAME, namespace, replicas=2, gateway={"replicas": 2})
+    manifest = fleet_manifest(
+        NAME, namespace, replicas=2, gateway={"replicas": 2}, **({"engine": engine} if engine else {})
+    )
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
     fleet = Fleet(cluster, NAME, namespace)
     try:

@@ -1,4 +1,7 @@
-"""The fault matrix: one fault per case while a RolloutRequest runs on the live fleet's REAL engines.
+"""The fault matrix: one fault per case while a RolloutRequest runs through the operator and the gateway.
+
+The fleet is the control-plane tier's (`sim_live`: simulated engines, `rollfleet_dev.sim_engine`);
+the engine kill and the operator kill also run on the live fleet's real vLLM engines (`[vllm]`).
 
 Each case runs a 64-sample RolloutRequest (16 prompts x 4 samples, 120 tokens each) through
 the operator and the gateway, injects its fault once samples complete and others decode, and
@@ -24,21 +27,20 @@ import httpx
 import pytest
 
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods, sse, tokens_of
-from e2e.live_fleet import LiveFleet, create, results, running, status, wait_phase
+from e2e.live_fleet import ON_BOTH, LiveFleet, create, results, running, shared, status, wait_phase
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
-pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+pytestmark = pytest.mark.cluster
 
 PROMPTS, SAMPLES, TOKENS = 16, 4, 120
 PARALLELISM = 16
 
 
-@pytest.fixture
-def fleet(live: LiveFleet) -> LiveFleet:
-    live.ready()
-    return live
+@pytest.fixture(params=["sim"])
+def fleet(request: pytest.FixtureRequest) -> LiveFleet:
+    return shared(request)
 
 
 def status_mismatch(fleet: LiveFleet) -> str | None:
@@ -111,10 +113,12 @@ def run_with_fault(
     assert not running(fleet, uid), "a sample still runs on an engine"
 
 
+@ON_BOTH
 def test_an_engine_killed_mid_rollout(fleet: LiveFleet) -> None:
     run_with_fault(fleet, "kill an engine mid-rollout", lambda: fleet.kill_engine(fleet.engines[0].key))
 
 
+@ON_BOTH
 def test_the_operator_killed_mid_rollout(fleet: LiveFleet) -> None:
     def kill() -> None:
         [op] = operator_pods(fleet.cluster)

@@ -1,12 +1,14 @@
-"""The gateway in front of two REAL vLLM CPU engines on the cluster: the acceptance tests of issue 5.
+"""The gateway in front of a fleet's engines on the cluster: the acceptance tests of issue 5.
 
-The fleet is the session's live fleet (`e2e/live_fleet.py`): deployed by the operator
-from manifests/, 2 engine pods on the GPU pool, 2 gateway replicas (`rollfleet
-gateway`, discovering engines by watching pods). Tests talk to gateway replica 0
-unless they need the other one (session tables are per replica; the Service spreads
-connections across replicas). Nothing is simulated: aborts, disconnects, prefix-cache
-hits and the killed engine are checked at the engines. The test that kills an engine
-runs last in this module; the fleet heals before the next user (`LiveFleet.ready`).
+The fleet is the session's shared one (`e2e/live_fleet.py`): deployed by the operator from
+manifests/, 2 engine pods on the GPU pool, 2 gateway replicas (`rollfleet gateway`, discovering
+engines by watching pods). Its engines are the control-plane tier's simulated ones (`[sim]`),
+held to vLLM by tests/engine/test_contract.py; prefix-cache hits are vLLM's own (`[vllm]` only),
+and an abort of one of two streams also runs on real engines (kind runs that one). Tests talk to
+gateway replica 0 unless they need the other one (session tables are per replica; the Service
+spreads connections across replicas). Aborts, disconnects and the killed engine are checked at
+the engines. The test that kills an engine runs last in this module; the fleet heals before the
+next user (`LiveFleet.ready`).
 """
 
 from __future__ import annotations
@@ -23,22 +25,21 @@ import httpx
 import pytest
 
 from e2e.fleet_helpers import sse, tokens_of
-from e2e.live_fleet import Endpoint, LiveFleet
+from e2e.live_fleet import ON_BOTH, REAL_ONLY, Endpoint, LiveFleet, shared
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT
 
-pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+pytestmark = pytest.mark.cluster
 
 CPU_BLOCK = 128  # vLLM's KV-cache block on CPU: prefix-cache hits come in whole blocks
 
 
-@pytest.fixture
-def fleet(live: LiveFleet) -> LiveFleet:
-    live.ready()
-    return live
+@pytest.fixture(params=["sim"])
+def fleet(request: pytest.FixtureRequest) -> LiveFleet:
+    return shared(request)
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -81,6 +82,7 @@ class Stream:
 # --- acceptance -----------------------------------------------------------------------
 
 
+@ON_BOTH
 def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
     a, b = f"abort-a-{uuid.uuid4().hex[:6]}", f"abort-b-{uuid.uuid4().hex[:6]}"
     sa, sb = Stream(fleet, a, LONG), Stream(fleet, b, 200)
@@ -187,6 +189,7 @@ def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dic
     return r.json()
 
 
+@REAL_ONLY
 def test_multi_turn_sessions_stay_on_one_engine_and_hit_its_prefix_cache(fleet: LiveFleet) -> None:
     turns, sessions = 3, 20
     before = {e.key: engine_metric(e.url, "vllm:prefix_cache_hits_total") for e in fleet.engines}

@@ -1,4 +1,4 @@
-"""RolloutRequest results on a PersistentVolumeClaim, on the live fleet's REAL vLLM engines.
+"""RolloutRequest results on a PersistentVolumeClaim, on the control-plane tier's simulated engines.
 
 The claim is bound to a hostPath PersistentVolume made here, so the file the runner writes
 can be checked where it lies. A missing claim fails the request before any pod runs. A
@@ -23,7 +23,6 @@ from rollfleet.contract import LABEL_REQUEST, LABEL_REQUEST_UID, runner_name
 
 pytestmark = [
     pytest.mark.cluster,
-    pytest.mark.engine,
     pytest.mark.skipif(
         os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") != "local",
         reason="the volume is a directory of this machine: the local cluster's nodes are this machine",
@@ -32,9 +31,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def fleet(live: LiveFleet) -> LiveFleet:
-    live.ready()
-    return live
+def fleet(sim_live: LiveFleet) -> LiveFleet:
+    sim_live.ready()
+    return sim_live
 
 
 @pytest.fixture

@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite on the local cluster, then the acceptance subset on kind.
+# `make test`: every tier (docs/testing.md): unit, engine, control plane and acceptance on the local
+# cluster, then the acceptance subset on kind; at the end, each tier's time against its budget.
 #
 # Bringing kind up (Docker, the images, the node image, the cluster) is mostly waiting on Docker
-# and on cached builds; cold, it is Go builds. It runs beside the local-cluster suite at low CPU
-# priority instead of after it, and its output goes to a log. A cluster kept from an earlier run
-# loses what that run left in it (`--clean`: a fleet of engines, an operator), or it would run
-# beside this one; and the cluster is stopped once up, since an idle cluster costs a share of a
-# core that the local suite needs. It is started again for the kind subset, once both are done.
+# and on cached builds; cold, it is Go builds. It runs beside the local tiers at low CPU priority
+# instead of after them, and its output goes to a log. A cluster kept from an earlier run loses
+# what that run left in it (`--clean`: a fleet of engines, an operator), or it would run beside
+# this one; and the cluster is stopped once up, since an idle cluster costs a share of a core that
+# the local tiers need. It is started again for the kind subset, once both are done.
 # Without Docker (and no root to install it) use `make test-local`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${ROLLFLEET_CACHE:-$HOME/.cache/rollfleet}"
-KIND_LOG="$CACHE/logs/kind-up.log"
-LOCAL_LOG="$CACHE/logs/local-suite.log"
-SLOWEST=15  # the local suite's slowest tests, repeated at the end
+LOGS="$CACHE/logs"
+KIND_LOG="$LOGS/kind-up.log"
+KIND_BUDGET_S=600  # the acceptance subset on kind, once its cluster is up
+SLOWEST=15  # each tier's slowest tests, repeated at the end
 say() { echo "[test] $*"; }
 
-hack/docker.sh || { say "kind needs Docker; without it, run 'make test-local' (the suite on the local cluster)"; exit 1; }
-mkdir -p "$(dirname "$KIND_LOG")"
+hack/docker.sh || { say "kind needs Docker; without it, run 'make test-local' (every tier on the local cluster)"; exit 1; }
+mkdir -p "$LOGS"
 rm -f "$KIND_LOG.status"
-say "bringing the kind cluster up beside the local suite, at low priority, stopped until the suite is done (log: $KIND_LOG)"
+say "bringing the kind cluster up beside the local tiers, at low priority, stopped until they are done (log: $KIND_LOG)"
 start=$SECONDS
 (
   nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop' >"$KIND_LOG" 2>&1
@@ -28,11 +30,33 @@ start=$SECONDS
 ) &
 kind_pid=$!
 
-# shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
-pytest --durations=$SLOWEST $PYTEST_ARGS 2>&1 | tee "$LOCAL_LOG"
-local_status=${PIPESTATUS[0]}
+summary=()
+failed=0
+# tier NAME BUDGET_S COMMAND...: run it, its output also in $LOGS/NAME.log; a line of the summary.
+tier() {
+  local name=$1 budget=$2 t0=$SECONDS status
+  shift 2
+  say "== tier $name (budget ${budget} s)"
+  "$@" 2>&1 | tee "$LOGS/$name.log"
+  status=${PIPESTATUS[0]}
+  # pytest exits 5 when a tier selects no test (-k, -m from PYTEST_ARGS): nothing failed.
+  [ "$status" = 5 ] && status=0
+  local took=$((SECONDS - t0)) verdict=ok
+  [ "$took" -gt "$budget" ] && verdict="OVER BUDGET"
+  [ "$status" != 0 ] && { verdict="FAILED (exit $status)"; failed=1; }
+  summary+=("$(printf '%-22s %6s s  budget %5s s  %s' "$name" "$took" "$budget" "$verdict")")
+}
+
+# The local cluster serves both cluster tiers; one that was up before stays up after.
+was_up=$(python -c 'from rollfleet_dev.localcluster import controlplane as c; print(int(c.is_up()))')
+rollfleet cluster up >"$LOGS/cluster-up.log" 2>&1 || { cat "$LOGS/cluster-up.log"; exit 1; }
+for t in unit engine controlplane acceptance; do
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+  tier "$t" "$(python -m tests.tiers budget "$t")" python -m tests.tiers run "$t" --durations=$SLOWEST $PYTEST_ARGS
+done
+# Its CPU goes to the kind cluster from here on.
+[ "$was_up" = 1 ] || rollfleet cluster down >>"$LOGS/cluster-up.log" 2>&1
 local_s=$((SECONDS - start))
-say "local-cluster suite: exit $local_status after $local_s s"
 
 wait "$kind_pid"
 kind_status=$(cat "$KIND_LOG.status" 2>/dev/null || echo 1)
@@ -43,12 +67,14 @@ if [ "$kind_status" != 0 ]; then
 fi
 kind_s=$((SECONDS - start))
 say "kind cluster ready after $kind_s s (log: $KIND_LOG); starting it"
-
 # -o kind-up: the cluster and its images are ready; `kind up` only starts the stopped nodes.
-rollfleet kind up && make --no-print-directory -o kind-up kind-e2e
-kind_e2e_status=$?
-# The end of a run is what a CI page shows: repeat where the local suite's time went.
-{ sed -n "/slowest $SLOWEST durations/,/^=/p" "$LOCAL_LOG"; grep -E '^(FAILED|ERROR) ' "$LOCAL_LOG"; } | sed 's/^/[local] /'
-say "local suite: $(tail -n 1 "$LOCAL_LOG" | tr -d '=') (exit $local_status, done at $local_s s); kind ready at $kind_s s"
-say "kind subset: exit $kind_e2e_status; the whole run took $((SECONDS - start)) s"
-[ "$local_status" = 0 ] && [ "$kind_e2e_status" = 0 ]
+tier "acceptance on kind" "$KIND_BUDGET_S" bash -c 'rollfleet kind up && make --no-print-directory -o kind-up kind-e2e'
+
+# The end of a run is what a CI page shows: where each tier's time went, what failed, the tiers' times.
+for t in unit engine controlplane acceptance; do
+  { sed -n "/slowest $SLOWEST durations/,/^=/p" "$LOGS/$t.log"; grep -E '^(FAILED|ERROR) ' "$LOGS/$t.log"; } | sed "s/^/[$t] /"
+done
+say "local tiers done at $local_s s; kind ready at $kind_s s (beside them); the whole run took $((SECONDS - start)) s"
+say "tier times against their budgets (docs/testing.md):"
+for line in "${summary[@]}"; do say "  $line"; done
+exit "$failed"

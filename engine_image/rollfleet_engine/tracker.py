@@ -51,7 +51,12 @@ class _Entry:
             return ABORT
         if reasons:
             return reasons[0]
-        return REJECTED if self.closed else None
+        if not self.closed:
+            return None
+        # The exchange ended with no finish from vLLM: a request that reached the engine was cut (its
+        # client went away; vLLM aborts it once its output generator closes, which may come later),
+        # one that never did was refused before it.
+        return ABORT if self.engine else REJECTED
 
     def view(self) -> TrackedRequest:
         tokens = sum(e.output_tokens for e in self.engine.values())

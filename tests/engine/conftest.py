@@ -9,6 +9,7 @@ three such engines left running, the API server stalled for minutes under memory
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import subprocess
@@ -110,20 +111,13 @@ def engine_command(
     ]
 
 
-@pytest.fixture(scope="package")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    model_dir = ensure_tiny_model()
-    tmp = tmp_path_factory.mktemp("engine")
-    token_file = tmp / "token"
-    token_file.write_text(TOKEN + "\n")
-    host, port = free_loopback_address()
-    log = tmp / "engine.log"
-    cmd = engine_command(model_dir, host, port, token_file, "a-0")
-    with log.open("wb") as out:
+@contextlib.contextmanager
+def running(cmd: list[str], engine: Engine, timeout_s: float) -> Iterator[Engine]:
+    """`engine`, served by `cmd` for the duration (its output in `engine.log`)."""
+    with engine.log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    engine = Engine(url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=log)
     try:
-        wait_ready(engine.url, proc, log, START_TIMEOUT_S)
+        wait_ready(engine.url, proc, engine.log, timeout_s)
         yield engine
     finally:
         engine.client.close()
@@ -133,3 +127,38 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="package")
+def real_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    model_dir = ensure_tiny_model()
+    tmp = tmp_path_factory.mktemp("engine")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
+    host, port = free_loopback_address()
+    cmd = engine_command(model_dir, host, port, token_file, "a-0")
+    engine = Engine(url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=tmp / "engine.log")
+    with running(cmd, engine, START_TIMEOUT_S) as ready:
+        yield ready
+
+
+# The simulator's decoding pace: about the real tiny engine's on this host (1,200-2,600 tokens/s
+# alone, slower when shared), so that the contract's timing windows mean the same for both.
+SIM_TOKEN_DELAY_MS = 2.0
+
+
+@pytest.fixture(scope="package")
+def sim_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """The simulator with the real engine's flags: the same token, served name and weight version."""
+    tmp = tmp_path_factory.mktemp("sim-engine")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN + "\n")
+    host, port = free_loopback_address()
+    model_dir = ensure_tiny_model()
+    cmd = [sys.executable, "-m", "rollfleet_dev.sim_engine", "serve", "--model", str(model_dir)]
+    cmd += ["--served-model-name", "tiny", "--max-model-len", str(TINY_MODEL_CONTEXT), "--host", host]
+    cmd += ["--port", str(port), "--token-file", str(token_file), "--weight-version", "a-0"]
+    cmd += ["--token-delay-ms", str(SIM_TOKEN_DELAY_MS)]
+    engine = Engine(url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=tmp / "engine.log")
+    with running(cmd, engine, 60) as ready:
+        yield ready

@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import SPOOL_INCOMING_DIR, EngineStep, PushState, PushStatus
+from tests.engine.calls import Stream, complete
 from tests.engine.conftest import Engine
-from tests.engine.test_engine_live import Stream, _reference_greedy, complete
+from tests.engine.test_engine_live import _reference_greedy
 
 from .conftest import EngineProcess, Sidecar
 

@@ -39,6 +39,19 @@ def test_tracker_rejected_and_bounded() -> None:
     assert t.get("c").finish_reason == "rejected"  # type: ignore[union-attr]
 
 
+def test_a_request_cut_at_the_engine_ended_aborted_whenever_vllm_says_so() -> None:
+    """A client gone mid-request: the exchange closes before vLLM's output generator does (a non-streaming
+    request, found by the engine contract); the request ran at the engine, so it was aborted, not refused."""
+    t = RequestTracker()
+    t.open("cut")
+    t.attach("cut", "cmpl-cut-0")
+    t.on_output("cut", "cmpl-cut-0", output_tokens=3, cumulative=False, finish_reason=None)
+    t.close("cut")
+    t.on_engine_end("cut", "cmpl-cut-0", ABORT)  # late: the entry is closed already
+    view = t.get("cut")
+    assert view is not None and view.phase is RequestPhase.FINISHED and view.finish_reason == ABORT
+
+
 class FakeEngine:
     """Aborting an external id ends it with finish_reason abort, as AsyncLLM does."""
 

@@ -1,0 +1,102 @@
+"""Calls to one engine, shared by the contract suite and the real engine's own tests: a stream read on
+a thread, the state and tracked-request routes, control calls with the token, plain completions."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from rollfleet import jsonl
+
+from .conftest import Engine
+
+PROMPT = [5, 6, 7, 8]
+
+
+class Stream:
+    """A streaming completion read on a thread, with the arrival time of every token."""
+
+    def __init__(self, engine: Engine, request_id: str, max_tokens: int, chat: bool = False) -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = []
+        self.arrivals: list[float] = []
+        self.finish_reason: str | None = None
+        self.headers: httpx.Headers | None = None
+        self.error: BaseException | None = None
+        self._changed = threading.Condition()
+        body: dict[str, Any] = {
+            "model": engine.model,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        if chat:
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "count"}]
+        else:
+            path, body["prompt"] = "/v1/completions", PROMPT
+        self._thread = threading.Thread(target=self._run, args=(engine.url + path, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with httpx.stream("POST", url, json=body, headers={"X-Request-Id": self.request_id}, timeout=120) as r:
+                self.headers = r.headers
+                r.raise_for_status()
+                for line in jsonl.iter_lines(r.iter_bytes()):
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        with self._changed:
+                            ids = choice.get("token_ids") or []
+                            self.tokens += ids
+                            self.arrivals += [time.monotonic()] * len(ids)
+                            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+                            self._changed.notify_all()
+        except BaseException as err:
+            self.error = err
+        finally:
+            with self._changed:
+                self._changed.notify_all()
+
+    def wait_tokens(self, n: int, timeout: float = 60) -> None:
+        with self._changed:
+            ok = self._changed.wait_for(lambda: len(self.tokens) >= n or not self._thread.is_alive(), timeout)
+        assert ok and len(self.tokens) >= n, f"{self.request_id}: {len(self.tokens)} tokens, error {self.error}"
+
+    def join(self, timeout: float = 120) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"{self.request_id} did not finish"
+        assert self.error is None, self.error
+
+
+def rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def state(engine: Engine) -> dict[str, Any]:
+    return engine.client.get(engine.url + "/rollfleet/v1/state").raise_for_status().json()
+
+
+def tracked(engine: Engine, request_id: str) -> dict[str, Any]:
+    return engine.client.get(f"{engine.url}/rollfleet/v1/requests/{request_id}").raise_for_status().json()
+
+
+def in_flight_ids(engine: Engine) -> set[str]:
+    view = engine.client.get(engine.url + "/rollfleet/v1/requests").raise_for_status().json()
+    return {r["request_id"] for r in view["in_flight"]}
+
+
+def control(engine: Engine, path: str, method: str = "POST", **kwargs: Any) -> httpx.Response:
+    return engine.client.request(method, engine.url + path, headers=engine.auth, timeout=120, **kwargs)
+
+
+def complete(engine: Engine, prompt: list[int], max_tokens: int, **extra: Any) -> httpx.Response:
+    body = {"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return engine.client.post(engine.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=120)
