@@ -44,14 +44,16 @@ KIND_UP_ARGS ?=
 kind-up: images ## the e2e kind cluster here (GPU pools, images loaded); node image built offline, cached: KIND_UP_ARGS=--clean
 	rollfleet kind up $(KIND_UP_ARGS)
 
-# What `make kind-e2e` runs on kind: a fleet Ready on the GPU pool, an abort checked at the
-# engine, pause keep losing no token, a pause from the trainer client through the gateway, each
-# component's RBAC (and the gateway's admission policy) as the API server answers it, a weight
-# push through the trainer's sidecar, and the NetworkPolicy enforced. The whole suite runs there too: `make kind-e2e KIND_E2E=e2e`.
-KIND_E2E ?= e2e/test_fleet.py::test_fleet_becomes_ready_on_gpu_nodes \
-	e2e/test_fleet.py::test_pause_keep_during_a_stream_loses_no_token \
-	"e2e/test_gateway.py::test_abort_one_of_two_streams_by_id[vllm]" \
+# What `make kind-e2e` runs on kind (the acceptance tier's part there, real engines in containers):
+# an abort checked at the engine, a pause from the trainer client through the gateway reaching
+# every engine, an engine and the operator killed mid-rollout with no sample lost, each component's
+# RBAC (and the gateway's admission policy) as the API server answers it, a weight push through the
+# trainer's sidecar, and the NetworkPolicy enforced. The whole suite runs there too (its
+# simulated-engine cases skip): `make kind-e2e KIND_E2E=e2e`.
+KIND_E2E ?= "e2e/test_gateway.py::test_abort_one_of_two_streams_by_id[vllm]" \
 	e2e/test_client.py::test_pause_and_resume_from_the_client_are_the_fleets_annotation_and_reach_every_engine \
+	"e2e/test_faults.py::test_an_engine_killed_mid_rollout[vllm]" \
+	"e2e/test_faults.py::test_the_operator_killed_mid_rollout[vllm]" \
 	e2e/test_network_policy.py \
 	e2e/test_sync.py::test_each_component_may_do_what_it_needs_and_no_more \
 	e2e/test_sync.py::test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version

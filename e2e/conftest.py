@@ -39,7 +39,7 @@ SIM_TOKEN_DELAY_MS = 20.0
 @pytest.fixture(scope="session")
 def sim_live(cluster: Cluster) -> Iterator[LiveFleet]:
     """The control-plane tier's shared fleet: as `live`, with simulated engines (`rollfleet_dev.sim_engine`)."""
-    with live_fleet(cluster, engine=sim_engine(SIM_TOKEN_DELAY_MS)) as fleet:
+    with live_fleet(cluster, engine=sim_engine(cluster, SIM_TOKEN_DELAY_MS)) as fleet:
         yield fleet
 
 

@@ -129,11 +129,13 @@ def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dic
     }
 
 
-def sim_engine(token_delay_ms: float) -> dict[str, Any]:
+def sim_engine(cluster: Cluster, token_delay_ms: float) -> dict[str, Any]:
     """A fleet's `spec.engine` for the control-plane tier: `rollfleet_dev.sim_engine`, the engine's protocol
     without vLLM (held to the real engine by tests/engine/test_contract.py), `token_delay_ms` before each
     token. It starts in about a second, where a real engine takes 30-90 s. A local-cluster pod runs this
-    interpreter: the simulator is development tooling, in no image."""
+    interpreter; the simulator is development tooling, in no image, so elsewhere (kind) the case is skipped."""
+    if cluster.provider != "local":
+        pytest.skip("simulated engines run on the local cluster only: the simulator is in no image")
     return {
         "command": [sys.executable, "-m", "rollfleet_dev.sim_engine"],
         # The batch of the real fleets' engines (fleet_manifest): requests past it wait, as in vLLM.

@@ -1,6 +1,9 @@
-"""RolloutFleet end to end: the operator deployed from manifests/, real vLLM engines.
+"""RolloutFleet end to end: the operator deployed from manifests/, on simulated engines.
 
-One fleet is shared by the module (engines take a minute to start on this machine). Every
+The engines are the control-plane tier's (`rollfleet_dev.sim_engine`, held to vLLM by
+tests/engine/test_contract.py): the operator is under test here (admission, status, crash loops,
+pause, drain, replacement, restarts), and a fleet of real engines on kind is the acceptance tier's
+(e2e/test_faults.py, test_gateway.py, test_client.py). One fleet is shared by the module. Every
 case that uses it starts from REPLICAS Ready engines with nothing paused, and its teardown
 puts the fleet back whatever the case did (`SharedFleet`), so a failed case fails alone. Every
 wait is on an observable condition (status, pods, token streams), never a fixed sleep.
@@ -27,6 +30,7 @@ from e2e.fleet_helpers import (
     fleet_manifest,
     kill_engine_process,
     operator_pods,
+    sim_engine,
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import ANNOTATION_CRASHES, REQUESTS_PATH, engine_pod_name
@@ -34,7 +38,9 @@ from rollfleet.controller.status import CRASH_BACKOFF_START_S, ENGINES_PAUSED_AL
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION, TINY_MODEL_CONTEXT
 
-pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+pytestmark = pytest.mark.cluster
+# 8,000 tokens (the pause case's) take 40 s: a pause lands in a few.
+TOKEN_DELAY_MS = 5.0
 
 NS = "rf-e2e"
 NAME = "e2e"
@@ -50,8 +56,15 @@ def operator(cluster: Cluster) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def shared(cluster: Cluster, operator: None) -> SharedFleet:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet_manifest(NAME, NS, replicas=REPLICAS)))
+def engine(cluster: Cluster) -> dict[str, Any]:
+    """The module's fleets' `spec.engine`: simulated."""
+    return sim_engine(cluster, TOKEN_DELAY_MS)
+
+
+@pytest.fixture(scope="module")
+def shared(cluster: Cluster, operator: None, engine: dict[str, Any]) -> SharedFleet:
+    manifest = fleet_manifest(NAME, NS, replicas=REPLICAS, engine=engine)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
     return SharedFleet(Fleet(cluster, NAME, NS), REPLICAS)
 
 
@@ -117,11 +130,11 @@ def test_invalid_fleets_are_refused_with_a_clear_message(cluster: Cluster, opera
 
 
 def test_an_engine_that_cannot_start_backs_off_says_why_and_recovers_once_the_spec_is_fixed(
-    cluster: Cluster, operator: None
+    cluster: Cluster, operator: None, engine: dict[str, Any]
 ) -> None:
-    """A context longer than the model's: vLLM exits at start, every time, until the spec is fixed."""
+    """A context longer than the model's: the engine exits at start, every time, until the spec is fixed."""
     crashy = Fleet(cluster, "crashy", NS)
-    manifest = fleet_manifest(crashy.name, NS, replicas=1)
+    manifest = fleet_manifest(crashy.name, NS, replicas=1, engine=dict(engine))
     manifest["spec"]["engine"]["maxModelLen"] = 10 * TINY_MODEL_CONTEXT
     manifest["spec"]["gateway"] = {"enabled": False}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))

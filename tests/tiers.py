@@ -106,7 +106,7 @@ def function_id(nodeid: str) -> str:
     return nodeid.split("[", 1)[0]
 
 
-_ROW = re.compile(r"^\| `([^`]+)` \| ([a-z, ]+) \|(.*)\|$")
+_ROW = re.compile(r"^\| `([^`]+::[^`]+)` \| ([a-z, ]+) \|(.*)\|$")
 
 
 def table(text: str) -> dict[str, tuple[set[str], set[str]]]:

@@ -63,6 +63,7 @@ FIRST_TOKENS_METRIC = "vllm:time_to_first_token_seconds_count"
 RUNNING_METRIC = "vllm:num_requests_running"
 WAITING_METRIC = "vllm:num_requests_waiting"
 SUCCESS_METRIC = "vllm:request_success_total"
+TOKENS_METRIC = "vllm:generation_tokens_total"
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
@@ -87,6 +88,7 @@ class SimEngine:
         self.served = 0
         self.first_tokens = 0
         self.successes = 0
+        self.generated = 0  # output tokens, every request
         self.decoding = 0  # requests with a place in the batch
         self.queued = 0  # ... and those waiting for one
         self.streamed: set[str] = set()
@@ -212,6 +214,8 @@ class SimEngine:
             f"{WAITING_METRIC}{label} {self.queued}",
             f"# TYPE {SUCCESS_METRIC.removesuffix('_total')} counter",
             f"{SUCCESS_METRIC}{label} {self.successes}",
+            f"# TYPE {TOKENS_METRIC.removesuffix('_total')} counter",
+            f"{TOKENS_METRIC}{label} {self.generated}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -229,6 +233,7 @@ class SimEngine:
         return web.json_response(tracked.model_dump(mode="json"))
 
     def _produced(self, rid: str, tokens: int, first: bool) -> None:
+        self.generated += tokens
         if first:
             self.first_tokens += 1
         self.tracker.on_output(
@@ -589,12 +594,21 @@ def _error(kind: str, message: str, code: int, param: str | None = None) -> Json
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _model_vocab(model: str | None) -> int | None:
-    """The vocabulary size in a model directory's config.json, as the engine reads it; None without one."""
+def _model_config(model: str | None) -> Json:
+    """A model directory's config.json, as the engine reads it; empty without one."""
     config = Path(model) / "config.json" if model else None
-    if config is None or not config.is_file():
+    return dict(orjson.loads(config.read_bytes())) if config is not None and config.is_file() else {}
+
+
+def context_refusal(config: Json, max_model_len: int | None) -> str | None:
+    """vLLM's refusal to start with a context longer than the model's, or None."""
+    derived = config.get("max_position_embeddings")
+    if max_model_len is None or derived is None or max_model_len <= derived:
         return None
-    return int(orjson.loads(config.read_bytes())["vocab_size"])
+    return (
+        f"Value error, User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+        f"(max_position_embeddings={float(derived)} or model_max_length=None in model's config.json)."
+    )
 
 
 def main() -> None:
@@ -623,7 +637,11 @@ def main() -> None:
         inference = read_token(args.inference_token_file) if args.inference_token_file else None
         policy = AccessPolicy(control_token=read_token(args.token_file), inference_token=inference)
     engine = SimEngine(args.name, args.token_delay_ms, weight_version=args.weight_version, policy=policy)
-    engine.vocab_size, engine.max_model_len = _model_vocab(args.model), args.max_model_len
+    config = _model_config(args.model)
+    refusal = context_refusal(config, args.max_model_len)
+    if refusal is not None:
+        sys.exit(refusal)  # as vLLM: the engine does not start
+    engine.vocab_size, engine.max_model_len = config.get("vocab_size"), args.max_model_len
     engine.samples = True
     if args.max_num_seqs:
         engine.limit_batch(args.max_num_seqs)

@@ -142,6 +142,14 @@ def real_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield ready
 
 
+def sim_command(model_dir: Path, host: str, port: int | str, token_file: Path, weight_version: str) -> list[str]:
+    """The simulator's command with the real engine's flags (engine_command's): the same model, context and batch."""
+    real = engine_command(model_dir, host, port, token_file, weight_version)
+    vllm_args = real[real.index("--") :]
+    cmd = [sys.executable, "-m", "rollfleet_dev.sim_engine", *real[3 : real.index("--")]]
+    return [*cmd, "--token-delay-ms", str(SIM_TOKEN_DELAY_MS), *vllm_args]
+
+
 # The simulator's decoding pace: about the real tiny engine's on this host (1,200-2,600 tokens/s
 # alone, slower when shared), so that the contract's timing windows mean the same for both.
 SIM_TOKEN_DELAY_MS = 2.0
@@ -155,10 +163,7 @@ def sim_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     token_file.write_text(TOKEN + "\n")
     host, port = free_loopback_address()
     model_dir = ensure_tiny_model()
-    cmd = [sys.executable, "-m", "rollfleet_dev.sim_engine", "serve", "--model", str(model_dir)]
-    cmd += ["--served-model-name", "tiny", "--max-model-len", str(TINY_MODEL_CONTEXT), "--host", host]
-    cmd += ["--port", str(port), "--token-file", str(token_file), "--weight-version", "a-0"]
-    cmd += ["--token-delay-ms", str(SIM_TOKEN_DELAY_MS)]
+    cmd = sim_command(model_dir, host, port, token_file, "a-0")
     engine = Engine(url=f"http://{host}:{port}", token=TOKEN, model="tiny", model_dir=model_dir, log=tmp / "engine.log")
     with running(cmd, engine, 60) as ready:
         yield ready

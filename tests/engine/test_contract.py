@@ -3,17 +3,19 @@
 The control-plane tier runs its fleets on `rollfleet_dev.sim_engine`; these checks hold it to what
 the real engine answers: generation shapes and headers, access (401 and 403, open routes), abort by
 caller id (answers, partial output, the tracked request), a client that goes away, `n` choices and
-usage, the three pause
-modes, sampling (greedy and seeded requests repeat, other seeds differ), the vLLM metrics tests
-read, and vLLM's refusals (status and error body). A case runs once per engine (`[vllm]`, `[sim]`);
-a simulator that answers one of them differently fails here.
+usage, the three pause modes, sampling (greedy and seeded requests repeat, other seeds differ), the
+vLLM metrics tests read, vLLM's refusals (status and error body), and its refusal to start with a
+context longer than the model's. A case runs once per engine (`[vllm]`, `[sim]`); a simulator that
+answers one of them differently fails here.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,10 +24,10 @@ import pytest
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import WEIGHT_VERSION_HEADER
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
-from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT
+from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 
 from .calls import PROMPT, Stream, complete, control, in_flight_ids, rid, state, tracked
-from .conftest import Engine
+from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, sim_command
 
 FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"  # requests that produced their first token
 
@@ -326,3 +328,20 @@ def test_n_choices_come_each_with_its_index_and_the_usage_counts_them_all(engine
             finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
     assert tokens == {0: 8, 1: 8} and finish == {0: "length", 1: "length"}, (tokens, finish)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 16, events[-1]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sim"])
+def test_a_context_longer_than_the_models_stops_the_engine_at_start(kind: str, tmp_path: Path) -> None:
+    """What the operator reports as a crash loop (`tests/unit/controller`, e2e/test_fleet.py): the engine
+    exits non-zero, and its last words name max_model_len."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    host, port = free_loopback_address()
+    cmd = (engine_command if kind == "vllm" else sim_command)(ensure_tiny_model(), host, port, token_file, "a-0")
+    cmd[cmd.index("--max-model-len") + 1] = str(10 * TINY_MODEL_CONTEXT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    last_words = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+    assert proc.returncode != 0 and any(
+        f"User-specified max_model_len ({10 * TINY_MODEL_CONTEXT}) is greater than the derived max_model_len" in line
+        for line in last_words
+    ), (proc.returncode, last_words)
