@@ -282,7 +282,7 @@ class SimEngine:
                 f"fewer output tokens. (parameter=max_tokens, value={max_tokens})"
             )
             return 400, _error("BadRequestError", message, 400, "max_tokens"), False
-        sampling = body.get("sampling_params", {}) if path == "/inference/v1/generate" else body
+        sampling = _sampling(path, body)
         asked = sampling.get("top_logprobs" if path == "/v1/chat/completions" else "logprobs")
         if isinstance(asked, int) and not isinstance(asked, bool) and asked > MAX_LOGPROBS:
             message = (
@@ -320,7 +320,7 @@ class SimEngine:
             await stream.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
             await stream.write_eof()
             return stream
-        sampling = body.get("sampling_params", {}) if path == "/inference/v1/generate" else body
+        sampling = _sampling(path, body)
         want = sampling.get("logprobs") is not None and sampling.get("logprobs") is not False  # 0 asks for them
         # Greedy decoding gives one answer per prompt; sampling differs per request unless seeded (as vLLM).
         temperature, seed = (sampling.get("temperature", 1.0), sampling.get("seed")) if self.samples else (0, None)
@@ -524,7 +524,7 @@ class SimEngine:
     @staticmethod
     def choice_seeds(body: Json, path: str, seed: int) -> list[int]:
         """One seed per choice (`n`): greedy choices are one answer, sampled ones differ."""
-        n = int((body.get("sampling_params", {}) if path == "/inference/v1/generate" else body).get("n") or 1)
+        n = int(_sampling(path, body).get("n") or 1)
         return [seed if seed == 0 else seed + 7919 * j for j in range(max(1, n))]
 
     @staticmethod
@@ -575,6 +575,11 @@ class SimEngine:
         if logprobs is not None:
             choice["logprobs"] = logprobs
         return {"request_id": rid, "output_mode": output_mode, "choices": [choice]}
+
+
+def _sampling(path: str, body: Json) -> Json:
+    """A request's sampling parameters: the body's own fields, or the token-in route's `sampling_params`."""
+    return dict(body.get("sampling_params", {})) if path == "/inference/v1/generate" else body
 
 
 def _unasked_ids(path: str, body: Json, out: Json) -> None:
