@@ -202,7 +202,7 @@ def start_simulators(n: int, tmp: Path, procs: list[subprocess.Popen[bytes]]) ->
         port = free_port()
         log = tmp / f"sim-{i}.log"
         with log.open("wb") as out:
-            command = [sys.executable, "-m", "rollfleet_dev.sim_engine", "--port", str(port)]
+            command = [sys.executable, "-m", "rollfleet_dev.sim_engine", "--host", "127.0.0.1", "--port", str(port)]
             procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
         engines.append(f"http://127.0.0.1:{port}")
         wait_serving(engines[-1], procs[-1], log)

@@ -3,7 +3,7 @@
 The suite is cluster-agnostic: tests talk to the cluster through `Cluster`, and only
 `Cluster.start()` differs by provider (`ROLLFLEET_E2E_PROVIDER=local|existing`).
 With `existing` (kind), `KUBECONFIG` names the cluster and pods are reached through
-`kubectl port-forward`; on the local cluster pod IPs are loopback addresses.
+`kubectl port-forward`; the local cluster routes pod IPs from this machine.
 """
 
 from __future__ import annotations

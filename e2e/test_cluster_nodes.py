@@ -7,6 +7,8 @@ GPU pool (e2e/test_fleet.py) cover the scheduling there.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import textwrap
 import time
@@ -21,6 +23,7 @@ import pytest
 from kubernetes.client import ApiException
 
 from e2e.provider import Cluster, wait_for
+from rollfleet_dev.localcluster.nodeagent.ipam import POD_CIDR
 
 pytestmark = [
     pytest.mark.cluster,
@@ -91,17 +94,38 @@ def _log(ns: str, pod: str, container: str | None = None) -> str:
         return ""
 
 
-def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(
+# A pod's view of the network and of /dev/shm, as JSON: run in a second pod against the first.
+PROBE = """
+import json, os, socket, sys
+def connect(host, port):
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        return "open"
+    except OSError as err:
+        return type(err).__name__
+peer, service = sys.argv[1], sys.argv[2]
+print(json.dumps({
+    "peer": connect(peer, 8000),
+    "peer_localhost_only": connect(peer, 9000),
+    "own_localhost": connect("127.0.0.1", 8000),
+    "service": connect(service, 80),
+    "peer_shm_seen": os.path.exists("/dev/shm/marker"),
+}), flush=True)
+"""
+
+
+def test_a_pod_has_its_own_network_and_dev_shm_and_is_reached_at_its_ip_and_service(
     core: kubernetes.client.CoreV1Api, ns: str, cluster: Cluster
 ) -> None:
+    # Two servers as in any pod: one on every address, one on localhost only; and a file in /dev/shm.
+    serve = "echo x > /dev/shm/marker; python -m http.server 9000 --bind 127.0.0.1 & exec python -m http.server 8000"
     pod = _pod(
         "gpu4",
-        ["python", "-m", "http.server", "8000", "--bind", "$(POD_IP)"],
+        ["sh", "-c", serve],
         tolerations=[GPU_TOLERATION],
         metadata={"labels": {"app": "gpu4"}},
         container={
             "image": "python:3.11",
-            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
             "resources": {"limits": {"nvidia.com/gpu": "4"}},
             "ports": [{"containerPort": 8000, "name": "http"}],
             "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 1},
@@ -113,10 +137,11 @@ def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(
     node = core.read_node(p.spec.node_name)
     assert node.metadata.labels["rollfleet.dev/pool"] == "gpu"
     assert node.metadata.labels["nvidia.com/gpu.present"] == "true"
+    # Reached at its own address, routed from this machine, as kubelet's CNI gives one.
+    assert ipaddress.ip_address(p.status.pod_ip) in ipaddress.ip_network(POD_CIDR)
     with cluster.reach(ns, "gpu4", 8000) as url:
         assert urllib.request.urlopen(url, timeout=10).status == 200
-    assert p.status.pod_ip.startswith("127.") and p.status.pod_ip != p.status.host_ip
-    # A Service with a loopback ClusterIP is served by the agent's proxy.
+    assert not Path("/dev/shm/marker").exists(), "the pod wrote into this machine's /dev/shm"
     svc = core.create_namespaced_service(
         ns,
         {
@@ -132,6 +157,23 @@ def test_gpu_pod_lands_on_a_gpu_node_and_serves_http(
             return False
 
     wait_for(through_service, 30, what="the Service answering on its ClusterIP")
+    # From another pod: the first one's IP and its Service, not its localhost, nor its /dev/shm.
+    probe = _pod(
+        "probe",
+        ["python", "-c", PROBE, p.status.pod_ip, svc.spec.cluster_ip],
+        restartPolicy="Never",
+        container={"image": "python:3.11"},
+    )
+    core.create_namespaced_pod(ns, probe)
+    wait_for(lambda: _phase(core, ns, "probe") == "Succeeded", 60, what="the probe pod to finish")
+    seen = json.loads(_log(ns, "probe").strip().splitlines()[-1])
+    assert seen == {
+        "peer": "open",
+        "peer_localhost_only": "ConnectionRefusedError",
+        "own_localhost": "ConnectionRefusedError",
+        "service": "open",
+        "peer_shm_seen": False,
+    }, seen
 
 
 def test_nine_gpus_stay_pending_unschedulable(core: kubernetes.client.CoreV1Api, ns: str) -> None:

@@ -167,33 +167,45 @@ def test_deleting_a_running_request_stops_its_samples_on_the_engines_and_its_run
     wait_for(lambda: not runner_pods(fleet, uid), 120, what="the runner pod gone with its request")
 
 
-@pytest.mark.parametrize("store", ["configmaps", "claim"])
-def test_operator_runner_then_gateway_killed_mid_run_still_one_result_per_sample(
-    fleet: LiveFleet, store: str, tmp_path: Path
+def test_operator_runners_then_gateway_killed_mid_run_still_one_result_per_sample(
+    fleet: LiveFleet, tmp_path: Path
 ) -> None:
-    """Runs last in this module: it replaces the operator pod, the request's runner pod and both
-    gateway pods, each while samples are in flight; results in ConfigMaps, or in a file on a claim."""
+    """Runs last in this module: it replaces the operator pod, the requests' runner pods and both
+    gateway pods, each while samples are in flight. Two requests run through it together, one keeping
+    its results in ConfigMaps, one in a file on a claim (the local cluster's: a directory here)."""
+    stores: list[dict[str, Any]] = [{}]
     with contextlib.ExitStack() as stack:
-        spec: dict[str, Any] = {}
-        if store == "claim":
-            if fleet.cluster.provider != "local":
-                pytest.skip("the claim's volume is a directory of this machine: the local cluster's nodes are it")
+        if fleet.cluster.provider == "local":
             claim = stack.enter_context(host_path_claim(fleet, tmp_path))
-            spec["results"] = {"persistentVolumeClaim": {"claimName": claim}}
-        _kill_everything_mid_run(fleet, spec)
+            stores.append({"results": {"persistentVolumeClaim": {"claimName": claim}}})
+        _kill_everything_mid_run(fleet, stores)
 
 
-def _kill_everything_mid_run(fleet: LiveFleet, spec: dict[str, Any]) -> None:
-    # The run must outlast three kills and what replaces them (a minute or so here): 8 waves of 16
-    # samples (the engines' batches), 8 s each at the simulated engines' pace.
-    prompts, samples, tokens = 32, 4, 400
-    name, uid = create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True}, **spec)
+def _kill_everything_mid_run(fleet: LiveFleet, stores: list[dict[str, Any]]) -> None:
+    # The runs must outlast three kills and what replaces them (a minute or so here): 8 waves of 16
+    # samples (the engines' batches), 8 s each at the simulated engines' pace, shared by the requests.
+    prompts, samples, tokens = 32 // len(stores), 4, 400
+    made = [
+        create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True}, **spec) for spec in stores
+    ]
     kubectl = fleet.cluster.kubectl
 
-    def completed() -> int:
-        return int(status(fleet, name).get("counts", {}).get("completed", 0))
+    def completed() -> list[int]:
+        return [int(status(fleet, name).get("counts", {}).get("completed", 0)) for name, _ in made]
 
-    wait_for(lambda: completed() >= 8 and running(fleet, uid), 300, interval=0.2, what="the run under way")
+    def each_moved_on(before: list[int]) -> bool:
+        return all(now > was for now, was in zip(completed(), before, strict=True))
+
+    def all_running() -> None:
+        for name, _ in made:
+            assert status(fleet, name)["phase"] == "Running", status(fleet, name)
+
+    wait_for(
+        lambda: all(c >= 4 for c in completed()) and all(running(fleet, uid) for _, uid in made),
+        300,
+        interval=0.2,
+        what="the runs under way",
+    )
     [op] = operator_pods(fleet.cluster)
     kubectl("-n", OPERATOR_NS, "delete", "pod", op["metadata"]["name"], "--grace-period=0", "--force")
     wait_for(
@@ -205,20 +217,22 @@ def _kill_everything_mid_run(fleet: LiveFleet, spec: dict[str, Any]) -> None:
         what="a new operator pod",
     )
     before_runner_kill = completed()
-    wait_for(lambda: completed() > before_runner_kill, 300, what="the run going on without an operator pod")
-    assert status(fleet, name)["phase"] == "Running"
+    wait_for(lambda: each_moved_on(before_runner_kill), 300, what="the runs going on without an operator pod")
+    all_running()
 
-    # The runner pod, killed: its Job starts another, which stops what the first may have left running.
-    [runner] = runner_pods(fleet, uid)
-    kubectl("-n", fleet.namespace, "delete", "pod", runner["metadata"]["name"], "--grace-period=0", "--force")
-    wait_for(
-        lambda: any(p["metadata"]["uid"] != runner["metadata"]["uid"] for p in runner_pods(fleet, uid)),
-        300,
-        what="a new runner pod",
-    )
+    # The runner pods, killed: each Job starts another, which stops what the first may have left running.
+    runners = [runner_pods(fleet, uid) for _, uid in made]
+    for [runner] in runners:
+        kubectl("-n", fleet.namespace, "delete", "pod", runner["metadata"]["name"], "--grace-period=0", "--force")
+
+    def replaced(runner: dict[str, Any], uid: str) -> bool:
+        return any(p["metadata"]["uid"] != runner["metadata"]["uid"] for p in runner_pods(fleet, uid))
+
+    for [runner], (_, uid) in zip(runners, made, strict=True):
+        wait_for(lambda runner=runner, uid=uid: replaced(runner, uid), 300, what="a new runner pod")
     before_gateway_kill = completed()
-    wait_for(lambda: completed() > before_gateway_kill, 300, what="the new runner to carry the run on")
-    assert status(fleet, name)["phase"] == "Running"
+    wait_for(lambda: each_moved_on(before_gateway_kill), 300, what="the new runners to carry the runs on")
+    all_running()
 
     kubectl(
         "-n",
@@ -230,12 +244,12 @@ def _kill_everything_mid_run(fleet: LiveFleet, spec: dict[str, Any]) -> None:
         "--grace-period=0",
         "--force",
     )
-    st = wait_phase(fleet, name, "Succeeded", timeout=600)
-
     total = prompts * samples
-    assert st["counts"]["completed"] == total and st["counts"]["aborted"] == st["counts"]["failed"] == 0
-    rows = results(fleet, name)
-    keys = [(r["prompt"], r["sample"]) for r in rows]
-    assert len(keys) == total and sorted(keys) == [(p, s) for p in range(prompts) for s in range(samples)]
-    assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == tokens for r in rows)
-    assert not running(fleet, uid)
+    for name, uid in made:
+        st = wait_phase(fleet, name, "Succeeded", timeout=600)
+        assert st["counts"]["completed"] == total and st["counts"]["aborted"] == st["counts"]["failed"] == 0
+        rows = results(fleet, name)
+        keys = [(r["prompt"], r["sample"]) for r in rows]
+        assert len(keys) == total and sorted(keys) == [(p, s) for p in range(prompts) for s in range(samples)]
+        assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == tokens for r in rows)
+        assert not running(fleet, uid)

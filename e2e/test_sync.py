@@ -85,13 +85,14 @@ def weights_record(cluster: Cluster) -> dict[str, str]:
 
 
 def trainer_pod() -> dict[str, Any]:
-    """The documented sidecar (manifests/sync/trainer-job.yaml) in a plain pod, its API on the pod IP for the test."""
+    """The documented sidecar (manifests/sync/trainer-job.yaml) in a plain pod, its API on every address (not
+    localhost only) for the test, which drives it from outside the pod."""
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     args = ["sync", f"--fleet={NAME}", "--namespace=$(POD_NAMESPACE)", "--weights-host=$(POD_IP)"]
-    args += ["--spool-dir=/var/lib/rollfleet-sync", "--reconcile-interval=0.5"]
+    args += ["--host=0.0.0.0", "--spool-dir=/var/lib/rollfleet-sync", "--reconcile-interval=0.5"]
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# `make test`: every tier (docs/testing.md): unit, engine, control plane and acceptance on the local
-# cluster, then the acceptance subset on kind; at the end, each tier's time against its budget.
+# `make test`: every tier (docs/testing.md): unit, engine and control plane (the local cluster),
+# then acceptance on kind; at the end, each tier's time against its budget.
 #
 # Bringing kind up (Docker, the images, the node image, the cluster) is mostly waiting on Docker
 # and on cached builds; cold, it is Go builds. It runs beside the local tiers at low CPU priority
 # instead of after them, and its output goes to a log. A cluster kept from an earlier run loses
 # what that run left in it (`--clean`: a fleet of engines, an operator), or it would run beside
 # this one; and the cluster is stopped once up, since an idle cluster costs a share of a core that
-# the local tiers need. It is started again for the kind subset, once both are done.
+# the local tiers need. It is started again for the acceptance tier, once both are done.
 # Without Docker (and no root to install it) use `make test-local`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,6 @@ cd "$(dirname "$0")/.."
 CACHE="${ROLLFLEET_CACHE:-$HOME/.cache/rollfleet}"
 LOGS="$CACHE/logs"
 KIND_LOG="$LOGS/kind-up.log"
-KIND_BUDGET_S=600  # the acceptance subset on kind, once its cluster is up
 SLOWEST=15  # each tier's slowest tests, repeated at the end
 say() { echo "[test] $*"; }
 
@@ -47,18 +46,17 @@ tier() {
   summary+=("$(printf '%-22s %6s s  budget %5s s  %s' "$name" "$took" "$budget" "$verdict")")
 }
 
-local_tier() {
+run_tier() {
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
   tier "$1" "$(python -m tests.tiers budget "$1")" python -m tests.tiers run "$1" --durations=$SLOWEST $PYTEST_ARGS
 }
-local_tier unit
-local_tier engine
+run_tier unit
+run_tier engine
 # The local cluster serves both cluster tiers (started once, not per tier); one that was up before
 # stays up after. Not earlier: idle, it still costs the first two tiers CPU.
 was_up=$(python -c 'from rollfleet_dev.localcluster import controlplane as c; print(int(c.is_up()))')
 tier "local cluster up" 180 rollfleet cluster up
-local_tier controlplane
-local_tier acceptance
+run_tier controlplane
 # Its CPU goes to the kind cluster from here on.
 [ "$was_up" = 1 ] || rollfleet cluster down >"$LOGS/cluster-down.log" 2>&1
 local_s=$((SECONDS - start))
@@ -72,8 +70,9 @@ if [ "$kind_status" != 0 ]; then
 fi
 kind_s=$((SECONDS - start))
 say "kind cluster ready after $kind_s s (log: $KIND_LOG); starting it"
-# -o kind-up: the cluster and its images are ready; `kind up` only starts the stopped nodes.
-tier "acceptance on kind" "$KIND_BUDGET_S" bash -c 'rollfleet kind up && make --no-print-directory -o kind-up kind-e2e'
+# The cluster and its images are ready; `kind up` only starts the stopped nodes.
+tier "kind start" 120 rollfleet kind up
+run_tier acceptance
 
 # The end of a run is what a CI page shows: where each tier's time went, what failed, the tiers' times.
 for t in unit engine controlplane acceptance; do

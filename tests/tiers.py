@@ -37,6 +37,7 @@ class Tier:
     cluster: bool  # its tests carry the `cluster` marker
     engine: bool  # ... and the `engine` marker
     budget_s: int  # on CI's 2-core machine, warm caches
+    on_kind: bool = False  # its cluster is kind's (real kubelets and containers), not the local one
 
     @property
     def marks(self) -> str:
@@ -61,7 +62,15 @@ TIERS = (
         engine=False,
         budget_s=600,
     ),
-    Tier("acceptance", "real vLLM engines on a real cluster", ("e2e",), cluster=True, engine=True, budget_s=1200),
+    Tier(
+        "acceptance",
+        "real vLLM engines in real containers on kind",
+        ("e2e",),
+        cluster=True,
+        engine=True,
+        budget_s=900,
+        on_kind=True,
+    ),
 )
 BY_NAME = {t.name: t for t in TIERS}
 
@@ -155,6 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         tier = BY_NAME[args.tier]
         os.chdir(ROOT)
+        if tier.on_kind and "ROLLFLEET_E2E_PROVIDER" not in os.environ:
+            # `make kind-up` made the cluster; ROLLFLEET_E2E_PROVIDER=local runs the tier on the local one.
+            from rollfleet_dev.kind.cluster import kubeconfig_path
+
+            os.environ.update(ROLLFLEET_E2E_PROVIDER="existing", KUBECONFIG=str(kubeconfig_path()))
         os.execvp(sys.executable, [sys.executable, "-m", "pytest", "-m", tier.marks, *rest, *tier.paths])
     if rest:
         parser.error(f"unexpected arguments: {' '.join(rest)}")

@@ -41,13 +41,13 @@ from rollfleet_client.sync_protocol import (
     PUSHES_PATH,
     SPOOL_ENV,
     SPOOL_INCOMING_DIR,
+    SYNC_API_URL,
     VERSION_PATH,
     FleetVersionView,
     PushDirRequest,
     PushSpooledRequest,
     PushState,
     PushStatus,
-    sync_api_url,
 )
 from rollfleet_client.tensors import TensorFile, tensor_file
 
@@ -57,10 +57,10 @@ SPOOLED_FILE = "model.safetensors"
 
 class SyncClient:
     def __init__(self, url: str | None = None, timeout_s: float = 60.0, spool: str | Path | None = None) -> None:
-        """``url``: the sidecar's; by default the one in this pod (``POD_IP`` from the downward API).
+        """``url``: the sidecar's; by default the one in this pod (on localhost).
         ``spool``: where this container mounts the sidecar's spool (default ``$ROLLFLEET_SYNC_SPOOL``);
         without one, ``push`` streams over HTTP."""
-        self.url = (url or sync_api_url(os.environ.get("POD_IP"))).rstrip("/")
+        self.url = (url or SYNC_API_URL).rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
         spool = spool or os.environ.get(SPOOL_ENV)
         self.spool = Path(spool) if spool else None

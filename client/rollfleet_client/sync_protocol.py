@@ -22,7 +22,6 @@ both import it from here. Routes (on 127.0.0.1: the trainer pod's own containers
 
 from __future__ import annotations
 
-import ipaddress
 from enum import StrEnum
 from typing import Any
 
@@ -35,13 +34,9 @@ SYNC_WEIGHTS_PORT = 8472
 SYNC_HEALTH_PORT = 8473
 
 
-def sync_api_url(pod_ip: str | None) -> str:
-    """The trainer API as a container of the sidecar's pod reaches it: on localhost, except on a cluster
-    whose pods share the host's network (the local cluster: each pod has a loopback address of its own as
-    its IP), where the sidecar binds that address. The sidecar's side of this is
-    ``rollfleet_engine.listen.pod_local_host``; a unit test holds the two alike."""
-    host = pod_ip if pod_ip and ipaddress.ip_address(pod_ip).is_loopback else "127.0.0.1"
-    return f"http://{host}:{SYNC_API_PORT}"
+# The trainer API listens on localhost: the containers of the sidecar's pod reach it, nothing else does.
+SYNC_API_HOST = "127.0.0.1"
+SYNC_API_URL = f"http://{SYNC_API_HOST}:{SYNC_API_PORT}"
 
 
 PUSHES_PATH = "/v1/pushes"

@@ -618,8 +618,8 @@ def context_refusal(config: Json, max_model_len: int | None) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    # A fleet's engine listens on its pod's address ($POD_IP), as the real one does.
-    parser.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
+    # A fleet's engine listens on every address of its pod, as the real one does.
+    parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-delay-ms", type=float, default=float(os.environ.get("SIM_TOKEN_DELAY_MS", "0")))
     parser.add_argument("--name", "--served-model-name", default="sim")

@@ -9,7 +9,6 @@ for the next update.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +21,10 @@ from rollfleet_engine.weights_client import staging_root
 
 
 def default_stager() -> Stager:
-    """This engine's directory in the staging area: by its pod name, as engines of the local cluster share
-    the host's /dev/shm (in a pod of its own, /dev/shm is the pod's memory-backed emptyDir)."""
+    """This engine's directory in the staging area, by process: engines run outside pods too (several on
+    one host, sharing its /dev/shm); in a pod, /dev/shm is the pod's memory-backed emptyDir."""
     limit = os.environ.get(STAGING_MAX_BYTES_ENV)
-    name = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
-    return Stager(staging_root() / name, int(limit) if limit else None)
+    return Stager(staging_root() / f"engine-{os.getpid()}", int(limit) if limit else None)
 
 
 @dataclass

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollfleet_engine.access import AccessPolicy, read_token
-from rollfleet_engine.listen import serving_host
 from rollfleet_engine.protocol import ENGINE_PORT, HTTP_WEIGHT_BACKEND
 
 # Defaults that let a small model run on a CPU-only host; any of them can be
@@ -37,6 +36,10 @@ CPU_ENV_DEFAULTS = {
     # "auto" pins every engine of a host to the same first cores (it cannot know about the
     # others); the CPU image runs several small engines per host, which must share them.
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # --enforce-eager does not cover the sampler's logprob ranking, a torch.compile'd helper: inductor
+    # needs a C++ compiler, which the CPU image lacks (the engine crashed on the first request for
+    # logprobs), and compiling costs each new engine seconds. Eager runs the same arithmetic.
+    "TORCHDYNAMO_DISABLE": "1",
 }
 
 
@@ -60,9 +63,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the model)")
     parser.add_argument(
         "--host",
-        default=serving_host(os.environ.get("POD_IP")),
-        help="address to bind (default: every address in a pod of its own network; the pod IP "
-        "from the downward API ($POD_IP) where pods share the host's loopback, as on the local cluster)",
+        default="0.0.0.0",
+        help="address to bind (default: every address of the pod: its IP, and localhost for kubectl port-forward)",
     )
     parser.add_argument("--port", type=int, default=ENGINE_PORT)
     parser.add_argument("--token-file", required=True, help="file holding the bearer token for control routes")

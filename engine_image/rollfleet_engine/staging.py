@@ -104,7 +104,7 @@ class Stager:
         self._ended = threading.Condition(self._lock)
         self._job = _Job(StageStatus())
         self._mappings = Mappings()  # the files received into, mapped once (``mappings``)
-        # The area may be the host's /dev/shm (the local cluster): leave nothing there at exit.
+        # The area may be a host's /dev/shm (an engine outside a pod): leave nothing there at exit.
         atexit.register(shutil.rmtree, self.root, ignore_errors=True)
 
     def release(self) -> None:

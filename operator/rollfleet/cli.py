@@ -7,7 +7,6 @@ and imports lazily, so `rollfleet cluster status` does not import vLLM or kopf.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
@@ -82,14 +81,12 @@ def _add_results(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     s.add_argument("--file", required=True, help="the JSONL file on the mounted claim")
     s.add_argument("--token-sha256", required=True, help="sha256 (hex) of the token a caller must send")
     s.add_argument("--port", type=int, required=True, help="port to listen on")
-    s.add_argument("--host", help="address to bind (default: every address; $POD_IP where pods share the host's)")
+    s.add_argument("--host", default="0.0.0.0", help="address to bind (default: every address of the pod)")
 
     def serve(args: argparse.Namespace) -> int:
         from rollfleet.controller.requests.reader import serve
-        from rollfleet_engine.listen import serving_host
 
-        host = args.host or serving_host(os.environ.get("POD_IP"))
-        return serve(args.file, args.token_sha256, host, args.port)
+        return serve(args.file, args.token_sha256, args.host, args.port)
 
     s.set_defaults(func=serve)
 

@@ -28,12 +28,11 @@ from typing import BinaryIO
 
 from rollfleet.errors import RollfleetError
 from rollfleet_dev.localcluster import build, pki
+from rollfleet_dev.localcluster.nodeagent import podnet
+from rollfleet_dev.localcluster.nodeagent.ipam import FIRST_SERVICE_IP, SERVICE_CIDR
 from rollfleet_dev.localcluster.paths import cache_dir, state_dir
 
 HOST = "127.0.0.1"
-# Services get loopback ClusterIPs, so the node agent's service proxy can listen on them.
-SERVICE_CIDR = "127.96.0.0/16"
-FIRST_SERVICE_IP = "127.96.0.1"
 PORTS = {
     "etcd": 2379,
     "etcd-peer": 2380,
@@ -325,6 +324,10 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
     args = component_args(layout, bins, pools)
     checks = health_checks(layout)
     try:
+        podnet.host_up()
+    except podnet.PodNetError as err:
+        raise ClusterError(str(err)) from None
+    try:
         for component in START_ORDER:
             t0 = time.monotonic()
             _start(layout, component, args[component], checks[component])
@@ -416,6 +419,7 @@ def down(layout: Layout | None = None, purge: bool = True) -> None:
     busy = [f"{n} ({p})" for n, p in PORTS.items() if port_in_use(p)]
     if busy:
         raise ClusterError(f"ports still in use after stopping the cluster: {', '.join(busy)}")
+    podnet.host_down()
     if purge:
         shutil.rmtree(layout.root, ignore_errors=True)
     _log("cluster down")

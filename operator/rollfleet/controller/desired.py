@@ -185,11 +185,7 @@ def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest]) -> Manifes
     if engine.gpus_per_engine:
         requests[engine.gpu_resource] = engine.gpus_per_engine
         limits[engine.gpu_resource] = engine.gpus_per_engine
-    env = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        *(e.wire() for e in engine.env),
-    ]
+    env = [e.wire() for e in engine.env]
     container: Manifest = {
         "name": "engine",
         "image": engine.image,
@@ -395,7 +391,6 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
             *gw.args,
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "readinessProbe": _http_probe("/ready", "http", 2, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
         "volumeMounts": [dict(TOKEN_MOUNT)],

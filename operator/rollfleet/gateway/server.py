@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
 from pathlib import Path
 
@@ -20,7 +19,6 @@ import uvloop
 from rollfleet.gateway.app import GatewayConfig, serving
 from rollfleet.gateway.proxy import ProxyConfig
 from rollfleet.gateway.routing import RoutingPolicy
-from rollfleet_engine.listen import serving_host
 
 DEFAULT_TOKEN_FILE = "/var/run/secrets/rollfleet/token"
 log = logging.getLogger(__name__)
@@ -34,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", help="comma-separated engine base URLs: static mode, no Kubernetes")
     p.add_argument(
         "--host",
-        default=serving_host(os.environ.get("POD_IP")),
-        help="address to bind (default: every address; $POD_IP where pods share the host's loopback)",
+        default="0.0.0.0",
+        help="address to bind (default: every address of the pod)",
     )
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--token-file", default=DEFAULT_TOKEN_FILE, help="fleet admin token (default: %(default)s)")

@@ -44,6 +44,7 @@ from rollfleet_client.sync_protocol import (
     PUSH_SPOOLED_PATH,
     PUSH_STREAM_PATH,
     PUSHES_PATH,
+    SYNC_API_HOST,
     VERSION_PATH,
     CollectiveFinish,
     CollectiveInit,
@@ -54,7 +55,6 @@ from rollfleet_client.sync_protocol import (
     PushStatus,
 )
 from rollfleet_engine.access import read_token
-from rollfleet_engine.listen import pod_local_host, serving_host
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument(
         "--host",
-        default=pod_local_host(os.environ.get("POD_IP")),
-        help="address of the trainer API (default: localhost, the same pod only; $POD_IP where "
-        "pods share the host's loopback)",
+        default=SYNC_API_HOST,
+        help="address of the trainer API (default: localhost, the same pod only)",
     )
     p.add_argument("--port", type=int, default=SYNC_API_PORT)
     p.add_argument(
@@ -311,7 +310,7 @@ async def serve(args: argparse.Namespace) -> None:
     await web.TCPSite(runner, args.host, args.port).start()
     health = web.AppRunner(_health_app(), access_log=None)
     await health.setup()
-    health_host = serving_host(os.environ.get("POD_IP"))
+    health_host = "0.0.0.0"  # kubelet probes the pod IP
     await web.TCPSite(health, health_host, args.health_port).start()
     log.info(
         "rollfleet sync for fleet %s on http://%s:%d (health: http://%s:%d/healthz)",

@@ -4,6 +4,7 @@ engines are the e2e suite's (e2e/test_client.py)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any, get_args
 import httpx
 import pytest
 
+from rollfleet.sync import server as sync_server
 from rollfleet_client import (
     AsyncRolloutClient,
     EngineFailed,
@@ -26,9 +28,9 @@ from rollfleet_client import (
     protocol,
 )
 from rollfleet_client.models import PauseMode
-from rollfleet_client.sync_protocol import SYNC_API_PORT, sync_api_url
+from rollfleet_client.sync import SyncClient
+from rollfleet_client.sync_protocol import SYNC_API_PORT
 from rollfleet_engine import protocol as engine_protocol
-from rollfleet_engine.listen import pod_local_host
 
 Handler = Callable[[httpx.Request], httpx.Response]
 ANSWER = {
@@ -266,7 +268,9 @@ def test_a_generation_carries_the_generation_number_of_each_weight_version() -> 
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("pod_ip", [None, "10.244.1.7", "127.0.3.9"])
-def test_the_client_finds_the_sidecar_where_the_sidecar_binds(pod_ip: str | None) -> None:
-    host = pod_local_host(pod_ip)
-    assert sync_api_url(pod_ip) == f"http://{host}:{SYNC_API_PORT}"
+def test_the_client_finds_the_sidecar_where_the_sidecar_binds() -> None:
+    parser = argparse.ArgumentParser()
+    sync_server.add_arguments(parser)
+    args = parser.parse_args(["--fleet=f"])
+    with SyncClient() as sidecar:
+        assert sidecar.url == f"http://{args.host}:{args.port}" == f"http://127.0.0.1:{SYNC_API_PORT}"

@@ -56,7 +56,7 @@ def test_engine_pod_has_stable_name_owner_labels_and_gpu_request() -> None:
 def test_engine_args_follow_the_engine_cli_contract() -> None:
     s = spec(engine={"maxModelLen": 512, "args": ["--enforce-eager"]}, weightSync={"initialVersion": "step-0"})
     args = desired.engine_pod(REF, s, 0)["spec"]["containers"][0]["args"]
-    # No --host: the engine binds by the kind of pod network it finds (rollfleet_engine.listen).
+    # No --host: the engine binds every address of its pod.
     assert args[:10] == [
         "serve",
         "--model",

@@ -8,22 +8,27 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from rollfleet_dev.localcluster.nodeagent import podnet
 from rollfleet_dev.localcluster.nodeagent.processes import ContainerProcess, kill_leftovers, members
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
 
 
-def _spec(tmp_path: Path, argv: list[str], mounts: list[dict] | None = None) -> dict[str, object]:
+def _spec(
+    tmp_path: Path, argv: list[str], mounts: list[dict] | None = None, netns: str | None = None
+) -> dict[str, object]:
     return {
         "argv": argv,
         "env": {"PATH": "/usr/bin:/bin"},
         "cwd": str(tmp_path / "work"),
         "hostname": "podname",
+        "netns": netns,
         "private_roots": ["/var/run/secrets"],
         "mounts": mounts or [],
     }
@@ -59,6 +64,25 @@ def test_mounts_are_private_and_read_only(tmp_path: Path) -> None:
     assert (tmp_path / "c.log").read_text() == f"hello\npodname\nro\n{tmp_path / 'work'}\n"
     assert not Path(target).exists()  # the tmpfs and the bind lived in the container's namespace only
     assert not (tmp_path / "c.spec.json").exists()  # it held the environment: deleted once read
+
+
+def test_a_container_runs_in_its_pods_network_namespace_with_its_address(tmp_path: Path) -> None:
+    uid = f"unit-{uuid.uuid4()}"
+    podnet.run(podnet.pod_up_commands(uid, "198.18.255.254"))
+    try:
+
+        async def main() -> int:
+            proc, error = await _start(
+                tmp_path, _spec(tmp_path, ["ip", "-brief", "addr"], netns=podnet.netns_path(uid))
+            )
+            assert error == ""
+            return (await proc.wait()).code
+
+        assert asyncio.run(main()) == 0
+    finally:
+        podnet.run(podnet.pod_down_commands(uid), check=False)
+    seen = {line.split()[0].split("@")[0]: line.split()[2:] for line in (tmp_path / "c.log").read_text().splitlines()}
+    assert seen["lo"][0] == "127.0.0.1/8" and seen["eth0"][0] == "198.18.255.254/32" and set(seen) == {"lo", "eth0"}
 
 
 def test_start_error_is_reported(tmp_path: Path) -> None:

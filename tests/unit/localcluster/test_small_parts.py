@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
-from rollfleet_dev.localcluster.nodeagent import config, control, ipam
+from rollfleet_dev.localcluster.nodeagent import config, control, ipam, podnet
 from rollfleet_dev.localcluster.nodeagent.downward import FieldError, field_value, parse_quantity
 from rollfleet_dev.localcluster.nodeagent.logs import LogsError, find_log, logs_command
 from rollfleet_dev.localcluster.nodeagent.nodes import merge_taints, node_status
@@ -52,13 +53,49 @@ def test_pools_file_rejects_typos() -> None:
 def test_addresses() -> None:
     assert ipam.node_ip(0) == "127.10.0.1" and ipam.node_ip(2) == "127.12.0.1"
     ips = ipam.PodIPs(1)
-    assert ips.claim("127.11.0.7") and not ips.claim("127.11.0.7") and not ips.claim("127.10.0.7")
+    assert ips.claim("198.18.8.7") and not ips.claim("198.18.8.7") and not ips.claim("198.18.0.7")
     a, b = ips.allocate(), ips.allocate()
-    assert (a, b) == ("127.11.0.2", "127.11.0.3")
+    assert (a, b) == ("198.18.8.1", "198.18.8.2")
     ips.release(a)
-    assert ips.allocate() == "127.11.0.4"  # not reused at once
+    assert ips.allocate() == "198.18.8.3"  # not reused at once
+    pods = ipaddress.ip_network(ipam.POD_CIDR)
+    assert all(ipam.pod_network(i).subnet_of(pods) for i in (0, ipam.MAX_NODES - 1))  # type: ignore[arg-type]
+    assert ipaddress.ip_address(ipam.FIRST_SERVICE_IP) in ipaddress.ip_network(ipam.SERVICE_CIDR)
     with pytest.raises(ValueError):
-        ipam.node_network(ipam.MAX_NODES)
+        ipam.pod_network(ipam.MAX_NODES)
+
+
+def test_a_pods_network_commands_name_its_namespace_address_and_route() -> None:
+    uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    cmds = podnet.pod_up_commands(uid, "198.18.0.9")
+    ns, veth = podnet.netns_name(uid), podnet.host_veth(uid)
+    assert len(veth) <= 15 and ns.startswith(podnet.NETNS_PREFIX)
+    assert cmds[0] == ["ip", "netns", "add", ns]
+    assert ["ip", "-n", ns, "addr", "add", "198.18.0.9/32", "dev", "eth0"] in cmds
+    assert cmds[-1] == ["ip", "route", "replace", "198.18.0.9/32", "dev", veth]
+    assert podnet.pod_down_commands(uid) == [["ip", "netns", "delete", ns]]
+    # Dead pods' addresses are unreachable (never routed off the machine); Services are local.
+    up = podnet.host_up_commands(forward_rule_present=False)
+    assert ["ip", "route", "replace", "unreachable", ipam.POD_CIDR] in up
+    assert up[-1][:4] == ["iptables", "-w", "-I", "FORWARD"]
+    assert not any(c[0] == "iptables" for c in podnet.host_up_commands(forward_rule_present=True))
+
+
+def test_the_pod_and_service_ranges_must_not_be_in_use_on_the_machine() -> None:
+    ours = [
+        {"type": "unreachable", "dst": ipam.POD_CIDR},
+        {"type": "local", "dst": ipam.SERVICE_CIDR, "dev": "lo"},
+        {"dst": "198.18.0.9", "dev": podnet.host_veth("a-b")},
+        {"dst": "default", "dev": "eth0"},
+        {"dst": "10.0.0.0/8", "dev": "eth0"},
+    ]
+    assert podnet.clashes(ours, ["10.255.255.53"]) == []
+    taken = [{"dst": "198.19.4.0/24", "dev": "wg0"}, {"dst": "198.16.0.0/12", "dev": "eth1"}]
+    assert podnet.clashes(ours + taken, ["198.18.0.53"]) == [
+        "the route to 198.19.4.0/24 (dev wg0)",
+        "the route to 198.16.0.0/12 (dev eth1)",
+        "the resolver 198.18.0.53",
+    ]
 
 
 def test_probe_thresholds() -> None:
@@ -94,7 +131,7 @@ def test_node_status_and_taints() -> None:
     assert merge_taints([gpu], [gpu]) == [gpu]
 
 
-def _svc(ip: str = "127.96.0.9", **spec: object) -> dict:
+def _svc(ip: str = "198.19.0.9", **spec: object) -> dict:
     return {
         "metadata": {"namespace": "ns", "name": "web"},
         "spec": {
@@ -116,7 +153,7 @@ def _pod(ip: str, ready: bool = True, **meta: object) -> dict:
 
 def test_service_proxy_selection() -> None:
     assert {(k.ip, k.port) for k in wanted_listeners([_svc(), _svc(ip="10.0.0.1"), _svc(ip="None")])} == {
-        ("127.96.0.9", 80)
+        ("198.19.0.9", 80)
     }
     pods = [
         _pod("127.10.0.3"),

@@ -25,7 +25,7 @@ from rollfleet_dev.localcluster.nodeagent.kubeapi import Api, ApiError, load_kub
 from rollfleet_dev.localcluster.nodeagent.nodes import NodeKeeper
 from rollfleet_dev.localcluster.nodeagent.pods import NodeInfo, PodWorker, Shared, grace_seconds
 from rollfleet_dev.localcluster.nodeagent.processes import kill_leftovers
-from rollfleet_dev.localcluster.nodeagent.serviceproxy import ServiceProxy, is_loopback
+from rollfleet_dev.localcluster.nodeagent.serviceproxy import ServiceProxy, in_service_range
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,7 @@ class Agent:
             log.info("stopped %d container(s) left by an earlier agent", killed)
         api = Api(self.kubeconfig)
         http = aiohttp.ClientSession()
-        host, port = self.kubeconfig.host_port
-        shared = Shared(api=api, config=self.pools, pods_dir=self.pods_dir, api_host=host, api_port=port, http=http)
+        shared = Shared(api=api, config=self.pools, pods_dir=self.pods_dir, http=http)
         tasks: list[asyncio.Task[Any]] = []
         try:
             version = (await _retry_forever(lambda: api.get("/version")))["gitVersion"]
@@ -100,7 +99,7 @@ class Agent:
                     )
                 )
             tasks.append(asyncio.create_task(self._control_loop(shared)))
-            tasks.append(asyncio.create_task(self._maybe_proxy(api, (host, port))))
+            tasks.append(asyncio.create_task(self._maybe_proxy(api, self.kubeconfig.host_port)))
             log.info("node agent running: %s", ", ".join(f"{n.info.name} ({n.info.ip})" for n in self.nodes.values()))
             await stop.wait()
             log.info("shutting down: stopping every pod")
@@ -240,11 +239,11 @@ class Agent:
             await asyncio.sleep(CONTROL_POLL_S)
 
     async def _maybe_proxy(self, api: Api, api_address: tuple[str, int]) -> None:
-        """Run the service proxy when Services get loopback ClusterIPs (the local cluster's range)."""
+        """Run the service proxy when Services get ClusterIPs of the local cluster's range (local to the host)."""
         svc = await _retry_forever(lambda: api.get("/api/v1/namespaces/default/services/kubernetes"))
         ip = svc.get("spec", {}).get("clusterIP", "")
-        if not is_loopback(ip):
-            log.info("service proxy off: the kubernetes Service's clusterIP %s is not a loopback address", ip)
+        if not in_service_range(ip):
+            log.info("service proxy off: the kubernetes Service's clusterIP %s is not in the local cluster's range", ip)
             return
         await ServiceProxy(api, api_address).run()
 

@@ -1,8 +1,12 @@
-"""Loopback addresses for nodes and pods (pure).
+"""The local cluster's addresses (pure).
 
-Every 127.0.0.0/8 address is loopback on Linux, so a pod "gets an IP" simply by its
-processes binding to it. Node number i (in pools-file order) owns 127.(10+i).0.0/16:
-the node itself is .0.1, its pods get the other addresses. Talks to nobody.
+Nodes are the host itself, each with a loopback address of its own: node number i (in pools-file
+order) is 127.(10+i).0.1. A pod has its own network namespace (`podnet`) and an address from its
+node's /21 of POD_CIDR, routed from the host. Services get addresses from SERVICE_CIDR, which is
+local to the host: the node agent's service proxy listens on them, and pods reach them through
+their default route. Both are in 198.18.0.0/15, the range RFC 2544 sets aside for benchmarks, so
+they clash with no network a machine is on (10/8 did: this machine's resolver is in it).
+Talks to nobody.
 """
 
 from __future__ import annotations
@@ -10,17 +14,26 @@ from __future__ import annotations
 import ipaddress
 
 FIRST_NODE_OCTET = 10
-MAX_NODES = 80  # 127.10-127.89; the local cluster's Service range starts at 127.96
-
-
-def node_network(index: int) -> ipaddress.IPv4Network:
-    if not 0 <= index < MAX_NODES:
-        raise ValueError(f"node index {index} out of range (at most {MAX_NODES} nodes)")
-    return ipaddress.IPv4Network(f"127.{FIRST_NODE_OCTET + index}.0.0/16")
+POD_CIDR = "198.18.0.0/16"
+NODE_PREFIX = 21  # 2,046 pods a node
+MAX_NODES = 2 ** (NODE_PREFIX - 16)
+SERVICE_CIDR = "198.19.0.0/16"
+FIRST_SERVICE_IP = "198.19.0.1"  # the `kubernetes` Service's
 
 
 def node_ip(index: int) -> str:
-    return str(node_network(index).network_address + 1)
+    _check_index(index)
+    return f"127.{FIRST_NODE_OCTET + index}.0.1"
+
+
+def pod_network(index: int) -> ipaddress.IPv4Network:
+    _check_index(index)
+    return list(ipaddress.IPv4Network(POD_CIDR).subnets(new_prefix=NODE_PREFIX))[index]
+
+
+def _check_index(index: int) -> None:
+    if not 0 <= index < MAX_NODES:
+        raise ValueError(f"node index {index} out of range (at most {MAX_NODES} nodes)")
 
 
 class PodIPs:
@@ -28,8 +41,8 @@ class PodIPs:
     (a client that still holds a dead pod's IP then gets "connection refused", not another pod)."""
 
     def __init__(self, index: int) -> None:
-        self.network = node_network(index)
-        self._first = int(self.network.network_address) + 2
+        self.network = pod_network(index)
+        self._first = int(self.network.network_address) + 1
         self._last = int(self.network.broadcast_address) - 1
         self._next = self._first
         self._used: set[int] = set()

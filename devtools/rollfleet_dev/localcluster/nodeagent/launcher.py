@@ -1,4 +1,4 @@
-"""Become one container: private mount namespace, volume binds, then exec the command.
+"""Become one container: the pod's network namespace, a private mount namespace, volume binds, then exec.
 
 Run by `processes` as `python -I -S launcher.py SPEC_FILE` in a new session (so the
 container is one process group). Standard library only, so it starts in milliseconds
@@ -6,7 +6,7 @@ and does not depend on the project being importable. It deletes the spec file (i
 holds the container's environment, secrets included) once read. If anything fails
 before the exec, the reason goes to the error fd and the exit code is 127; a
 successful exec closes that fd, which is how the agent knows the command started.
-Talks to: the kernel (unshare, mount, sethostname) and nobody else.
+Talks to: the kernel (setns, unshare, mount, sethostname) and nobody else.
 """
 
 import ctypes
@@ -17,6 +17,7 @@ from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
+CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_REMOUNT = 32
 MS_BIND = 4096
@@ -60,6 +61,10 @@ def _bind(source: str, target: str, read_only: bool) -> None:
 
 
 def become(spec: dict[str, Any]) -> None:
+    if spec["netns"]:  # the pod's network namespace (none: hostNetwork)
+        fd = os.open(spec["netns"], os.O_RDONLY)
+        _check(_libc.setns(fd, CLONE_NEWNET), f"setns {spec['netns']}")
+        os.close(fd)
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare")
     # Nothing mounted from here on may propagate back to the host.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)

@@ -1,6 +1,6 @@
 """The lifecycle of one pod bound to one of the agent's nodes.
 
-A `PodWorker` prepares the pod (address, volumes), runs init containers then the
+A `PodWorker` prepares the pod (address and network namespace, /dev/shm, volumes), runs init containers then the
 containers (restarts with back-off, probes), reports status through `pods/status`
 when it changed, and on deletion stops every process and force-deletes the pod.
 Talks to: the kube-apiserver (ConfigMaps, Secrets, TokenRequests, pod status,
@@ -28,9 +28,9 @@ from typing import Any
 import aiohttp
 
 from rollfleet_dev.localcluster.nodeagent import env as envmod
-from rollfleet_dev.localcluster.nodeagent import logs, probes, volumes
+from rollfleet_dev.localcluster.nodeagent import logs, podnet, probes, volumes
 from rollfleet_dev.localcluster.nodeagent.config import PoolsFile
-from rollfleet_dev.localcluster.nodeagent.ipam import PodIPs
+from rollfleet_dev.localcluster.nodeagent.ipam import FIRST_SERVICE_IP, PodIPs
 from rollfleet_dev.localcluster.nodeagent.kubeapi import Api, ApiError
 from rollfleet_dev.localcluster.nodeagent.processes import ContainerProcess, Exit, exec_in
 from rollfleet_dev.localcluster.nodeagent.status import (
@@ -54,6 +54,10 @@ Obj = dict[str, Any]
 # ServiceAccount token) need no directory on the host and hide the host's own.
 PRIVATE_ROOTS = ["/var/run/secrets"]
 PREPARE_RETRY_CAP_S = 10.0
+# Memory a pod's containers share, as kubelet gives them: its /dev/shm and its `medium: Memory`
+# emptyDirs, in the host's tmpfs, one directory per pod.
+SHM_ROOT = Path("/dev/shm/rollfleet-pods")
+KUBERNETES_SERVICE_PORT = 443  # the `kubernetes` Service's; the agent's service proxy serves it
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,6 @@ class Shared:
     api: Api
     config: PoolsFile
     pods_dir: Path
-    api_host: str
-    api_port: int
     http: aiohttp.ClientSession
 
 
@@ -84,10 +86,10 @@ def base_env(shared: Shared, hostname: str, image_env: dict[str, str]) -> dict[s
             # The project's Python environment first, so `python -m ...` and `rollfleet ...` work.
             "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
             "HOSTNAME": hostname,
-            "KUBERNETES_SERVICE_HOST": shared.api_host,
-            "KUBERNETES_SERVICE_PORT": str(shared.api_port),
-            "KUBERNETES_SERVICE_PORT_HTTPS": str(shared.api_port),
-            "KUBERNETES_PORT": f"tcp://{shared.api_host}:{shared.api_port}",
+            "KUBERNETES_SERVICE_HOST": FIRST_SERVICE_IP,
+            "KUBERNETES_SERVICE_PORT": str(KUBERNETES_SERVICE_PORT),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(KUBERNETES_SERVICE_PORT),
+            "KUBERNETES_PORT": f"tcp://{FIRST_SERVICE_IP}:{KUBERNETES_SERVICE_PORT}",
         }
     )
     return env
@@ -121,6 +123,8 @@ class PodWorker:
         self.uid: str = meta["uid"]
         self.ref = f"{meta['namespace']}/{meta['name']}"
         self.dir = shared.pods_dir / logs.pod_dir_name(meta["namespace"], meta["name"], self.uid)
+        self.shm = SHM_ROOT / self.uid
+        self.host_network = bool(pod["spec"].get("hostNetwork"))
         self.terminating = asyncio.Event()
         self.pod_ip: str | None = None
         self.sandbox_ready = False
@@ -302,7 +306,8 @@ class PodWorker:
         sources: dict[str, tuple[str, bool]] = {}
         host_path = functools.partial(self.shared.config.host_path, cache=cache_dir())
         for vol in self.pod["spec"].get("volumes") or []:
-            vol_dir = self.dir / "volumes" / vol["name"]
+            memory = (vol.get("emptyDir") or {}).get("medium") == "Memory"
+            vol_dir = (self.shm if memory else self.dir) / "volumes" / vol["name"]
             read_only = False
             if "persistentVolumeClaim" in vol:
                 read_only = bool(vol["persistentVolumeClaim"].get("readOnly"))
@@ -349,12 +354,13 @@ class PodWorker:
             )
         )
         old_ip = (self.pod.get("status") or {}).get("podIP")
-        if self.pod["spec"].get("hostNetwork"):
+        if self.host_network:
             self.pod_ip = self.node.ip
         elif old_ip and self.ips.claim(old_ip):
             self.pod_ip = old_ip
         else:
             self.pod_ip = self.ips.allocate()
+        (self.shm / "dev-shm").mkdir(parents=True, exist_ok=True)
 
         def volume_error(msg: str) -> None:
             for c in self.init + self.main:
@@ -362,6 +368,8 @@ class PodWorker:
                     c.obs.state = Waiting("ContainerCreating", f"volumes not ready: {msg}")
 
         ok = await self._retry("volume setup", self.render_volumes, volume_error)
+        if ok and not self.host_network:
+            ok = await self._retry("pod network", functools.partial(podnet.pod_up, self.uid, self.pod_ip), volume_error)
         if ok:
             self.sandbox_ready = True
             for c in self.init + self.main:
@@ -398,12 +406,15 @@ class PodWorker:
         if not argv:
             return None, f"image {spec.get('image')!r}: the container has no command and the image rule none"
         c.cwd = spec.get("workingDir") or str(self.dir / "work")
-        mounts = volumes.mount_plan(spec, self._volume_sources)
+        # The pod's /dev/shm first: a volume mounted there (an engine's memory emptyDir) goes over it.
+        mounts = [volumes.Mount(str(self.shm / "dev-shm"), "/dev/shm", False)]
+        mounts += volumes.mount_plan(spec, self._volume_sources)
         return {
             "argv": argv,
             "env": c.env,
             "cwd": c.cwd,
             "hostname": hostname,
+            "netns": None if self.host_network else podnet.netns_path(self.uid),
             "private_roots": PRIVATE_ROOTS,
             "mounts": [m.__dict__ for m in mounts],
         }, ""
@@ -600,9 +611,12 @@ class PodWorker:
             await asyncio.wait_for(asyncio.gather(*(p.exited.wait() for p in procs)), 5)
 
     def cleanup(self) -> None:
-        """Free the pod's address and its volumes; its logs stay (see docs/local-cluster.md)."""
-        if self.pod_ip and self.pod_ip != self.node.ip:
+        """Free the pod's address, network namespace, memory and volumes; its logs stay (see
+        docs/local-cluster.md)."""
+        if self.pod_ip and not self.host_network:
+            podnet.run(podnet.pod_down_commands(self.uid), check=False)
             self.ips.release(self.pod_ip)
+        shutil.rmtree(self.shm, ignore_errors=True)
         shutil.rmtree(self.dir / "volumes", ignore_errors=True)
         shutil.rmtree(self.dir / "work", ignore_errors=True)
         for leftover in self.dir.glob("*.pid"):

@@ -162,6 +162,7 @@ async def exec_in(ident: Identity, argv: list[str], env: dict[str, str], cwd: st
         str(ident.pid),
         "-m",
         "-u",
+        "-n",
         f"--wd={cwd}",
         "--",
         *argv,

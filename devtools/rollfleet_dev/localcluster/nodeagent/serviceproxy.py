@@ -1,12 +1,12 @@
-"""A userspace service proxy for Services with loopback ClusterIPs (the local cluster's range).
+"""A userspace service proxy for Services with ClusterIPs of the local cluster's range.
 
-For each TCP port of each such Service it listens on clusterIP:port and forwards every
-connection to a ready pod of the Service, round robin. The API server refuses loopback
-addresses in EndpointSlices and Endpoints ("may not be in the loopback range"), so with
-loopback pod IPs no Service has endpoints; the proxy therefore selects backends itself,
-as the EndpointSlice controller would: Ready, not terminating pods matching the
+That range (SERVICE_CIDR) is local to the host (`podnet`), so pods reach it through their
+default route. For each TCP port of each such Service the proxy listens on clusterIP:port
+and forwards every connection to a ready pod of the Service, round robin. It selects the
+backends as the EndpointSlice controller does: Ready, not terminating pods matching the
 selector, `targetPort` resolved by number or container port name. The `kubernetes`
-Service goes to the API server's own address. Services and pods come from watches;
+Service goes to the API server's own address (loopback, which the API server would not
+put in an EndpointSlice). Services and pods come from watches;
 `wanted_listeners` and `backends` are pure. Talks to: the kube-apiserver (watches) and
 the pods it forwards to.
 """
@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from rollfleet_dev.localcluster.nodeagent.ipam import SERVICE_CIDR
 from rollfleet_dev.localcluster.nodeagent.kubeapi import Api
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,9 @@ class ListenerKey:
     port_name: str
 
 
-def is_loopback(ip: str) -> bool:
+def in_service_range(ip: str) -> bool:
     try:
-        return ipaddress.ip_address(ip).is_loopback
+        return ipaddress.ip_address(ip) in ipaddress.ip_network(SERVICE_CIDR)
     except ValueError:
         return False
 
@@ -53,7 +54,7 @@ def wanted_listeners(services: list[Obj]) -> set[ListenerKey]:
         spec = svc.get("spec", {})
         ips = spec.get("clusterIPs") or [spec.get("clusterIP", "")]
         for ip in ips:
-            if not is_loopback(ip):
+            if not in_service_range(ip):
                 continue
             for p in spec.get("ports") or []:
                 if p.get("protocol", "TCP") == "TCP":

@@ -8,11 +8,9 @@ pod proxy (the caller's own credentials and RBAC: `pods` create/get/delete and
 `pods/proxy` get), then deletes the pod. The pod is owned by the request (gone with it)
 and ends on its own after `SERVE_S`.
 
-The API server will not proxy to a loopback pod address; only the local development
-cluster has those, and there the pod is on this machine: the command connects to it directly.
 Trainers in pods need none of this: they mount the claim and read the file.
 
-Talks to kube-apiserver (the reader pod, the proxy) and, on the local cluster, to the pod.
+Talks to kube-apiserver (the reader pod, the proxy).
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ import time
 from collections.abc import Iterable
 from typing import IO, Any
 
-import httpx
-
 from rollfleet.api.common import ROLLFLEET_IMAGE_UID
 from rollfleet.api.request import RolloutRequest
 from rollfleet.contract import APP_NAME, LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_NAME, LABEL_REQUEST, MANAGER
@@ -46,7 +42,6 @@ FILE_PATH = "/samples.jsonl"
 SERVE_S = 3600  # a reader nobody deleted ends after this
 START_TIMEOUT_S = 180.0
 CHUNK = 1 << 20
-PROXY_REFUSED = "address not allowed"  # the API server's answer for a loopback pod address
 
 Manifest = dict[str, Any]
 
@@ -93,8 +88,6 @@ def reader_pod(rr: RolloutRequest, ref: RequestRef, image: str, digest: str) -> 
                     "image": image,
                     "imagePullPolicy": "IfNotPresent",
                     "args": ["results-server", "--file", path, "--token-sha256", digest, "--port", str(READER_PORT)],
-                    # Where pods share the host's network (the local cluster), it binds its own address only.
-                    "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                     "ports": [{"name": "http", "containerPort": READER_PORT}],
                     "readinessProbe": {"httpGet": {"path": "/healthz", "port": READER_PORT}, "periodSeconds": 1},
                     "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
@@ -235,17 +228,7 @@ def _copy(kube: Kube, pod: Manifest, token: str, out: IO[str]) -> None:
     try:
         _write(kube.pod_proxy_stream(ns, name, READER_PORT, FILE_PATH, headers, CHUNK), out)
     except ApiError as err:
-        if err.status != 400 or PROXY_REFUSED not in str(err):
-            raise ReaderError(f"reading through the API server's pod proxy: {err}") from err
-        _copy_direct(pod, token, out)  # a loopback pod address: the local cluster, this machine
-
-
-def _copy_direct(pod: Manifest, token: str, out: IO[str]) -> None:
-    url = f"http://{pod['status']['podIP']}:{READER_PORT}{FILE_PATH}"
-    with httpx.stream("GET", url, headers={TOKEN_HEADER: token}, timeout=httpx.Timeout(60.0)) as resp:
-        if resp.status_code != 200:
-            raise ReaderError(f"the reader pod answered {resp.status_code}: {resp.read().decode()[:200]}")
-        _write(resp.iter_bytes(CHUNK), out)
+        raise ReaderError(f"reading through the API server's pod proxy: {err}") from err
 
 
 def _write(chunks: Iterable[bytes], out: IO[str]) -> None:
