@@ -1,8 +1,10 @@
 """The engines' NetworkPolicy, enforced: only the gateway, the operator, the fleet's trainers and its
 engines (a push's relay chain) reach the engine port, and switching the policy off in the spec opens it.
+And the enforcer honours egress: a pod whose egress a policy limits to the engines reaches them and
+nothing else.
 
-Enforcement needs a network plugin that enforces policies, so this module runs on kind (its
-NetworkPolicy agent, docs/kind.md); the local cluster's pods share the host's loopback and
+Enforcement needs a network plugin that enforces policies, so this module runs on kind (kube-router's
+policy controller, docs/kind.md); the local cluster's pods share the host's loopback and
 nothing there can enforce a policy. Probes connect from inside pods (`kubectl exec`), to the
 engine pod's IP, as a misbehaving workload in the namespace would.
 """
@@ -20,6 +22,7 @@ from e2e.live_fleet import NAME, LiveFleet
 from e2e.provider import wait_for
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import (
+    COMPONENT_ENGINE,
     COMPONENT_TRAINER,
     ENGINE_PORT,
     LABEL_COMPONENT,
@@ -36,7 +39,7 @@ pytestmark = [
     ),
 ]
 
-# A TCP connect from inside a pod: "open", or why not ("refused" is the agent's reset).
+# A TCP connect from inside a pod: "open", or why not ("refused": the enforcer's REJECT).
 CONNECT = """
 import socket, sys
 try:
@@ -49,17 +52,16 @@ except OSError as err:
 """
 
 
-def probe_pod(fleet: LiveFleet, name: str, labels: dict[str, str]) -> str:
-    """A pod that only sleeps, to connect from; any image with Python (the control-plane one)."""
+def probe_pod(fleet: LiveFleet, name: str, labels: dict[str, str], command: list[str] | None = None) -> str:
+    """A pod that only sleeps (or runs `command`), to connect from or to; any image with Python (the
+    control-plane one)."""
     meta = {"name": name, "namespace": fleet.namespace, "labels": labels}
+    container = {"name": "probe", "image": DEFAULT_ROLLFLEET_IMAGE, "command": command or ["sleep", "3600"]}
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": meta,
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{"name": "probe", "image": DEFAULT_ROLLFLEET_IMAGE, "command": ["sleep", "3600"]}],
-        },
+        "spec": {"terminationGracePeriodSeconds": 0, "containers": [container]},
     }
     fleet.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
     return name
@@ -80,6 +82,18 @@ def connect(fleet: LiveFleet, pod: str, ip: str, container: str | None = None) -
         str(ENGINE_PORT),
     ]
     return fleet.cluster.kubectl(*args, timeout=60).stdout.strip()
+
+
+EGRESS_LABEL = "rollfleet.dev/e2e-egress"
+
+
+def engine_ip_list(live: LiveFleet) -> list[str]:
+    return [
+        json.loads(live.cluster.kubectl("-n", live.namespace, "get", "pod", e.key, "-o", "json").stdout)["status"][
+            "podIP"
+        ]
+        for e in live.engines
+    ]
 
 
 @pytest.fixture
@@ -106,12 +120,7 @@ def test_only_the_gateway_and_trainers_reach_the_engines_until_the_policy_is_swi
     live: LiveFleet, probes: tuple[str, str]
 ) -> None:
     stranger, trainer = probes
-    engine_ips = [
-        json.loads(live.cluster.kubectl("-n", live.namespace, "get", "pod", e.key, "-o", "json").stdout)["status"][
-            "podIP"
-        ]
-        for e in live.engines
-    ]
+    engine_ips = engine_ip_list(live)
     gateway = live.gateways[0].key
     for ip in engine_ips:
         # The agent applies a new pod's rules within moments of its IP appearing: wait, then hold.
@@ -165,4 +174,74 @@ def test_only_the_gateway_and_trainers_reach_the_engines_until_the_policy_is_swi
             timeout=60,
             interval=1,
             what=f"the policy back in force for {ip}",
+        )
+
+
+def test_a_pod_whose_egress_is_limited_to_the_engines_reaches_them_and_nothing_else(live: LiveFleet) -> None:
+    """Egress, enforced: a trainer-like pod under an egress policy whose one rule names the fleet's
+    engines on the engine port reaches them (labelled: admitted), and is refused at a pod without the
+    fleet's labels listening on the same port, which an unpoliced pod reaches."""
+    live.ready()
+    suffix = uuid.uuid4().hex[:5]
+    policy_name = f"egress-{suffix}"
+    # Trainer labels, so the engines' own (ingress) policy admits it: only its egress is under test.
+    limited = probe_pod(
+        live, f"limited-{suffix}", {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_FLEET: NAME, EGRESS_LABEL: suffix}
+    )
+    free = probe_pod(live, f"free-{suffix}", {"app": "curious"})
+    # Listens on the engine port and carries none of the fleet's labels.
+    listener = probe_pod(
+        live, f"listener-{suffix}", {"app": "listener"}, ["python", "-m", "http.server", str(ENGINE_PORT)]
+    )
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": policy_name, "namespace": live.namespace},
+        "spec": {
+            "podSelector": {"matchLabels": {EGRESS_LABEL: suffix}},
+            "policyTypes": ["Egress"],
+            "egress": [
+                {
+                    "to": [{"podSelector": {"matchLabels": {LABEL_COMPONENT: COMPONENT_ENGINE, LABEL_FLEET: NAME}}}],
+                    "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
+                }
+            ],
+        },
+    }
+    try:
+        live.cluster.kubectl(
+            "-n",
+            live.namespace,
+            "wait",
+            "--for=condition=Ready",
+            f"pod/{limited}",
+            f"pod/{free}",
+            f"pod/{listener}",
+            "--timeout=120s",
+            timeout=130,
+        )
+        listener_ip = json.loads(
+            live.cluster.kubectl("-n", live.namespace, "get", "pod", listener, "-o", "json").stdout
+        )["status"]["podIP"]
+        # Before the policy: the listener answers anyone (so a refusal below is the policy's).
+        wait_for(
+            lambda: connect(live, limited, listener_ip) == "open",
+            timeout=60,
+            interval=1,
+            what=f"{listener} to listen on {ENGINE_PORT}",
+        )
+        live.cluster.kubectl("apply", "-f", "-", input=json.dumps(policy))
+        wait_for(
+            lambda: connect(live, limited, listener_ip) == "refused",
+            timeout=60,
+            interval=1,
+            what=f"the egress policy to keep {limited} from {listener_ip}",
+        )
+        assert connect(live, free, listener_ip) == "open"  # only the policed pod is held
+        for ip in engine_ip_list(live):
+            assert connect(live, limited, ip) == "open"  # the rule's peers, on the rule's port
+    finally:
+        live.cluster.kubectl("-n", live.namespace, "delete", "networkpolicy", policy_name, "--wait=false", check=False)
+        live.cluster.kubectl(
+            "-n", live.namespace, "delete", "pod", limited, free, listener, "--wait=false", check=False
         )

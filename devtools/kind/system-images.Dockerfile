@@ -1,8 +1,8 @@
 # The images a kind node runs besides Rollfleet's own (rollfleet_dev.kind.nodeimage builds each
 # stage with --target and tags it as kubeadm and kind's manifests name it): the control plane,
-# kube-proxy, etcd, CoreDNS, pause and kindnetd, from binaries built from Go modules (and one C
-# file for pause). Upstream ships them on distroless; here the base is Debian, the one base
-# image this machine can make. The context is assembled by nodeimage; it is not this directory.
+# kube-proxy, etcd, CoreDNS, pause, kindnetd and kube-router, from binaries built from Go modules
+# (and one C file for pause). Upstream ships them on distroless (kube-router on Alpine); here the
+# base is Debian, the one base image this machine can make. The context is assembled by nodeimage; it is not this directory.
 ARG DEBIAN_IMAGE=debian:bookworm-slim
 FROM ${DEBIAN_IMAGE} AS debian
 
@@ -44,10 +44,9 @@ FROM iptables AS kindnetd
 COPY bin/kindnetd /bin/kindnetd
 CMD ["/bin/kindnetd"]
 
-# Rollfleet's NetworkPolicy agent (rollfleet_dev/kind/netpol_agent.py: standard library only).
-FROM iptables AS netpol-agent
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 ca-certificates \
- && rm -rf /var/lib/apt/lists/*
-COPY netpol_agent.py /usr/local/bin/netpol-agent
-CMD ["python3", "/usr/local/bin/netpol-agent"]
+# The NetworkPolicy enforcer: kube-router (github.com/cloudnativelabs/kube-router/v2) running its
+# firewall only, beside kindnetd (devtools/kind/kube-router.yaml). It drives iptables, iptables-save,
+# iptables-restore and ipset by name: the iptables stage gives all four, in the node's backend.
+FROM iptables AS kube-router
+COPY bin/kube-router /usr/local/bin/kube-router
+ENTRYPOINT ["/usr/local/bin/kube-router"]

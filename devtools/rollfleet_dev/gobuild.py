@@ -10,6 +10,7 @@ rebuilt. Talks to `go` only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -106,6 +107,35 @@ def build_packages(
 
 
 @dataclass(frozen=True)
+class SourcePatch:
+    """One exact replacement in a file of a published module version: a local fix, refused loudly
+    when the text is not there exactly once (a new version needs the patch looked at again)."""
+
+    path: str  # the file, relative to the module's root
+    old: str
+    new: str
+
+
+def patch_text(text: str, patch: SourcePatch) -> str:
+    if text.count(patch.old) != 1:
+        raise BuildError(f"{patch.path}: the text to patch is not there exactly once: {patch.old!r}")
+    return text.replace(patch.old, patch.new)
+
+
+def patched_copy(module_root: Path, patches: Sequence[SourcePatch], dest: Path) -> Path:
+    """A writable copy of a module version's source with `patches` applied, for a `replace`
+    directive (Go builds no overlay over the module cache). The module cache stays as published."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(module_root, dest, copy_function=shutil.copyfile)
+    for path in [dest, *dest.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)  # the module cache's copies are read-only
+    for patch in patches:
+        target = dest / patch.path
+        target.write_text(patch_text(target.read_text(), patch))
+    return dest
+
+
+@dataclass(frozen=True)
 class GoTool:
     """A program built from a published module version (or from a directory of this repository)."""
 
@@ -119,10 +149,19 @@ class GoTool:
     cgo: bool = False
     source: Path | None = None  # a module of this repository (its own go.mod) instead of the proxy
     replaces: Mapping[str, str] = field(default_factory=dict)  # module => module version
+    patches: tuple[SourcePatch, ...] = ()  # local fixes to the module's own files
 
     @property
     def outdir(self) -> Path:
-        return cache_dir() / "bin" / f"{self.name}-{self.version}"
+        return cache_dir() / "bin" / f"{self.name}-{self.version}{self.patch_suffix}"
+
+    @property
+    def patch_suffix(self) -> str:
+        """A patched build is cached apart from the published one, under a key of its patches."""
+        if not self.patches:
+            return ""
+        digest = hashlib.sha256(json.dumps([(p.path, p.old, p.new) for p in self.patches]).encode())
+        return "-p" + digest.hexdigest()[:8]
 
     def path(self, binary: str) -> Path:
         assert binary in self.binaries, f"{self.name} builds {self.binaries}, not {binary}"
@@ -140,6 +179,8 @@ def ensure_tool(tool: GoTool) -> Path:
         raise BuildError(f"Go is needed to build {tool.name} {tool.version}; install Go 1.26+ and retry")
     label = f"{tool.name} {tool.version}"
     if tool.source is not None:
+        if tool.patches:
+            raise BuildError(f"{label}: patches are for published modules; edit the source instead")
         workdir = tool.source
     else:
         workdir = cache_dir() / "build" / f"{tool.name}-{tool.version}"
@@ -147,6 +188,9 @@ def ensure_tool(tool: GoTool) -> Path:
         log(f"{label}: resolving modules")
         upstream = upstream_gomod(tool.module, tool.version, workdir)
         replaces = "".join(f"replace {mod} => {mod} {v}\n" for mod, v in tool.replaces.items())
+        if tool.patches:
+            patched_copy(module_dir(tool.module, tool.version), tool.patches, workdir / "patched")
+            replaces += f"replace {tool.module} => ./patched\n"
         (workdir / "go.mod").write_text(
             f"module rollfleet.dev/build/{tool.name}\n\n{go_directives(upstream)}\n\n"
             f"require {tool.module} {tool.version}\n\n{replaces}"

@@ -35,6 +35,11 @@ RESTART_TIMEOUT_S = 180.0
 CLEAN_TIMEOUT_S = 300.0
 # Kubernetes' own namespaces: `up(clean=True)` deletes every other one.
 SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
+# kind's Service range (its default). On a booting node, until kube-proxy's rules are in place, a
+# client's packets to a ClusterIP go to the node's gateway, this machine, which would route them off
+# it. The fence refuses them here: Docker's DOCKER-USER chain sees what containers send through the host.
+SERVICE_SUBNET = "10.96.0.0/16"
+FENCE = ["DOCKER-USER", "-d", SERVICE_SUBNET, "-j", "REJECT"]
 
 
 class KindError(RollfleetError, RuntimeError):
@@ -231,6 +236,7 @@ def up(clean: bool = False) -> Path:
     Kubernetes' own (what earlier runs left there would run beside the next one), or is made anew
     if they do not go away."""
     require_docker()
+    _fence(True)
     kubeconfig = kubeconfig_path()
     kubeconfig.parent.mkdir(parents=True, exist_ok=True)
     node = nodeimage.ensure_node_image()
@@ -264,6 +270,7 @@ def up(clean: bool = False) -> Path:
             )
             down()
     if not exists():
+        _fence(True)  # a `down` above took it down
         config.write_text(spec)
         log(f"kind: creating cluster {CLUSTER_NAME} from {node}")
         _run(
@@ -287,6 +294,15 @@ def up(clean: bool = False) -> Path:
     load_images(kubectl)
     log(f"kind: ready; export KUBECONFIG={kubeconfig}")
     return kubeconfig
+
+
+def _fence(on: bool) -> None:
+    """Put up (before any node starts) or take down the fence of the Service range (FENCE)."""
+    present = subprocess.run(["iptables", "-w", "-C", *FENCE], capture_output=True).returncode == 0
+    if on and not present:
+        _run(["iptables", "-w", "-I", *FENCE], "iptables: refusing what nodes send to the Service range")
+    elif not on and present:
+        _run(["iptables", "-w", "-D", *FENCE], "iptables: the Service range's fence")
 
 
 def stop() -> None:
@@ -315,4 +331,5 @@ def down() -> None:
     )
     if attached.returncode == 0 and attached.stdout.strip() == "0":
         _run(["docker", "network", "rm", KIND_NETWORK], "removing the kind network")
+    _fence(False)
     kubeconfig_path().unlink(missing_ok=True)

@@ -2,8 +2,8 @@
 
 Three steps, each logged to a file under `<cache>/logs/` (a failure names the step and the log):
 
-1. the system images (control plane, kube-proxy, etcd, CoreDNS, pause, kindnetd) from
-   `devtools/kind/system-images.Dockerfile`, tagged with the names kubeadm and kind ask for;
+1. the system images (control plane, kube-proxy, etcd, CoreDNS, pause, kindnetd, kube-router)
+   from `devtools/kind/system-images.Dockerfile`, tagged with the names kubeadm and kind ask for;
 2. the node base from `devtools/kind/node.Dockerfile`: Debian, systemd, containerd, runc, the
    CNI plugins, crictl, kubeadm/kubelet/kubectl and kind's own files (from the kind module);
 3. the preload, as `kind build node-image` does it: start containerd in a container of the
@@ -35,8 +35,10 @@ DEVTOOLS_KIND = Path(__file__).resolve().parents[2] / "kind"
 REPO = DEVTOOLS_KIND.parents[1]
 NODE_REPOSITORY = "rollfleet.local/kind-node"
 KINDNETD_IMAGE_REPOSITORY = "rollfleet.local/kindnetd"
-NETPOL_AGENT_REPOSITORY = "rollfleet.local/netpol-agent"
-NETPOL_AGENT_SOURCE = Path(__file__).with_name("netpol_agent.py")
+KUBE_ROUTER_IMAGE_REPOSITORY = "rollfleet.local/kube-router"
+# The NetworkPolicy enforcer's DaemonSet and RBAC, appended to kind's CNI manifest.
+KUBE_ROUTER_MANIFEST = DEVTOOLS_KIND / "kube-router.yaml"
+KUBE_ROUTER_IMAGE_PLACEHOLDER = "KUBE_ROUTER_IMAGE"
 PUBLIC_DEBIAN_IMAGE = "debian:bookworm-slim"
 _K8S = kube_build.KUBERNETES_VERSION
 _REGISTRY = "registry.k8s.io"
@@ -54,12 +56,12 @@ def system_images(kindnetd_tag: str) -> dict[str, list[str]]:
         # kind's containerd config names 3.10; kubeadm's list says 3.10.2: both, one image.
         "pause": [f"{_REGISTRY}/pause:{tools.PAUSE_VERSION}", f"{_REGISTRY}/pause:{tools.PAUSE_VERSION}.2"],
         "kindnetd": [f"{KINDNETD_IMAGE_REPOSITORY}:{kindnetd_tag}"],
-        "netpol-agent": [netpol_agent_image()],
+        "kube-router": [kube_router_image()],
     }
 
 
-def netpol_agent_image() -> str:
-    return f"{NETPOL_AGENT_REPOSITORY}:{hashlib.sha256(NETPOL_AGENT_SOURCE.read_bytes()).hexdigest()[:12]}"
+def kube_router_image() -> str:
+    return f"{KUBE_ROUTER_IMAGE_REPOSITORY}:{tools.KUBE_ROUTER.version}{tools.KUBE_ROUTER.patch_suffix}"
 
 
 def debian_image() -> str:
@@ -107,13 +109,18 @@ def containerd_config(kind_config: str) -> str:
     return text
 
 
-def default_cni_manifest(const_cni_go: str, kindnetd_image: str, agent_manifest: str, agent_image: str) -> str:
+def default_cni_manifest(const_cni_go: str, kindnetd_image: str, netpol_manifest: str, netpol_image: str) -> str:
     """kind's kindnetd manifest (a Go string constant in kind's source) naming our kindnetd image,
-    followed by the NetworkPolicy agent's (kind applies the file as the cluster's network plugin)."""
+    followed by the NetworkPolicy enforcer's (kube-router's firewall): kind applies the file as
+    the cluster's network plugin, so both come up with the cluster."""
     m = re.search(r"const defaultCNIManifest = `(.*?)` \+ kindnetdImage \+ `(.*?)`", const_cni_go, re.S)
     if not m:
         raise BuildError("kind's const_cni.go changed shape; update rollfleet_dev.kind.nodeimage")
-    return m.group(1) + kindnetd_image + m.group(2) + agent_manifest.replace("NETPOL_AGENT_IMAGE", agent_image)
+    if KUBE_ROUTER_IMAGE_PLACEHOLDER not in netpol_manifest:
+        raise BuildError(f"{KUBE_ROUTER_MANIFEST.name} names no {KUBE_ROUTER_IMAGE_PLACEHOLDER}")
+    return (
+        m.group(1) + kindnetd_image + m.group(2) + netpol_manifest.replace(KUBE_ROUTER_IMAGE_PLACEHOLDER, netpol_image)
+    )
 
 
 def _key(parts: dict[str, str]) -> str:
@@ -124,11 +131,10 @@ def node_image_name(debian: str) -> str:
     """The node image's name: the Kubernetes version and a key of every input."""
     inputs = {
         "debian": debian,
-        "tools": ",".join(f"{t.name}@{t.version}" for t in tools.go_tools()),
+        "tools": ",".join(f"{t.name}@{t.version}{t.patch_suffix}" for t in tools.go_tools()),
         "etcd": kube_build.ETCD_VERSION,
         **{f.name: f.read_text() for f in sorted(DEVTOOLS_KIND.glob("*")) if f.is_file()},
         "builder": Path(__file__).read_text(),
-        "netpol-agent": NETPOL_AGENT_SOURCE.read_text(),
     }
     return f"{NODE_REPOSITORY}:{_K8S}-{_key(inputs)}"
 
@@ -151,11 +157,11 @@ def _build_system_images(dirs: dict[str, Path], debian: str, kindnetd_tag: str, 
             "coredns": dirs["coredns"] / "coredns",
             "pause": dirs["pause"] / "pause",
             "kindnetd": dirs["kindnetd"] / "kindnetd",
+            "kube-router": dirs["kube-router"] / "kube-router",
         }
         for name, path in binaries.items():
             _link(path, ctx / "bin" / name)
         shutil.copy2(DEVTOOLS_KIND / "iptables-wrapper", ctx / "iptables-wrapper")
-        shutil.copy2(NETPOL_AGENT_SOURCE, ctx / "netpol_agent.py")
         names: list[str] = []
         for target, tags in system_images(kindnetd_tag).items():
             log(f"kind node image: system image {target}")
@@ -190,9 +196,8 @@ def _build_node_base(dirs: dict[str, Path], debian: str, kindnetd_image: str, ba
         (ctx / "files" / "etc" / "systemd" / "system" / "containerd-fuse-overlayfs.service").unlink()
         cni_go = (kind_src / "pkg" / "build" / "nodeimage" / "const_cni.go").read_text()
         (ctx / "manifests").mkdir()
-        agent = (DEVTOOLS_KIND / "netpol-agent.yaml").read_text()
         (ctx / "manifests" / "default-cni.yaml").write_text(
-            default_cni_manifest(cni_go, kindnetd_image, agent, netpol_agent_image())
+            default_cni_manifest(cni_go, kindnetd_image, KUBE_ROUTER_MANIFEST.read_text(), kube_router_image())
         )
         (ctx / "version").write_text(_K8S + "\n")
         for name in ("containerd", "ctr"):

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from rollfleet_dev.gobuild import BuildError, GoTool, ensure_tool, log, module_dir
+from rollfleet_dev.gobuild import BuildError, GoTool, SourcePatch, ensure_tool, log, module_dir
 from rollfleet_dev.localcluster import build as kube_build
 from rollfleet_dev.localcluster.paths import cache_dir
 
@@ -83,6 +83,33 @@ LOCAL_PATH = GoTool(
     ("local-path-provisioner",),
 )
 
+# The NetworkPolicy enforcer: kube-router's firewall alone (no routing, no service proxy) beside
+# kindnetd. iptables and ipset, which this kernel has; kindnetd's own dataplane needs an nftables
+# `queue` it lacks. v2.1.0 is the one version the Go proxy serves here; its advisories are for
+# the parts not run (docs/kind.md).
+KUBE_ROUTER_VERSION = "v2.1.0"
+_KUBE_ROUTER_POLICY = "pkg/controllers/netpol/policy.go"
+# v2.1.0 admits every port from a rule's pod peers when none of the rule's ports resolves: a named
+# port that no selected pod has with that protocol (`port: http, protocol: UDP` for a TCP `http`)
+# then opened the pod. A rule with ports admits only what they resolve to; no ports, everything.
+KUBE_ROUTER_PATCHES = tuple(
+    SourcePatch(
+        _KUBE_ROUTER_POLICY,
+        f"if len({rule}.ports) == 0 && len({rule}.namedPorts) == 0 {{",
+        f"if {rule}.matchAllPorts {{ // rollfleet: an unresolved named port admits nothing",
+    )
+    for rule in ("ingressRule", "egressRule")
+)
+KUBE_ROUTER = GoTool(
+    "kube-router",
+    "github.com/cloudnativelabs/kube-router/v2",
+    KUBE_ROUTER_VERSION,
+    ("github.com/cloudnativelabs/kube-router/v2/cmd/kube-router",),
+    ("kube-router",),
+    ldflags=f"-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version={KUBE_ROUTER_VERSION}",
+    patches=KUBE_ROUTER_PATCHES,
+)
+
 _KINDNETD_SOURCE = Path(__file__).resolve().parents[2] / "kind" / "kindnetd"
 
 
@@ -99,7 +126,7 @@ def kindnetd() -> GoTool:
 
 def go_tools() -> tuple[GoTool, ...]:
     """Every tool built with `ensure_tool`: what the node image's key and the build both go by."""
-    return KIND, CONTAINERD, CONTAINERD_SHIM, RUNC, CRICTL, CNI_PLUGINS, COREDNS, kindnetd()
+    return KIND, CONTAINERD, CONTAINERD_SHIM, RUNC, CRICTL, CNI_PLUGINS, COREDNS, kindnetd(), KUBE_ROUTER
 
 
 def kube_node_dir() -> Path:

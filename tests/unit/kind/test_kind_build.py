@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollfleet_dev.gobuild import BuildError
+from rollfleet_dev.gobuild import BuildError, GoTool, SourcePatch, patch_text, patched_copy
 from rollfleet_dev.kind import cluster, nodeimage, tools
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR
 
@@ -57,12 +57,41 @@ def test_a_containerd_config_of_another_shape_is_refused() -> None:
 
 
 def test_the_cni_manifest_names_our_kindnetd_and_keeps_kinds_template_marker() -> None:
-    agent = "---\nkind: DaemonSet\n  image: NETPOL_AGENT_IMAGE\n"
-    manifest = nodeimage.default_cni_manifest(KIND_CONST_CNI, "rollfleet.local/kindnetd:abc", agent, "agent:1")
+    netpol = "---\nkind: DaemonSet\n  image: KUBE_ROUTER_IMAGE\n"
+    manifest = nodeimage.default_cni_manifest(KIND_CONST_CNI, "rollfleet.local/kindnetd:abc", netpol, "kr:1")
     assert "image: rollfleet.local/kindnetd:abc\n" in manifest
-    assert manifest.endswith("---\nkind: DaemonSet\n  image: agent:1\n")
+    assert manifest.endswith("---\nkind: DaemonSet\n  image: kr:1\n")
     assert "would you kindly template this file" in manifest and "{{ .PodSubnet }}" in manifest
     assert "kindest" not in manifest
+    with pytest.raises(BuildError, match="KUBE_ROUTER_IMAGE"):
+        nodeimage.default_cni_manifest(KIND_CONST_CNI, "k", "---\nkind: DaemonSet\n", "kr:1")
+
+
+def test_kube_router_runs_its_firewall_alone_beside_kindnetd_with_the_rbac_it_reads_by() -> None:
+    """The shipped manifest: policy enforcement only (kindnetd stays the CNI, kube-proxy the service
+    proxy), not privileged (kind's nodes here lack CAP_SYS_RESOURCE), every node (the GPU pool is
+    tainted), and read access to everything kube-router's informers wait for at start."""
+    docs = [d for d in yaml.safe_load_all(nodeimage.KUBE_ROUTER_MANIFEST.read_text()) if d]
+    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == nodeimage.KUBE_ROUTER_IMAGE_PLACEHOLDER
+    args = set(container["args"])
+    assert {"--run-firewall=true", "--run-router=false", "--run-service-proxy=false"} <= args
+    assert container["securityContext"]["privileged"] is False
+    assert "NET_ADMIN" in container["securityContext"]["capabilities"]["add"]
+    assert pod["hostNetwork"] is True and pod["tolerations"] == [{"operator": "Exists"}]
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    readable = {
+        (group, resource)
+        for rule in role["rules"]
+        if {"list", "watch"} <= set(rule["verbs"])
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    wanted = {("", r) for r in ("pods", "namespaces", "nodes", "services", "endpoints")}
+    assert wanted | {("networking.k8s.io", "networkpolicies"), ("discovery.k8s.io", "endpointslices")} <= readable
+    assert not any(set(rule["verbs"]) - {"get", "list", "watch"} for rule in role["rules"])  # reads only
 
 
 def test_system_images_carry_the_names_kubeadm_and_kind_ask_for() -> None:
@@ -70,7 +99,10 @@ def test_system_images_carry_the_names_kubeadm_and_kind_ask_for() -> None:
     assert "registry.k8s.io/pause:3.10" in names and "registry.k8s.io/pause:3.10.2" in names
     assert f"registry.k8s.io/etcd:{tools.ETCD_IMAGE_TAG}" in names
     assert f"registry.k8s.io/coredns/coredns:{tools.COREDNS.version}" in names
-    assert "rollfleet.local/kindnetd:k1" in names and nodeimage.netpol_agent_image() in names
+    assert "rollfleet.local/kindnetd:k1" in names
+    assert nodeimage.kube_router_image() in names and nodeimage.kube_router_image().startswith(
+        "rollfleet.local/kube-router:v"
+    )
 
 
 def test_every_node_gets_the_node_image_etcd_tag_cgroup_v1_allowance_and_the_model(tmp_path: Path) -> None:
@@ -103,3 +135,37 @@ def test_clean_deletes_every_namespace_but_kubernetes_own() -> None:
     names = ["default", "kube-node-lease", "kube-public", "kube-system", "live-e2e-310448", "rollfleet-system"]
     assert cluster.leftover_namespaces(names) == ["live-e2e-310448", "rollfleet-system"]
     assert cluster.leftover_namespaces(names[:4]) == []
+
+
+def test_a_source_patch_applies_to_a_copy_exactly_once_or_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "mod@v1"
+    (root / "pkg").mkdir(parents=True)
+    source = root / "pkg" / "policy.go"
+    source.write_text("if len(a) == 0 {\n}\nif len(b) == 0 {\n}\n")
+    for path in (source, root / "pkg", root):
+        path.chmod(0o444 if path.is_file() else 0o555)  # as the module cache keeps them
+    patch = SourcePatch("pkg/policy.go", "if len(a) == 0 {", "if all {")
+    for _ in range(2):  # a second build lays the copy anew
+        copy = patched_copy(root, [patch], tmp_path / "patched")
+        assert (copy / "pkg" / "policy.go").read_text() == "if all {\n}\nif len(b) == 0 {\n}\n"
+    assert source.read_text().startswith("if len(a) == 0 {")  # the module stays as published
+    with pytest.raises(BuildError, match="exactly once"):
+        patch_text("x x", SourcePatch("f.go", "x", "y"))
+    with pytest.raises(BuildError, match="exactly once"):
+        patch_text("", SourcePatch("f.go", "x", "y"))
+    for path in (root, root / "pkg"):
+        path.chmod(0o755)
+
+
+def test_kube_router_is_patched_so_an_unresolved_named_port_admits_nothing_and_is_cached_apart() -> None:
+    """v2.1.0 opened every port to a rule's pod peers when none of its ports resolved (a named port no
+    selected pod has with that protocol); the patch keys its build and image apart from the published one."""
+    kube_router = tools.KUBE_ROUTER
+    assert [p.new.split(" //")[0] for p in kube_router.patches] == [
+        "if ingressRule.matchAllPorts {",
+        "if egressRule.matchAllPorts {",
+    ]
+    assert kube_router.patch_suffix.startswith("-p") and kube_router.outdir.name.endswith(kube_router.patch_suffix)
+    unpatched = GoTool("kube-router", kube_router.module, kube_router.version, kube_router.packages, ("kube-router",))
+    assert unpatched.patch_suffix == "" and unpatched.outdir != kube_router.outdir
+    assert nodeimage.kube_router_image().endswith(kube_router.patch_suffix)
