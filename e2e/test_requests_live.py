@@ -183,11 +183,11 @@ def test_operator_runners_then_gateway_killed_mid_run_still_one_result_per_sampl
 
 def _kill_everything_mid_run(fleet: LiveFleet, stores: list[dict[str, Any]]) -> None:
     # The runs must outlast three kills and what replaces them (a minute or so here): 8 waves of 16
-    # samples (the engines' batches), 8 s each at the simulated engines' pace, shared by the requests.
+    # samples (the engines' batches), 8 s each at the simulated engines' pace. The requests share the
+    # batches (each its `parallelism`), so that each is mid-run at every kill.
     prompts, samples, tokens = 32 // len(stores), 4, 400
-    made = [
-        create(fleet, prompts, samples, sampling={"maxTokens": tokens, "ignoreEos": True}, **spec) for spec in stores
-    ]
+    sampling = {"maxTokens": tokens, "ignoreEos": True}
+    made = [create(fleet, prompts, samples, sampling=sampling, parallelism=16 // len(stores), **s) for s in stores]
     kubectl = fleet.cluster.kubectl
 
     def completed() -> list[int]:

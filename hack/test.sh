@@ -3,8 +3,8 @@
 # then acceptance on kind; at the end, each tier's time against its budget.
 #
 # Bringing kind up (Docker, the images, the node image, the cluster) is mostly waiting on Docker
-# and on cached builds; cold, it is Go builds. It runs beside the local tiers at low CPU priority
-# instead of after them, and its output goes to a log. A cluster kept from an earlier run loses
+# and on cached builds; cold, it is Go builds. It runs beside the engine and control-plane tiers at
+# low CPU priority instead of after them, and its output goes to a log. A cluster kept from an earlier run loses
 # what that run left in it (`--clean`: a fleet of engines, an operator), or it would run beside
 # this one; and the cluster is stopped once up, since an idle cluster costs a share of a core that
 # the local tiers need. It is started again for the acceptance tier, once both are done.
@@ -21,13 +21,7 @@ say() { echo "[test] $*"; }
 hack/docker.sh || { say "kind needs Docker; without it, run 'make test-local' (every tier on the local cluster)"; exit 1; }
 mkdir -p "$LOGS"
 rm -f "$KIND_LOG.status"
-say "bringing the kind cluster up beside the local tiers, at low priority, stopped until they are done (log: $KIND_LOG)"
 start=$SECONDS
-(
-  nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop' >"$KIND_LOG" 2>&1
-  echo $? >"$KIND_LOG.status"
-) &
-kind_pid=$!
 
 summary=()
 failed=0
@@ -51,9 +45,16 @@ run_tier() {
   tier "$1" "$(python -m tests.tiers budget "$1")" python -m tests.tiers run "$1" --durations=$SLOWEST $PYTEST_ARGS
 }
 run_tier unit
+# After the unit tier, which is short and whose budget is for it alone.
+say "bringing the kind cluster up beside the next tiers, at low priority, stopped until they are done (log: $KIND_LOG)"
+(
+  nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop' >"$KIND_LOG" 2>&1
+  echo $? >"$KIND_LOG.status"
+) &
+kind_pid=$!
 run_tier engine
-# The local cluster serves both cluster tiers (started once, not per tier); one that was up before
-# stays up after. Not earlier: idle, it still costs the first two tiers CPU.
+# The local cluster serves the control-plane tier (its start is a line of its own); one that was up
+# before stays up after. Not earlier: idle, it still costs the first two tiers CPU.
 was_up=$(python -c 'from rollfleet_dev.localcluster import controlplane as c; print(int(c.is_up()))')
 tier "local cluster up" 180 rollfleet cluster up
 run_tier controlplane
