@@ -68,7 +68,7 @@ TIERS = (
         ("e2e",),
         cluster=True,
         engine=True,
-        budget_s=900,
+        budget_s=660,
         on_kind=True,
     ),
 )
