@@ -4,8 +4,8 @@ And the enforcer honours egress: a pod whose egress a policy limits to the engin
 nothing else.
 
 Enforcement needs a network plugin that enforces policies, so this module runs on kind (kube-router's
-policy controller, docs/kind.md); the local cluster's pods share the host's loopback and
-nothing there can enforce a policy. Probes connect from inside pods (`kubectl exec`), to the
+policy controller, docs/kind.md); the local cluster runs no enforcer (docs/local-cluster.md), so
+nothing there holds a policy. Probes connect from inside pods (`kubectl exec`), to the
 engine pod's IP, as a misbehaving workload in the namespace would.
 """
 
@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(
         os.environ.get("ROLLFLEET_E2E_PROVIDER", "local") == "local",
-        reason="the local cluster's pods share the host network: no plugin can enforce a policy",
+        reason="the local cluster runs no NetworkPolicy enforcer: policies are stored, not enforced",
     ),
 ]
 

@@ -38,7 +38,7 @@ def _check_index(index: int) -> None:
 
 class PodIPs:
     """Hands out one node's pod addresses, rotating so that a freed address is not reused at once
-    (a client that still holds a dead pod's IP then gets "connection refused", not another pod)."""
+    (a client that still holds a dead pod's IP then gets "no route to host", not another pod)."""
 
     def __init__(self, index: int) -> None:
         self.network = pod_network(index)

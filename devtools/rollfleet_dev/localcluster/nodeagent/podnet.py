@@ -11,7 +11,7 @@ Host-wide, once per cluster (`host_up`, `host_down`): POD_CIDR is unreachable ex
 pods' routes (a dead pod's address fails at once and never leaves the machine), SERVICE_CIDR is
 local (the service proxy listens there), and forwarding between pods is accepted (Docker sets the
 FORWARD policy to DROP). The command lists are pure; `run` executes them.
-Talks to: the kernel, through `ip`, `iptables` and /proc/sys.
+Talks to: the kernel, through `ip` and `iptables`; reads /etc/resolv.conf.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import logging
 import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from rollfleet_dev.localcluster.nodeagent.ipam import POD_CIDR, SERVICE_CIDR
-
-log = logging.getLogger(__name__)
 
 GATEWAY = "169.254.1.1"
 NETNS_PREFIX = "rfpod-"
@@ -172,7 +169,3 @@ async def pod_up(uid: str, ip: str) -> None:
     """The pod's namespace, made anew (an earlier agent's is deleted first: its processes are gone)."""
     await asyncio.to_thread(run, pod_down_commands(uid), False)
     await asyncio.to_thread(run, pod_up_commands(uid, ip))
-
-
-async def pod_down(uid: str) -> None:
-    await asyncio.to_thread(run, pod_down_commands(uid), False)

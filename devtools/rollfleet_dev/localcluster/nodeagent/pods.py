@@ -1,8 +1,9 @@
 """The lifecycle of one pod bound to one of the agent's nodes.
 
-A `PodWorker` prepares the pod (address and network namespace, /dev/shm, volumes), runs init containers then the
-containers (restarts with back-off, probes), reports status through `pods/status`
-when it changed, and on deletion stops every process and force-deletes the pod.
+A `PodWorker` prepares the pod (address and network namespace, /dev/shm, volumes), runs
+init containers then the containers (restarts with back-off, probes), reports status
+through `pods/status` when it changed, and on deletion stops every process and
+force-deletes the pod.
 Talks to: the kube-apiserver (ConfigMaps, Secrets, TokenRequests, pod status,
 deletion) through `kubeapi`, and container processes through `processes`.
 """
@@ -362,14 +363,18 @@ class PodWorker:
             self.pod_ip = self.ips.allocate()
         (self.shm / "dev-shm").mkdir(parents=True, exist_ok=True)
 
-        def volume_error(msg: str) -> None:
-            for c in self.init + self.main:
-                if isinstance(c.obs.state, Waiting):
-                    c.obs.state = Waiting("ContainerCreating", f"volumes not ready: {msg}")
+        def not_ready(what: str) -> Callable[[str], None]:
+            def say(msg: str) -> None:
+                for c in self.init + self.main:
+                    if isinstance(c.obs.state, Waiting):
+                        c.obs.state = Waiting("ContainerCreating", f"{what} not ready: {msg}")
 
-        ok = await self._retry("volume setup", self.render_volumes, volume_error)
+            return say
+
+        ok = await self._retry("volume setup", self.render_volumes, not_ready("volumes"))
         if ok and not self.host_network:
-            ok = await self._retry("pod network", functools.partial(podnet.pod_up, self.uid, self.pod_ip), volume_error)
+            network = functools.partial(podnet.pod_up, self.uid, self.pod_ip)
+            ok = await self._retry("pod network", network, not_ready("pod network"))
         if ok:
             self.sandbox_ready = True
             for c in self.init + self.main:
