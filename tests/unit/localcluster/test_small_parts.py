@@ -15,6 +15,7 @@ from rollfleet_dev.localcluster.nodeagent import config, control, ipam, podnet
 from rollfleet_dev.localcluster.nodeagent.downward import FieldError, field_value, parse_quantity
 from rollfleet_dev.localcluster.nodeagent.logs import LogsError, find_log, logs_command
 from rollfleet_dev.localcluster.nodeagent.nodes import merge_taints, node_status
+from rollfleet_dev.localcluster.nodeagent.pods import hosts_file
 from rollfleet_dev.localcluster.nodeagent.probes import ProbeTiming, Tracker
 from rollfleet_dev.localcluster.nodeagent.serviceproxy import backends, reset, splice, wanted_listeners
 
@@ -224,3 +225,10 @@ def test_node_control_files(tmp_path: Path) -> None:
     assert control.stopped_nodes(tmp_path) == {"gpu-1"}
     control.set_stopped(tmp_path, "gpu-1", False)
     assert control.stopped_nodes(tmp_path) == set()
+
+
+def test_a_pods_hosts_file_names_it_at_its_ip_as_kubelets_does() -> None:
+    pod = {"metadata": {"name": "e-0", "namespace": "ns"}, "spec": {"subdomain": "fleet"}}
+    lines = hosts_file(pod, "198.18.0.7").splitlines()
+    assert "127.0.0.1\tlocalhost" in lines and lines[-1] == "198.18.0.7\te-0.fleet.ns.svc.cluster.local\te-0"
+    assert hosts_file({"metadata": {"name": "p"}, "spec": {}}, "198.18.0.8").splitlines()[-1] == "198.18.0.8\tp"

@@ -96,6 +96,25 @@ def base_env(shared: Shared, hostname: str, image_env: dict[str, str]) -> dict[s
     return env
 
 
+def hosts_file(pod: Obj, pod_ip: str) -> str:
+    """The pod's /etc/hosts, as kubelet writes it: localhost, and the pod's hostname at its IP. Without
+    it a process that looks its own hostname up (gloo, in every vLLM engine's start) asks DNS, which
+    no pod reaches here, and waits out the resolver's timeouts."""
+    spec = pod["spec"]
+    hostname = spec.get("hostname") or pod["metadata"]["name"]
+    fqdn = (
+        f"{hostname}.{spec['subdomain']}.{pod['metadata']['namespace']}.svc.cluster.local"
+        if spec.get("subdomain")
+        else ""
+    )
+    lines = [
+        "127.0.0.1\tlocalhost",
+        "::1\tlocalhost ip6-localhost ip6-loopback",
+        f"{pod_ip}\t{fqdn}\t{hostname}".replace("\t\t", "\t"),
+    ]
+    return "# Kubernetes-managed hosts file (the local cluster's node agent).\n" + "\n".join(lines) + "\n"
+
+
 def grace_seconds(pod: Obj) -> float:
     meta, spec = pod["metadata"], pod.get("spec", {})
     grace = meta.get("deletionGracePeriodSeconds")
@@ -362,6 +381,8 @@ class PodWorker:
         else:
             self.pod_ip = self.ips.allocate()
         (self.shm / "dev-shm").mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "hosts").write_text(hosts_file(self.pod, self.pod_ip))
 
         def not_ready(what: str) -> Callable[[str], None]:
             def say(msg: str) -> None:
@@ -413,6 +434,8 @@ class PodWorker:
         c.cwd = spec.get("workingDir") or str(self.dir / "work")
         # The pod's /dev/shm first: a volume mounted there (an engine's memory emptyDir) goes over it.
         mounts = [volumes.Mount(str(self.shm / "dev-shm"), "/dev/shm", False)]
+        if not self.host_network:
+            mounts.append(volumes.Mount(str(self.dir / "hosts"), "/etc/hosts", False))
         mounts += volumes.mount_plan(spec, self._volume_sources)
         return {
             "argv": argv,
