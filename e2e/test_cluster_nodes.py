@@ -110,6 +110,7 @@ print(json.dumps({
     "own_localhost": connect("127.0.0.1", 8000),
     "service": connect(service, 80),
     "peer_shm_seen": os.path.exists("/dev/shm/marker"),
+    "own_name": socket.gethostbyname(socket.gethostname()),
 }), flush=True)
 """
 
@@ -167,6 +168,8 @@ def test_a_pod_has_its_own_network_and_dev_shm_and_is_reached_at_its_ip_and_serv
     core.create_namespaced_pod(ns, probe)
     wait_for(lambda: _phase(core, ns, "probe") == "Succeeded", 60, what="the probe pod to finish")
     seen = json.loads(_log(ns, "probe").strip().splitlines()[-1])
+    # Its own name is its own address, from /etc/hosts as kubelet writes it (gloo looks it up; no DNS here).
+    assert seen.pop("own_name") == core.read_namespaced_pod("probe", ns).status.pod_ip
     assert seen == {
         "peer": "open",
         "peer_localhost_only": "ConnectionRefusedError",

@@ -76,10 +76,16 @@ def test_a_pods_network_commands_name_its_namespace_address_and_route() -> None:
     assert cmds[-1] == ["ip", "route", "replace", "198.18.0.9/32", "dev", veth]
     assert podnet.pod_down_commands(uid) == [["ip", "netns", "delete", ns]]
     # Dead pods' addresses are unreachable (never routed off the machine); Services are local.
-    up = podnet.host_up_commands(forward_rule_present=False)
+    up = podnet.host_up_commands(present_rules=[])
     assert ["ip", "route", "replace", "unreachable", ipam.POD_CIDR] in up
-    assert up[-1][:4] == ["iptables", "-w", "-I", "FORWARD"]
-    assert not any(c[0] == "iptables" for c in podnet.host_up_commands(forward_rule_present=True))
+    # Pods forward to pods; what they send off the machine is refused at once (a DNS query fails fast).
+    rules = [c[3:] for c in up if c[0] == "iptables"]
+    assert ["FORWARD", "-i", "rfv+", "-o", "rfv+", "-j", "ACCEPT"] in rules
+    assert ["FORWARD", "-i", "rfv+", "!", "-o", "rfv+", "-j", "REJECT"] in rules
+    again = podnet.host_up_commands(present_rules=list(podnet.FORWARD_RULES))
+    assert not any(c[0] == "iptables" for c in again)
+    down = podnet.host_down_commands([], present_rules=list(podnet.FORWARD_RULES))
+    assert [c[3:] for c in down if c[0] == "iptables"] == rules
 
 
 def test_the_pod_and_service_ranges_must_not_be_in_use_on_the_machine() -> None:
