@@ -9,6 +9,7 @@ every node, the engine image on the GPU pool only (it is the large one). Talks t
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
 import subprocess
@@ -48,6 +49,11 @@ class KindError(RollfleetError, RuntimeError):
 
 def kubeconfig_path() -> Path:
     return state_dir().parent / "kind" / "kubeconfig"
+
+
+def _node_ips_path() -> Path:
+    """Each node container's address when `stop` stopped it (`_start` gives them back in that order)."""
+    return kubeconfig_path().parent / "node-ips.json"
 
 
 def _kind() -> str:
@@ -124,11 +130,54 @@ def _wait_nodes_ready(kubectl: Kubectl, count: int, timeout_s: float = RESTART_T
     return False
 
 
+def _node_ips(nodes: list[str]) -> dict[str, str]:
+    """Each running node container's address on kind's network ("" for a stopped one)."""
+    tmpl = "{{.Name}} {{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
+    out = _run(["docker", "inspect", "-f", tmpl, *nodes], "docker inspect")
+    return {name.lstrip("/"): (ip[0] if ip else "") for name, *ip in (line.split() for line in out.splitlines())}
+
+
+def _record_node_ips(nodes: list[str]) -> None:
+    """Keep the running nodes' addresses for `_start` (not while one is stopped: it has none)."""
+    addresses = _node_ips(nodes)
+    if all(addresses.values()):
+        _node_ips_path().write_text(json.dumps(addresses))
+
+
+def start_order(nodes: list[str], addresses: dict[str, str]) -> list[str]:
+    """The nodes in the order of the addresses they had; those without one last. Docker gives a started
+    container the lowest free address of the network, so this order gives each its own back."""
+
+    def key(node: str) -> tuple[int, int, str]:
+        ip = addresses.get(node)
+        return (0, int(ipaddress.ip_address(ip)), node) if ip else (1, 0, node)
+
+    return sorted(nodes, key=key)
+
+
+def moved(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """The nodes whose address changed across a restart, as "node: old -> new"."""
+    return [f"{n}: {ip} -> {after.get(n) or 'none'}" for n, ip in sorted(before.items()) if after.get(n) != ip]
+
+
 def _start(nodes: list[str]) -> bool:
-    """Start the stopped node containers of an unchanged cluster (kind's entrypoint fixes up a changed
-    node IP). Much cheaper than a new cluster: the images stay."""
+    """Start the stopped node containers of an unchanged cluster, each on the address it had. Much
+    cheaper than a new cluster: the images stay. A node on another address would be a broken cluster
+    (kindnet takes the node whose address it now has for its own and hands out that node's pod
+    range), so then the caller makes it anew."""
+    path = _node_ips_path()
+    before = json.loads(path.read_text()) if path.exists() else {}
+    if set(before) != set(nodes):
+        log("kind: the nodes' addresses before they stopped are not known")
+        return False
     log(f"kind: starting the cluster's stopped node containers ({', '.join(nodes)})")
-    return subprocess.run(["docker", "start", *nodes], capture_output=True).returncode == 0
+    for node in start_order(nodes, before):
+        if subprocess.run(["docker", "start", node], capture_output=True).returncode != 0:
+            return False
+    changed = moved(before, _node_ips(nodes))
+    if changed:
+        log(f"kind: nodes came back on other addresses ({'; '.join(changed)})")
+    return not changed
 
 
 def leftover_namespaces(names: list[str]) -> list[str]:
@@ -292,6 +341,7 @@ def up(clean: bool = False) -> Path:
     kubectl = Kubectl(kubeconfig)
     advertise_gpus(kubectl)
     load_images(kubectl)
+    _record_node_ips(list(_node_containers()))
     log(f"kind: ready; export KUBECONFIG={kubeconfig}")
     return kubeconfig
 
@@ -311,6 +361,7 @@ def stop() -> None:
     require_docker()
     if exists() and (nodes := list(_node_containers())):
         log(f"kind: stopping the cluster's node containers ({', '.join(nodes)}); `rollfleet kind up` starts them")
+        _record_node_ips(nodes)
         _run(["docker", "stop", *nodes], "docker stop")
 
 

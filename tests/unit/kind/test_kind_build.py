@@ -169,3 +169,17 @@ def test_kube_router_is_patched_so_an_unresolved_named_port_admits_nothing_and_i
     unpatched = GoTool("kube-router", kube_router.module, kube_router.version, kube_router.packages, ("kube-router",))
     assert unpatched.patch_suffix == "" and unpatched.outdir != kube_router.outdir
     assert nodeimage.kube_router_image().endswith(kube_router.patch_suffix)
+
+
+def test_stopped_nodes_start_in_the_order_of_their_addresses_and_a_moved_one_is_named() -> None:
+    before = {"rf-worker": "172.18.0.3", "rf-control-plane": "172.18.0.10", "rf-worker2": "172.18.0.2"}
+    # By address, not by name ("10" sorts before "2" as text); a node never seen goes last.
+    order = cluster.start_order(["rf-control-plane", "rf-new", "rf-worker", "rf-worker2"], before)
+    assert order == ["rf-worker2", "rf-worker", "rf-control-plane", "rf-new"]
+    assert cluster.moved(before, dict(before)) == []
+    swapped = before | {"rf-worker": "172.18.0.2", "rf-worker2": "172.18.0.3"}
+    assert cluster.moved(before, swapped) == [
+        "rf-worker: 172.18.0.3 -> 172.18.0.2",
+        "rf-worker2: 172.18.0.2 -> 172.18.0.3",
+    ]
+    assert cluster.moved(before, before | {"rf-worker": ""}) == ["rf-worker: 172.18.0.3 -> none"]
