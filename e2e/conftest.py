@@ -26,7 +26,8 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def live(cluster: Cluster) -> Iterator[LiveFleet]:
-    """A 2-engine fleet with 2 gateway replicas, shared by the gateway and RolloutRequest acceptance tests."""
+    """The acceptance tier's real fleet: 2 engines, 2 gateway replicas, weight sync; shared by every acceptance
+    module but the README walkthrough's and the GRPO example's, which apply their own manifests."""
     with live_fleet(cluster) as fleet:
         yield fleet
 
@@ -49,10 +50,12 @@ def core(cluster: Cluster) -> kubernetes.client.CoreV1Api:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Modules that make the shared operator cluster-wide (the README's walkthrough) run after
-    # every module that scopes it to its namespaces; tests that stop the shared cluster run
-    # after everything else. The sort is stable: file and parameter order hold within each group.
+    # A module that changes the shared real fleet for good runs after the fleet's other users; modules
+    # that make the shared operator cluster-wide (the README's walkthrough) run after every module that
+    # scopes it to its namespaces; tests that stop the shared cluster run after everything else. The
+    # sort is stable: file and parameter order hold within each group.
     def group(item: pytest.Item) -> int:
-        return 2 if item.get_closest_marker("last") else 1 if item.get_closest_marker("cluster_wide") else 0
+        order = ("alters_live", "cluster_wide", "last")
+        return max((i + 1 for i, mark in enumerate(order) if item.get_closest_marker(mark)), default=0)
 
     items.sort(key=group)

@@ -1,9 +1,10 @@
-"""The session's shared live fleet: the operator from manifests/, 2 real vLLM engines, 2 gateway replicas.
+"""The session's shared live fleet: the operator from manifests/, 2 engines, 2 gateway replicas.
 
 Engine start is the expensive part of the suite (30-90 s each on a shared 2-core
-machine), so the acceptance tests of the gateway and of RolloutRequests share one
-fleet, created on first use and deleted at the end of the session. Tests that break
-it (a killed engine) leave it to heal; every user starts with `ready()`.
+machine), so the acceptance tests share one fleet of real engines (with weight sync), and
+the control-plane tests one of simulated engines, created on first use and deleted at the
+end of the session. Tests that break it (a killed engine) leave it to heal; every user
+starts with `ready()`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from rollfleet.contract import (
 from rollfleet_dev.localcluster import claims
 
 NAME = "live"
+INITIAL_VERSION = "A"  # the label of the weights a real fleet's engines start on (weight sync's tests push others)
 
 
 @dataclass(frozen=True)
@@ -227,9 +229,8 @@ def live_fleet(cluster: Cluster, engine: dict[str, Any] | None = None) -> Iterat
     namespace = f"{'live' if engine is None else 'sim'}-e2e-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     deploy_operator(cluster, [namespace])
-    manifest = fleet_manifest(
-        NAME, namespace, replicas=2, gateway={"replicas": 2}, **({"engine": engine} if engine else {})
-    )
+    spec: dict[str, Any] = {"engine": engine} if engine else {"weightSync": {"initialVersion": INITIAL_VERSION}}
+    manifest = fleet_manifest(NAME, namespace, replicas=2, gateway={"replicas": 2}, **spec)
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
     fleet = Fleet(cluster, NAME, namespace)
     try:

@@ -4,14 +4,14 @@ The sidecar runs as a container of a trainer pod, in Kubernetes mode: it finds t
 engine pods by label, keeps the push record on the RolloutFleet, and the operator turns
 that record into `status.weightVersion` and engine phases (`kubectl get rf`). Weights
 are checked by output: every engine's greedy tokens must equal transformers' with the
-pushed set. One fleet for the module; tests run in file order.
+pushed set. The session's real fleet (`live`); tests run in file order, and the module after every other
+user of that fleet (it pushes other weights, and its last test changes the fleet's model).
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,15 +19,8 @@ import httpx
 import pytest
 from tests.engine.test_engine_live import _reference_greedy
 
-from e2e.fleet_helpers import (
-    OPERATOR_NS,
-    Fleet,
-    Stream,
-    deploy_operator,
-    fleet_manifest,
-    kill_engine_process,
-    signal_container,
-)
+from e2e.fleet_helpers import OPERATOR_NS, Fleet, Stream, kill_engine_process, signal_container
+from e2e.live_fleet import INITIAL_VERSION, NAME, LiveFleet
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.admission import POLICY_NAME
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
@@ -40,7 +33,10 @@ from rollfleet.contract import (
     ROUTABLE_PHASES,
     SYNC_API_PORT,
     SYNC_HEALTH_PORT,
+    engine_pod_name,
+    engine_sa_name,
     gateway_name,
+    secret_name,
     trainer_name,
     weights_record_name,
 )
@@ -49,42 +45,35 @@ from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR, ensure_tiny_model
 
-pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.alters_live]
 
-NS = f"sync-e2e-{uuid.uuid4().hex[:6]}"  # fresh per run: nothing left from an earlier one
-NAME = "sync"
 TRAINER = "trainer"
 MODELS = "/models/tiny"  # the tiny model's directory, mounted into the trainer pod (push_dir reads it)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
 ROLLOUT_TOKENS = 1500
-ENGINES = [f"{NAME}-engine-0", f"{NAME}-engine-1"]
+ENGINES = [engine_pod_name(NAME, 0), engine_pod_name(NAME, 1)]
+A = INITIAL_VERSION  # the label of the weights the fleet's engines start on (the tiny model's, set A)
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: Cluster) -> Iterator[None]:
-    deploy_operator(cluster, [NS])
-    cluster.kubectl("create", "namespace", NS)
-    yield
-    cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
+def live_ns(live: LiveFleet) -> str:
+    live.ready()
+    return live.namespace
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster: Cluster, operator: None) -> Fleet:
-    manifest = fleet_manifest(NAME, NS, replicas=2, weightSync={"initialVersion": "A"})
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    fleet = Fleet(cluster, NAME, NS)
-    fleet.wait_ready(2)
-    return fleet
+def fleet(live: LiveFleet, live_ns: str) -> Fleet:
+    return live.fleet
 
 
-def weights_record(cluster: Cluster) -> dict[str, str]:
+def weights_record(cluster: Cluster, ns: str) -> dict[str, str]:
     """The data of the fleet's weight-sync record (the ConfigMap the sidecar writes)."""
-    out = cluster.kubectl("-n", NS, "get", "configmap", weights_record_name(NAME), "-o", "json").stdout
+    out = cluster.kubectl("-n", ns, "get", "configmap", weights_record_name(NAME), "-o", "json").stdout
     return dict(json.loads(out).get("data") or {})
 
 
-def trainer_pod() -> dict[str, Any]:
+def trainer_pod(ns: str) -> dict[str, Any]:
     """The documented sidecar (manifests/sync/trainer-job.yaml) in a plain pod, its API on every address (not
     localhost only) for the test, which drives it from outside the pod."""
     env = [
@@ -99,7 +88,7 @@ def trainer_pod() -> dict[str, Any]:
         # The labels the fleet's NetworkPolicy admits to the engines.
         "metadata": {
             "name": TRAINER,
-            "namespace": NS,
+            "namespace": ns,
             "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME},
         },
         "spec": {
@@ -121,7 +110,7 @@ def trainer_pod() -> dict[str, Any]:
                 {"name": "trainer", "image": DEFAULT_ROLLFLEET_IMAGE, "command": ["sleep", "86400"]},
             ],
             "volumes": [
-                {"name": "fleet-token", "secret": {"secretName": f"{NAME}-admin-token"}},
+                {"name": "fleet-token", "secret": {"secretName": secret_name(NAME)}},
                 {"name": "sync-spool", "emptyDir": {"medium": "Memory"}},
                 {"name": "models", "hostPath": {"path": NODE_MODEL_DIR, "type": "Directory"}},
             ],
@@ -130,19 +119,22 @@ def trainer_pod() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(trainer_pod()))
-    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
-    with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
-        wait_for(lambda: client.fleet_version().version == "A", timeout=60, what="the sidecar sees version A")
-        yield client
+def sync(cluster: Cluster, fleet: Fleet, live_ns: str) -> Iterator[SyncClient]:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(trainer_pod(live_ns)))
+    cluster.kubectl("-n", live_ns, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
+    try:
+        with cluster.reach(live_ns, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
+            wait_for(lambda: client.fleet_version().version == A, timeout=60, what=f"the sidecar sees version {A}")
+            yield client
+    finally:
+        cluster.kubectl("-n", live_ns, "delete", "pod", TRAINER, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[list[int]]]:
     root = str(ensure_tiny_model())  # the bytes the nodes' directory holds, read here
     return {
-        "A": _reference_greedy(root, PROMPTS, GREEDY_TOKENS),
+        A: _reference_greedy(root, PROMPTS, GREEDY_TOKENS),
         "B": _reference_greedy(f"{root}/{WEIGHTS_B_DIR}", PROMPTS, GREEDY_TOKENS),
     }
 
@@ -176,47 +168,47 @@ def all_ready_on(version: str) -> Any:
 
 
 # What each component's ServiceAccount may do, asked of the API server (RBAC as installed):
-# (account, verb, resource, namespace, allowed). Accounts: namespace:name; "NS" is this module's.
+# (account, verb, resource, namespace, allowed). Accounts: namespace:name; "NS" is the fleet's.
 PRIVILEGES = [
     # The trainer records pushes in its fleet's ConfigMap and lists engines; nothing that runs in them.
-    ("NS:sync-trainer", "patch", "configmaps/sync-weights", "NS", True),
-    ("NS:sync-trainer", "list", "pods", "NS", True),
-    ("NS:sync-trainer", "get", "rolloutfleets/sync", "NS", True),
-    ("NS:sync-trainer", "patch", "rolloutfleets/sync", "NS", False),
-    ("NS:sync-trainer", "patch", "rolloutfleets.rollfleet.dev/sync", "NS", False),
-    ("NS:sync-trainer", "update", "rolloutfleets", "NS", False),
-    ("NS:sync-trainer", "patch", "pods", "NS", False),
-    ("NS:sync-trainer", "create", "pods", "NS", False),
-    ("NS:sync-trainer", "get", "secrets", "NS", False),
-    ("NS:sync-trainer", "patch", "configmaps/other", "NS", False),
+    (f"NS:{trainer_name(NAME)}", "patch", f"configmaps/{weights_record_name(NAME)}", "NS", True),
+    (f"NS:{trainer_name(NAME)}", "list", "pods", "NS", True),
+    (f"NS:{trainer_name(NAME)}", "get", f"rolloutfleets/{NAME}", "NS", True),
+    (f"NS:{trainer_name(NAME)}", "patch", f"rolloutfleets/{NAME}", "NS", False),
+    (f"NS:{trainer_name(NAME)}", "patch", f"rolloutfleets.rollfleet.dev/{NAME}", "NS", False),
+    (f"NS:{trainer_name(NAME)}", "update", "rolloutfleets", "NS", False),
+    (f"NS:{trainer_name(NAME)}", "patch", "pods", "NS", False),
+    (f"NS:{trainer_name(NAME)}", "create", "pods", "NS", False),
+    (f"NS:{trainer_name(NAME)}", "get", "secrets", "NS", False),
+    (f"NS:{trainer_name(NAME)}", "patch", "configmaps/other", "NS", False),
     # The gateway watches engine pods, reads its fleet and its record, and patches its fleet (the
     # admission policy rollfleet-gateway-pause-only lets through only the pause annotations).
-    ("NS:sync-gateway", "watch", "pods", "NS", True),
-    ("NS:sync-gateway", "patch", "pods", "NS", False),
-    ("NS:sync-gateway", "get", "secrets", "NS", False),
-    ("NS:sync-gateway", "get", "configmaps", "NS", False),
-    ("NS:sync-gateway", "get", "configmaps/sync-weights", "NS", True),
-    ("NS:sync-gateway", "patch", "configmaps/sync-weights", "NS", False),
-    ("NS:sync-gateway", "patch", "rolloutfleets.rollfleet.dev/sync", "NS", True),
-    ("NS:sync-gateway", "patch", "rolloutfleets.rollfleet.dev/other", "NS", False),
-    ("NS:sync-gateway", "patch", "rolloutfleets.rollfleet.dev/sync", "other", False),
+    (f"NS:{gateway_name(NAME)}", "watch", "pods", "NS", True),
+    (f"NS:{gateway_name(NAME)}", "patch", "pods", "NS", False),
+    (f"NS:{gateway_name(NAME)}", "get", "secrets", "NS", False),
+    (f"NS:{gateway_name(NAME)}", "get", "configmaps", "NS", False),
+    (f"NS:{gateway_name(NAME)}", "get", f"configmaps/{weights_record_name(NAME)}", "NS", True),
+    (f"NS:{gateway_name(NAME)}", "patch", f"configmaps/{weights_record_name(NAME)}", "NS", False),
+    (f"NS:{gateway_name(NAME)}", "patch", f"rolloutfleets.rollfleet.dev/{NAME}", "NS", True),
+    (f"NS:{gateway_name(NAME)}", "patch", "rolloutfleets.rollfleet.dev/other", "NS", False),
+    (f"NS:{gateway_name(NAME)}", "patch", f"rolloutfleets.rollfleet.dev/{NAME}", "other", False),
     # Engines never call the API server.
-    ("NS:sync-engine", "list", "pods", "NS", False),
-    ("NS:sync-engine", "get", "secrets", "NS", False),
+    (f"NS:{engine_sa_name(NAME)}", "list", "pods", "NS", False),
+    (f"NS:{engine_sa_name(NAME)}", "get", "secrets", "NS", False),
     # The operator creates Secrets and reads only its key.
     (f"{OPERATOR_NS}:rollfleet-operator", "create", "secrets", "NS", True),
     (f"{OPERATOR_NS}:rollfleet-operator", "get", "secrets", "NS", False),
     (f"{OPERATOR_NS}:rollfleet-operator", "list", "secrets", OPERATOR_NS, False),
     (f"{OPERATOR_NS}:rollfleet-operator", "get", f"secrets/{OPERATOR_KEY_SECRET}", OPERATOR_NS, True),
-    (f"{OPERATOR_NS}:rollfleet-operator", "get", "secrets/sync-admin-token", "NS", False),
+    (f"{OPERATOR_NS}:rollfleet-operator", "get", f"secrets/{secret_name(NAME)}", "NS", False),
 ]
 
 
-def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet: Fleet) -> None:
+def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet: Fleet, live_ns: str) -> None:
     def allowed(account: str, verb: str, resource: str, namespace: str) -> bool:
-        user = "system:serviceaccount:" + account.replace("NS", NS)
+        user = "system:serviceaccount:" + account.replace("NS", live_ns)
         proc = cluster.kubectl(
-            "auth", "can-i", verb, resource, "-n", namespace.replace("NS", NS), f"--as={user}", check=False
+            "auth", "can-i", verb, resource, "-n", namespace.replace("NS", live_ns), f"--as={user}", check=False
         )
         answer = proc.stdout.strip().split()[:1]
         assert answer in (["yes"], ["no"]), f"can-i {verb} {resource} as {user}: {proc.stdout} {proc.stderr}"
@@ -229,22 +221,22 @@ def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet
     # gateway, which may patch its fleet, by the admission policy unless it changes only the pause.
     patch = json.dumps({"spec": {"engine": {"command": ["sh", "-c", "id"]}}})
     for account, by in ((trainer_name(NAME), "forbidden"), (gateway_name(NAME), POLICY_NAME)):
-        as_account = f"--as=system:serviceaccount:{NS}:{account}"
-        proc = cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p", patch, as_account, check=False)
+        as_account = f"--as=system:serviceaccount:{live_ns}:{account}"
+        proc = cluster.kubectl("-n", live_ns, "patch", "rf", NAME, "--type=merge", "-p", patch, as_account, check=False)
         assert proc.returncode != 0 and "forbidden" in proc.stderr.lower() and by in proc.stderr, proc
     assert "command" not in fleet.get()["spec"]["engine"]
-    as_gateway = f"--as=system:serviceaccount:{NS}:{gateway_name(NAME)}"
-    label = cluster.kubectl("-n", NS, "label", "rf", NAME, "stolen=yes", as_gateway, check=False)
+    as_gateway = f"--as=system:serviceaccount:{live_ns}:{gateway_name(NAME)}"
+    label = cluster.kubectl("-n", live_ns, "label", "rf", NAME, "stolen=yes", as_gateway, check=False)
     assert label.returncode != 0 and POLICY_NAME in label.stderr, label
-    resume = cluster.kubectl("-n", NS, "annotate", "rf", NAME, f"{ANNOTATION_RESUME}=", as_gateway, check=False)
+    resume = cluster.kubectl("-n", live_ns, "annotate", "rf", NAME, f"{ANNOTATION_RESUME}=", as_gateway, check=False)
     assert resume.returncode == 0, resume  # a one-shot resume of a running fleet: changes nothing else
 
 
 def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
-    cluster: Cluster, fleet: Fleet, sync: SyncClient, references: dict[str, list[list[int]]]
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
-    with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
-        assert greedy(e0) == greedy(e1) == references["A"]
+    with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
+        assert greedy(e0) == greedy(e1) == references[A]
         rollouts = [Stream(url, max_tokens=ROLLOUT_TOKENS).start() for url in (e0, e1, e0, e1)]
         wait_for(lambda: all(r.tokens() >= 5 for r in rollouts), timeout=120, what="rollouts decoding")
         # Engines decode at uneven speeds on a loaded machine: one may finish before the push starts.
@@ -260,17 +252,17 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
             assert r.finish == {0: "length"} and r.completion_tokens == ROLLOUT_TOKENS
         assert greedy(e0) == greedy(e1) == references["B"]
     fleet.wait(all_ready_on("b-1"), "status shows b-1 on every engine", timeout=60)
-    header, row = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()[:2]
+    header, row = cluster.kubectl("-n", live_ns, "get", "rf", NAME).stdout.splitlines()[:2]
     assert row[header.index("WEIGHTS") :].split()[0] == "b-1"  # by position: the PAUSED column is empty
-    record = weights_record(cluster)
+    record = weights_record(cluster, live_ns)
     assert (record[RECORD_WEIGHT_VERSION], record[RECORD_WEIGHT_GENERATION]) == ("b-1", "1")
 
 
 def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the_new_version(
-    cluster: Cluster, fleet: Fleet, sync: SyncClient, references: dict[str, list[list[int]]]
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
     started = sync.push_dir(MODELS, "a-2", wait=False)
-    kill_engine_process(cluster, NS, ENGINES[1])  # its container restarts on the image's weights (A, label "A")
+    kill_engine_process(cluster, live_ns, ENGINES[1])  # its container restarts on the image's weights (A, label "A")
     status = sync.wait(started.generation, timeout_s=120)
     assert status.state is PushState.DONE
 
@@ -285,17 +277,17 @@ def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the
         return all_ready_on("a-2")(st)
 
     fleet.wait(consistent, "the restarted engine caught up to a-2", timeout=600)
-    with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
-        assert greedy(e0) == greedy(e1) == references["A"]
+    with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
+        assert greedy(e0) == greedy(e1) == references[A]
     version = sync.fleet_version()
     assert (version.version, version.pending_sync) == ("a-2", [])
 
 
 def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
-    cluster: Cluster, fleet: Fleet, sync: SyncClient, references: dict[str, list[list[int]]]
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
-    weights_of = {"a-2": "A", "b-3": "B"}  # the fleet serves a-2 (set A) after the previous test
-    signal_container(cluster, NS, ENGINES[1], "engine", signal.SIGSTOP)  # the push waits on it
+    weights_of = {"a-2": A, "b-3": "B"}  # the fleet serves a-2 (set A) after the previous test
+    signal_container(cluster, live_ns, ENGINES[1], "engine", signal.SIGSTOP)  # the push waits on it
     try:
         started = sync.push_dir(f"{MODELS}/{WEIGHTS_B_DIR}", "b-3", wait=False)
         # Engine 0 has staged b-3 (prefetch, while serving); the sidecar still waits on engine 1's staging.
@@ -306,13 +298,13 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
             timeout=120,
             what=f"{ENGINES[0]} holding b-3, staged",
         )
-        signal_container(cluster, NS, TRAINER, "rollfleet-sync")  # its container restarts
+        signal_container(cluster, live_ns, TRAINER, "rollfleet-sync")  # its container restarts
     finally:
-        signal_container(cluster, NS, ENGINES[1], "engine", signal.SIGCONT)
+        signal_container(cluster, live_ns, ENGINES[1], "engine", signal.SIGCONT)
 
     def resolved() -> str | None:
         """The fleet's version once the restarted sidecar has finished (or rolled back) the push."""
-        record = decode_record(weights_record(cluster))
+        record = decode_record(weights_record(cluster, live_ns))
         in_progress = record.push is not None and record.push.phase is PushPhase.IN_PROGRESS
         return None if in_progress or record.committed is None else record.committed.version
 
@@ -329,7 +321,7 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
         assert not mixed, f"routable on other weights than {st.get('weightVersion')}: {mixed} ({st})"
         return all_ready_on(final)(st)
 
-    with cluster.reach(NS, ENGINES[0], 8000) as e0, cluster.reach(NS, ENGINES[1], 8000) as e1:
+    with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
 
         def serving_final() -> bool:  # as the engines themselves report it
             states = [httpx.get(f"{u}/rollfleet/v1/state", timeout=10).json() for u in (e0, e1)]
@@ -343,21 +335,22 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
 
 
 def test_a_model_change_forgets_the_old_models_weights_and_engines_serve_their_own(
-    cluster: Cluster, fleet: Fleet, sync: SyncClient
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient
 ) -> None:
-    """Runs last: the fleet changes model (a new served name over the same files), its engines roll."""
+    """Runs last of the fleet's users (`alters_live`): the fleet changes model (a new served name over the
+    same files), its engines roll."""
     before = {p["metadata"]["uid"] for p in fleet.pods()}
-    pushed = decode_record(weights_record(cluster)).history
-    assert [v for v, _ in pushed][-1] != "A", pushed  # earlier tests pushed versions of the old model
+    pushed = decode_record(weights_record(cluster, live_ns)).history
+    assert [v for v, _ in pushed][-1] != A, pushed  # earlier tests pushed versions of the old model
     patch = json.dumps({"spec": {"model": {"servedName": "tiny-b"}}})
-    cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p", patch)
+    cluster.kubectl("-n", live_ns, "patch", "rf", NAME, "--type=merge", "-p", patch)
 
     def reset() -> bool:
-        data = weights_record(cluster)
+        data = weights_record(cluster, live_ns)
         return json.loads(data.get(RECORD_MODEL, "{}")).get("servedName") == "tiny-b"
 
     wait_for(reset, timeout=60, what="the record to start over for the new model")
-    assert decode_record(weights_record(cluster)).committed in (None, WeightsRef("A", 0))
+    assert decode_record(weights_record(cluster, live_ns)).committed in (None, WeightsRef(A, 0))
     wait_for(
         lambda: any(e["reason"] == "WeightsReset" for e in fleet.events()), timeout=60, what="a WeightsReset Event"
     )
@@ -366,11 +359,11 @@ def test_a_model_change_forgets_the_old_models_weights_and_engines_serve_their_o
         # Never PendingSync: new engines wait for no weights of the old model.
         waiting = [e["name"] for e in st.get("engines", []) if e["phase"] == "PendingSync"]
         assert not waiting, f"engines of the new model wait for the old model's weights: {waiting} ({st})"
-        return st.get("updatedReplicas") == 2 and all_ready_on("A")(st)
+        return st.get("updatedReplicas") == 2 and all_ready_on(A)(st)
 
     fleet.wait(rolled_on_own_weights, "both engines of the new model Ready on their own weights", timeout=3 * 600)
     assert not before & {p["metadata"]["uid"] for p in fleet.pods()}
-    wait_for(lambda: sync.fleet_version().version == "A", timeout=120, what="the sidecar to see the new fleet")
+    wait_for(lambda: sync.fleet_version().version == A, timeout=120, what="the sidecar to see the new fleet")
     assert sync.fleet_version().pending_sync == []
-    record = decode_record(weights_record(cluster))
-    assert record.committed in (None, WeightsRef("A", 0)) and [v for v, _ in record.history] in ([], ["A"])
+    record = decode_record(weights_record(cluster, live_ns))
+    assert record.committed in (None, WeightsRef(A, 0)) and [v for v, _ in record.history] in ([], [A])

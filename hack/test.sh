@@ -1,85 +1,105 @@
 #!/usr/bin/env bash
-# `make test`: every tier (docs/testing.md): unit, engine and control plane (the local cluster),
-# then acceptance on kind; at the end, each tier's time against its budget.
+# `make test`: every tier (docs/testing.md): unit, then engine, then the control-plane tier (the
+# local cluster) and the acceptance tier (kind) side by side; at the end, each tier's time against
+# its budget.
 #
+# Why side by side: the control-plane tier mostly waits (on simulated engines' pace, backoffs,
+# watches: two thirds of the machine idle), and the acceptance tier mostly decodes on real engines.
 # Bringing kind up (Docker, the images, the node image, the cluster) is mostly waiting on Docker
-# and on cached builds; cold, it is Go builds. It runs beside the engine and control-plane tiers at
-# low CPU priority instead of after them, and its output goes to a log. A cluster kept from an earlier run loses
-# what that run left in it (`--clean`: a fleet of engines, an operator), or it would run beside
-# this one; and the cluster is stopped once up, since an idle cluster costs a share of a core that
-# the local tiers need. It is started again for the acceptance tier, once both are done.
-# Without Docker (and no root to install it) use `make test-local`.
+# and on cached builds; cold, it is Go builds. It runs beside the engine tier at low CPU priority,
+# its output in a log. A cluster kept from an earlier run loses what that run left in it
+# (`--clean`: a fleet of engines, an operator), or it would run beside this one; and the cluster is
+# stopped once up, since an idle cluster costs a share of a core that the engine tier needs. It is
+# started again for the acceptance tier, which begins as soon as both the engine tier and kind are
+# done. Without Docker (and no root to install it) use `make test-local`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${ROLLFLEET_CACHE:-$HOME/.cache/rollfleet}"
 LOGS="$CACHE/logs"
 KIND_LOG="$LOGS/kind-up.log"
+SUMMARY="$LOGS/tiers.summary"  # one line per tier; tiers in the background add theirs too
 SLOWEST=15  # each tier's slowest tests, repeated at the end
 say() { echo "[test] $*"; }
 
 hack/docker.sh || { say "kind needs Docker; without it, run 'make test-local' (every tier on the local cluster)"; exit 1; }
 mkdir -p "$LOGS"
-rm -f "$KIND_LOG.status"
+rm -f "$KIND_LOG.status" "$SUMMARY" "$LOGS/acceptance.status"
 start=$SECONDS
 
-summary=()
-failed=0
-# tier NAME BUDGET_S COMMAND...: run it, its output also in $LOGS/NAME.log; a line of the summary.
+# tier NAME BUDGET_S COMMAND...: run it, its output in $LOGS/NAME.log (and here, unless QUIET=1); its
+# line of the summary; exits with the command's status.
 tier() {
   local name=$1 budget=$2 t0=$SECONDS status
   shift 2
   say "== tier $name (budget ${budget} s)"
-  "$@" 2>&1 | tee "$LOGS/$name.log"
+  if [ "${QUIET:-0}" = 1 ]; then "$@" >"$LOGS/$name.log" 2>&1; else "$@" 2>&1 | tee "$LOGS/$name.log"; fi
   status=${PIPESTATUS[0]}
   # pytest exits 5 when a tier selects no test (-k, -m from PYTEST_ARGS): nothing failed.
   [ "$status" = 5 ] && status=0
   local took=$((SECONDS - t0)) verdict=ok
   [ "$took" -gt "$budget" ] && verdict="OVER BUDGET"
-  [ "$status" != 0 ] && { verdict="FAILED (exit $status)"; failed=1; }
-  summary+=("$(printf '%-22s %6s s  budget %5s s  %s' "$name" "$took" "$budget" "$verdict")")
+  [ "$status" != 0 ] && verdict="FAILED (exit $status)"
+  printf '%-22s %6s s  budget %5s s  %s\n' "$name" "$took" "$budget" "$verdict" >>"$SUMMARY"
+  say "== tier $name: $verdict after $took s"
+  return "$status"
 }
 
 run_tier() {
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
   tier "$1" "$(python -m tests.tiers budget "$1")" python -m tests.tiers run "$1" --durations=$SLOWEST $PYTEST_ARGS
 }
-run_tier unit
+
+failed=0
+run_tier unit || failed=1
 # After the unit tier, which is short and whose budget is for it alone.
-say "bringing the kind cluster up beside the next tiers, at low priority, stopped until they are done (log: $KIND_LOG)"
+say "bringing the kind cluster up beside the engine tier, at low priority, stopped until it is done (log: $KIND_LOG)"
 (
   nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop' >"$KIND_LOG" 2>&1
   echo $? >"$KIND_LOG.status"
 ) &
 kind_pid=$!
-run_tier engine
+run_tier engine || failed=1
+
+# The acceptance tier, in the background once kind is ready: its output goes to its log, printed
+# whole once the control-plane tier is done.
+(
+  wait_kind() { while [ ! -s "$KIND_LOG.status" ]; do sleep 2; done; }  # a file, not a child of this shell
+  wait_kind
+  kind_status=$(cat "$KIND_LOG.status")
+  if [ "$kind_status" != 0 ]; then
+    tail -n 30 "$KIND_LOG" | sed 's/^/[kind-up] /' >"$LOGS/acceptance.log"
+    echo "[test] make kind-up failed (exit $kind_status); the whole log is $KIND_LOG" >>"$LOGS/acceptance.log"
+    echo 1 >"$LOGS/acceptance.status"
+    exit 1
+  fi
+  say "kind cluster ready after $((SECONDS - start)) s; starting it, then the acceptance tier (log: $LOGS/acceptance.log)"
+  # The cluster and its images are ready; `kind up` only starts the stopped nodes.
+  QUIET=1 tier "kind start" 120 rollfleet kind up && QUIET=1 run_tier acceptance
+  echo $? >"$LOGS/acceptance.status"
+) &
+acceptance_pid=$!
+
 # The local cluster serves the control-plane tier (its start is a line of its own); one that was up
-# before stays up after. Not earlier: idle, it still costs the first two tiers CPU.
+# before stays up after.
 was_up=$(python -c 'from rollfleet_dev.localcluster import controlplane as c; print(int(c.is_up()))')
-tier "local cluster up" 180 rollfleet cluster up
-run_tier controlplane
-# Its CPU goes to the kind cluster from here on.
+tier "local cluster up" 180 rollfleet cluster up || failed=1
+run_tier controlplane || failed=1
 [ "$was_up" = 1 ] || rollfleet cluster down >"$LOGS/cluster-down.log" 2>&1
 local_s=$((SECONDS - start))
 
-wait "$kind_pid"
-kind_status=$(cat "$KIND_LOG.status" 2>/dev/null || echo 1)
-if [ "$kind_status" != 0 ]; then
-  tail -n 30 "$KIND_LOG" | sed 's/^/[kind-up] /'
-  say "make kind-up failed (exit $kind_status); the whole log is $KIND_LOG"
-  exit 1
-fi
-kind_s=$((SECONDS - start))
-say "kind cluster ready after $kind_s s (log: $KIND_LOG); starting it"
-# The cluster and its images are ready; `kind up` only starts the stopped nodes.
-tier "kind start" 120 rollfleet kind up
-run_tier acceptance
+say "control-plane tier done at $local_s s; waiting for the acceptance tier"
+wait "$kind_pid" "$acceptance_pid"
+[ "$(cat "$LOGS/acceptance.status" 2>/dev/null || echo 1)" = 0 ] || failed=1
+for name in "kind start" acceptance; do
+  [ -f "$LOGS/$name.log" ] && sed "s/^/[$name] /" "$LOGS/$name.log"
+done
 
 # The end of a run is what a CI page shows: where each tier's time went, what failed, the tiers' times.
 for t in unit engine controlplane acceptance; do
   { sed -n "/slowest $SLOWEST durations/,/^=/p" "$LOGS/$t.log"; grep -E '^(FAILED|ERROR) ' "$LOGS/$t.log"; } | sed "s/^/[$t] /"
 done
-say "local tiers done at $local_s s; kind ready at $kind_s s (beside them); the whole run took $((SECONDS - start)) s"
-say "tier times against their budgets (docs/testing.md):"
-for line in "${summary[@]}"; do say "  $line"; done
+say "control-plane tier done at $local_s s; the whole run took $((SECONDS - start)) s"
+say "tier times against their budgets (docs/testing.md; control plane and acceptance side by side):"
+sed 's/^/[test]   /' "$SUMMARY"
 exit "$failed"
