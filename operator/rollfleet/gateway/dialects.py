@@ -66,6 +66,12 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 MAX_JSON_DEPTH = 128  # nesting of a request body; orjson serializes at most 254 levels (a 500 past that)
+# Admission bounds: what one request may ask for. The gateway builds a closing choice per choice and
+# keeps each sequence's tokens for failover, so these bound its memory per request (D6).
+MAX_N = 1024
+MAX_CHOICES = 4096  # n times the prompts of a batched completions request
+MAX_TOKENS = 1 << 20  # above any context vLLM serves; the engine refuses past its own (400)
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 def check_depth(raw: bytes, body: Any) -> None:
@@ -102,12 +108,28 @@ def validate(route: Route, body: Any) -> Json:
             raise BadRequest("'token_ids' is required: a non-empty list of non-negative token ids")
         if not isinstance(body.get("sampling_params", {}), dict):
             raise BadRequest("'sampling_params' must be an object")
-    n = body.get("n", 1) if route is not Route.GENERATE else body.get("sampling_params", {}).get("n", 1)
-    if not isinstance(n, int) or n < 1:
-        raise BadRequest("'n' must be a positive integer")
+    sampling = body if route is not Route.GENERATE else body.get("sampling_params", {})
+    n = sampling.get("n", 1)
+    if not _int(n) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"'n' must be an integer from 1 to {MAX_N}")
+    if (choices := choices_requested(route, body)) > MAX_CHOICES:
+        raise BadRequest(f"'n' times the prompts is {choices}, over the gateway's limit of {MAX_CHOICES} choices")
+    for name in ("max_tokens", "max_completion_tokens"):
+        if sampling.get(name) is not None and not (_int(sampling[name]) and 1 <= sampling[name] <= MAX_TOKENS):
+            raise BadRequest(f"'{name}' must be an integer from 1 to {MAX_TOKENS}")
+    logprobs = sampling.get("top_logprobs") if route is Route.CHAT else sampling.get("logprobs")
+    if route is Route.CHAT and not isinstance(sampling.get("logprobs", False), bool):
+        raise BadRequest("'logprobs' must be true or false")
+    if logprobs is not None and not (_int(logprobs) and 0 <= logprobs <= MAX_LOGPROBS):
+        what = "top_logprobs" if route is Route.CHAT else "logprobs"
+        raise BadRequest(f"'{what}' must be an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be true or false")
     return body
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def choices_requested(route: Route, body: Json) -> int:

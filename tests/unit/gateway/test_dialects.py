@@ -36,11 +36,33 @@ TPL = Template("cmpl-r1", 100, "tiny")
         (Route.GENERATE, {"token_ids": [1], "sampling_params": 3}, "'sampling_params'"),
         (Route.COMPLETIONS, {"prompt": "x", "n": 0}, "'n'"),
         (Route.COMPLETIONS, {"prompt": "x", "stream": "yes"}, "'stream'"),
+        # Bounds (D6), each answer naming its limit.
+        (Route.COMPLETIONS, {"prompt": "x", "n": 1_000_000}, "'n' must be an integer from 1 to 1024"),
+        (Route.COMPLETIONS, {"prompt": "x", "n": True}, "'n'"),
+        (Route.COMPLETIONS, {"prompt": ["a"] * 5, "n": 1000}, "'n' times the prompts is 5000, over .* 4096"),
+        (Route.GENERATE, {"token_ids": [1], "sampling_params": {"n": 2000}}, "from 1 to 1024"),
+        (Route.COMPLETIONS, {"prompt": "x", "max_tokens": 2**64}, "'max_tokens' must be an integer from 1"),
+        (Route.COMPLETIONS, {"prompt": "x", "max_tokens": 1.5}, "'max_tokens'"),
+        (Route.CHAT, {"messages": [{}], "max_completion_tokens": 0}, "'max_completion_tokens'"),
+        (Route.GENERATE, {"token_ids": [1], "sampling_params": {"max_tokens": "9"}}, "'max_tokens'"),
+        (Route.COMPLETIONS, {"prompt": "x", "logprobs": 21}, r"'logprobs' must be an integer from 0 to 20"),
+        (Route.CHAT, {"messages": [{}], "logprobs": True, "top_logprobs": 50}, "'top_logprobs'"),
+        (Route.CHAT, {"messages": [{}], "logprobs": 3}, "'logprobs' must be true or false"),
+        (Route.GENERATE, {"token_ids": [1], "sampling_params": {"logprobs": -1}}, "'logprobs'"),
     ],
 )
 def test_malformed_bodies_are_refused_with_the_reason(route: Route, body: object, reason: str) -> None:
     with pytest.raises(BadRequest, match=reason):
         validate(route, body)
+
+
+def test_requests_within_the_bounds_pass_as_they_are() -> None:
+    for route, body in (
+        (Route.COMPLETIONS, {"prompt": ["a"] * 4, "n": 1024, "max_tokens": 1 << 20, "logprobs": 20}),
+        (Route.CHAT, {"messages": [{}], "logprobs": True, "top_logprobs": 0, "max_completion_tokens": 1}),
+        (Route.GENERATE, {"token_ids": [1], "sampling_params": {"n": 8, "logprobs": 0, "max_tokens": None}}),
+    ):
+        assert validate(route, body) is body
 
 
 def test_choices_count_prompts_and_n() -> None:
