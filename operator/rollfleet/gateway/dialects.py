@@ -69,7 +69,7 @@ MAX_JSON_DEPTH = 128  # nesting of a request body; orjson serializes at most 254
 # Admission bounds: what one request may ask for. The gateway builds a closing choice per choice and
 # keeps each sequence's tokens for failover, so these bound its memory per request (D6).
 MAX_N = 1024
-MAX_CHOICES = 4096  # n times the prompts of a batched completions request
+MAX_CHOICES = 16384  # n times the prompts of a batched completions request (a TRL batch: its samples)
 MAX_TOKENS = 1 << 20  # above any context vLLM serves; the engine refuses past its own (400)
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 

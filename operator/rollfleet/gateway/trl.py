@@ -35,7 +35,7 @@ from starlette.routing import Route as HttpRoute
 from starlette.types import Message, Receive, Scope
 
 from rollfleet.engine_client import EngineCallError, EngineRef
-from rollfleet.gateway.dialects import BadRequest, Json, Route
+from rollfleet.gateway.dialects import MAX_CHOICES, BadRequest, Json, Route
 from rollfleet.gateway.inflight import ABORT, InFlight, StopReason
 from rollfleet.gateway.proxy import ENGINE_HEADER, engine_ref, error_body
 from rollfleet.gateway.refusal import Refused, bearer_ok
@@ -69,8 +69,6 @@ MULTIMODAL_HELP = (
     "multimodal prompts (TRL's image features) are not served through the Rollfleet gateway; "
     "send text or token-id prompts"
 )
-# Each sample holds a task and an in-flight record at this replica: a batch is bounded as a body is.
-MAX_SAMPLES = 16384
 _TOKEN_ID = "token_id:"  # a logprob token asked for as an id (`return_tokens_as_token_ids`): `token_id:<id>`
 _PER_SAMPLE = ("prompt", "n", "stream", "stream_options", "request_id")  # set per sample, or not passed on
 _FORWARDED = (b"authorization", TIMEOUT_HEADER.lower().encode())  # a sample is admitted as its batch was
@@ -118,8 +116,8 @@ def fan_out(body: Json, batch_id: str) -> list[Sample]:
         )
     prompts = batch_prompts(body)
     n = int(body.get("n", 1))
-    if len(prompts) * n > MAX_SAMPLES:
-        raise BadRequest(f"{len(prompts)} prompts x n={n} is over {MAX_SAMPLES} samples per request: split the batch")
+    if len(prompts) * n > MAX_CHOICES:  # each sample holds a task and an in-flight record at this replica
+        raise BadRequest(f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} samples per request: split the batch")
     shared = {k: v for k, v in body.items() if k not in _PER_SAMPLE}
     seed = body.get("seed")
     samples = []

@@ -39,7 +39,7 @@ TPL = Template("cmpl-r1", 100, "tiny")
         # Bounds (D6), each answer naming its limit.
         (Route.COMPLETIONS, {"prompt": "x", "n": 1_000_000}, "'n' must be an integer from 1 to 1024"),
         (Route.COMPLETIONS, {"prompt": "x", "n": True}, "'n'"),
-        (Route.COMPLETIONS, {"prompt": ["a"] * 5, "n": 1000}, "'n' times the prompts is 5000, over .* 4096"),
+        (Route.COMPLETIONS, {"prompt": ["a"] * 17, "n": 1000}, "'n' times the prompts is 17000, over .* 16384"),
         (Route.GENERATE, {"token_ids": [1], "sampling_params": {"n": 2000}}, "from 1 to 1024"),
         (Route.COMPLETIONS, {"prompt": "x", "max_tokens": 2**64}, "'max_tokens' must be an integer from 1"),
         (Route.COMPLETIONS, {"prompt": "x", "max_tokens": 1.5}, "'max_tokens'"),

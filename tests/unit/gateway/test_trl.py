@@ -12,9 +12,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from rollfleet.gateway.app import GatewayConfig, build_app
-from rollfleet.gateway.dialects import BadRequest, Json
+from rollfleet.gateway.dialects import MAX_CHOICES, BadRequest, Json
 from rollfleet.gateway.proxy import ProxyConfig
-from rollfleet.gateway.trl import MAX_SAMPLES, batch_answer, batch_failure, batch_finish_reason, fan_out
+from rollfleet.gateway.trl import batch_answer, batch_failure, batch_finish_reason, fan_out
 from rollfleet_client.protocol import (
     COMPLETIONS_PATH,
     REQUEST_ID_HEADER,
@@ -96,7 +96,7 @@ def test_every_prompt_form_of_vllm_is_read(prompt: object, expected: list[object
         ({"prompt": [True]}, "'prompt' must be"),
         ({"prompt": "a", "stream": True}, "stream from /v1/completions"),
         ({"prompt": "a", "prompt_logprobs": 1}, "'prompt_logprobs' is not served"),
-        ({"prompt": ["a", "b"], "n": MAX_SAMPLES}, "split the batch"),
+        ({"prompt": ["a", "b"], "n": MAX_CHOICES}, "split the batch"),
     ],
 )
 def test_bodies_the_fan_out_cannot_serve_are_refused_with_the_reason(body: Json, match: str) -> None:
