@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,17 @@ import pytest
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods
 from e2e.live_fleet import LiveFleet, create, host_path_claim, results, runner_pods, running, status, wait_phase
 from e2e.provider import wait_for
-from rollfleet.contract import ANNOTATION_ABORT
+from rollfleet.api.admission import RUNNER_POLICY_NAME
+from rollfleet.contract import (
+    ANNOTATION_ABORT,
+    COMPONENT_RESULTS,
+    LABEL_COMPONENT,
+    LABEL_REQUEST,
+    LABEL_REQUEST_UID,
+    results_chunk_name,
+    runner_account,
+    weights_record_name,
+)
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = pytest.mark.cluster
@@ -67,6 +78,42 @@ def test_a_64x4_request_completes_showing_progress_and_keeps_256_results(fleet: 
     for r in rows:
         by_prompt.setdefault(r["prompt"], set()).add(tuple(r["token_ids"]))
     assert sum(len(v) for v in by_prompt.values()) > 64 * 3
+
+
+def test_a_runner_may_touch_only_its_own_result_configmaps(fleet: LiveFleet) -> None:
+    """Not the fleet's weight-sync record (it says where engines pull weights from), nor any other: by
+    name in its Role, and `create`, which RBAC cannot limit by name, by the admission policy."""
+    name, uid = create(fleet, 1, 1, sampling={"maxTokens": 4})
+    ns, kubectl = fleet.namespace, fleet.cluster.kubectl
+    account = runner_account(name)
+    as_runner = f"--as=system:serviceaccount:{ns}:{account}"
+
+    def may(verb: str, resource: str) -> bool:
+        answer = kubectl("auth", "can-i", verb, resource, "-n", ns, as_runner, check=False).stdout.strip()
+        assert answer in ("yes", "no"), answer
+        return answer == "yes"
+
+    own = results_chunk_name(name, uid, 0)
+    wait_for(lambda: may("get", f"configmaps/{own}"), 60, what=f"the Role of {name}'s runner")
+    weights = weights_record_name(fleet.fleet.name)
+    for verb in ("get", "update", "patch", "delete"):
+        assert not may(verb, f"configmaps/{weights}"), f"a runner may {verb} {weights}"
+    assert not may("list", "configmaps") and not may("watch", "configmaps") and not may("get", "configmaps/other")
+    assert may("update", f"configmaps/{own}")
+
+    def made(cm_name: str, labels: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        doc = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": cm_name, "labels": labels}}
+        return kubectl("-n", ns, "create", "--dry-run=server", "-f", "-", as_runner, input=json.dumps(doc), check=False)
+
+    chunk = {LABEL_COMPONENT: COMPONENT_RESULTS, LABEL_REQUEST: name, LABEL_REQUEST_UID: uid}
+    assert made(results_chunk_name(name, uid, 5), chunk).returncode == 0
+    for cm_name, labels in (
+        (weights, chunk),  # the record, labelled as a chunk
+        (weights, {}),
+        (results_chunk_name("another", uid, 0), chunk | {LABEL_REQUEST: "another"}),  # another request's
+    ):
+        refused = made(cm_name, labels)
+        assert refused.returncode != 0 and RUNNER_POLICY_NAME in refused.stderr, (cm_name, refused)
 
 
 def test_samples_an_engine_refuses_fail_with_its_message_and_the_request_ends(fleet: LiveFleet) -> None:

@@ -197,6 +197,33 @@ def runner_name(request: str) -> str:
     return f"{request[: MAX_JOB_NAME - len(COMPONENT_RUNNER) - 10].rstrip('-.')}-{digest}-{COMPONENT_RUNNER}"
 
 
+# A runner's ServiceAccount starts with this, and no other account may (docs/security.md): the
+# admission policy `rollfleet-runner-results-only` knows runners by it.
+RUNNER_ACCOUNT_PREFIX = f"{APP_NAME}-{COMPONENT_RUNNER}-"
+MAX_ACCOUNT_NAME = 253
+
+
+def runner_account(request: str) -> str:
+    """The ServiceAccount a RolloutRequest's runner runs as: `rollfleet-runner-<request>`; a request
+    name too long for that keeps its start and gets a digest of the whole."""
+    name = RUNNER_ACCOUNT_PREFIX + request
+    if len(name) <= MAX_ACCOUNT_NAME:
+        return name
+    digest = hashlib.sha256(request.encode()).hexdigest()[:8]
+    return f"{RUNNER_ACCOUNT_PREFIX}{request[: MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 9]}-{digest}"
+
+
+# Results in ConfigMaps stop at 16 MiB (api.request.CONFIG_MAP_RESULTS_LIMIT) in chunks of 900 KiB: 19,
+# with room for what one flush writes past the limit before the run fails.
+MAX_RESULT_CHUNKS = 32
+
+
+def results_chunk_name(request: str, uid: str, index: int) -> str:
+    """A chunk of a request's results in ConfigMaps (the uid part keeps a re-created request from
+    meeting its predecessor's chunks)."""
+    return f"{request}-{uid[:8]}-{index:04d}"
+
+
 def network_policy_name(fleet: str) -> str:
     return f"{fleet}-{COMPONENT_ENGINE}"
 

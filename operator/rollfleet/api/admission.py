@@ -1,10 +1,15 @@
-"""The admission policy that keeps a fleet's gateway to the pause annotations. Pure.
+"""The admission policies that finish what RBAC cannot say. Pure.
 
-The gateway may patch its RolloutFleet (Role: `patch`, resourceNames the fleet) because a
-trainer's pause through it is the `rollfleet.dev/pause` annotation. RBAC cannot say "only
-that annotation", and a fleet's spec runs in its engines, so this ValidatingAdmissionPolicy
-refuses any other change made as a fleet's gateway ServiceAccount. `crdgen` writes it to
-`crds/gateway-policy.yaml`; the API server enforces it (Kubernetes 1.30+).
+- `rollfleet-gateway-pause-only`: the gateway may patch its RolloutFleet (Role: `patch`,
+  resourceNames the fleet) because a trainer's pause through it is the `rollfleet.dev/pause`
+  annotation. RBAC cannot say "only that annotation", and a fleet's spec runs in its engines,
+  so the policy refuses any other change made as a fleet's gateway ServiceAccount.
+- `rollfleet-runner-results-only`: a request's runner creates its result ConfigMaps as the run
+  goes, and RBAC cannot limit `create` by name, so the policy refuses any ConfigMap a runner's
+  account makes but its own request's result chunks (a runner could otherwise make the
+  `<fleet>-weights` record, which says where engines pull weights from).
+
+`crdgen` writes them to `crds/`; the API server enforces them (Kubernetes 1.30+).
 """
 
 from __future__ import annotations
@@ -12,9 +17,21 @@ from __future__ import annotations
 from typing import Any
 
 from rollfleet.api.fleet import PLURAL
-from rollfleet.contract import ANNOTATION_PAUSE, ANNOTATION_RESUME, COMPONENT_GATEWAY, GROUP
+from rollfleet.contract import (
+    ANNOTATION_PAUSE,
+    ANNOTATION_RESUME,
+    COMPONENT_GATEWAY,
+    COMPONENT_RESULTS,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_REQUEST,
+    LABEL_REQUEST_UID,
+    MAX_ACCOUNT_NAME,
+    RUNNER_ACCOUNT_PREFIX,
+)
 
 POLICY_NAME = "rollfleet-gateway-pause-only"
+RUNNER_POLICY_NAME = "rollfleet-runner-results-only"
 ADMISSION_API = "admissionregistration.k8s.io/v1"
 
 
@@ -68,10 +85,61 @@ def gateway_policy() -> list[dict[str, Any]]:
             ],
         },
     }
-    binding = {
+    return [policy, _binding(POLICY_NAME)]
+
+
+def runner_policy() -> list[dict[str, Any]]:
+    """The policy and its binding (Deny): a runner's account creates only its own request's result chunks."""
+    account = f"'system:serviceaccount:' + request.namespace + ':{RUNNER_ACCOUNT_PREFIX}'"
+    # contract.runner_account: the request's name, or for a very long one its start and a digest.
+    keep = MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 9
+    policy = {
+        "apiVersion": ADMISSION_API,
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": RUNNER_POLICY_NAME},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["configmaps"]}
+                ]
+            },
+            # Only requests made as a runner: no other account's name has the prefix (docs/security.md).
+            "matchConditions": [
+                {"name": "made-by-a-request-runner", "expression": f"request.userInfo.username.startsWith({account})"}
+            ],
+            "variables": [
+                {"name": "labels", "expression": "object.metadata.?labels.orValue({})"},
+                {"name": "request", "expression": f"variables.labels[?'{LABEL_REQUEST}'].orValue('')"},
+                {"name": "uid", "expression": f"variables.labels[?'{LABEL_REQUEST_UID}'].orValue('')"},
+            ],
+            "validations": [
+                {
+                    "expression": f"variables.request != '' && (request.userInfo.username == {account} + "
+                    f"variables.request || (size(variables.request) > {keep} && request.userInfo.username."
+                    f"startsWith({account} + variables.request.substring(0, {keep}) + '-')))",
+                    "message": "a request's runner may create only ConfigMaps of its own request "
+                    f"(label {LABEL_REQUEST})",
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": f"variables.labels[?'{LABEL_COMPONENT}'].orValue('') == '{COMPONENT_RESULTS}' && "
+                    "size(variables.uid) >= 8 && object.metadata.name.startsWith(variables.request + '-' + "
+                    "variables.uid.substring(0, 8) + '-') && object.metadata.name.matches('-[0-9]{4}$')",
+                    "message": "a request's runner may create only its result chunks: <request>-<uid[:8]>-<index>, "
+                    f"labelled {LABEL_COMPONENT}={COMPONENT_RESULTS}",
+                    "reason": "Forbidden",
+                },
+            ],
+        },
+    }
+    return [policy, _binding(RUNNER_POLICY_NAME)]
+
+
+def _binding(policy: str) -> dict[str, Any]:
+    return {
         "apiVersion": ADMISSION_API,
         "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": POLICY_NAME},
-        "spec": {"policyName": POLICY_NAME, "validationActions": ["Deny"]},
+        "metadata": {"name": policy},
+        "spec": {"policyName": policy, "validationActions": ["Deny"]},
     }
-    return [policy, binding]

@@ -22,6 +22,8 @@ class Recorder:
     def __init__(self, body: LiveBody, fail_first: bool = False) -> None:
         self.body = body
         self.runs = 0
+        self.started: list[float] = []  # loop time of each run's start
+        self.retried = asyncio.Event()
         self.fail_first = fail_first
         self.finish = asyncio.Event()
         self.closed = False
@@ -29,6 +31,9 @@ class Recorder:
 
     async def run(self, stop: Stop) -> None:
         self.runs += 1
+        self.started.append(asyncio.get_running_loop().time())
+        if self.runs == 2:
+            self.retried.set()
         if self.fail_first and self.runs == 1:
             raise RuntimeError("API hiccup")
         while not stop and not self.finish.is_set():
@@ -119,8 +124,9 @@ def test_a_failed_run_is_run_again_after_a_backoff_with_the_same_state() -> None
         tasks = ObjectTasks("fleet")
         made: list[Recorder] = []
         tasks.on_event(None, fleet(), recorder(made, fail_first=True))
-        await asyncio.sleep(2.5)  # the first backoff is 2 s
-        assert len(made) == 1 and made[0].runs == 2
+        await asyncio.wait_for(made[0].retried.wait(), 30)
+        first, second = made[0].started
+        assert len(made) == 1 and second - first >= 2.0  # the first backoff is 2 s
         await tasks.stop_all()
         assert made[0].stopped_deleted is False and made[0].closed  # the operator exits: not a deletion
 

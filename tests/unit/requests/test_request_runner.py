@@ -7,7 +7,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rollfleet.api.request import ResultsSpec, RolloutRequestSpec, RolloutRequestStatus
-from rollfleet.contract import LABEL_REQUEST_UID, TOKEN_MOUNT_DIR, runner_name, secret_name
+from rollfleet.contract import (
+    LABEL_REQUEST_UID,
+    MAX_RESULT_CHUNKS,
+    TOKEN_MOUNT_DIR,
+    runner_account,
+    runner_name,
+    secret_name,
+)
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests.desired import runner_objects
 from rollfleet.controller.requests.results_volume import RESULTS_MOUNT
@@ -34,7 +41,9 @@ def test_every_runner_object_is_owned_by_its_request_and_the_job_comes_last() ->
             REF.uid,
             True,
         )
-        assert m["metadata"]["name"] == "grpo-step-7-runner" and m["metadata"]["namespace"] == "team-a"
+        # The account is named for the admission policy to know it; the rest after the Job.
+        name = "rollfleet-runner-grpo-step-7" if m["kind"] == "ServiceAccount" else "grpo-step-7-runner"
+        assert m["metadata"]["name"] == name and m["metadata"]["namespace"] == "team-a"
 
 
 def test_the_job_runs_this_request_by_uid_as_its_own_account_with_the_fleet_token_mounted() -> None:
@@ -43,7 +52,7 @@ def test_the_job_runs_this_request_by_uid_as_its_own_account_with_the_fleet_toke
     [container] = pod["containers"]
     assert container["image"] == "rollfleet/rollfleet:9"
     assert container["args"] == ["request-runner", "--namespace", "team-a", "--name", REF.name, "--uid", REF.uid]
-    assert pod["serviceAccountName"] == "grpo-step-7-runner" and pod["restartPolicy"] == "Never"
+    assert pod["serviceAccountName"] == "rollfleet-runner-grpo-step-7" and pod["restartPolicy"] == "Never"
     assert job["spec"]["template"]["metadata"]["labels"][LABEL_REQUEST_UID] == REF.uid
     [volume] = pod["volumes"]
     assert volume["secret"] == {"secretName": secret_name("f"), "defaultMode": 0o440, "optional": True}
@@ -59,10 +68,20 @@ def test_the_runner_role_names_its_request_fleet_gateway_and_prompts_and_reads_n
     assert named[("rolloutfleets", ("get",))] == ["f"]
     assert named[("services", ("get",))] == ["f-gateway"]
     assert named[("configmaps", ("get",))] == ["code", "math"]
+    # Its own result chunks by name (no list: it reads no other ConfigMap); create, which RBAC cannot
+    # limit by name, is left to the admission policy.
+    chunks = named[("configmaps", ("get", "update"))]
+    assert chunks is not None and len(chunks) == MAX_RESULT_CHUNKS
+    assert chunks[0] == "grpo-step-7-0a1b2c3d-0000"
+    assert chunks[-1] == f"grpo-step-7-0a1b2c3d-{MAX_RESULT_CHUNKS - 1:04d}"
+    assert named[("configmaps", ("create",))] is None
+    assert not any("list" in r["verbs"] for r in rules if r["resources"] == ["configmaps"])
     assert not any("secrets" in r["resources"] for r in rules)
     assert not any(set(r["verbs"]) & {"delete", "*", "escalate", "bind"} for r in rules)
     binding = objects()["RoleBinding"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "grpo-step-7-runner", "namespace": "team-a"}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rollfleet-runner-grpo-step-7", "namespace": "team-a"}
+    ]
 
 
 def job(failed: bool = False) -> dict[str, Any]:
@@ -143,6 +162,11 @@ def test_runner_names_fit_a_job_whatever_the_request_name() -> None:
     assert runner_name(long_a).startswith("aaaa") and runner_name(long_a).endswith("-runner")
     dotted = "a" * 39 + "." + "b" * 30
     assert ".-" not in runner_name(dotted)
+    # The account: the request's whole name after the prefix the admission policy knows, up to 253.
+    assert runner_account("step-7") == "rollfleet-runner-step-7"
+    longest = "a" * 252 + "x"
+    assert len(runner_account(longest)) == 253 and runner_account(longest) != runner_account("a" * 252 + "y")
+    assert runner_account(longest).startswith("rollfleet-runner-" + "a" * 227 + "-")
 
 
 def test_a_runner_with_a_results_claim_mounts_it_and_is_never_two_pods_at_once() -> None:

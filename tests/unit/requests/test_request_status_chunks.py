@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from rollfleet.api.request import AbortRecord, ResultsRef, RolloutRequestStatus
+from rollfleet.contract import results_chunk_name
 from rollfleet.controller.requests.plan import SampleResult
-from rollfleet.controller.requests.results import Chunk, Layout, chunk_name, parse_chunk
+from rollfleet.controller.requests.results import Chunk, Layout, parse_chunk
 from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -114,4 +115,4 @@ def test_stored_chunks_parse_back_and_names_carry_the_uid() -> None:
     assert (c.index, c.lines, c.sealed, c.dirty, c.resource_version) == (2, ["a", "b"], True, False, "7")
     layout = Layout(100, [c, Chunk(index=0, lines=["z"], written=1)])
     assert [x.index for x in layout.chunks] == [0, 2] and list(layout.lines()) == ["z", "a", "b"]
-    assert chunk_name("rr1", "0b8f7a52-3f0e", 3) == "rr1-0b8f7a52-0003"
+    assert results_chunk_name("rr1", "0b8f7a52-3f0e", 3) == "rr1-0b8f7a52-0003"

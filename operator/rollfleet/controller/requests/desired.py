@@ -6,10 +6,13 @@ owned by the request: deleting the request deletes its runner.
 
 The Role grants what one runner needs and no more: its own request (read, watch, status),
 its fleet and that fleet's gateway Service (read), the prompt ConfigMaps its spec names
-(read), result ConfigMaps (create and update: their names are not known in advance) unless
-its results go to a claim (mounted: no API access needed), and Events. The fleet's admin
-token (for the gateway's abort) is its Secret, mounted: the operator itself may not read
-Secrets, so it cannot grant that either.
+(read), its own result ConfigMaps unless its results go to a claim (mounted: no API access
+needed), and Events. Result chunks are read and updated by name (`MAX_RESULT_CHUNKS` of
+them); RBAC cannot limit `create` by name, so the runner's account (`runner_account`, a name
+only runners have) may create only its own chunks: the admission policy
+`rollfleet-runner-results-only` (`rollfleet.api.admission`). The fleet's admin token (for
+the gateway's abort) is its Secret, mounted: the operator itself may not read Secrets, so it
+cannot grant that either.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from rollfleet.contract import (
     LABEL_REQUEST,
     LABEL_REQUEST_UID,
     MANAGER,
+    MAX_RESULT_CHUNKS,
     gateway_name,
+    results_chunk_name,
+    runner_account,
     runner_name,
 )
 from rollfleet.controller.desired import TOKEN_MOUNT, token_volume
@@ -66,7 +72,7 @@ def _meta(ref: RequestRef) -> Manifest:
 
 
 def runner_service_account(ref: RequestRef) -> Manifest:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ref)}
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ref) | {"name": runner_account(ref.name)}}
 
 
 def runner_role(ref: RequestRef, spec: RolloutRequestSpec) -> Manifest:
@@ -80,8 +86,13 @@ def runner_role(ref: RequestRef, spec: RolloutRequestSpec) -> Manifest:
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
     if spec.results.persistent_volume_claim is None:
-        # Result chunks: made as the run goes (names unknown in advance), listed to adopt an earlier run's.
-        rules.append({"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "list", "update"]})
+        # Its result chunks, by name: read back to adopt an earlier run's, updated as the run goes. Made
+        # as it goes too: `create` cannot be limited by name, the admission policy limits it.
+        chunks = [results_chunk_name(ref.name, ref.uid, i) for i in range(MAX_RESULT_CHUNKS)]
+        rules += [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "update"], "resourceNames": chunks},
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+        ]
     if prompts:
         rules.append({"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"], "resourceNames": prompts})
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(ref), "rules": rules}
@@ -94,7 +105,7 @@ def runner_role_binding(ref: RequestRef) -> Manifest:
         "kind": "RoleBinding",
         "metadata": _meta(ref),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ref.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": runner_account(ref.name), "namespace": ref.namespace}],
     }
 
 
@@ -135,7 +146,7 @@ def runner_job(ref: RequestRef, spec: RolloutRequestSpec, image: str, image_pull
                 "metadata": {"labels": labels},
                 "spec": {
                     "restartPolicy": "Never",
-                    "serviceAccountName": runner_name(ref.name),
+                    "serviceAccountName": runner_account(ref.name),
                     "enableServiceLinks": False,
                     "securityContext": {
                         "runAsNonRoot": True,

@@ -7,8 +7,9 @@ request's namespace RBAC, and need nothing beyond the cluster itself (kind inclu
 A ConfigMap holds at most 1 MiB, so results are chunked: the operator appends lines
 to the open chunk and rewrites it at most once per flush; a full chunk is sealed
 (`immutable: true`) and a new one opened. Chunks are named
-`<request>-<uid[:8]>-<index>` (the uid part keeps a re-created request from meeting
-its predecessor's chunks) and labelled with the request's name, uid and chunk index.
+`<request>-<uid[:8]>-<index>` (`contract.results_chunk_name`) and labelled with the
+request's name, uid and chunk index. The runner reads its chunks back by name, one after
+the other, as its Role grants them by name (no list: it reads no other ConfigMap).
 
 `Layout` is the pure part (which lines go in which chunk, which chunks need a write);
 `ResultStore` does the I/O (ConfigMaps, through `rollfleet.kube`); `print_results` is
@@ -37,6 +38,8 @@ from rollfleet.contract import (
     LABEL_REQUEST,
     LABEL_REQUEST_UID,
     MANAGER,
+    MAX_RESULT_CHUNKS,
+    results_chunk_name,
 )
 from rollfleet.controller.requests.plan import SampleResult
 from rollfleet.controller.requests.reader import ReaderError, read_volume_results
@@ -45,10 +48,6 @@ from rollfleet.kube import CONFIG_MAP, REQUEST, Kube, NotFound, context_namespac
 DATA_KEY = "samples.jsonl"
 # Bytes of JSONL per chunk: ConfigMaps hold 1 MiB with their metadata; leave room for it.
 CHUNK_LIMIT = 900 * 1024
-
-
-def chunk_name(request: str, uid: str, index: int) -> str:
-    return f"{request}-{uid[:8]}-{index:04d}"
 
 
 @dataclass
@@ -124,13 +123,27 @@ class ResultStore:
 
     async def load(self) -> list[SampleResult]:
         """Read every stored chunk; returns the stored results (one per sample)."""
-        items = await list_chunks(self.kube, self.namespace, self.uid)
+        items = await self._stored_chunks()
         self.layout = Layout(self.layout.limit, (parse_chunk(cm) for cm in items))
         self.results = {}
         for line in self.layout.lines():
             r = SampleResult.from_line(line)
             self.results[r.key] = r
         return list(self.results.values())
+
+    async def _stored_chunks(self) -> list[dict[str, Any]]:
+        """The chunks written so far, in order: chunk k+1 is made only after chunk k, so the first missing
+        one ends them."""
+        items = []
+        for index in range(MAX_RESULT_CHUNKS):
+            try:
+                items.append(await self.kube.get(CONFIG_MAP, self.namespace, self.chunk(index)))
+            except NotFound:
+                break
+        return items
+
+    def chunk(self, index: int) -> str:
+        return results_chunk_name(self.name, self.uid, index)
 
     def add(self, result: SampleResult) -> bool:
         """Buffer a result; False (and nothing stored) when the sample already has one."""
@@ -154,7 +167,7 @@ class ResultStore:
         return sum(c.size for c in self.layout.chunks)
 
     def names(self) -> list[str]:
-        return [chunk_name(self.name, self.uid, c.index) for c in self.layout.chunks if c.written >= 0]
+        return [self.chunk(c.index) for c in self.layout.chunks if c.written >= 0]
 
     def ref(self, command: str) -> ResultsRef:
         written = [c for c in self.layout.chunks if c.written >= 0]
@@ -170,7 +183,7 @@ class ResultStore:
 
     def _body(self, chunk: Chunk) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "name": chunk_name(self.name, self.uid, chunk.index),
+            "name": self.chunk(chunk.index),
             "namespace": self.namespace,
             "labels": {
                 LABEL_NAME: APP_NAME,
