@@ -82,6 +82,8 @@ class SimEngine:
         self.policy = policy
         # Routes answered 404: like vLLM without --enable-scale-out, or an engine whose abort cannot be had.
         self.refuse: set[str] = set()
+        # A fault to inject: answer at most this many choices, whatever `n` asked (None: as many as asked).
+        self.max_choices: int | None = None
         self.weight_version = weight_version
         self.tracker = RequestTracker()
         self.flags: dict[str, asyncio.Event] = {}  # caller id (= its engine id here) -> abort flag
@@ -521,11 +523,10 @@ class SimEngine:
         await resp.write_eof()
         return resp
 
-    @staticmethod
-    def choice_seeds(body: Json, path: str, seed: int) -> list[int]:
+    def choice_seeds(self, body: Json, path: str, seed: int) -> list[int]:
         """One seed per choice (`n`): greedy choices are one answer, sampled ones differ."""
-        n = int(_sampling(path, body).get("n") or 1)
-        return [seed if seed == 0 else seed + 7919 * j for j in range(max(1, n))]
+        n = max(1, int(_sampling(path, body).get("n") or 1))
+        return [seed if seed == 0 else seed + 7919 * j for j in range(min(n, self.max_choices or n))]
 
     @staticmethod
     def usage(prompt: list[int], completion_tokens: int) -> Json:

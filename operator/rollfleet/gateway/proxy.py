@@ -54,7 +54,7 @@ from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReaso
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry
 from rollfleet.gateway.routing import Decision, NoEngine, Router
-from rollfleet.gateway.upstream import Response, Upstream, UpstreamError
+from rollfleet.gateway.upstream import GatewayResourceError, Response, Upstream, UpstreamError
 from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, AbortStatus
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,9 @@ class Outcome(StrEnum):
     FINISHED = "finished"  # every choice has a finish reason
     FAILED = "failed"  # the engine failed; another may continue
     REJECTED = "rejected"  # the engine refused the request (4xx): the client's answer
+    UNSERVED = "unserved"  # the engine's answer ended whole but left a choice unfinished: the client's input may
+    # be the cause (an `n` the engine answers fewer choices to), so no other engine is tried and none ejected
+    OVERLOADED = "overloaded"  # this gateway could not open a connection (out of descriptors): no engine's fault
     STOPPED = "stopped"  # stop requested and the stream was cut
 
 
@@ -347,6 +350,10 @@ class _Exchange:
                 return await self._close_finished()
             if result.outcome is Outcome.STOPPED:
                 return await self._close_stopped()
+            if result.outcome is Outcome.UNSERVED:
+                return await self._fail(502, result.detail)
+            if result.outcome is Outcome.OVERLOADED:
+                return await self._fail(503, result.detail)
             if result.outcome is Outcome.REJECTED:
                 continuing = plan[2] is not None
                 if not continuing and not self.writer.started:
@@ -460,6 +467,8 @@ class _Exchange:
                 return await self._read(engine, resp, cont)
             finally:
                 resp.close()
+        except GatewayResourceError as err:
+            return AttemptResult(Outcome.OVERLOADED, f"{err}: retry later")
         except UpstreamError as err:
             p.registry.eject(engine.key)
             return AttemptResult(Outcome.FAILED, str(err))
@@ -482,9 +491,10 @@ class _Exchange:
         # Whatever bytes arrived together are forwarded together: one write to the client per
         # read, not one per token. [DONE] is read past, to the end of the body: a response left
         # unread closes its connection instead of returning it to the keep-alive pool.
-        pending = b""
+        pending, done = b"", False
         while data := await resp.read_any():
             *events, pending = (pending + data).split(b"\n\n")
+            done = done or any(e.strip() == b"data: [DONE]" for e in events)
             batch: list[tuple[Json, bytes | None]] = []
             failure = None
             payloads = [d for e in events if e.startswith(b"data: ") and (d := e[6:].strip()) and d != b"[DONE]"]
@@ -509,6 +519,8 @@ class _Exchange:
                 return failure
         if self._all_finished():
             return AttemptResult(Outcome.FINISHED)
+        if done:  # the engine ended its answer: it works, the request is what it did not serve
+            return AttemptResult(Outcome.UNSERVED, f"engine {engine.key} ended its stream with {self._unfinished()}")
         p.registry.eject(engine.key)
         return AttemptResult(Outcome.FAILED, "the engine's stream ended before the request finished")
 
@@ -523,8 +535,7 @@ class _Exchange:
         self._template(obj)
         self._track(obj)
         if not self._all_finished():
-            self.proxy.registry.eject(engine.key)
-            return AttemptResult(Outcome.FAILED, "the engine's answer has a choice without a finish reason")
+            return AttemptResult(Outcome.UNSERVED, f"engine {engine.key} answered with {self._unfinished()}")
         await self._confirm_versions(engine, *since)
         self.writer.whole = obj
         return AttemptResult(Outcome.FINISHED)
@@ -603,6 +614,10 @@ class _Exchange:
     def _all_finished(self) -> bool:
         done = [c for c in self.entry.choices.values() if c.finish_reason is not None]
         return len(done) >= self.n
+
+    def _unfinished(self) -> str:
+        done = sum(c.finish_reason is not None for c in self.entry.choices.values())
+        return f"{done} of the {self.n} choices asked for finished"
 
     @functools.cached_property
     def fallback(self) -> Template:

@@ -21,6 +21,7 @@ Talks to engines only. Calls to the engines' own API (abort, state) go through
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +35,15 @@ HIGH_WATER = 1 << 20  # unread body bytes at which reading from the engine pause
 
 class UpstreamError(OSError):
     """The engine could not be reached, or its answer broke off."""
+
+
+class GatewayResourceError(UpstreamError):
+    """This gateway could not open a connection for want of its own resources (file descriptors,
+    buffers, memory): no fault of the engine, which must not be ejected for it."""
+
+
+# connect()'s errors that say this process or machine is out of something, not that the peer failed.
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class _Connection(asyncio.Protocol):
@@ -256,6 +266,8 @@ class Upstream:
         except TimeoutError:
             raise UpstreamError(f"connecting to {pool.name} took over {self.connect_timeout_s:.0f}s") from None
         except OSError as err:
+            if err.errno in _LOCAL_ERRNOS:
+                raise GatewayResourceError(f"this gateway cannot open a connection to {pool.name}: {err}") from err
             raise UpstreamError(f"cannot connect to {pool.name}: {err}") from err
         return conn
 

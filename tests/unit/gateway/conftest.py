@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -32,6 +33,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def sse_chunks(text: str) -> list[dict[str, Any]]:
+    """The JSON events of an SSE body that ends with [DONE]."""
+    lines = [ln[6:] for ln in text.split("\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
 @dataclass
 class Stack:
     url: str
@@ -43,6 +51,7 @@ class Stack:
             sim.token_delay_ms = 0.0
             sim.die_after = {}
             sim.refuse = set()
+            sim.max_choices = None
             sim.weight_version = "v1"
 
 

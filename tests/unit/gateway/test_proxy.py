@@ -6,25 +6,18 @@ acceptance tests in e2e/test_gateway.py.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import httpx
 import pytest
-from tests.unit.gateway.conftest import TOKEN, Stack
+from tests.unit.gateway.conftest import TOKEN, Stack, sse_chunks
 
 from rollfleet.gateway.dialects import MAX_JSON_DEPTH
 from rollfleet_dev.sim_engine import SimEngine
 from rollfleet_engine.protocol import TrackedRequest
 
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def sse_chunks(text: str) -> list[dict]:
-    lines = [ln[6:] for ln in text.split("\n") if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]", lines[-3:]
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 def wait_until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
