@@ -36,8 +36,9 @@ class Tier:
     paths: tuple[str, ...]
     cluster: bool  # its tests carry the `cluster` marker
     engine: bool  # ... and the `engine` marker
-    budget_s: int  # on CI's 2-core machine, warm caches
+    budget_s: int  # on CI's 2-core machine, warm caches, as `make test` runs it (docs/testing.md)
     on_kind: bool = False  # its cluster is kind's (real kubelets and containers), not the local one
+    pytest_args: tuple[str, ...] = ()
 
     @property
     def marks(self) -> str:
@@ -45,14 +46,23 @@ class Tier:
 
 
 TIERS = (
-    Tier("unit", "no cluster and no engine", ("tests/unit",), cluster=False, engine=False, budget_s=120),
+    # One pytest worker per core: a third of the tier's time is tests waiting on the processes they start.
+    Tier(
+        "unit",
+        "no cluster and no engine",
+        ("tests/unit",),
+        cluster=False,
+        engine=False,
+        budget_s=120,
+        pytest_args=("-n", "auto", "--dist", "worksteal"),
+    ),
     Tier(
         "engine",
         "real vLLM without a cluster; the engine contract (simulator and vLLM)",
         ("tests/engine", "tests/sync", "tests/collective"),
         cluster=False,
         engine=True,
-        budget_s=300,
+        budget_s=420,  # beside kind coming up
     ),
     Tier(
         "controlplane",
@@ -60,7 +70,7 @@ TIERS = (
         ("e2e",),
         cluster=True,
         engine=False,
-        budget_s=600,
+        budget_s=1020,  # beside the acceptance tier
     ),
     Tier(
         "acceptance",
@@ -68,7 +78,7 @@ TIERS = (
         ("e2e",),
         cluster=True,
         engine=True,
-        budget_s=660,
+        budget_s=1080,  # beside the control-plane tier
         on_kind=True,
     ),
 )
@@ -169,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from rollfleet_dev.kind.cluster import kubeconfig_path
 
             os.environ.update(ROLLFLEET_E2E_PROVIDER="existing", KUBECONFIG=str(kubeconfig_path()))
-        os.execvp(sys.executable, [sys.executable, "-m", "pytest", "-m", tier.marks, *rest, *tier.paths])
+        argv = [sys.executable, "-m", "pytest", "-m", tier.marks, *tier.pytest_args, *rest, *tier.paths]
+        os.execvp(sys.executable, argv)
     if rest:
         parser.error(f"unexpected arguments: {' '.join(rest)}")
     if args.command == "budget":
