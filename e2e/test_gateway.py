@@ -320,7 +320,6 @@ ENGINE_REFUSALS = [
     pytest.param(
         {"prompt": "Hi", "max_tokens": 2 * TINY_MODEL_CONTEXT}, "max_model_len", id="max-tokens-past-the-context"
     ),
-    pytest.param({"prompt": "Hi", "max_tokens": 4, "logprobs": 10**4}, "logprobs", id="too-many-logprobs"),
 ]
 
 
@@ -342,6 +341,17 @@ def test_an_engine_refusal_reaches_the_caller_with_its_status_and_no_failover(
     engine = fleet.engine(r.headers["x-rollfleet-engine"])
     in_flight = httpx.get(engine.url + "/rollfleet/v1/requests", timeout=10).json()["in_flight"]
     assert rid not in {t["request_id"] for t in in_flight}
+
+
+def test_a_request_past_the_gateways_bounds_is_refused_before_any_engine(fleet: LiveFleet) -> None:
+    """`logprobs` past vLLM's 20 (once an engine's refusal, now the gateway's own bound, issue 32)."""
+    r = httpx.post(
+        fleet.gateways[0].url + "/v1/completions",
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logprobs": 10**4},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "'logprobs' must be an integer from 0 to 20" in r.json()["error"]["message"], r.text
+    assert "x-rollfleet-engine" not in r.headers
 
 
 def engine_paused(engine: Endpoint) -> bool:
