@@ -38,17 +38,10 @@ ADMISSION_API = "admissionregistration.k8s.io/v1"
 def gateway_policy() -> list[dict[str, Any]]:
     """The policy and its binding (Deny): every fleet, every namespace."""
     allowed = ", ".join(f"'{a}'" for a in (ANNOTATION_PAUSE, ANNOTATION_RESUME))
-    policy = {
-        "apiVersion": ADMISSION_API,
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": POLICY_NAME},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"], "resources": [PLURAL]}
-                ]
-            },
+    return _policy(
+        POLICY_NAME,
+        {"apiGroups": [GROUP], "apiVersions": ["*"], "operations": ["UPDATE"], "resources": [PLURAL]},
+        {
             # Only requests made as this fleet's gateway (`<fleet>-gateway` in its namespace).
             "matchConditions": [
                 {
@@ -84,8 +77,7 @@ def gateway_policy() -> list[dict[str, Any]]:
                 },
             ],
         },
-    }
-    return [policy, _binding(POLICY_NAME)]
+    )
 
 
 def runner_policy() -> list[dict[str, Any]]:
@@ -93,17 +85,10 @@ def runner_policy() -> list[dict[str, Any]]:
     account = f"'system:serviceaccount:' + request.namespace + ':{RUNNER_ACCOUNT_PREFIX}'"
     # contract.runner_account: the request's name, or for a very long one its start and a digest.
     keep = MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 9
-    policy = {
-        "apiVersion": ADMISSION_API,
-        "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": RUNNER_POLICY_NAME},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {
-                "resourceRules": [
-                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["configmaps"]}
-                ]
-            },
+    return _policy(
+        RUNNER_POLICY_NAME,
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["configmaps"]},
+        {
             # Only requests made as a runner: no other account's name has the prefix (docs/security.md).
             "matchConditions": [
                 {"name": "made-by-a-request-runner", "expression": f"request.userInfo.username.startsWith({account})"}
@@ -132,14 +117,22 @@ def runner_policy() -> list[dict[str, Any]]:
                 },
             ],
         },
+    )
+
+
+def _policy(name: str, rule: dict[str, Any], checks: dict[str, Any]) -> list[dict[str, Any]]:
+    """A ValidatingAdmissionPolicy on `rule`'s requests (failing closed) with `checks` (its matchConditions,
+    variables and validations), and its binding (Deny)."""
+    policy = {
+        "apiVersion": ADMISSION_API,
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {"failurePolicy": "Fail", "matchConstraints": {"resourceRules": [rule]}, **checks},
     }
-    return [policy, _binding(RUNNER_POLICY_NAME)]
-
-
-def _binding(policy: str) -> dict[str, Any]:
-    return {
+    binding = {
         "apiVersion": ADMISSION_API,
         "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": policy},
-        "spec": {"policyName": policy, "validationActions": ["Deny"]},
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"]},
     }
+    return [policy, binding]
