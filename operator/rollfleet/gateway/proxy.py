@@ -494,10 +494,11 @@ class _Exchange:
         pending, done = b"", False
         while data := await resp.read_any():
             *events, pending = (pending + data).split(b"\n\n")
-            done = done or any(e.strip() == b"data: [DONE]" for e in events)
+            datas = [e[6:].strip() for e in events if e.startswith(b"data: ")]
+            done = done or b"[DONE]" in datas
             batch: list[tuple[Json, bytes | None]] = []
             failure = None
-            payloads = [d for e in events if e.startswith(b"data: ") and (d := e[6:].strip()) and d != b"[DONE]"]
+            payloads = [d for d in datas if d and d != b"[DONE]"]
             for payload, obj in zip(payloads, _parse_all(payloads), strict=True):
                 failure = self._forward(payload, obj, cont, batch)
                 if failure is not None:
@@ -611,13 +612,14 @@ class _Exchange:
                 closed = True
         return closed and self._all_finished()
 
+    def _finished_choices(self) -> int:
+        return sum(c.finish_reason is not None for c in self.entry.choices.values())
+
     def _all_finished(self) -> bool:
-        done = [c for c in self.entry.choices.values() if c.finish_reason is not None]
-        return len(done) >= self.n
+        return self._finished_choices() >= self.n
 
     def _unfinished(self) -> str:
-        done = sum(c.finish_reason is not None for c in self.entry.choices.values())
-        return f"{done} of the {self.n} choices asked for finished"
+        return f"{self._finished_choices()} of the {self.n} choices asked for finished"
 
     @functools.cached_property
     def fallback(self) -> Template:
