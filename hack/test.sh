@@ -64,8 +64,7 @@ run_tier engine || failed=1
 # The acceptance tier, in the background once kind is ready: its output goes to its log, printed
 # whole once the control-plane tier is done.
 (
-  wait_kind() { while [ ! -s "$KIND_LOG.status" ]; do sleep 2; done; }  # a file, not a child of this shell
-  wait_kind
+  while [ ! -s "$KIND_LOG.status" ]; do sleep 2; done  # kind-up's status file: not a child of this shell
   kind_status=$(cat "$KIND_LOG.status")
   if [ "$kind_status" != 0 ]; then
     tail -n 30 "$KIND_LOG" | sed 's/^/[kind-up] /' >"$LOGS/acceptance.log"

@@ -201,6 +201,8 @@ def runner_name(request: str) -> str:
 # admission policy `rollfleet-runner-results-only` knows runners by it.
 RUNNER_ACCOUNT_PREFIX = f"{APP_NAME}-{COMPONENT_RUNNER}-"
 MAX_ACCOUNT_NAME = 253
+# Of a request name too long for its account, the characters kept before "-<digest of 8>".
+RUNNER_ACCOUNT_KEEP = MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 9
 
 
 def runner_account(request: str) -> str:
@@ -210,7 +212,7 @@ def runner_account(request: str) -> str:
     if len(name) <= MAX_ACCOUNT_NAME:
         return name
     digest = hashlib.sha256(request.encode()).hexdigest()[:8]
-    return f"{RUNNER_ACCOUNT_PREFIX}{request[: MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 9]}-{digest}"
+    return f"{RUNNER_ACCOUNT_PREFIX}{request[:RUNNER_ACCOUNT_KEEP]}-{digest}"
 
 
 # Results in ConfigMaps stop at 16 MiB (api.request.CONFIG_MAP_RESULTS_LIMIT) in chunks of 900 KiB: 19,

@@ -26,7 +26,7 @@ from rollfleet.contract import (
     LABEL_COMPONENT,
     LABEL_REQUEST,
     LABEL_REQUEST_UID,
-    MAX_ACCOUNT_NAME,
+    RUNNER_ACCOUNT_KEEP,
     RUNNER_ACCOUNT_PREFIX,
 )
 
@@ -84,7 +84,7 @@ def runner_policy() -> list[dict[str, Any]]:
     """The policy and its binding (Deny): a runner's account creates only its own request's result chunks."""
     account = f"'system:serviceaccount:' + request.namespace + ':{RUNNER_ACCOUNT_PREFIX}'"
     # contract.runner_account: the request's name, or for a very long one its start and a digest.
-    keep = MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 9
+    keep = RUNNER_ACCOUNT_KEEP
     return _policy(
         RUNNER_POLICY_NAME,
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["configmaps"]},
