@@ -41,6 +41,7 @@ from rollfleet_engine.abort import abort_requests
 from rollfleet_engine.access import AccessPolicy, read_token
 from rollfleet_engine.protocol import (
     ABORT_PATH,
+    ATTEMPT_HEADER,
     PAUSE_PATH,
     READY_PATH,
     REQUEST_ID_HEADER,
@@ -84,6 +85,8 @@ class SimEngine:
         self.refuse: set[str] = set()
         # A fault to inject: answer at most this many choices, whatever `n` asked (None: as many as asked).
         self.max_choices: int | None = None
+        # A busy engine: seconds a generation request waits before the engine takes it (and sees its id).
+        self.accept_delay_s = 0.0
         self.weight_version = weight_version
         self.tracker = RequestTracker()
         self.flags: dict[str, asyncio.Event] = {}  # caller id (= its engine id here) -> abort flag
@@ -251,7 +254,7 @@ class SimEngine:
         if request.path in self.refuse:
             return web.json_response({"detail": "Not Found"}, status=404)
         body = AbortRequest.model_validate_json(await request.read())
-        results = await abort_requests(self.tracker, self._engine_abort, body.request_ids, body.timeout_s)
+        results = await abort_requests(self.tracker, self._engine_abort, body.request_ids, body.timeout_s, body.attempt)
         return web.json_response({"results": {rid: str(status) for rid, status in results.items()}})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -260,7 +263,9 @@ class SimEngine:
         if path in self.refuse:
             return web.json_response({"detail": "Not Found"}, status=404)
         rid = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"sim-{self.served}"
-        if not self.tracker.open(rid):
+        if self.accept_delay_s:
+            await asyncio.sleep(self.accept_delay_s)
+        if not self.tracker.open(rid, request.headers.get(ATTEMPT_HEADER)):
             return web.json_response(
                 {"error": f"request id {rid!r} is still in flight; ids must not be reused"}, status=409
             )

@@ -32,14 +32,19 @@ async def abort_requests(
     engine_abort: Callable[[list[str]], Awaitable[None]],
     request_ids: Iterable[str],
     timeout_s: float,
+    attempt: str | None = None,
 ) -> dict[str, AbortStatus]:
-    """Abort the caller ids and wait (up to ``timeout_s``) until each has ended."""
+    """Abort the caller ids and wait (up to ``timeout_s``) until each has ended. With ``attempt``, only
+    requests sent with it: a request of another sender under the same id is not this caller's to end."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     ids = list(dict.fromkeys(request_ids))
     results: dict[str, AbortStatus] = {}
     targets = []
     for rid in ids:
+        if attempt is not None and not tracker.sent_with(rid, attempt):
+            results[rid] = AbortStatus.UNKNOWN
+            continue
         status = settled_status(tracker, rid)
         if status is None:
             targets.append(rid)

@@ -16,6 +16,7 @@ from urllib.parse import parse_qs
 
 from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.protocol import (
+    ATTEMPT_HEADER,
     FINISH_WEIGHT_UPDATE_PATH,
     MIXED_WEIGHTS_MARK,
     PAUSE_PATH,
@@ -94,7 +95,7 @@ class RollfleetMiddleware:
         body = await _read_body(receive)
         caller = headers.get(REQUEST_ID_HEADER.lower()) or _body_request_id(body) or f"rf-{uuid.uuid4().hex}"
         tracker = self.runtime.tracker
-        if not tracker.open(caller):
+        if not tracker.open(caller, headers.get(ATTEMPT_HEADER.lower())):
             await _json(send, 409, {"error": f"request id {caller!r} is still in flight; ids must not be reused"})
             return
         scope = dict(scope)

@@ -46,6 +46,12 @@ RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 ENGINE_PORT = 8000
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# Which sender's request an id is: the gateway sends a value of its own with each request, and stops
+# (deadline, client gone, failover) abort the id only where it has that value. Caller ids are chosen by
+# clients, and two clients' requests may share one on an engine over time (or be refused it while the
+# other runs): an abort for one must never end the other's.
+ATTEMPT_HEADER = "X-Rollfleet-Attempt"
+MAX_ATTEMPT_CHARS = 200
 WEIGHT_VERSION_HEADER = "X-Rollfleet-Weight-Version"
 
 # How vLLM's `POST /pause?mode=` treats in-flight requests; also the values of a fleet's
@@ -86,6 +92,11 @@ class AbortStatus(StrEnum):
 class AbortRequest(BaseModel):
     request_ids: list[str] = Field(min_length=1, description="Caller ids (the X-Request-Id or body request_id).")
     timeout_s: float = Field(default=10.0, gt=0, le=120, description="How long to wait for each request to end.")
+    attempt: str | None = Field(
+        default=None,
+        max_length=MAX_ATTEMPT_CHARS,
+        description=f"Only requests sent with this {ATTEMPT_HEADER}; any other with the id is answered unknown.",
+    )
 
 
 class AbortResult(BaseModel):

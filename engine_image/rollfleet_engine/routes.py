@@ -85,7 +85,7 @@ async def request_view(request: Request, request_id: str) -> TrackedRequest:
 @router.post(ABORT_PATH, response_model=AbortResult)
 async def abort(request: Request, body: AbortRequest) -> AbortResult:
     rt = _runtime(request)
-    results = await abort_requests(rt.tracker, rt.engine.abort, body.request_ids, body.timeout_s)
+    results = await abort_requests(rt.tracker, rt.engine.abort, body.request_ids, body.timeout_s, body.attempt)
     return AbortResult(results=results)
 
 

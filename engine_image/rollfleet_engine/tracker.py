@@ -35,6 +35,7 @@ class _EngineRequest:
 class _Entry:
     request_id: str
     opened_at: float
+    attempt: str | None = None  # the sender's X-Rollfleet-Attempt, if it sent one
     engine: dict[str, _EngineRequest] = field(default_factory=dict)
     closed: bool = False
 
@@ -88,12 +89,12 @@ class RequestTracker:
         self._changed = asyncio.Event()
 
     # --- fed by the HTTP middleware -------------------------------------------------
-    def open(self, request_id: str) -> bool:
+    def open(self, request_id: str, attempt: str | None = None) -> bool:
         """Start tracking; False if a request with this id is still in flight (ids must not be reused)."""
         if request_id in self._active:
             return False
         self._finished.pop(request_id, None)
-        self._active[request_id] = _Entry(request_id, time.monotonic())
+        self._active[request_id] = _Entry(request_id, time.monotonic(), attempt)
         self._notify()
         return True
 
@@ -150,6 +151,11 @@ class RequestTracker:
     def get(self, request_id: str) -> TrackedRequest | None:
         entry = self._active.get(request_id) or self._finished.get(request_id)
         return entry.view() if entry else None
+
+    def sent_with(self, request_id: str, attempt: str) -> bool:
+        """Whether the request this id names here (in flight, or finished and remembered) came with `attempt`."""
+        entry = self._active.get(request_id) or self._finished.get(request_id)
+        return entry is not None and entry.attempt == attempt
 
     def unfinished_engine_ids(self, request_id: str) -> list[str]:
         entry = self._active.get(request_id)

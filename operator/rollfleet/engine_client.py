@@ -146,12 +146,18 @@ class EngineClient:
         return await self._answer(TrackedRequest, "GET", engine, f"{REQUESTS_PATH}/{request_id}", policy)
 
     async def abort(
-        self, engine: EngineRef, request_ids: list[str], wait_s: float | None = None, policy: CallPolicy = CONTROL
+        self,
+        engine: EngineRef,
+        request_ids: list[str],
+        wait_s: float | None = None,
+        policy: CallPolicy = CONTROL,
+        attempt: str | None = None,
     ) -> dict[str, AbortStatus]:
         """Abort caller ids; how each ended there. The engine waits up to `wait_s` (its own default
-        when None) for each to end; a wait asked for is added to the policy's timeout."""
+        when None) for each to end; a wait asked for is added to the policy's timeout. With `attempt`,
+        only the requests sent with that `X-Rollfleet-Attempt` (the sender's own)."""
         wait = {} if wait_s is None else {"timeout_s": wait_s}
-        body = AbortRequest(request_ids=request_ids, **wait).model_dump()
+        body = AbortRequest(request_ids=request_ids, attempt=attempt, **wait).model_dump(exclude_none=True)
         result = await self._answer(AbortResult, "POST", engine, ABORT_PATH, policy, wait_s or 0.0, json=body)
         return result.results
 

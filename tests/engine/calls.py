@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from rollfleet import jsonl
+from rollfleet_engine.protocol import ATTEMPT_HEADER
 
 from .conftest import Engine
 
@@ -21,8 +22,11 @@ PROMPT = [5, 6, 7, 8]
 class Stream:
     """A streaming completion read on a thread, with the arrival time of every token."""
 
-    def __init__(self, engine: Engine, request_id: str, max_tokens: int, chat: bool = False) -> None:
+    def __init__(
+        self, engine: Engine, request_id: str, max_tokens: int, chat: bool = False, attempt: str | None = None
+    ) -> None:
         self.request_id = request_id
+        self.sent_headers = {"X-Request-Id": request_id} | ({ATTEMPT_HEADER: attempt} if attempt else {})
         self.tokens: list[int] = []
         self.arrivals: list[float] = []
         self.finish_reason: str | None = None
@@ -46,7 +50,7 @@ class Stream:
 
     def _run(self, url: str, body: dict[str, Any]) -> None:
         try:
-            with httpx.stream("POST", url, json=body, headers={"X-Request-Id": self.request_id}, timeout=120) as r:
+            with httpx.stream("POST", url, json=body, headers=self.sent_headers, timeout=120) as r:
                 self.headers = r.headers
                 r.raise_for_status()
                 for line in jsonl.iter_lines(r.iter_bytes()):

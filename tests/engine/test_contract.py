@@ -2,11 +2,11 @@
 
 The control-plane tier runs its fleets on `rollfleet_dev.sim_engine`; these checks hold it to what
 the real engine answers: generation shapes and headers, access (401 and 403, open routes), abort by
-caller id (answers, partial output, the tracked request), a client that goes away, `n` choices and
-usage, the three pause modes, sampling (greedy and seeded requests repeat, other seeds differ), the
-vLLM metrics tests read, vLLM's refusals (status and error body), and its refusal to start with a
-context longer than the model's. A case runs once per engine (`[vllm]`, `[sim]`); a simulator that
-answers one of them differently fails here.
+caller id (answers, partial output, the tracked request, scoped to the sender's attempt), a client
+that goes away, `n` choices and usage, the three pause modes, sampling (greedy and seeded requests
+repeat, other seeds differ), the vLLM metrics tests read, vLLM's refusals (status and error body),
+and its refusal to start with a context longer than the model's. A case runs once per engine
+(`[vllm]`, `[sim]`); a simulator that answers one of them differently fails here.
 """
 
 from __future__ import annotations
@@ -113,6 +113,21 @@ def test_abort_by_caller_id_ends_that_request_only(engine: Engine) -> None:
 
     again = control(engine, "/rollfleet/v1/abort", json={"request_ids": [victim.request_id, bystander.request_id]})
     assert again.json()["results"] == {victim.request_id: "aborted", bystander.request_id: "finished"}
+
+
+def test_an_abort_naming_another_senders_attempt_leaves_the_request_running(engine: Engine) -> None:
+    # Ids are the clients': a gateway stopping its own request names its attempt, and must not end another
+    # sender's request under the same id (issue 32, D4).
+    mine = Stream(engine, rid("scoped"), LONG, attempt="gw-a-1")
+    mine.wait_tokens(4)
+    ids = {"request_ids": [mine.request_id], "timeout_s": 2}
+    other = control(engine, "/rollfleet/v1/abort", json=ids | {"attempt": "gw-b-7"})
+    assert other.status_code == 200 and other.json()["results"] == {mine.request_id: "unknown"}
+    assert tracked(engine, mine.request_id)["phase"] == "running" and mine.finish_reason is None
+    own = control(engine, "/rollfleet/v1/abort", json=ids | {"attempt": "gw-a-1"})
+    assert own.json()["results"] == {mine.request_id: "aborted"}
+    mine.join()
+    assert mine.finish_reason == "abort" and len(mine.tokens) < LONG
 
 
 def test_abort_non_streaming_returns_partial_output(engine: Engine) -> None:

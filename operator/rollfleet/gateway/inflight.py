@@ -12,6 +12,8 @@ No I/O; the proxy owns the tasks and connections, this module only the facts.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -43,6 +45,9 @@ class Choice:
 @dataclass
 class InFlight:
     request_id: str
+    # Sent to engines with the request (X-Rollfleet-Attempt), and with every abort this replica makes for it:
+    # the engine ends a request only for the sender that started it, whatever id a client reuses.
+    attempt: str = ""
     engine: str | None = None  # the engine running the current attempt
     engines: list[str] = field(default_factory=list)  # every engine that ran an attempt, in order
     tried: set[str] = field(default_factory=set)  # their instances (pod uids): never send the id there again
@@ -86,12 +91,16 @@ class InFlightTable:
         self._active: dict[str, InFlight] = {}
         self._finished: OrderedDict[str, Finished] = OrderedDict()
         self._keep_finished = keep_finished
+        # Unique per replica (a random prefix) and per request (a counter); not secret: only the gateway,
+        # holding the admin token, can ask an engine to abort.
+        self._attempt_prefix = f"gw-{secrets.token_hex(6)}-"
+        self._attempts = itertools.count()
 
     def open(self, request_id: str) -> InFlight:
         if request_id in self._active:
             raise IdInUse(request_id)
         self._finished.pop(request_id, None)
-        entry = InFlight(request_id)
+        entry = InFlight(request_id, f"{self._attempt_prefix}{next(self._attempts)}")
         self._active[request_id] = entry
         return entry
 

@@ -6,7 +6,9 @@ answer the client in its dialect (SSE passthrough, or one JSON assembled from th
 chunks), and end it for real when asked:
 
 - stop (admin abort, client disconnect, deadline): the gateway calls the engine's
-  truthful abort for the caller id and lets the engine's own stream deliver the end
+  truthful abort for the caller id, scoped to this request's attempt value (ids are the
+  clients'; a client reusing another's id, at this replica or another, can never get that
+  request stopped), and lets the engine's own stream deliver the end
   (`finish_reason: "abort"`), so the client gets its partial output; only if the
   engine does not end it within a grace period is the connection closed (vLLM then
   aborts on disconnect);
@@ -55,7 +57,7 @@ from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry
 from rollfleet.gateway.routing import Decision, NoEngine, Router
 from rollfleet.gateway.upstream import GatewayResourceError, Response, Upstream, UpstreamError
-from rollfleet_engine.protocol import REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, AbortStatus
+from rollfleet_engine.protocol import ATTEMPT_HEADER, REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, AbortStatus
 
 log = logging.getLogger(__name__)
 
@@ -234,14 +236,18 @@ class Proxy:
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
-    async def abort_quietly(self, engine: Engine, request_id: str) -> None:
+    async def abort_quietly(self, engine: Engine, entry: InFlight) -> None:
         if engine.url is not None:
-            await self.abort_on_engine(engine, [request_id], self.config.abort_timeout_s)
+            await self.abort_on_engine(engine, [entry.request_id], self.config.abort_timeout_s, entry.attempt)
 
-    async def abort_on_engine(self, engine: Engine, request_ids: list[str], wait_s: float) -> dict[str, AbortStatus]:
-        """Ask one engine to abort caller ids and say how each ended there; unconfirmed when it could not be asked."""
+    async def abort_on_engine(
+        self, engine: Engine, request_ids: list[str], wait_s: float, attempt: str | None = None
+    ) -> dict[str, AbortStatus]:
+        """Ask one engine to abort caller ids and say how each ended there; unconfirmed when it could not be asked.
+        With `attempt`: only this replica's request under the id (the stop of a request of its own); without, any
+        (the admin's abort by id, from whichever replica)."""
         try:
-            results = await self.engines.abort(engine_ref(engine), request_ids, wait_s, GATEWAY_ABORT)
+            results = await self.engines.abort(engine_ref(engine), request_ids, wait_s, GATEWAY_ABORT, attempt)
         except EngineCallError as err:
             # Not an error: another engine may know the id (abort.combine), and if none does the
             # answer says that this one could not be asked.
@@ -384,7 +390,7 @@ class _Exchange:
             )
             # An engine that only looked dead (a cut connection) aborts the request when it
             # notices the disconnect; tell it now, without holding up the continuation.
-            self.proxy.background(self.proxy.abort_quietly(engine, self.req.request_id))
+            self.proxy.background(self.proxy.abort_quietly(engine, entry))
 
     def _plan(self) -> tuple[str, Json, ContinuationState | None] | None:
         """(path, body, continuation state) of the next attempt; None when it cannot be continued."""
@@ -460,7 +466,7 @@ class _Exchange:
     async def _exchange(self, engine: Engine, path: str, body: Json, cont: ContinuationState | None) -> AttemptResult:
         p, req = self.proxy, self.req
         assert p.upstream is not None and engine.url is not None
-        headers = [*p.upstream_headers, (REQUEST_ID_HEADER, req.request_id)]
+        headers = [*p.upstream_headers, (REQUEST_ID_HEADER, req.request_id), (ATTEMPT_HEADER, self.entry.attempt)]
         try:
             resp = await p.upstream.request("POST", engine.url + path, orjson.dumps(body), headers)
             try:
@@ -704,7 +710,7 @@ class _StopWatch:
 
     async def _stop(self, ended: asyncio.Future[None]) -> None:
         p, entry, rid = self.exchange.proxy, self.exchange.entry, self.exchange.req.request_id
-        status = await p.abort_on_engine(self.engine, [rid], p.config.abort_timeout_s)
+        status = await p.abort_on_engine(self.engine, [rid], p.config.abort_timeout_s, entry.attempt)
         log.info("request %s stopped (%s): engine %s says %s", rid, entry.stop, self.engine.key, status[rid].value)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(ended), p.config.stop_grace_s)

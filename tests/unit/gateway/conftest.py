@@ -12,7 +12,7 @@ import contextlib
 import json
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +52,17 @@ class Stack:
             sim.die_after = {}
             sim.refuse = set()
             sim.max_choices = None
+            sim.accept_delay_s = 0.0
             sim.weight_version = "v1"
 
 
 @contextlib.contextmanager
-def serve_gateway(sims: list[SimEngine], proxy: ProxyConfig, **config: Any) -> Iterator[tuple[str, list[str]]]:
-    """The simulated engines and a static-mode gateway in front of them, served from a background
-    event loop; yields the gateway's URL and the engines'."""
+def serve_gateway(
+    sims: list[SimEngine], proxy: ProxyConfig, engine_urls: Sequence[str] = (), **config: Any
+) -> Iterator[tuple[str, list[str]]]:
+    """The simulated engines and a static-mode gateway in front of them (and of `engine_urls`, engines
+    served already: another replica's), served from a background event loop; yields the gateway's URL
+    and the URLs of the engines it started."""
     loop = uvloop.new_event_loop()  # as the gateway runs
     ports = [free_port() for _ in sims]
     gw_port = free_port()
@@ -72,7 +76,8 @@ def serve_gateway(sims: list[SimEngine], proxy: ProxyConfig, **config: Any) -> I
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
-        gateway = GatewayConfig(token=TOKEN, engines=[f"http://127.0.0.1:{p}" for p in ports], proxy=proxy, **config)
+        engines = [f"http://127.0.0.1:{p}" for p in ports] + list(engine_urls)
+        gateway = GatewayConfig(token=TOKEN, engines=engines, proxy=proxy, **config)
         async with serving(gateway, "127.0.0.1", gw_port):
             ready.set()
             await stop.wait()
