@@ -201,18 +201,19 @@ def runner_name(request: str) -> str:
 # admission policy `rollfleet-runner-results-only` knows runners by it.
 RUNNER_ACCOUNT_PREFIX = f"{APP_NAME}-{COMPONENT_RUNNER}-"
 MAX_ACCOUNT_NAME = 253
-# Of a request name too long for its account, the characters kept before "-<digest of 8>".
-RUNNER_ACCOUNT_KEEP = MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 9
+# Of a request name too long for its account, the characters kept before "<digest of 8>".
+RUNNER_ACCOUNT_KEEP = MAX_ACCOUNT_NAME - len(RUNNER_ACCOUNT_PREFIX) - 8
 
 
 def runner_account(request: str) -> str:
     """The ServiceAccount a RolloutRequest's runner runs as: `rollfleet-runner-<request>`; a request
-    name too long for that keeps its start and gets a digest of the whole."""
+    name too long for that keeps its start and gets a digest of the whole, joined with no separator:
+    hex digits may follow any character of a name ("a.-1f" would not be a valid name, "a.1f" is)."""
     name = RUNNER_ACCOUNT_PREFIX + request
     if len(name) <= MAX_ACCOUNT_NAME:
         return name
     digest = hashlib.sha256(request.encode()).hexdigest()[:8]
-    return f"{RUNNER_ACCOUNT_PREFIX}{request[:RUNNER_ACCOUNT_KEEP]}-{digest}"
+    return f"{RUNNER_ACCOUNT_PREFIX}{request[:RUNNER_ACCOUNT_KEEP]}{digest}"
 
 
 # Results in ConfigMaps stop at 16 MiB (api.request.CONFIG_MAP_RESULTS_LIMIT) in chunks of 900 KiB: 19,

@@ -102,7 +102,7 @@ def runner_policy() -> list[dict[str, Any]]:
                 {
                     "expression": f"variables.request != '' && (request.userInfo.username == {account} + "
                     f"variables.request || (size(variables.request) > {keep} && request.userInfo.username."
-                    f"startsWith({account} + variables.request.substring(0, {keep}) + '-')))",
+                    f"startsWith({account} + variables.request.substring(0, {keep}))))",
                     "message": "a request's runner may create only ConfigMaps of its own request "
                     f"(label {LABEL_REQUEST})",
                     "reason": "Forbidden",

@@ -3,6 +3,7 @@ operator says of a runner that cannot start or failed for good."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +21,8 @@ from rollfleet.controller.requests.desired import runner_objects
 from rollfleet.controller.requests.results_volume import RESULTS_MOUNT
 from rollfleet.controller.requests.status import Verdict, runner_verdict, status_with_verdict
 
+# Kubernetes' rule for object names such as a ServiceAccount's (RFC 1123 subdomain).
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 REF = RequestRef("grpo-step-7", "team-a", "0a1b2c3d-0000-0000-0000-000000000000")
 SPEC = RolloutRequestSpec.model_validate(
     {"fleet": "f", "promptsFrom": [{"name": "math"}, {"name": "code", "key": "p.jsonl"}]}
@@ -166,7 +169,11 @@ def test_runner_names_fit_a_job_whatever_the_request_name() -> None:
     assert runner_account("step-7") == "rollfleet-runner-step-7"
     longest = "a" * 252 + "x"
     assert len(runner_account(longest)) == 253 and runner_account(longest) != runner_account("a" * 252 + "y")
-    assert runner_account(longest).startswith("rollfleet-runner-" + "a" * 227 + "-")
+    assert runner_account(longest).startswith("rollfleet-runner-" + "a" * 228)
+    # Whatever character the kept start ends with, the account is a valid name (a DNS subdomain).
+    for last in "a-.":
+        name = "b" * 227 + last + "c" * 25
+        assert DNS_SUBDOMAIN.fullmatch(runner_account(name)), runner_account(name)
 
 
 def test_a_runner_with_a_results_claim_mounts_it_and_is_never_two_pods_at_once() -> None:
