@@ -31,6 +31,7 @@ from rollfleet.contract import (
     REQUEST_ID_HEADER,
     STATE_PATH,
     admin_token,
+    inference_secret_name,
     secret_name,
 )
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
@@ -215,18 +216,25 @@ class Fleet:
             return dict(httpx.get(f"{url}{STATE_PATH}", timeout=10).json())
 
     def admin_token(self) -> str:
-        secret = json.loads(
-            self.cluster.kubectl("-n", self.namespace, "get", "secret", secret_name(self.name), "-o", "json").stdout
-        )
-        token = admin_token(secret.get("data") or {})
-        assert token, f"the Secret {secret_name(self.name)} holds no admin token"
-        return token
+        return read_token(self.cluster, self.namespace, secret_name(self.name))
+
+    def inference(self) -> dict[str, str]:
+        """The header generation needs (a fleet's default: its inference token)."""
+        return {"Authorization": f"Bearer {read_token(self.cluster, self.namespace, inference_secret_name(self.name))}"}
 
     def engine_control(self, pod: str, path: str) -> None:
         """A control call (pause, resume) made straight to one engine, with the fleet's token."""
         with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
             r = httpx.post(url + path, headers={"Authorization": f"Bearer {self.admin_token()}"}, timeout=60)
             assert r.status_code == 200, (path, r.status_code, r.text)
+
+
+def read_token(cluster: Cluster, namespace: str, secret: str) -> str:
+    """The token in one of a fleet's token Secrets (admin, inference)."""
+    data = json.loads(cluster.kubectl("-n", namespace, "get", "secret", secret, "-o", "json").stdout).get("data")
+    token = admin_token(data or {})
+    assert token, f"the Secret {secret} holds no token"
+    return token
 
 
 FAULT_ENV = "ROLLFLEET_E2E_FAULT"
@@ -312,6 +320,7 @@ class Stream:
     max_tokens: int
     n: int = 1
     request_id: str | None = None  # the caller's id (X-Request-Id), to look the request up at the engine
+    auth: dict[str, str] = field(default_factory=dict)  # the credential generation needs (Fleet.inference())
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, choice index)
     finish: dict[int, str] = field(default_factory=dict)
     completion_tokens: int | None = None  # from the final usage chunk
@@ -333,7 +342,7 @@ class Stream:
             "stream_options": {"include_usage": True},
         }
         try:
-            headers = {REQUEST_ID_HEADER: self.request_id} if self.request_id else {}
+            headers = ({REQUEST_ID_HEADER: self.request_id} if self.request_id else {}) | self.auth
             with httpx.stream(
                 "POST", f"{self.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(600)
             ) as r:

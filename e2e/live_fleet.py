@@ -10,6 +10,7 @@ starts with `ready()`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from e2e.fleet_helpers import (
     deploy_operator,
     fleet_manifest,
     kill_engine_process,
+    read_token,
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import (
@@ -37,7 +39,7 @@ from rollfleet.contract import (
     GATEWAY_PORT,
     LABEL_COMPONENT,
     LABEL_REQUEST_UID,
-    admin_token,
+    inference_secret_name,
     secret_name,
 )
 from rollfleet_dev.localcluster import claims
@@ -59,7 +61,8 @@ class LiveFleet:
     cluster: Cluster
     namespace: str
     fleet: Fleet
-    token: str
+    token: str  # the admin token
+    inference_token: str  # what generation needs (the fleet's default: spec.auth.inference Token)
     stack: contextlib.ExitStack  # holds the ways in to pods (port-forwards on kind)
     gateways: list[Endpoint] = field(default_factory=list)  # one per replica (session tables are per replica)
     engines: list[Endpoint] = field(default_factory=list)
@@ -67,6 +70,10 @@ class LiveFleet:
     @property
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
+
+    @property
+    def inference(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.inference_token}"}
 
     def engine(self, key: str) -> Endpoint:
         return next(e for e in self.engines if e.key == key)
@@ -80,7 +87,8 @@ class LiveFleet:
         assert len(self.gateways) == 2 and len(self.engines) == 2, (self.gateways, self.engines)
         for e in self.engines:
             # The first generation of a (re)started engine is slow: take it here, not inside a test.
-            wait_for(lambda e=e: _warm(e.url), timeout=ENGINE_START_S, interval=1, what=f"engine {e.key} serving")
+            warm = functools.partial(_warm, e.url, self.inference)
+            wait_for(warm, timeout=ENGINE_START_S, interval=1, what=f"engine {e.key} serving")
         for g in self.gateways:
             wait_for(lambda g=g: _ok(g.url + "/ready"), timeout=120, what=f"gateway {g.key} ready")
         # The warm-ups may have raced a status that had not yet seen an engine restart.
@@ -203,14 +211,10 @@ def running(fleet: LiveFleet, uid: str) -> list[str]:
     return [rid for ids in fleet.in_flight(f"{uid}-").values() for rid in ids]
 
 
-def _warm(url: str) -> bool:
+def _warm(url: str, headers: dict[str, str]) -> bool:
+    body = {"model": "tiny", "prompt": "warm", "max_tokens": 2}
     try:
-        return (
-            httpx.post(
-                url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 2}, timeout=300
-            ).status_code
-            == 200
-        )
+        return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=300).status_code == 200
     except httpx.TransportError:
         return False
 
@@ -235,11 +239,10 @@ def live_fleet(cluster: Cluster, engine: dict[str, Any] | None = None) -> Iterat
     fleet = Fleet(cluster, NAME, namespace)
     try:
         fleet.wait_ready(2)
-        secret = json.loads(cluster.kubectl("-n", namespace, "get", "secret", secret_name(NAME), "-o", "json").stdout)
+        token = read_token(cluster, namespace, secret_name(NAME))
+        inference = read_token(cluster, namespace, inference_secret_name(NAME))
         with contextlib.ExitStack() as stack:
-            token = admin_token(secret["data"])
-            assert token, f"the Secret {secret_name(NAME)} holds no admin token"
-            live = LiveFleet(cluster, namespace, fleet, token, stack)
+            live = LiveFleet(cluster, namespace, fleet, token, inference, stack)
             live.ready()
             yield live
     finally:

@@ -181,7 +181,8 @@ def test_an_abort_storm_stops_exactly_the_named_requests(fleet: LiveFleet) -> No
     def stream(rid: str) -> None:
         body = {"model": "tiny", "prompt": rid, "max_tokens": tokens[rid], "ignore_eos": True, "stream": True}
         started.wait()
-        r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=900)
+        headers = {"X-Request-Id": rid} | fleet.inference
+        r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers=headers, timeout=900)
         assert r.status_code == 200, r.text[:300]
         bodies[rid] = r.text
 

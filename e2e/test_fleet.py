@@ -33,7 +33,7 @@ from e2e.fleet_helpers import (
     sim_engine,
 )
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import ANNOTATION_CRASHES, REQUESTS_PATH, engine_pod_name
+from rollfleet.contract import ANNOTATION_CRASHES, ENGINE_PORT, REQUESTS_PATH, STATE_PATH, engine_pod_name
 from rollfleet.controller.status import CRASH_BACKOFF_START_S, ENGINES_PAUSED_ALONE, parse_time
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION, TINY_MODEL_CONTEXT
@@ -177,6 +177,43 @@ def test_an_engine_that_cannot_start_backs_off_says_why_and_recovers_once_the_sp
         )
 
 
+def test_generation_needs_the_inference_token_unless_the_spec_opens_it_and_the_status_says_which(
+    cluster: Cluster, operator: None, engine: dict[str, Any]
+) -> None:
+    """spec.auth.inference Open: the engines generate for anyone and status.auth says Open; back to Token (the
+    default), the engine is replaced and asks for the fleet's inference token, and the status says Token."""
+    fleet = Fleet(cluster, "open", NS)
+    manifest = fleet_manifest(fleet.name, NS, replicas=1, engine=dict(engine), auth={"inference": "Open"})
+    manifest["spec"]["gateway"] = {"enabled": False}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    pod = engine_pod_name(fleet.name, 0)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    try:
+        st = fleet.wait_ready(1)
+        assert st["auth"] == "Open", st
+        with cluster.reach(NS, pod, ENGINE_PORT) as url:
+            assert httpx.get(url + STATE_PATH, timeout=10).json()["inference_open"] is True
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        [before] = fleet.pods()
+
+        token = {"spec": {"auth": {"inference": "Token"}}}
+        cluster.kubectl("-n", NS, "patch", "rf", fleet.name, "--type=merge", "-p", json.dumps(token))
+
+        def replaced_and_locked(st: dict[str, Any]) -> bool:
+            pods = fleet.pods()
+            new = [p for p in pods if p["metadata"]["uid"] != before["metadata"]["uid"]]
+            return st.get("auth") == "Token" and len(pods) == 1 and bool(new) and st["readyReplicas"] == 1
+
+        fleet.wait(replaced_and_locked, "the engine replaced, asking for the inference token", ENGINE_START_S)
+        with cluster.reach(NS, pod, ENGINE_PORT) as url:
+            assert httpx.get(url + STATE_PATH, timeout=10).json()["inference_open"] is False
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
+            r = httpx.post(url + "/v1/completions", json=body, headers=fleet.inference(), timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        cluster.kubectl("-n", NS, "delete", "rf", fleet.name, "--wait=true", "--timeout=120s", check=False, timeout=150)
+
+
 def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> None:
     table = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()
     header = table[0].split()
@@ -196,6 +233,7 @@ def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> Non
     )
     assert {e["phase"] for e in st["engines"]} == {"Ready"}
     assert st["gateway"]["endpoint"] == f"http://e2e-gateway.{NS}.svc:8080"
+    assert st["auth"] == "Token"  # the default: generation needs the fleet's inference (or admin) token
     reasons = {e["reason"] for e in fleet.events()}
     assert {"EngineCreated", "EngineReady", "ReadyTrue"} <= reasons
     for kind, name in (
@@ -250,7 +288,7 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
     is paused the engine holds the request and produces no token; resumed, it finishes them all."""
     n, max_tokens = 2, 8000  # the core needs tens of seconds for these, the pause lands in a few
     with cluster.reach(NS, "e2e-engine-0", 8000) as url:
-        stream = Stream(url, max_tokens=max_tokens, n=n).start()
+        stream = Stream(url, max_tokens=max_tokens, n=n, auth=fleet.inference()).start()
         wait_for(
             lambda: fleet.engine_state("e2e-engine-0")["running"] >= 1 or stream.done.is_set(),
             timeout=120,
@@ -304,7 +342,7 @@ def test_pause_abort_ends_in_flight_requests_checked_at_the_engines(cluster: Clu
     output, and the engine itself records the request finished by an abort, with nothing running."""
     request_id = f"pause-abort-{uuid.uuid4().hex[:8]}"
     with cluster.reach(NS, "e2e-engine-0", 8000) as url:
-        stream = Stream(url, max_tokens=LONG_GENERATION, request_id=request_id).start()
+        stream = Stream(url, max_tokens=LONG_GENERATION, request_id=request_id, auth=fleet.inference()).start()
         wait_for(
             lambda: fleet.engine_state("e2e-engine-0")["running"] >= 1 or stream.done.is_set(),
             timeout=120,
@@ -339,7 +377,8 @@ def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: F
     assert paused["status"] == "False" and "e2e-engine-2 (keep)" in paused["message"], paused
     assert "pause" not in st and fleet.engine("e2e-engine-2")["phase"] == "Paused"
     with cluster.reach(NS, "e2e-engine-2", 8000) as url:
-        streams = [Stream(url, max_tokens=600, n=8).start() for _ in range(2)]
+        auth = fleet.inference()
+        streams = [Stream(url, max_tokens=600, n=8, auth=auth).start() for _ in range(2)]
 
         def both_held() -> dict[str, Any] | None:
             state = fleet.engine_state("e2e-engine-2")

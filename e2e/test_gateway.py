@@ -66,7 +66,7 @@ class Stream:
             fleet.gateways[0].url + "/v1/completions",
             json=body,
             timeout=120,
-            headers={"X-Request-Id": request_id},
+            headers={"X-Request-Id": request_id} | fleet.inference,
         ) as r:
             for piece in r.iter_text():  # not iter_lines(): see sse()
                 self.text += piece
@@ -122,7 +122,8 @@ def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Liv
     rid = f"gone-{uuid.uuid4().hex[:6]}"
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=1.5)
+        headers = {"X-Request-Id": rid} | fleet.inference
+        httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers=headers, timeout=1.5)
 
     def freed() -> bool:
         seen = [tracked(e, rid) for e in fleet.engines]
@@ -154,7 +155,7 @@ def test_a_disconnected_streaming_client_frees_the_engine_at_once(fleet: LiveFle
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     received = 0
     with httpx.stream(
-        "POST", fleet.gateways[0].url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=60
+        "POST", gateway + "/v1/completions", json=body, headers={"X-Request-Id": rid} | fleet.inference, timeout=60
     ) as r:
         engine = fleet.engine(r.headers["x-rollfleet-engine"])
         for piece in r.iter_text():  # read as fast as it comes: nothing queues up behind the client
@@ -182,7 +183,7 @@ def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dic
     r = httpx.post(
         fleet.gateways[0].url + "/v1/chat/completions",
         timeout=120,
-        headers={"X-Session-Id": session},
+        headers={"X-Session-Id": session} | fleet.inference,
         json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0},
     )
     assert r.status_code == 200, r.text
@@ -246,7 +247,7 @@ def test_sessionless_load_spreads_evenly(fleet: LiveFleet) -> None:
         r = httpx.post(
             fleet.gateways[0].url + "/v1/completions",
             timeout=120,
-            headers={"X-Request-Id": f"{prefix}-{i}"},
+            headers={"X-Request-Id": f"{prefix}-{i}"} | fleet.inference,
             json={"model": "tiny", "prompt": f"request {i}", "max_tokens": 16, "ignore_eos": True},
         )
         assert r.status_code == 200, r.text
@@ -286,27 +287,38 @@ def test_sessionless_load_spreads_evenly(fleet: LiveFleet) -> None:
     assert at_engines() == counts, (at_engines(), counts)
 
 
+# The caller's credential: the fleet's inference token, none, or a wrong one.
+INFERENCE, NONE, WRONG = "inference", "none", "wrong"
+WHOLE = b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}'
+
+
 @pytest.mark.parametrize(
-    ("path", "content", "headers", "status"),
+    ("path", "content", "auth", "status"),
     [
-        ("/v1/completions", b"{oops", {}, 400),
-        ("/v1/chat/completions", b'{"model": "tiny"}', {}, 400),
-        ("/inference/v1/generate", b'{"token_ids": "abc"}', {}, 400),
-        ("/v1/completions", b'{"prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}', {}, 413),
-        ("/v1/abort", b'{"request_ids": ["x"]}', {}, 401),
-        ("/v1/abort", b'{"request_ids": ["x"]}', {"Authorization": "Bearer not-the-token"}, 401),
+        ("/v1/completions", b"{oops", INFERENCE, 400),
+        ("/v1/chat/completions", b'{"model": "tiny"}', INFERENCE, 400),
+        ("/inference/v1/generate", b'{"token_ids": "abc"}', INFERENCE, 400),
+        ("/v1/completions", b'{"prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}', INFERENCE, 413),
+        # A fleet with default settings (spec.auth.inference Token) asks every generation for a credential.
+        ("/v1/completions", WHOLE, NONE, 401),
+        ("/v1/completions", WHOLE, WRONG, 401),
+        ("/v1/abort", b'{"request_ids": ["x"]}', NONE, 401),
+        ("/v1/abort", b'{"request_ids": ["x"]}', WRONG, 401),
+        ("/v1/abort", b'{"request_ids": ["x"]}', INFERENCE, 401),  # the inference token is not the admin token
     ],
 )
 def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
-    fleet: LiveFleet, path: str, content: bytes, headers: dict[str, str], status: int
+    fleet: LiveFleet, path: str, content: bytes, auth: str, status: int
 ) -> None:
     gateway = fleet.gateways[0].url
+    headers = {INFERENCE: fleet.inference, NONE: {}, WRONG: {"Authorization": "Bearer not-the-token"}}[auth]
     r = httpx.post(gateway + path, content=content, timeout=60, headers={"Content-Type": "application/json", **headers})
     assert r.status_code == status
     assert r.json()["error"]["message"]
     ok = httpx.post(
         gateway + "/v1/completions",
         json={"model": "tiny", "prompt": "still there?", "max_tokens": 2, "ignore_eos": True},
+        headers=fleet.inference,
         timeout=60,
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
@@ -332,7 +344,7 @@ def test_an_engine_refusal_reaches_the_caller_with_its_status_and_no_failover(
     r = httpx.post(
         fleet.gateways[0].url + "/v1/completions",
         json={"model": "tiny", **body, "stream": stream},
-        headers={"X-Request-Id": rid},
+        headers={"X-Request-Id": rid} | fleet.inference,
         timeout=60,
     )
     assert r.status_code == 400, r.text
@@ -348,6 +360,7 @@ def test_a_request_past_the_gateways_bounds_is_refused_before_any_engine(fleet: 
     r = httpx.post(
         fleet.gateways[0].url + "/v1/completions",
         json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logprobs": 10**4},
+        headers=fleet.inference,
         timeout=60,
     )
     assert r.status_code == 400 and "'logprobs' must be an integer from 0 to 20" in r.json()["error"]["message"], r.text
@@ -370,6 +383,7 @@ def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveF
                     httpx.post,
                     fleet.gateways[0].url + "/v1/completions",
                     timeout=120,
+                    headers=fleet.inference,
                     json={"model": "tiny", "prompt": f"held {i}", "max_tokens": 20, "ignore_eos": True},
                 )
                 for i in range(4)
@@ -394,11 +408,13 @@ def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveF
 
 
 def whole_completion(
-    gateway: Endpoint, request_id: str, prompt: str, max_tokens: int, stream: bool
+    fleet: LiveFleet, request_id: str, prompt: str, max_tokens: int, stream: bool
 ) -> tuple[list[int], str, dict[str, Any]]:
-    """A completion through the gateway, streaming or not: its token ids, finish reason and the gateway's report."""
+    """A completion through the first gateway replica, streaming or not: its token ids, finish reason and the
+    gateway's report."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
-    r = httpx.post(gateway.url + "/v1/completions", json=body, timeout=600, headers={"X-Request-Id": request_id})
+    headers = {"X-Request-Id": request_id} | fleet.inference
+    r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, timeout=600, headers=headers)
     assert r.status_code == 200, (request_id, r.status_code, r.text[:500])
     if stream:
         chunks = sse(r.text)
@@ -420,7 +436,7 @@ def test_a_spec_change_rolls_the_engines_one_at_a_time_while_every_request_compl
         n = 0
         while not done.is_set():
             rid = f"roll-{i}-{n}-{uuid.uuid4().hex[:6]}"
-            results.append(whole_completion(fleet.gateways[0], rid, f"rolling {i} {n}", max_tokens, stream=n % 2 == 0))
+            results.append(whole_completion(fleet, rid, f"rolling {i} {n}", max_tokens, stream=n % 2 == 0))
             n += 1
 
     before = {p["metadata"]["uid"] for p in fleet.fleet.pods()}
@@ -461,7 +477,7 @@ def test_killing_an_engine_during_16_long_generations_every_client_gets_a_whole_
     def run(i: int) -> tuple[list[int], str, dict[str, Any]]:
         started.wait()
         rid = f"long-{i}-{uuid.uuid4().hex[:6]}"
-        return whole_completion(fleet.gateways[0], rid, f"long generation {i}", max_tokens, stream=i % 2 == 0)
+        return whole_completion(fleet, rid, f"long generation {i}", max_tokens, stream=i % 2 == 0)
 
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(run, i) for i in range(16)]

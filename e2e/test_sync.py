@@ -67,6 +67,12 @@ def fleet(live: LiveFleet, live_ns: str) -> Fleet:
     return live.fleet
 
 
+@pytest.fixture(scope="module")
+def auth(live: LiveFleet) -> dict[str, str]:
+    """What generation at the engines needs: the fleet's inference token."""
+    return live.inference
+
+
 def weights_record(cluster: Cluster, ns: str) -> dict[str, str]:
     """The data of the fleet's weight-sync record (the ConfigMap the sidecar writes)."""
     out = cluster.kubectl("-n", ns, "get", "configmap", weights_record_name(NAME), "-o", "json").stdout
@@ -139,7 +145,7 @@ def references() -> dict[str, list[list[int]]]:
     }
 
 
-def greedy(url: str) -> list[list[int]]:
+def greedy(url: str, auth: dict[str, str]) -> list[list[int]]:
     out = []
     for prompt in PROMPTS:
         body = {
@@ -150,7 +156,7 @@ def greedy(url: str) -> list[list[int]]:
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120).raise_for_status()
         out.append(resp.json()["choices"][0]["token_ids"])
     return out
 
@@ -233,11 +239,16 @@ def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet
 
 
 def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
-    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
+    cluster: Cluster,
+    fleet: Fleet,
+    live_ns: str,
+    sync: SyncClient,
+    references: dict[str, list[list[int]]],
+    auth: dict[str, str],
 ) -> None:
     with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
-        assert greedy(e0) == greedy(e1) == references[A]
-        rollouts = [Stream(url, max_tokens=ROLLOUT_TOKENS).start() for url in (e0, e1, e0, e1)]
+        assert greedy(e0, auth) == greedy(e1, auth) == references[A]
+        rollouts = [Stream(url, max_tokens=ROLLOUT_TOKENS, auth=auth).start() for url in (e0, e1, e0, e1)]
         wait_for(lambda: all(r.tokens() >= 5 for r in rollouts), timeout=120, what="rollouts decoding")
         # Engines decode at uneven speeds on a loaded machine: one may finish before the push starts.
         assert not all(r.done.is_set() for r in rollouts)
@@ -250,7 +261,7 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
         for r in rollouts:
             r.wait(timeout=300)
             assert r.finish == {0: "length"} and r.completion_tokens == ROLLOUT_TOKENS
-        assert greedy(e0) == greedy(e1) == references["B"]
+        assert greedy(e0, auth) == greedy(e1, auth) == references["B"]
     fleet.wait(all_ready_on("b-1"), "status shows b-1 on every engine", timeout=60)
     header, row = cluster.kubectl("-n", live_ns, "get", "rf", NAME).stdout.splitlines()[:2]
     assert row[header.index("WEIGHTS") :].split()[0] == "b-1"  # by position: the PAUSED column is empty
@@ -259,7 +270,12 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
 
 
 def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the_new_version(
-    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
+    cluster: Cluster,
+    fleet: Fleet,
+    live_ns: str,
+    sync: SyncClient,
+    references: dict[str, list[list[int]]],
+    auth: dict[str, str],
 ) -> None:
     started = sync.push_dir(MODELS, "a-2", wait=False)
     kill_engine_process(cluster, live_ns, ENGINES[1])  # its container restarts on the image's weights (A, label "A")
@@ -278,13 +294,18 @@ def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the
 
     fleet.wait(consistent, "the restarted engine caught up to a-2", timeout=600)
     with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
-        assert greedy(e0) == greedy(e1) == references[A]
+        assert greedy(e0, auth) == greedy(e1, auth) == references[A]
     version = sync.fleet_version()
     assert (version.version, version.pending_sync) == ("a-2", [])
 
 
 def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
-    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
+    cluster: Cluster,
+    fleet: Fleet,
+    live_ns: str,
+    sync: SyncClient,
+    references: dict[str, list[list[int]]],
+    auth: dict[str, str],
 ) -> None:
     weights_of = {"a-2": A, "b-3": "B"}  # the fleet serves a-2 (set A) after the previous test
     signal_container(cluster, live_ns, ENGINES[1], "engine", signal.SIGSTOP)  # the push waits on it
@@ -329,7 +350,7 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
 
         wait_for(serving_final, timeout=300, what=f"both engines serving {final}")
         fleet.wait(truthful, f"status: every engine Ready on {final}", timeout=120)
-        assert greedy(e0) == greedy(e1) == references[weights_of[final]]
+        assert greedy(e0, auth) == greedy(e1, auth) == references[weights_of[final]]
     wait_for(lambda: sync.fleet_version().version == final, timeout=120, what="the restarted sidecar agrees")
     assert sync.fleet_version().pending_sync == []
 

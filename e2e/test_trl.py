@@ -32,6 +32,7 @@ def fleet(live: LiveFleet) -> LiveFleet:
 
 def test_trl_generates_n_samples_per_prompt_with_logprobs_through_the_gateway(fleet: LiveFleet) -> None:
     client = VLLMClient(base_url=fleet.gateways[0].url + TRL_PREFIX, connection_timeout=60)
+    client.session.headers.update(fleet.inference)  # TRL's requests session: every call carries it
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     out = client.generate(prompts, n=4, max_tokens=8, temperature=1.0, generation_kwargs={"ignore_eos": True})
     assert out["prompt_ids"] == prompts
@@ -40,8 +41,12 @@ def test_trl_generates_n_samples_per_prompt_with_logprobs_through_the_gateway(fl
     # logprobs=0 (TRL's default, what GRPO asks): one logprob per token, of the token sampled.
     assert out["logprob_token_ids"] == [[[t] for t in c] for c in completions]
     assert all(lp is None or lp <= 0 for seq in out["logprobs"] for (lp,) in seq)
-    client.reset_prefix_cache()
     assert client.get_world_size() == len(fleet.engines)  # tensor-parallel size 1 each
+    # Every engine's cache goes: a control call, as at the engines, which the trainer's admin token opens.
+    with pytest.raises(Exception, match="401"):
+        client.reset_prefix_cache()
+    client.session.headers.update(fleet.admin)
+    client.reset_prefix_cache()
     with pytest.raises(Exception, match=r"501.*sync sidecar"):
         client.init_communicator(device="cpu")
 

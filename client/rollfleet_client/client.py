@@ -49,6 +49,7 @@ from rollfleet_client.protocol import (
     FLEET_PATH,
     FLEET_PAUSE_PATH,
     FLEET_RESUME_PATH,
+    INFERENCE_TOKEN_FILE,
     GROUP_HEADER,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
@@ -124,7 +125,10 @@ def raise_for_answer(r: httpx.Response, conflict: type[RequestRefused] = Request
         return
     message = _message(r)
     if r.status_code == 401:
-        raise Unauthorized(f"the gateway refused the fleet token: {message}; use the fleet's <fleet>-admin-token")
+        raise Unauthorized(
+            f"the gateway refused the client's token: {message}; mount the fleet's Secret <fleet>-admin-token at "
+            f"{TOKEN_FILE} (or <fleet>-inference-token at {INFERENCE_TOKEN_FILE}, to generate only), or pass token="
+        )
     if r.status_code == 409:
         raise conflict(r.status_code, message)
     if r.status_code < 500:
@@ -165,6 +169,8 @@ class AsyncRolloutClient:
         model: str | None = None,
         token: str | None = None,
         token_file: str = TOKEN_FILE,
+        inference_token: str | None = None,
+        inference_token_file: str = INFERENCE_TOKEN_FILE,
         sync_url: str | None = None,
         caller: str | None = None,
         max_connections: int = 1024,
@@ -178,6 +184,10 @@ class AsyncRolloutClient:
         self.model = model or fleet
         self._token = token or _read_token(token_file)
         self._token_file = token_file
+        # Generation asks for a credential unless the fleet is open: the inference token where the pod has it
+        # (the least it needs), else the admin token, which opens generation too.
+        inference = inference_token or _read_token(inference_token_file) or self._token
+        self._generation_auth = {"Authorization": f"Bearer {inference}"} if inference else {}
         self.sync_url = sync_url
         # Who asks for a pause, as the fleet's status will show it: this pod's name by default.
         self.caller = caller or os.environ.get("HOSTNAME") or "trainer"
@@ -220,7 +230,7 @@ class AsyncRolloutClient:
         if model is None:
             raise RollfleetClientError("no model name: pass model= to the client (the fleet's spec.model.servedName)")
         body = {"model": model, "prompt": prompt, "return_token_ids": True, **sampling, "stream": False}
-        headers = {REQUEST_ID_HEADER: rid}
+        headers = {REQUEST_ID_HEADER: rid, **self._generation_auth}
         if session_id is not None:
             headers[SESSION_HEADER] = session_id
         if group_id is not None:

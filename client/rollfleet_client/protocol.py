@@ -55,6 +55,10 @@ TIMEOUT_HEADER = "X-Rollfleet-Timeout"  # seconds: the gateway stops the request
 TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet"
 TOKEN_KEY = "token"
 TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
+# ... and the inference-token Secret (`<fleet>-inference-token`, the same key): generation only, at the
+# gateway and the engines. A pod that only generates mounts this one; the admin token opens inference too.
+INFERENCE_TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet-inference"
+INFERENCE_TOKEN_FILE = f"{INFERENCE_TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
 
 
 def gateway_name(fleet: str) -> str:

@@ -30,9 +30,11 @@ from rollfleet.contract import (
     ANNOTATION_ABORT,
     ANNOTATION_PAUSE,
     STATE_PATH,
+    admin_token,
     engine_discovery_selector,
     engine_url,
     gateway_name,
+    inference_secret_name,
 )
 from rollfleet.errors import RollfleetError
 from rollfleet.kubectl import Kubectl, KubectlError
@@ -106,6 +108,14 @@ def _gateway_url(w: Walkthrough) -> str:
     return f"http://{svc['spec']['clusterIP']}:{svc['spec']['ports'][0]['port']}"
 
 
+def _inference_auth(w: Walkthrough) -> dict[str, str]:
+    """The header generation needs: the fleet's inference token (its Secret, as a client mounts it)."""
+    token = admin_token(w.get("secret", inference_secret_name(FLEET)).get("data"))
+    if token is None:
+        raise DemoFailed(f"the Secret {inference_secret_name(FLEET)} holds no token")
+    return {"Authorization": f"Bearer {token}"}
+
+
 def _engine_urls(w: Walkthrough) -> dict[str, str]:
     pods = w.get("pods", "-l", engine_discovery_selector(FLEET))["items"]
     return {p["metadata"]["name"]: engine_url(p["status"]["podIP"]) for p in pods if p["status"].get("podIP")}
@@ -123,8 +133,9 @@ def _engines_running(w: Walkthrough) -> dict[str, int]:
 class _Stream:
     """A streaming completion through the gateway: how it ended and how many tokens it reported."""
 
-    def __init__(self, url: str, max_tokens: int) -> None:
+    def __init__(self, url: str, max_tokens: int, auth: dict[str, str]) -> None:
         self.completion_tokens: int | None = None  # the final usage report
+        self.auth = auth
         self.finish_reason: str | None = None
         self.error: str | None = None
         body = {
@@ -146,7 +157,7 @@ class _Stream:
                 url + "/v1/completions",
                 json=body,
                 timeout=600,
-                headers={"X-Request-Id": f"demo-stream-{time.time_ns()}"},
+                headers={"X-Request-Id": f"demo-stream-{time.time_ns()}", **self.auth},
             ) as r:
                 for line in jsonl.iter_lines(r.iter_bytes()):
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -283,7 +294,7 @@ def _step_pause(w: Walkthrough) -> None:
     # the engine still runs it when the pause lands.
     tokens = 4000
     with w.step("pause keep during a stream: the engines hold it and make no token; every token after resume"):
-        stream = _Stream(_gateway_url(w), max_tokens=tokens)
+        stream = _Stream(_gateway_url(w), max_tokens=tokens, auth=_inference_auth(w))
         w.wait("the stream to run on an engine", lambda: sum(_engines_running(w).values()) > 0, timeout=120)
         w.sh("-n", NS, "annotate", "rf", FLEET, f"{ANNOTATION_PAUSE}=keep")
         w.wait(

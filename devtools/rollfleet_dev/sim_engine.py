@@ -165,6 +165,7 @@ class SimEngine:
             running=running,
             waiting=waiting,
             instance=self.instance,
+            inference_open=self.policy is None or self.policy.inference_token is None,
         )
         return web.json_response(state.model_dump(mode="json"))
 

@@ -142,6 +142,11 @@ class EngineState(BaseModel):
         "failed: the model then holds parts of two versions, and the engine refuses to resume until a full "
         "update finishes.",
     )
+    inference_open: bool = Field(
+        default=False,
+        description="True when this engine generates for anyone who reaches it (started without an inference "
+        "token); the fleet's status says Open then.",
+    )
 
     @property
     def served_version(self) -> str | None:

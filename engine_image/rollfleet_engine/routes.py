@@ -56,6 +56,7 @@ async def state(request: Request) -> EngineState:
         weight_backend=rt.weight_backend,
         weights_intact=rt.weights_intact,
         instance=rt.instance,
+        inference_open=rt.policy.inference_token is None,
     )
 
 

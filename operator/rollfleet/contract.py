@@ -27,6 +27,8 @@ from enum import StrEnum
 # nothing of the operator's.
 from rollfleet_client.protocol import COMPONENT_GATEWAY as COMPONENT_GATEWAY
 from rollfleet_client.protocol import GATEWAY_PORT as GATEWAY_PORT
+from rollfleet_client.protocol import INFERENCE_TOKEN_FILE as INFERENCE_TOKEN_FILE
+from rollfleet_client.protocol import INFERENCE_TOKEN_MOUNT_DIR as INFERENCE_TOKEN_MOUNT_DIR
 from rollfleet_client.protocol import TOKEN_FILE as TOKEN_FILE
 from rollfleet_client.protocol import TOKEN_KEY as TOKEN_KEY
 from rollfleet_client.protocol import TOKEN_MOUNT_DIR as TOKEN_MOUNT_DIR
@@ -72,6 +74,7 @@ MANAGER = "rollfleet-operator"
 # Values of LABEL_COMPONENT.
 COMPONENT_ENGINE = "engine"
 COMPONENT_ADMIN_TOKEN = "admin-token"
+COMPONENT_INFERENCE_TOKEN = "inference-token"
 COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
 # A RolloutRequest's runner: the Job that sends its samples, with its ServiceAccount and RBAC.
 COMPONENT_RUNNER = "runner"
@@ -171,6 +174,11 @@ def engine_sa_name(fleet: str) -> str:
 def secret_name(fleet: str) -> str:
     """The admin-token Secret."""
     return f"{fleet}-{COMPONENT_ADMIN_TOKEN}"
+
+
+def inference_secret_name(fleet: str) -> str:
+    """The inference-token Secret: what a client needs to generate (unless spec.auth.inference is Open)."""
+    return f"{fleet}-{COMPONENT_INFERENCE_TOKEN}"
 
 
 def weights_record_name(fleet: str) -> str:

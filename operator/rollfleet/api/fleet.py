@@ -371,6 +371,22 @@ class NetworkPolicySpec(ApiModel):
     )
 
 
+# Who may generate: Token (the default) asks every inference call, at the gateway and at the engines, for the
+# fleet's inference token (Secret `<fleet>-inference-token`) or its admin token; Open asks nothing.
+InferenceAuth = Literal["Token", "Open"]
+
+
+class AuthSpec(ApiModel):
+    """Credentials the fleet asks for. Control (abort, pause, weights) always needs the admin token."""
+
+    inference: InferenceAuth = Field(
+        default="Token",
+        description="Token: generation at the gateway and the engines needs the fleet's inference token (Secret "
+        "<fleet>-inference-token) or its admin token. Open: anyone who reaches them may generate (status.auth "
+        "then says Open).",
+    )
+
+
 class RolloutFleetSpec(ApiModel):
     """The desired fleet: how many engines, serving what, where, and how changes roll out."""
 
@@ -390,6 +406,7 @@ class RolloutFleetSpec(ApiModel):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Which pods may connect to the engines."
     )
+    auth: AuthSpec = Field(default_factory=AuthSpec, description="Credentials the fleet asks for.")
 
 
 class EngineStatus(ApiModel):
@@ -450,6 +467,11 @@ class RolloutFleetStatus(ApiModel):
     )
     pause: PauseStatus | None = Field(default=None, description="Set while the fleet is paused.")
     gateway: GatewayStatus | None = Field(default=None, description="The gateway, when enabled.")
+    auth: InferenceAuth | None = Field(
+        default=None,
+        description="What generation needs, as the engines and the gateway were configured: Token (the fleet's "
+        "inference or admin token) or Open (nothing: spec.auth.inference is Open).",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Ready, Progressing, Degraded and Paused.",

@@ -25,12 +25,15 @@ from rollfleet.contract import (
     COMPONENT_ADMIN_TOKEN,
     COMPONENT_ENGINE,
     COMPONENT_GATEWAY,
+    COMPONENT_INFERENCE_TOKEN,
     COMPONENT_TRAINER,
     COMPONENT_WEIGHTS,
     ENGINE_PORT,
     GATEWAY_PORT,
     GROUP,
     HTTP_WEIGHT_BACKEND,
+    INFERENCE_TOKEN_FILE,
+    INFERENCE_TOKEN_MOUNT_DIR,
     LABEL_COMPONENT,
     LABEL_FLEET,
     LABEL_INDEX,
@@ -46,6 +49,7 @@ from rollfleet.contract import (
     engine_pod_name,
     engine_sa_name,
     gateway_name,
+    inference_secret_name,
     network_policy_name,
     secret_name,
     trainer_name,
@@ -115,6 +119,8 @@ def engine_args(spec: RolloutFleetSpec) -> list[str]:
     ]
     if sync.initial_version:
         args += ["--weight-version", sync.initial_version]
+    if _inference_token(spec):
+        args += ["--inference-token-file", INFERENCE_TOKEN_FILE]
     vllm: list[str] = []
     if engine.tensor_parallel_size > 1:
         vllm += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
@@ -133,6 +139,23 @@ def token_volume(fleet: str, optional: bool = False) -> Manifest:
 
 
 TOKEN_MOUNT = {"name": "rollfleet-token", "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
+INFERENCE_TOKEN_VOLUME = "rollfleet-inference-token"
+INFERENCE_TOKEN_MOUNT = {"name": INFERENCE_TOKEN_VOLUME, "mountPath": INFERENCE_TOKEN_MOUNT_DIR, "readOnly": True}
+
+
+def _inference_token(spec: RolloutFleetSpec) -> bool:
+    """Whether generation asks for a token (spec.auth.inference Token, the default)."""
+    return spec.auth.inference == "Token"
+
+
+def _token_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """The admin token, and the inference token unless generation is open: volumes and mounts."""
+    volumes, mounts = [token_volume(fleet)], [dict(TOKEN_MOUNT)]
+    if _inference_token(spec):
+        secret = {"secretName": inference_secret_name(fleet), "defaultMode": 0o440}
+        volumes.append({"name": INFERENCE_TOKEN_VOLUME, "secret": secret})
+        mounts.append(dict(INFERENCE_TOKEN_MOUNT))
+    return volumes, mounts
 
 
 def _resources(requests: dict[str, Any] | None, limits: dict[str, Any] | None) -> Manifest:
@@ -155,9 +178,8 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
 
 
 def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], list[Manifest]]:
-    """The engine pod's volumes and the container's mounts: token, model, shared memory."""
-    volumes = [token_volume(fleet)]
-    mounts = [dict(TOKEN_MOUNT)]
+    """The engine pod's volumes and the container's mounts: tokens, model, shared memory."""
+    volumes, mounts = _token_volumes(fleet, spec)
     if spec.model.host_path:
         volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -265,11 +287,20 @@ def engine_pod(
 
 def admin_secret(ref: FleetRef, token: str) -> Manifest:
     """The fleet's admin token (engine control routes, gateway abort, sync sidecars)."""
+    return _token_secret(ref, secret_name(ref.name), COMPONENT_ADMIN_TOKEN, token)
+
+
+def inference_secret(ref: FleetRef, token: str) -> Manifest:
+    """The fleet's inference token: generation at the gateway and the engines, nothing else."""
+    return _token_secret(ref, inference_secret_name(ref.name), COMPONENT_INFERENCE_TOKEN, token)
+
+
+def _token_secret(ref: FleetRef, name: str, component: str, token: str) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(ref, secret_name(ref.name), COMPONENT_ADMIN_TOKEN),
+        "metadata": _meta(ref, name, component),
         "data": admin_token_data(token),
     }
 
@@ -374,6 +405,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
     """`rollfleet gateway` behind a readiness gate (/ready: its engine watch has synced)."""
     gw = spec.gateway
     labels = component_labels(ref.name, COMPONENT_GATEWAY)
+    token_volumes, token_mounts = _token_volumes(ref.name, spec)
     container: Manifest = {
         "name": "gateway",
         "image": gw.image,
@@ -388,12 +420,13 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
             str(GATEWAY_PORT),
             "--token-file",
             TOKEN_FILE,
+            *(["--api-key-file", INFERENCE_TOKEN_FILE] if _inference_token(spec) else []),
             *gw.args,
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "readinessProbe": _http_probe("/ready", "http", 2, 3),
         "livenessProbe": _http_probe("/health", "http", 10, 6),
-        "volumeMounts": [dict(TOKEN_MOUNT)],
+        "volumeMounts": token_mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -426,7 +459,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
                     "enableServiceLinks": False,
                     "securityContext": pod_security,
                     "containers": [container],
-                    "volumes": [token_volume(ref.name)],
+                    "volumes": token_volumes,
                 },
             },
         },

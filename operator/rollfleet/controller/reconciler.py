@@ -346,14 +346,17 @@ class FleetLoop:
     # ---- owned objects ---------------------------------------------------------------------
 
     async def _ensure_token(self) -> str:
-        """The fleet's token, derived (never read back); its Secret is made the first time."""
+        """The fleet's token, derived (never read back); its Secret, and the inference token's, are made the
+        first time."""
         if self._token is None:
             kube, ref = self.shared.kube, self.ref
             token = await self.shared.key.token(kube, ref.namespace, ref.name, ref.uid)
             # Made once and never rotated: engines and gateways read it at start. If it exists it holds
             # this token, unless the operator's key was replaced (docs/security.md says what to do then).
-            with contextlib.suppress(Conflict):
-                await kube.create(desired.admin_secret(ref, token))
+            inference = await self.shared.key.inference_token(kube, ref.namespace, ref.name, ref.uid)
+            for secret in (desired.admin_secret(ref, token), desired.inference_secret(ref, inference)):
+                with contextlib.suppress(Conflict):
+                    await kube.create(secret)
             self._token = token
         return self._token
 

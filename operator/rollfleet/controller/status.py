@@ -14,7 +14,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from rollfleet.api.common import Condition, ConditionStatus
-from rollfleet.api.fleet import EngineStatus, GatewayStatus, PauseStatus, RolloutFleetSpec, RolloutFleetStatus
+from rollfleet.api.fleet import (
+    EngineStatus,
+    GatewayStatus,
+    InferenceAuth,
+    PauseStatus,
+    RolloutFleetSpec,
+    RolloutFleetStatus,
+)
 from rollfleet.contract import (
     ANNOTATION_CRASHES,
     ANNOTATION_DRAINING_SINCE,
@@ -414,5 +421,14 @@ def fleet_status(
         )
         if gateway_enabled
         else None,
+        auth=inference_auth(spec, existing),
         conditions=conditions,
     )
+
+
+def inference_auth(spec: RolloutFleetSpec, engines: Sequence[Engine]) -> InferenceAuth:
+    """Open when the spec opens generation or any engine says it serves without a token (one started before
+    the spec asked for one, until it is replaced); Token otherwise."""
+    if spec.auth.inference == "Open" or any(e.obs.state is not None and e.obs.state.inference_open for e in engines):
+        return "Open"
+    return "Token"

@@ -4,7 +4,8 @@ The operator keeps a random key in the Secret `rollfleet-operator-key` of its ow
 made at its first start. A fleet's token is HMAC-SHA256(key, "<namespace>/<name>/<uid>"):
 the operator writes it once into the fleet's Secret `<fleet>-admin-token`, which engines,
 gateways and trainer pods mount, and after a restart derives it again instead of reading
-that Secret. So its ServiceAccount may create Secrets anywhere but read only its key (a Role
+that Secret. Its inference token (generation only) is HMAC-SHA256(key, ".../<uid>/inference"),
+in `<fleet>-inference-token`. So its ServiceAccount may create Secrets anywhere but read only its key (a Role
 with `resourceNames`, manifests/base/rbac.yaml). A RolloutRequest's runner, which has no key,
 reads the token from its fleet's Secret mounted in its pod (`FileTokens`). Talks to
 kube-apiserver (the key Secret, through `rollfleet.kube`).
@@ -26,15 +27,18 @@ from rollfleet.errors import RollfleetError
 from rollfleet.kube import SECRET, ApiError, Conflict, Kube
 
 KEY_BYTES = 32
+INFERENCE = "inference"  # the purpose of a fleet's inference token
 
 
 class OperatorKeyError(RollfleetError, RuntimeError):
     """The operator's key Secret cannot be read or made: the message says what to fix."""
 
 
-def fleet_token(key: bytes, namespace: str, name: str, uid: str) -> str:
-    """The admin token of the fleet with this identity (a new fleet of the same name gets another one)."""
-    digest = hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).digest()
+def fleet_token(key: bytes, namespace: str, name: str, uid: str, purpose: str = "") -> str:
+    """The admin token of the fleet with this identity (a new fleet of the same name gets another one); with
+    `purpose` ("inference"), another token of the same fleet, which the admin token cannot be derived from."""
+    message = f"{namespace}/{name}/{uid}" + (f"/{purpose}" if purpose else "")
+    digest = hmac.new(key, message.encode(), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
@@ -78,6 +82,9 @@ class OperatorKey:
 
     async def token(self, kube: Kube, namespace: str, name: str, uid: str) -> str:
         return fleet_token(await self._get(kube), namespace, name, uid)
+
+    async def inference_token(self, kube: Kube, namespace: str, name: str, uid: str) -> str:
+        return fleet_token(await self._get(kube), namespace, name, uid, INFERENCE)
 
     async def _get(self, kube: Kube) -> bytes:
         async with self._lock:

@@ -76,7 +76,9 @@ class GatewayConfig:
     fleet: str | None = None
     namespace: str = "default"
     kubeconfig: str | None = None
-    api_key: str | None = None  # when set, inference routes need it (or the admin token)
+    # When set, inference routes need it (or the admin token), and it is what the gateway sends engines with
+    # each generation (the fleet's inference token: the engines ask for it too).
+    api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     eject_s: float = 5.0  # how long an engine that dropped a connection gets no new requests
     request_timeout_s: float = 3600.0
@@ -148,7 +150,7 @@ class _Gateway:
         router = Router(config.routing)
         registry.on_removed.append(router.forget_engine)
         inflight = InFlightTable()
-        proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics)
+        proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics, config.api_key)
         return cls(config, metrics, registry, router, inflight, proxy)
 
     def refuse(self, refused: Refused) -> Response:
@@ -171,8 +173,7 @@ class _Gateway:
         """Everything checked before routing: token, JSON, fields, id, deadline; the id reserved.
         `headers` are looked up by lowercase name; the body's size was checked as it was read."""
         config = self.config
-        if config.api_key is not None and not bearer_ok(headers, config.api_key, config.token):
-            raise Refused(401, "missing or wrong bearer token")
+        self.authorize_inference(headers)
         try:
             parsed = orjson.loads(raw)
             check_depth(raw, parsed)
@@ -199,6 +200,22 @@ class _Gateway:
             deadline=asyncio.get_running_loop().time() + timeout,
         )
         return req, entry
+
+    def authorize_inference(self, headers: Mapping[str, str]) -> None:
+        """The inference routes' rule: the api key (the fleet's inference token) or the admin token, when an api
+        key is set (a fleet's default; an open fleet has none)."""
+        config = self.config
+        if config.api_key is not None and not bearer_ok(headers, config.api_key, config.token):
+            raise Refused(
+                401,
+                "missing or wrong bearer token: generation needs the fleet's inference token (Secret "
+                "<fleet>-inference-token) or its admin token, as Authorization: Bearer ...",
+            )
+
+    def authorize_admin(self, headers: Mapping[str, str], what: str) -> None:
+        """Control routes' rule: the fleet's admin token, always."""
+        if not bearer_ok(headers, self.config.token):
+            raise Refused(401, f"{what} needs the fleet admin token (Authorization: Bearer ...)")
 
     def generation(self, route: Route) -> Callable[[Request], Awaitable[Response]]:
         """A generation route as a Starlette endpoint (in-process callers: the TRL routes, tests)."""
@@ -234,6 +251,10 @@ class _Gateway:
 
     async def models(self, request: Request) -> Response:
         assert self.proxy.upstream is not None
+        try:
+            self.authorize_inference(request.headers)
+        except Refused as refused:
+            return self.refuse(refused)
         for engine in self.registry.routable():
             try:
                 resp = await self.proxy.upstream.request("GET", f"{engine.url}/v1/models")
@@ -247,9 +268,8 @@ class _Gateway:
         return _error(503, "no routable engine to list models from", self.metrics)
 
     async def abort(self, request: Request) -> Response:
-        if not bearer_ok(request.headers, self.config.token):
-            return _error(401, "POST /v1/abort needs the fleet admin token (Authorization: Bearer ...)", self.metrics)
         try:
+            self.authorize_admin(request.headers, f"POST {ABORT_PATH}")
             raw = await self.read_body(request)
         except Refused as refused:
             return self.refuse(refused)
@@ -273,8 +293,10 @@ class _Gateway:
     async def _control(self, request: Request, action: str | None) -> Response:
         """The fleet's state; with an action, asked for first and waited on (200 done, 202 still going)."""
         path = request.url.path
-        if not bearer_ok(request.headers, self.config.token):
-            return _error(401, f"{path} needs the fleet admin token (Authorization: Bearer ...)", self.metrics)
+        try:
+            self.authorize_admin(request.headers, path)
+        except Refused as refused:
+            return self.refuse(refused)
         if self.control is None:
             return _error(404, f"{path}: this gateway serves a static engine list (--engines), no fleet", self.metrics)
         try:

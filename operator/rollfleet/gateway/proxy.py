@@ -219,16 +219,19 @@ class Proxy:
         token: str,
         config: ProxyConfig,
         metrics: Metrics,
+        inference_token: str | None = None,
     ) -> None:
         self.registry = registry
         self.router = router
         self.inflight = inflight
-        self.token = token
         self.config = config
         self.metrics = metrics
         self.upstream: Upstream | None = None
+        # The admin token opens the engines' control routes (abort, the tracked-request view) and nothing
+        # goes to them but control calls; generation carries the inference token (none when the fleet is open).
         self.engines = EngineClient(token, max_connections=None)
-        self.upstream_headers = [("Content-Type", "application/json"), *bearer_header(token).items()]
+        inference = bearer_header(inference_token).items() if inference_token else ()
+        self.upstream_headers = [("Content-Type", "application/json"), *inference]
         self._background: set[asyncio.Task[Any]] = set()
 
     def background(self, coro: Coroutine[Any, Any, None]) -> None:

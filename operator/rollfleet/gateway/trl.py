@@ -38,7 +38,7 @@ from rollfleet.engine_client import EngineCallError, EngineRef
 from rollfleet.gateway.dialects import MAX_CHOICES, BadRequest, Json, Route
 from rollfleet.gateway.inflight import ABORT, InFlight, StopReason
 from rollfleet.gateway.proxy import ENGINE_HEADER, engine_ref, error_body
-from rollfleet.gateway.refusal import Refused, bearer_ok
+from rollfleet.gateway.refusal import Refused
 from rollfleet.gateway.registry import Engine
 from rollfleet_client.protocol import (
     CHAT_PATH,
@@ -339,16 +339,17 @@ class _Trl:
         TRL uses it only to size the NCCL group of its weight transfer, which is refused (501) here.
         """
         try:
-            self._authorize(request)
+            self.gateway.authorize_inference(request.headers)
             sizes = await self._each_engine(TRL_WORLD_SIZE_PATH, self.gateway.proxy.engines.world_size)
         except Refused as refused:
             return self.gateway.refuse(refused)
         return JSONResponse({"world_size": sum(sizes.values())})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
-        """vLLM's answer, for the fleet: success when every routable engine reset its cache."""
+        """vLLM's answer, for the fleet: success when every routable engine reset its cache. A control call (every
+        caller's cache goes): the admin token, as the engines' own route asks."""
         try:
-            self._authorize(request)
+            self.gateway.authorize_admin(request.headers, request.url.path)
             done = await self._each_engine(TRL_RESET_PREFIX_CACHE_PATH, self.gateway.proxy.engines.reset_prefix_cache)
         except Refused as refused:
             return self.gateway.refuse(refused)
@@ -359,12 +360,6 @@ class _Trl:
 
     async def multimodal(self, request: Request) -> Response:
         return self.gateway.refuse(Refused(501, f"{request.url.path}: {MULTIMODAL_HELP}"))
-
-    def _authorize(self, request: Request) -> None:
-        """The inference routes' rule (`admit`'s): the api key or the admin token, when an api key is set."""
-        config = self.gateway.config
-        if config.api_key is not None and not bearer_ok(request.headers, config.api_key, config.token):
-            raise Refused(401, "missing or wrong bearer token")
 
     async def _each_engine(self, path: str, call: Callable[[EngineRef], Awaitable[T]]) -> dict[str, T]:
         """`call` on every routable engine (the proxy's engine client, with the fleet's token), by engine."""

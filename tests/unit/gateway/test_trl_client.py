@@ -116,7 +116,9 @@ def gw(fleet: Fleet) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def client(fleet: Fleet) -> VLLMClient:
-    return VLLMClient(base_url=fleet.trl, connection_timeout=10)
+    client = VLLMClient(base_url=fleet.trl, connection_timeout=10)
+    client.session.headers["Authorization"] = f"Bearer {TOKEN}"  # the trainer's: reset_prefix_cache is control
+    return client
 
 
 def test_trl_generates_n_samples_per_prompt_each_a_gateway_request_of_its_own(gw: Fleet, client: VLLMClient) -> None:

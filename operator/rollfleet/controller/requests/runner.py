@@ -339,10 +339,12 @@ class Run:
             self.start = datetime.now(UTC)
             self.verdict = Verdict("Running", "Running", f"{len(keys)} samples in flight")
         for key in keys:
-            task = asyncio.create_task(self._sample(key, f.gateway, self.rr.spec.model or f.model))
+            task = asyncio.create_task(self._sample(key, f.gateway, self.rr.spec.model or f.model, f.token))
             self.tasks[task] = key
 
-    async def _sample(self, key: SampleKey, gateway: str, model: str) -> tuple[Outcome, SampleResult | None]:
+    async def _sample(
+        self, key: SampleKey, gateway: str, model: str, token: str | None
+    ) -> tuple[Outcome, SampleResult | None]:
         left = plan.deadline_left(
             self.start.timestamp() if self.start else None, self.rr.spec.active_deadline_seconds, time.time()
         )
@@ -352,7 +354,9 @@ class Run:
         )
         started = time.time()
         try:
-            resp = await self.http.post(gateway + call.path, json=call.body, headers=call.headers)
+            # The admin token (the runner's one credential) opens generation too, where the fleet asks for one.
+            auth = {"Authorization": f"Bearer {token}"} if token else {}
+            resp = await self.http.post(gateway + call.path, json=call.body, headers=call.headers | auth)
         except httpx.HTTPError:
             return Outcome.UNSURE, None
         try:

@@ -1,0 +1,105 @@
+"""Which credential the gateway asks for and which it sends (issue 32, secure by default): with an inference
+key (a fleet's default), every route but health, ready and metrics refuses a caller without one; generation
+reaches the engines with the inference token, and the admin token goes only to their control routes. On
+real sockets, in front of a simulated engine that enforces the engine's own access rule."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from tests.unit.gateway.conftest import TOKEN, serve_gateway, sse_chunks
+
+from rollfleet.gateway.proxy import ProxyConfig
+from rollfleet_client.protocol import (
+    ABORT_PATH,
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    FLEET_PATH,
+    FLEET_PAUSE_PATH,
+    FLEET_RESUME_PATH,
+    GENERATE_PATH,
+    TRL_HEALTH_PATH,
+    TRL_MODELS_PATH,
+    TRL_PREFIX,
+    TRL_RESET_PREFIX_CACHE_PATH,
+    TRL_WORLD_SIZE_PATH,
+)
+from rollfleet_dev.sim_engine import SimEngine
+from rollfleet_engine.access import AccessPolicy, RouteClass, classify
+
+INFERENCE = "unit-inference-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+KEY = {"Authorization": f"Bearer {INFERENCE}"}
+
+
+@dataclass(frozen=True)
+class RecordingPolicy(AccessPolicy):
+    """The engine's rule, remembering who presented what for each route class."""
+
+    seen: list[tuple[RouteClass, str | None]] = field(default_factory=list, compare=False)
+
+    def decide(self, method: str, path: str, authorization: str | None) -> tuple[int, str] | None:
+        self.seen.append((classify(method, path), authorization))
+        return super().decide(method, path, authorization)
+
+
+@pytest.fixture(scope="module")
+def locked() -> Iterator[tuple[str, RecordingPolicy]]:
+    policy = RecordingPolicy(control_token=TOKEN, inference_token=INFERENCE)
+    sim = SimEngine("sim-locked", policy=policy)
+    with serve_gateway([sim], ProxyConfig(stop_grace_s=2.0), api_key=INFERENCE) as (url, _):
+        yield url, policy
+
+
+ROUTES = [
+    ("POST", COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 2}),
+    ("POST", CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ("POST", GENERATE_PATH, {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
+    ("GET", "/v1/models", None),
+    ("POST", ABORT_PATH, {"request_ids": ["x"]}),
+    ("GET", FLEET_PATH, None),
+    ("POST", FLEET_PAUSE_PATH, {"mode": "keep"}),
+    ("POST", FLEET_RESUME_PATH, {}),
+    ("POST", TRL_PREFIX + COMPLETIONS_PATH, {"prompt": [[1]]}),
+    ("GET", TRL_PREFIX + TRL_MODELS_PATH, None),
+    ("GET", TRL_PREFIX + TRL_WORLD_SIZE_PATH, None),
+    ("POST", TRL_PREFIX + TRL_RESET_PREFIX_CACHE_PATH, None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
+def test_without_a_credential_every_route_but_health_ready_and_metrics_is_refused(
+    locked: tuple[str, RecordingPolicy], method: str, path: str, body: dict | None
+) -> None:
+    url, _ = locked
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.request(method, url + path, json=body, headers=headers, timeout=10)
+        assert r.status_code == 401 and "token" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_health_ready_and_metrics_stay_open(locked: tuple[str, RecordingPolicy]) -> None:
+    url, _ = locked
+    for path in ("/health", "/ready", "/metrics", TRL_PREFIX + TRL_HEALTH_PATH):
+        assert httpx.get(url + path, timeout=10).status_code == 200, path
+
+
+def test_generation_carries_the_inference_token_and_only_control_carries_the_admin_token(
+    locked: tuple[str, RecordingPolicy],
+) -> None:
+    url, policy = locked
+    policy.seen.clear()
+    for caller in (KEY, ADMIN):  # the admin token opens generation at the gateway too
+        r = httpx.post(url + COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 3}, headers=caller, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    # A stream stopped by its deadline: the gateway aborts it at the engine, a control call.
+    body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
+    r = httpx.post(url + COMPLETIONS_PATH, json=body, headers=KEY | {"X-Rollfleet-Timeout": "0.2"}, timeout=10)
+    assert sse_chunks(r.text)[-1]["choices"][0]["finish_reason"] == "abort"
+    presented = {(kind, auth) for kind, auth in policy.seen if kind is not RouteClass.OPEN}
+    assert presented == {
+        (RouteClass.INFERENCE, f"Bearer {INFERENCE}"),
+        (RouteClass.CONTROL, f"Bearer {TOKEN}"),
+    }, presented
