@@ -325,13 +325,11 @@ def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
 
 
 # Requests every engine refuses (the caller's fault), and a word its message must hold. vLLM
-# refuses some before answering (the prompt too long for the context) and others only in
-# the stream it already answered 200 (a token id outside the vocabulary).
+# refuses some before answering and others only in the stream it already answered 200 (a token
+# id outside the vocabulary). A max_tokens past the context is the gateway's to refuse now
+# (test_a_request_past_the_gateways_bounds_is_refused_before_any_engine).
 ENGINE_REFUSALS = [
     pytest.param({"prompt": [1, 2, 10**9], "max_tokens": 4}, "vocab", id="token-id-outside-the-vocabulary"),
-    pytest.param(
-        {"prompt": "Hi", "max_tokens": 2 * TINY_MODEL_CONTEXT}, "max_model_len", id="max-tokens-past-the-context"
-    ),
 ]
 
 
@@ -355,15 +353,26 @@ def test_an_engine_refusal_reaches_the_caller_with_its_status_and_no_failover(
     assert rid not in {t["request_id"] for t in in_flight}
 
 
-def test_a_request_past_the_gateways_bounds_is_refused_before_any_engine(fleet: LiveFleet) -> None:
-    """`logprobs` past vLLM's 20 (once an engine's refusal, now the gateway's own bound, issue 32)."""
+@pytest.mark.parametrize(
+    ("sampling", "needle"),
+    [
+        ({"max_tokens": 4, "logprobs": 10**4}, "'logprobs' must be an integer from 0 to 20"),
+        # The operator tells the gateway the fleet's spec.engine.maxModelLen.
+        ({"max_tokens": 2 * TINY_MODEL_CONTEXT}, f"from 1 to {TINY_MODEL_CONTEXT} (the engines' context)"),
+    ],
+    ids=["logprobs-past-vllms-20", "max-tokens-past-the-context"],
+)
+def test_a_request_past_the_gateways_bounds_is_refused_before_any_engine(
+    fleet: LiveFleet, sampling: dict[str, int], needle: str
+) -> None:
+    """Once engines' refusals, now the gateway's own bounds (issue 32): no engine is asked."""
     r = httpx.post(
         fleet.gateways[0].url + "/v1/completions",
-        json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logprobs": 10**4},
+        json={"model": "tiny", "prompt": "Hi", **sampling},
         headers=fleet.inference,
         timeout=60,
     )
-    assert r.status_code == 400 and "'logprobs' must be an integer from 0 to 20" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert "x-rollfleet-engine" not in r.headers
 
 

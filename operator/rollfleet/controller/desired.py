@@ -421,6 +421,7 @@ def gateway_deployment(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
             "--token-file",
             TOKEN_FILE,
             *(["--api-key-file", INFERENCE_TOKEN_FILE] if _inference_token(spec) else []),
+            *(["--max-model-len", str(spec.engine.max_model_len)] if spec.engine.max_model_len else []),
             *gw.args,
         ],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],

@@ -80,6 +80,7 @@ class GatewayConfig:
     # each generation (the fleet's inference token: the engines ask for it too).
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    max_model_len: int | None = None  # the engines' context, when known: max_tokens past it is refused here
     eject_s: float = 5.0  # how long an engine that dropped a connection gets no new requests
     request_timeout_s: float = 3600.0
     max_timeout_s: float = 24 * 3600.0
@@ -177,7 +178,7 @@ class _Gateway:
         try:
             parsed = orjson.loads(raw)
             check_depth(raw, parsed)
-            body = validate(route, parsed)
+            body = validate(route, parsed, config.max_model_len)
         except orjson.JSONDecodeError as err:
             raise Refused(400, f"the request body is not valid JSON: {err}") from None
         except BadRequest as err:

@@ -94,8 +94,9 @@ def check_depth(raw: bytes, body: Any) -> None:
             raise BadRequest(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
 
 
-def validate(route: Route, body: Any) -> Json:
-    """The body, if it is one the gateway can route; BadRequest with a clear reason otherwise."""
+def validate(route: Route, body: Any, max_model_len: int | None = None) -> Json:
+    """The body, if it is one the gateway can route; BadRequest with a clear reason otherwise. With
+    `max_model_len` (the engines' context, when the gateway is told it), no request asks for more tokens."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if route is Route.COMPLETIONS and not isinstance(body.get("prompt"), str | list):
@@ -114,9 +115,10 @@ def validate(route: Route, body: Any) -> Json:
         raise BadRequest(f"'n' must be an integer from 1 to {MAX_N}")
     if (choices := choices_requested(route, body)) > MAX_CHOICES:
         raise BadRequest(f"'n' times the prompts is {choices}, over the gateway's limit of {MAX_CHOICES} choices")
+    most, whose = (MAX_TOKENS, "") if max_model_len is None else (max_model_len, " (the engines' context)")
     for name in ("max_tokens", "max_completion_tokens"):
-        if sampling.get(name) is not None and not (_int(sampling[name]) and 1 <= sampling[name] <= MAX_TOKENS):
-            raise BadRequest(f"'{name}' must be an integer from 1 to {MAX_TOKENS}")
+        if sampling.get(name) is not None and not (_int(sampling[name]) and 1 <= sampling[name] <= most):
+            raise BadRequest(f"'{name}' must be an integer from 1 to {most}{whose}")
     logprobs = sampling.get("top_logprobs") if route is Route.CHAT else sampling.get("logprobs")
     if route is Route.CHAT and not isinstance(sampling.get("logprobs", False), bool):
         raise BadRequest("'logprobs' must be true or false")

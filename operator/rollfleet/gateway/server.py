@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=DEFAULT_TOKEN_FILE, help="fleet admin token (default: %(default)s)")
     p.add_argument("--api-key-file", help="if given, inference routes need this bearer token (or the admin token)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the engines' context (spec.engine.maxModelLen): a max_tokens past it gets a 400 before any engine",
+    )
     p.add_argument("--request-timeout", type=float, default=3600.0, help="default per-request deadline, seconds")
     p.add_argument(
         "--queue-timeout",
@@ -89,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         kubeconfig=args.kubeconfig,
         api_key=read_token(args.api_key_file) if args.api_key_file else None,
         max_body_bytes=args.max_body_bytes,
+        max_model_len=args.max_model_len,
         eject_s=args.eject_seconds,
         request_timeout_s=args.request_timeout,
         routing=RoutingPolicy(

@@ -65,6 +65,17 @@ def test_requests_within_the_bounds_pass_as_they_are() -> None:
         assert validate(route, body) is body
 
 
+def test_max_tokens_past_the_engines_context_is_refused_when_the_gateway_knows_it() -> None:
+    for route, body in (
+        (Route.COMPLETIONS, {"prompt": "x", "max_tokens": 513}),
+        (Route.CHAT, {"messages": [{}], "max_completion_tokens": 513}),
+        (Route.GENERATE, {"token_ids": [1], "sampling_params": {"max_tokens": 513}}),
+    ):
+        with pytest.raises(BadRequest, match=r"from 1 to 512 \(the engines' context\)"):
+            validate(route, body, max_model_len=512)
+    assert validate(Route.COMPLETIONS, {"prompt": "x", "max_tokens": 512}, max_model_len=512)
+
+
 def test_choices_count_prompts_and_n() -> None:
     assert choices_requested(Route.COMPLETIONS, {"prompt": ["a", "b"], "n": 2}) == 4
     assert choices_requested(Route.COMPLETIONS, {"prompt": [1, 2, 3]}) == 1
