@@ -37,16 +37,26 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
 
+from bench.granian_gateway import ENGINES_ENV, KEY_FILE_ENV, TOKEN_FILE_ENV
 from bench.processes import stop
 from rollfleet.gateway.upstream import Upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BODY = {"model": "sim", "prompt": "benchmark prompt", "max_tokens": 16}
+# Auth on: the gateway asks every request for its key (`--api-key-file`, a fleet's default); every target is
+# sent it (the Rust routers check none).
+KEY = "bench-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OURS = ("rollfleet-gateway", "rollfleet-gateway-granian")  # the gateway on its own server, and on granian
+# Issue 32's floors, against vllm-router in the same run: throughput ratios at least, added p50 ratio at most.
+FLOORS = {"json_rps_ratio": 0.85, "stream_rps_ratio": 1.0, "json_added_p50_ratio": 1.5, "stream_added_p50_ratio": 1.5}
+BASELINE = "vllm-router"
 WARM_UP_S = 1.0
 
 
@@ -71,7 +81,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> None:
-    async with session.post(url + "/v1/completions", json={**BODY, "stream": stream}) as resp:
+    async with session.post(url + "/v1/completions", json={**BODY, "stream": stream}, headers=AUTH) as resp:
         data = await resp.read()
         if resp.status != 200 or (stream and not data.rstrip().endswith(b"[DONE]")):
             raise RuntimeError(f"{url}: {resp.status} {data[:200]!r}")
@@ -187,7 +197,7 @@ def wait_serving(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: fl
         if proc.poll() is not None:
             raise RuntimeError(f"exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            if httpx.post(url + "/v1/completions", json=BODY, timeout=5).status_code == 200:
+            if httpx.post(url + "/v1/completions", json=BODY, headers=AUTH, timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -209,10 +219,10 @@ def start_simulators(n: int, tmp: Path, procs: list[subprocess.Popen[bytes]]) ->
     return engines
 
 
-def router_commands(engines: list[str], token_file: Path) -> dict[str, Callable[[int], list[str]]]:
+def router_commands(engines: list[str], token_file: Path, key_file: Path) -> dict[str, Callable[[int], list[str]]]:
     prom = [free_port(), free_port()]  # the Rust routers' Prometheus listeners (they cannot be turned off)
     return {
-        "rollfleet-gateway": lambda port: [
+        OURS[0]: lambda port: [
             str(BIN / "rollfleet"),
             "gateway",
             "--engines",
@@ -223,8 +233,30 @@ def router_commands(engines: list[str], token_file: Path) -> dict[str, Callable[
             str(port),
             "--token-file",
             str(token_file),
+            "--api-key-file",
+            str(key_file),
             "--log-level",
             "warning",
+        ],
+        # The same admission and proxy on granian's RSGI (bench/granian_gateway.py: engines and tokens from the
+        # environment main() sets); one worker and uvloop, as the gateway's own server runs.
+        OURS[1]: lambda port: [
+            sys.executable,
+            "-m",
+            "granian",
+            "--interface",
+            "rsgi",
+            "--loop",
+            "uvloop",
+            "--workers",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "bench.granian_gateway:app",
         ],
         "vllm-router": lambda port: [
             str(BIN / "vllm-router"),
@@ -308,8 +340,9 @@ def main() -> int:
 
     uvloop.install()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    token = tmp / "token"
+    token, key = tmp / "token", tmp / "key"
     token.write_text("bench-token\n")
+    key.write_text(KEY + "\n")
     procs: list[subprocess.Popen[bytes]] = []
     try:
         engines = start_simulators(2, tmp, procs)
@@ -321,12 +354,13 @@ def main() -> int:
         targets = {"direct (engine)": engines[0]}
         pids: dict[str, int | None] = {"direct (engine)": None}
         failed: list[Result] = []
-        for name, command in router_commands(engines, token).items():
+        os.environ |= {ENGINES_ENV: ",".join(engines), TOKEN_FILE_ENV: str(token), KEY_FILE_ENV: str(key)}
+        for name, command in router_commands(engines, token, key).items():
             port = free_port()
             log = tmp / f"{name}.log"
             url = f"http://127.0.0.1:{port}"
             with log.open("wb") as out:
-                procs.append(subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT))
+                procs.append(subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT))
             try:
                 wait_serving(url, procs[-1], log)
                 targets[name] = url
@@ -345,15 +379,16 @@ def main() -> int:
             stop(p, 10)
     results = [median_result(rounds[name]) for name in targets] + failed
     report = summarize(results)
+    floors = floor_verdicts(report)
     if args.json:
-        args.json.write_text(json.dumps({"client_choice": choice, "routers": report}, indent=2) + "\n")
+        out = {"client_choice": choice, "routers": report, "floors": floors}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
 def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
     direct = results[0]
-    ours = next((r for r in results if r.name == "rollfleet-gateway"), None)
     report: dict[str, dict[str, float | str]] = {}
     print("\nadded latency over direct (ms) and max throughput (req/s); ratios are gateway / other")
     for r in results[1:]:
@@ -369,9 +404,9 @@ def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
             row[f"{mode}_rps"] = round(r.rps[mode], 1)
             row[f"{mode}_cpu_us_per_request"] = round(r.cpu_us[mode], 1)
         report[r.name] = row
-    if ours is not None and not ours.note:
+    for ours in (r for r in results if r.name in OURS and not r.note):
         for r in results[1:]:
-            if r is ours or r.note:
+            if r.name in OURS or r.note:
                 continue
             o, t = report[ours.name], report[r.name]
             for mode in ("json", "stream"):
@@ -387,6 +422,26 @@ def summarize(results: list[Result]) -> dict[str, dict[str, float | str]]:
     for name, row in report.items():
         print(f"  {name:<18} " + ", ".join(f"{k}={v}" for k, v in row.items()))
     return report
+
+
+def floor_verdicts(report: dict[str, dict[str, float | str]]) -> dict[str, dict[str, Any]]:
+    """Per server the gateway may run on: each floor's ratio against the baseline, and whether it holds."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in OURS:
+        row = report.get(name, {})
+        checks: dict[str, Any] = {}
+        for floor, limit in FLOORS.items():
+            mode, metric = floor.split("_", 1)
+            ratio = row.get(f"{mode}_{metric.removesuffix('_ratio')}_ratio_vs_{BASELINE}")
+            if not isinstance(ratio, float):
+                checks[floor] = {"ratio": ratio, "limit": limit, "holds": None}  # not measured, or within noise
+                continue
+            holds = ratio >= limit if metric.endswith("rps_ratio") else ratio <= limit
+            checks[floor] = {"ratio": ratio, "limit": limit, "holds": holds}
+        out[name] = {"checks": checks, "all_hold": all(c["holds"] is not False for c in checks.values()) and bool(row)}
+        shown = ", ".join(f"{f} {c['ratio']} ({'ok' if c['holds'] else c['holds']})" for f, c in checks.items())
+        print(f"  floors, {name}: {shown}")
+    return out
 
 
 if __name__ == "__main__":
