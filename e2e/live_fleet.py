@@ -64,6 +64,7 @@ class LiveFleet:
     token: str  # the admin token
     inference_token: str  # what generation needs (the fleet's default: spec.auth.inference Token)
     stack: contextlib.ExitStack  # holds the ways in to pods (port-forwards on kind)
+    real: bool = True  # real vLLM engines (the `live` fleet), else simulated ones (`sim_live`)
     gateways: list[Endpoint] = field(default_factory=list)  # one per replica (session tables are per replica)
     engines: list[Endpoint] = field(default_factory=list)
 
@@ -242,7 +243,7 @@ def live_fleet(cluster: Cluster, engine: dict[str, Any] | None = None) -> Iterat
         token = read_token(cluster, namespace, secret_name(NAME))
         inference = read_token(cluster, namespace, inference_secret_name(NAME))
         with contextlib.ExitStack() as stack:
-            live = LiveFleet(cluster, namespace, fleet, token, inference, stack)
+            live = LiveFleet(cluster, namespace, fleet, token, inference, stack, real=engine is None)
             live.ready()
             yield live
     finally:
