@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from starlette.routing import Route
 
 from e2e.provider import Cluster, wait_for
 from rollfleet import jsonl
@@ -34,6 +35,7 @@ from rollfleet.contract import (
     inference_secret_name,
     secret_name,
 )
+from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,6 +229,13 @@ class Fleet:
         with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
             r = httpx.post(url + path, headers={"Authorization": f"Bearer {self.admin_token()}"}, timeout=60)
             assert r.status_code == 200, (path, r.status_code, r.text)
+
+
+def gateway_routes() -> list[tuple[str, str]]:
+    """(method, path) of every route the gateway serves, from its own route table: a route added later is checked
+    by whichever test walks them (its generation routes are there too, as the server's direct routes)."""
+    app = build_app(GatewayConfig(token="unused", engines=["http://127.0.0.1:9"]))
+    return sorted((m, r.path) for r in app.routes if isinstance(r, Route) for m in r.methods or () if m != "HEAD")
 
 
 def read_token(cluster: Cluster, namespace: str, secret: str) -> str:

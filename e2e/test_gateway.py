@@ -24,10 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.fleet_helpers import sse, tokens_of
+from e2e.fleet_helpers import gateway_routes, sse, tokens_of
 from e2e.live_fleet import ON_BOTH, REAL_ONLY, Endpoint, LiveFleet, shared
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
+from rollfleet.gateway.app import OPEN_PATHS
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT
@@ -322,6 +323,17 @@ def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
         timeout=60,
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_fleet_with_default_settings_answers_401_without_a_credential_but_on_health_ready_and_metrics(
+    fleet: LiveFleet,
+) -> None:
+    """Every route of the gateway's own table (issue 32, secure by default), as a stranger calls it."""
+    gateway = fleet.gateways[0].url
+    assert fleet.fleet.status()["auth"] == "Token"
+    for method, path in gateway_routes():
+        r = httpx.request(method, gateway + path, json={}, timeout=30)
+        assert r.status_code == (200 if path in OPEN_PATHS else 401), (method, path, r.status_code, r.text[:200])
 
 
 # Requests every engine refuses (the caller's fault), and a word its message must hold. vLLM

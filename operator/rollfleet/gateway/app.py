@@ -27,10 +27,11 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
-from starlette.types import Receive, Scope
+from starlette.types import ASGIApp, Receive, Scope
 
 from rollfleet.contract import PAUSE_MODES, PauseMode, parse_pause_mode
 from rollfleet.gateway import abort as abort_mod
@@ -56,6 +57,8 @@ from rollfleet_client.protocol import (
     SESSION_END_HEADER,
     SESSION_HEADER,
     TIMEOUT_HEADER,
+    TRL_HEALTH_PATH,
+    TRL_PREFIX,
 )
 from rollfleet_engine.protocol import REQUEST_ID_HEADER
 
@@ -67,6 +70,9 @@ _REQUEST_ID, _TIMEOUT = REQUEST_ID_HEADER.lower(), TIMEOUT_HEADER.lower()
 _GROUP, _SESSION, _SESSION_END = GROUP_HEADER.lower(), SESSION_HEADER.lower(), SESSION_END_HEADER.lower()
 MAX_SESSION_KEY = 256  # characters; the session table keeps every key for its TTL
 MAX_CONTROL_WAIT_S = 600  # a pause or resume waits at most this long for the status to show it done
+# The routes that ask for no credential: liveness, readiness, metrics, and TRL's health check (which
+# TRL's client polls without its session's headers). Every other route asks for one.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", TRL_PREFIX + TRL_HEALTH_PATH})
 
 
 @dataclass
@@ -252,10 +258,6 @@ class _Gateway:
 
     async def models(self, request: Request) -> Response:
         assert self.proxy.upstream is not None
-        try:
-            self.authorize_inference(request.headers)
-        except Refused as refused:
-            return self.refuse(refused)
         for engine in self.registry.routable():
             try:
                 resp = await self.proxy.upstream.request("GET", f"{engine.url}/v1/models")
@@ -401,10 +403,34 @@ class _ControlAsk:
         return cls(mode, caller, float(wait_s))
 
 
+class _CredentialGate:
+    """Deny by default, as the engines' access rule: a request to any path but OPEN_PATHS needs the inference
+    rule's credential (the api key or the admin token, when an api key is set) before any route runs, so a
+    route added later is guarded without anyone listing it. Control routes then ask for the admin token."""
+
+    def __init__(self, app: ASGIApp, gateway: _Gateway) -> None:
+        self.app, self.gateway = app, gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            try:
+                self.gateway.authorize_inference(headers)
+            except Refused as refused:
+                self.gateway.metrics.refused(refused.status)
+                await send_json(send, refused.status, error_body(str(refused), refused.status))
+                return
+        await self.app(scope, receive, send)
+
+
+def _app(gateway: _Gateway, **kwargs: Any) -> Starlette:
+    return Starlette(routes=gateway.routes(), middleware=[Middleware(_CredentialGate, gateway=gateway)], **kwargs)
+
+
 def build_app(config: GatewayConfig) -> Starlette:
     """Every route as one ASGI app, for in-process clients (Starlette's TestClient)."""
     gateway = _Gateway.build(config)
-    app = Starlette(routes=gateway.routes(), lifespan=gateway.lifespan)
+    app = _app(gateway, lifespan=gateway.lifespan)
     app.state.proxy = gateway.proxy
     return app
 
@@ -415,7 +441,7 @@ async def serving(config: GatewayConfig, host: str, port: int) -> AsyncIterator[
     get `shutdown_grace_s` to finish. The generation routes are the server's direct routes; the rest is
     the Starlette app."""
     gateway = _Gateway.build(config)
-    app = Starlette(routes=gateway.routes())
+    app = _app(gateway)
     direct = {("POST", r.value): gateway.direct(r) for r in Route}
     limits = Limits(max_body_bytes=config.max_body_bytes, shutdown_grace_s=config.shutdown_grace_s)
     server = HttpServer(app, direct, limits, refusal=gateway.refusal)

@@ -339,7 +339,6 @@ class _Trl:
         TRL uses it only to size the NCCL group of its weight transfer, which is refused (501) here.
         """
         try:
-            self.gateway.authorize_inference(request.headers)
             sizes = await self._each_engine(TRL_WORLD_SIZE_PATH, self.gateway.proxy.engines.world_size)
         except Refused as refused:
             return self.gateway.refuse(refused)
