@@ -83,7 +83,7 @@ test-acceptance: env kind-up ## tier 4: real vLLM engines in containers on kind 
 	python -m tests.tiers run acceptance $(PYTEST_ARGS)
 
 .PHONY: test
-test: env build lint ## every tier (acceptance on kind); prints each tier's time against its budget
+test: env ## build, lint and every tier (acceptance on kind, which comes up beside them); each phase's time and budget
 	@PYTEST_ARGS="$(PYTEST_ARGS)" hack/test.sh
 
 .PHONY: test-local

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# `make test`: every tier (docs/testing.md): unit, then engine, then the control-plane tier (the
-# local cluster) and the acceptance tier (kind) side by side; at the end, each tier's time against
-# its budget.
+# `make test`: the local control plane's build and lint, then every tier (docs/testing.md): unit,
+# then engine, then the control-plane tier (the local cluster) and the acceptance tier (kind) side by
+# side; at the end, each phase's time against its budget.
 #
 # Why side by side: the control-plane tier mostly waits (on simulated engines' pace, backoffs,
 # watches: two thirds of the machine idle), and the acceptance tier mostly decodes on real engines.
-# Bringing kind up (Docker, the images, the node image, the cluster) is mostly waiting on Docker
-# and on cached builds; cold, it is Go builds. It runs beside the engine tier at low CPU priority,
-# its output in a log. A cluster kept from an earlier run loses what that run left in it
-# (`--clean`: a fleet of engines, an operator), or it would run beside this one; and the cluster is
-# stopped once up, since an idle cluster costs a share of a core that the engine tier needs. It is
-# started again for the acceptance tier, which begins as soon as both the engine tier and kind are
-# done. Without Docker (and no root to install it) use `make test-local`.
+# Bringing kind up (Docker, the images, the node image, the cluster) starts first, beside the build,
+# lint and the first two tiers, at low CPU priority, its output in a log: warm it is mostly waiting
+# on Docker and on cached builds; cold it is image builds (mostly I/O, beside the CPU-bound build of
+# the local control plane) and Go builds. A cluster kept from an earlier run loses what that run left
+# in it (`--clean`: a fleet of engines, an operator), or it would run beside this one; and the
+# cluster is stopped once up, since an idle cluster costs a share of a core that the tiers need. It
+# is started again for the acceptance tier, which begins as soon as both the engine tier and kind
+# are done. Without Docker (and no root to install it) use `make test-local`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,14 +52,18 @@ run_tier() {
 }
 
 failed=0
-run_tier unit || failed=1
-# After the unit tier, which is short and whose budget is for it alone.
-say "bringing the kind cluster up beside the engine tier, at low priority, stopped until it is done (log: $KIND_LOG)"
-(
-  nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop' >"$KIND_LOG" 2>&1
-  echo $? >"$KIND_LOG.status"
-) &
+say "bringing the kind cluster up beside the build, lint, unit and engine tiers, at low priority, stopped until" \
+  "the acceptance tier (log: $KIND_LOG)"
+# A process group of its own (setsid), so that a failed build or lint can stop it whole.
+# shellcheck disable=SC2016  # expanded by the inner shell
+setsid nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop
+  echo $? >"$1.status"' _ "$KIND_LOG" >"$KIND_LOG" 2>&1 &
 kind_pid=$!
+stop_kind() { kill -- -"$kind_pid" 2>/dev/null; say "stopped bringing kind up"; exit 1; }
+# The local control plane from Go modules (seconds once cached), and lint: phases of their own, before any tier.
+tier build 900 make --no-print-directory build || stop_kind
+tier lint 180 make --no-print-directory lint || stop_kind
+run_tier unit || failed=1
 run_tier engine || failed=1
 
 # The acceptance tier, in the background once kind is ready: its output goes to its log, printed
