@@ -14,13 +14,14 @@ from tests.unit.gateway.test_proxy import wait_until
 
 from rollfleet.gateway.proxy import ENGINE_HEADER, ProxyConfig
 
-VICTIM_TOKENS = 400
+# About 5 s at 5 ms a token: the victim outlasts the second replica's start and the attack on a loaded host.
+VICTIM_TOKENS = 1000
 
 
 @pytest.mark.parametrize("stop", ["deadline", "client gone"])
 def test_a_stop_on_another_replica_under_a_victims_id_does_not_stop_the_victim(gw: Stack, stop: str) -> None:
     for sim in gw.sims:
-        sim.token_delay_ms = 5  # the victim decodes for about 2 s
+        sim.token_delay_ms = 5
     out: dict[str, str] = {}
     started = threading.Event()
 

@@ -5,6 +5,7 @@ real sockets, in front of a simulated engine that enforces the engine's own acce
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -12,10 +13,11 @@ import httpx
 import pytest
 from e2e.fleet_helpers import gateway_routes
 from tests.unit.gateway.conftest import TOKEN, serve_gateway, sse_chunks
+from tests.unit.gateway.test_proxy import wait_until
 
 from rollfleet.gateway.app import OPEN_PATHS
 from rollfleet.gateway.proxy import ProxyConfig
-from rollfleet_client.protocol import COMPLETIONS_PATH
+from rollfleet_client.protocol import ABORT_PATH, COMPLETIONS_PATH
 from rollfleet_dev.sim_engine import SimEngine
 from rollfleet_engine.access import AccessPolicy, RouteClass, classify
 
@@ -36,18 +38,18 @@ class RecordingPolicy(AccessPolicy):
 
 
 @pytest.fixture(scope="module")
-def locked() -> Iterator[tuple[str, RecordingPolicy]]:
+def locked() -> Iterator[tuple[str, RecordingPolicy, SimEngine]]:
     policy = RecordingPolicy(control_token=TOKEN, inference_token=INFERENCE)
-    sim = SimEngine("sim-locked", policy=policy)
+    sim = SimEngine("sim-locked", token_delay_ms=5, policy=policy)
     with serve_gateway([sim], ProxyConfig(stop_grace_s=2.0), api_key=INFERENCE) as (url, _):
-        yield url, policy
+        yield url, policy, sim
 
 
 @pytest.mark.parametrize(("method", "path"), gateway_routes(), ids=[f"{m} {p}" for m, p in gateway_routes()])
 def test_without_a_credential_every_route_but_health_ready_and_metrics_is_refused(
-    locked: tuple[str, RecordingPolicy], method: str, path: str
+    locked: tuple[str, RecordingPolicy, SimEngine], method: str, path: str
 ) -> None:
-    url, _ = locked
+    url, _, _ = locked
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.request(method, url + path, json={}, headers=headers, timeout=10)
         if path in OPEN_PATHS:
@@ -56,23 +58,34 @@ def test_without_a_credential_every_route_but_health_ready_and_metrics_is_refuse
             assert r.status_code == 401 and "token" in r.json()["error"]["message"], (path, r.text)
 
 
-def test_an_unknown_path_is_refused_as_well(locked: tuple[str, RecordingPolicy]) -> None:
-    url, _ = locked
+def test_an_unknown_path_is_refused_as_well(locked: tuple[str, RecordingPolicy, SimEngine]) -> None:
+    url, _, _ = locked
     assert httpx.post(url + "/v1/not-a-route", json={}, timeout=10).status_code == 401  # deny by default
 
 
 def test_generation_carries_the_inference_token_and_only_control_carries_the_admin_token(
-    locked: tuple[str, RecordingPolicy],
+    locked: tuple[str, RecordingPolicy, SimEngine],
 ) -> None:
-    url, policy = locked
+    url, policy, sim = locked
     policy.seen.clear()
     for caller in (KEY, ADMIN):  # the admin token opens generation at the gateway too
         r = httpx.post(url + COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 3}, headers=caller, timeout=10)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
-    # A stream stopped by its deadline: the gateway aborts it at the engine, a control call.
-    body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
-    r = httpx.post(url + COMPLETIONS_PATH, json=body, headers=KEY | {"X-Rollfleet-Timeout": "0.2"}, timeout=10)
-    assert sse_chunks(r.text)[-1]["choices"][0]["finish_reason"] == "abort"
+    # A stream stopped once it runs at the engine: the gateway aborts it there, a control call.
+    out: dict[str, str] = {}
+
+    def stream() -> None:
+        body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
+        headers = KEY | {"X-Request-Id": "creds-1"}
+        out["text"] = httpx.post(url + COMPLETIONS_PATH, json=body, headers=headers, timeout=30).text
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    wait_until(lambda: "creds-1" in sim.running)
+    r = httpx.post(url + ABORT_PATH, json={"request_ids": ["creds-1"]}, headers=ADMIN, timeout=30)
+    assert r.json()["results"] == {"creds-1": "aborted"}, r.text
+    thread.join(30)
+    assert sse_chunks(out["text"])[-1]["choices"][0]["finish_reason"] == "abort"
     presented = {(kind, auth) for kind, auth in policy.seen if kind is not RouteClass.OPEN}
     assert presented == {
         (RouteClass.INFERENCE, f"Bearer {INFERENCE}"),
