@@ -41,7 +41,7 @@ from rollfleet.gateway.httpserver import Client, Direct, HttpServer, Limits, Sen
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable, StopReason
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body, send_json
-from rollfleet.gateway.refusal import Refused, bearer_ok
+from rollfleet.gateway.refusal import Refused, credential_ok
 from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
 from rollfleet.gateway.trl import trl_routes
@@ -212,7 +212,7 @@ class _Gateway:
         """The inference routes' rule: the api key (the fleet's inference token) or the admin token, when an api
         key is set (a fleet's default; an open fleet has none)."""
         config = self.config
-        if config.api_key is not None and not bearer_ok(headers, config.api_key, config.token):
+        if config.api_key is not None and not credential_ok(headers, config.api_key, config.token):
             raise Refused(
                 401,
                 "missing or wrong bearer token: generation needs the fleet's inference token (Secret "
@@ -221,7 +221,7 @@ class _Gateway:
 
     def authorize_admin(self, headers: Mapping[str, str], what: str) -> None:
         """Control routes' rule: the fleet's admin token, always."""
-        if not bearer_ok(headers, self.config.token):
+        if not credential_ok(headers, self.config.token):
             raise Refused(401, f"{what} needs the fleet admin token (Authorization: Bearer ...)")
 
     def generation(self, route: Route) -> Callable[[Request], Awaitable[Response]]:

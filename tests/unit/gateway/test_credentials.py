@@ -58,6 +58,16 @@ def test_without_a_credential_every_route_but_health_ready_and_metrics_is_refuse
             assert r.status_code == 401 and "token" in r.json()["error"]["message"], (path, r.text)
 
 
+def test_the_token_may_come_as_the_password_of_basic_auth(locked: tuple[str, RecordingPolicy, SimEngine]) -> None:
+    """TRL's client carries a credential only in its URL (`http://trl:<token>@host/trl`): requests sends Basic."""
+    url, _, _ = locked
+    body = {"prompt": "x", "max_tokens": 2}
+    assert httpx.post(url + COMPLETIONS_PATH, json=body, auth=("trl", INFERENCE), timeout=10).status_code == 200
+    for auth in (("trl", "wrong"), (INFERENCE, "")):
+        assert httpx.post(url + COMPLETIONS_PATH, json=body, auth=auth, timeout=10).status_code == 401
+    assert httpx.post(url + ABORT_PATH, json={"request_ids": ["x"]}, auth=("trl", TOKEN), timeout=10).status_code == 200
+
+
 def test_an_unknown_path_is_refused_as_well(locked: tuple[str, RecordingPolicy, SimEngine]) -> None:
     url, _, _ = locked
     assert httpx.post(url + "/v1/not-a-route", json={}, timeout=10).status_code == 401  # deny by default
