@@ -83,13 +83,14 @@ def template_hash(spec: RolloutFleetSpec) -> str:
     """Hash of everything that shapes an engine pod; a pod with another hash is rolled.
 
     Replicas, the gateway, the update strategy, the drain timeout and who may push
-    weights are left out: changing them must not restart engines.
+    weights are left out: changing them must not restart engines. `auth` is in: whether
+    engines ask generation for a token is one of their arguments.
     """
     shaping = spec.model_dump(
         mode="json",
         by_alias=True,
         exclude_none=True,
-        include={"model": True, "engine": True, "placement": True, "weight_sync": True},
+        include={"model": True, "engine": True, "placement": True, "weight_sync": True, "auth": True},
         exclude={"weight_sync": {"trainer_service_accounts"}},
     )
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]

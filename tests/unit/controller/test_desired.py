@@ -114,6 +114,8 @@ def test_template_hash_changes_with_the_pod_but_not_with_scale_or_gateway() -> N
     base = desired.template_hash(spec())
     assert desired.template_hash(spec(replicas=7, drainTimeoutSeconds=5, gateway={"replicas": 3})) == base
     assert desired.template_hash(spec(engine={"args": ["--enforce-eager"]})) != base
+    # Opening generation drops an engine argument (and its token's mount): the engines are replaced.
+    assert desired.template_hash(spec(auth={"inference": "Open"})) != base
     pod = desired.engine_pod(REF, spec(), 0)
     assert pod["metadata"]["annotations"][ANNOTATION_TEMPLATE_HASH] == base
 
