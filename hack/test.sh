@@ -5,10 +5,10 @@
 #
 # Why side by side: the control-plane tier mostly waits (on simulated engines' pace, backoffs,
 # watches: two thirds of the machine idle), and the acceptance tier mostly decodes on real engines.
-# Bringing kind up (Docker, the images, the node image, the cluster) starts first, beside the build,
-# lint and the first two tiers, at low CPU priority, its output in a log: warm it is mostly waiting
-# on Docker and on cached builds; cold it is image builds (mostly I/O, beside the CPU-bound build of
-# the local control plane) and Go builds. A cluster kept from an earlier run loses what that run left
+# Bringing kind up (Docker, the images, the node image, the cluster) runs in the background at low
+# CPU priority, its output in a log: on a machine without a kind cluster it starts first, since its
+# image builds (mostly I/O) overlap the CPU-bound build of the local control plane and its Go builds
+# take long; warm, it is mostly image loads and starts after the unit tier, beside the engine tier. A cluster kept from an earlier run loses what that run left
 # in it (`--clean`: a fleet of engines, an operator), or it would run beside this one; and the
 # cluster is stopped once up, since an idle cluster costs a share of a core that the tiers need. It
 # is started again for the acceptance tier, which begins as soon as both the engine tier and kind
@@ -52,18 +52,27 @@ run_tier() {
 }
 
 failed=0
-say "bringing the kind cluster up beside the build, lint, unit and engine tiers, at low priority, stopped until" \
-  "the acceptance tier (log: $KIND_LOG)"
-# A process group of its own (setsid), so that a failed build or lint can stop it whole.
-# shellcheck disable=SC2016  # expanded by the inner shell
-setsid nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop
-  echo $? >"$1.status"' _ "$KIND_LOG" >"$KIND_LOG" 2>&1 &
-kind_pid=$!
-stop_kind() { kill -- -"$kind_pid" 2>/dev/null; say "stopped bringing kind up"; exit 1; }
+kind_pid=""
+start_kind() {
+  say "bringing the kind cluster up beside the $1, at low priority, stopped until the acceptance tier (log: $KIND_LOG)"
+  # A process group of its own (setsid), so that a failed build or lint can stop it whole.
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  setsid nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop
+    echo $? >"$1.status"' _ "$KIND_LOG" >"$KIND_LOG" 2>&1 &
+  kind_pid=$!
+}
+stop_kind() { [ -n "$kind_pid" ] && kill -- -"$kind_pid" 2>/dev/null; say "stopped (and kind's bring-up)"; exit 1; }
+# Cold (no kind node on this machine yet), bringing kind up takes half an hour of image and Go builds:
+# it starts first. Warm it is a few minutes of image loads, which would push the unit tier past its
+# 2 minutes: it starts after that tier.
+if [ -z "$(docker ps -aq --filter 'name=^rollfleet-control-plane$')" ]; then
+  start_kind "build, lint, unit and engine tiers"
+fi
 # The local control plane from Go modules (seconds once cached), and lint: phases of their own, before any tier.
 tier build 900 make --no-print-directory build || stop_kind
 tier lint 180 make --no-print-directory lint || stop_kind
 run_tier unit || failed=1
+[ -n "$kind_pid" ] || start_kind "engine tier"
 run_tier engine || failed=1
 
 # The acceptance tier, in the background once kind is ready: its output goes to its log, printed
