@@ -256,7 +256,8 @@ def router_commands(engines: list[str], token_file: Path, key_file: Path) -> dic
             str(port),
             "--log-level",
             "warning",
-            "bench.granian_gateway:app",
+            "--factory",
+            "bench.granian_gateway:make_app",
         ],
         "vllm-router": lambda port: [
             str(BIN / "vllm-router"),

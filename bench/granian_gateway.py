@@ -6,7 +6,7 @@ deadline, then `Proxy.serve`, whose ASGI-style messages are written through RSGI
 generation routes (the hot path); static engines from the environment:
 
     ROLLFLEET_BENCH_ENGINES=http://127.0.0.1:8001,... ROLLFLEET_BENCH_TOKEN_FILE=... ROLLFLEET_BENCH_KEY_FILE=...
-    python -m granian --interface rsgi --loop uvloop --workers 1 bench.granian_gateway:app
+    python -m granian --interface rsgi --loop uvloop --workers 1 --factory bench.granian_gateway:make_app
 """
 
 from __future__ import annotations
@@ -90,4 +90,6 @@ class App:
             gone.cancel()
 
 
-app = App()
+def make_app() -> App:
+    """The app, made in granian's worker (`--factory`): importing this module builds nothing."""
+    return App()
