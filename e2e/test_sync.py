@@ -67,12 +67,6 @@ def fleet(live: LiveFleet, live_ns: str) -> Fleet:
     return live.fleet
 
 
-@pytest.fixture(scope="module")
-def auth(live: LiveFleet) -> dict[str, str]:
-    """What generation at the engines needs: the fleet's inference token."""
-    return live.inference
-
-
 def weights_record(cluster: Cluster, ns: str) -> dict[str, str]:
     """The data of the fleet's weight-sync record (the ConfigMap the sidecar writes)."""
     out = cluster.kubectl("-n", ns, "get", "configmap", weights_record_name(NAME), "-o", "json").stdout
@@ -239,13 +233,9 @@ def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet
 
 
 def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
-    cluster: Cluster,
-    fleet: Fleet,
-    live_ns: str,
-    sync: SyncClient,
-    references: dict[str, list[list[int]]],
-    auth: dict[str, str],
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
+    auth = fleet.inference()  # generation at the engines asks for the fleet's inference token
     with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
         assert greedy(e0, auth) == greedy(e1, auth) == references[A]
         rollouts = [Stream(url, max_tokens=ROLLOUT_TOKENS, auth=auth).start() for url in (e0, e1, e0, e1)]
@@ -270,13 +260,9 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
 
 
 def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the_new_version(
-    cluster: Cluster,
-    fleet: Fleet,
-    live_ns: str,
-    sync: SyncClient,
-    references: dict[str, list[list[int]]],
-    auth: dict[str, str],
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
+    auth = fleet.inference()  # generation at the engines asks for the fleet's inference token
     started = sync.push_dir(MODELS, "a-2", wait=False)
     kill_engine_process(cluster, live_ns, ENGINES[1])  # its container restarts on the image's weights (A, label "A")
     status = sync.wait(started.generation, timeout_s=120)
@@ -300,13 +286,9 @@ def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the
 
 
 def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
-    cluster: Cluster,
-    fleet: Fleet,
-    live_ns: str,
-    sync: SyncClient,
-    references: dict[str, list[list[int]]],
-    auth: dict[str, str],
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
+    auth = fleet.inference()  # generation at the engines asks for the fleet's inference token
     weights_of = {"a-2": A, "b-3": "B"}  # the fleet serves a-2 (set A) after the previous test
     signal_container(cluster, live_ns, ENGINES[1], "engine", signal.SIGSTOP)  # the push waits on it
     try:
