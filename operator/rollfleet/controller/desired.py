@@ -133,13 +133,19 @@ def engine_args(spec: RolloutFleetSpec) -> list[str]:
 
 def token_volume(fleet: str, optional: bool = False) -> Manifest:
     """The fleet's admin-token Secret as a volume (`optional`: a pod may start before the Secret exists)."""
-    secret: Manifest = {"secretName": secret_name(fleet), "defaultMode": 0o440}
+    return _secret_volume(TOKEN_VOLUME, secret_name(fleet), optional)
+
+
+def _secret_volume(volume: str, secret: str, optional: bool = False) -> Manifest:
+    """A token Secret as a volume, readable by the pod's group (fsGroup), not by others."""
+    source: Manifest = {"secretName": secret, "defaultMode": 0o440}
     if optional:
-        secret["optional"] = True
-    return {"name": "rollfleet-token", "secret": secret}
+        source["optional"] = True
+    return {"name": volume, "secret": source}
 
 
-TOKEN_MOUNT = {"name": "rollfleet-token", "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
+TOKEN_VOLUME = "rollfleet-token"
+TOKEN_MOUNT = {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
 INFERENCE_TOKEN_VOLUME = "rollfleet-inference-token"
 INFERENCE_TOKEN_MOUNT = {"name": INFERENCE_TOKEN_VOLUME, "mountPath": INFERENCE_TOKEN_MOUNT_DIR, "readOnly": True}
 
@@ -153,8 +159,7 @@ def _token_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], 
     """The admin token, and the inference token unless generation is open: volumes and mounts."""
     volumes, mounts = [token_volume(fleet)], [dict(TOKEN_MOUNT)]
     if _inference_token(spec):
-        secret = {"secretName": inference_secret_name(fleet), "defaultMode": 0o440}
-        volumes.append({"name": INFERENCE_TOKEN_VOLUME, "secret": secret})
+        volumes.append(_secret_volume(INFERENCE_TOKEN_VOLUME, inference_secret_name(fleet)))
         mounts.append(dict(INFERENCE_TOKEN_MOUNT))
     return volumes, mounts
 
