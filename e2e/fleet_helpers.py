@@ -31,9 +31,9 @@ from rollfleet.contract import (
     ENGINE_PORT,
     REQUEST_ID_HEADER,
     STATE_PATH,
-    admin_token,
     inference_secret_name,
     secret_name,
+    secret_token,
 )
 from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
@@ -241,7 +241,7 @@ def gateway_routes() -> list[tuple[str, str]]:
 def read_token(cluster: Cluster, namespace: str, secret: str) -> str:
     """The token in one of a fleet's token Secrets (admin, inference)."""
     data = json.loads(cluster.kubectl("-n", namespace, "get", "secret", secret, "-o", "json").stdout).get("data")
-    token = admin_token(data or {})
+    token = secret_token(data or {})
     assert token, f"the Secret {secret} holds no token"
     return token
 

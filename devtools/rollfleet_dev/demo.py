@@ -30,11 +30,11 @@ from rollfleet.contract import (
     ANNOTATION_ABORT,
     ANNOTATION_PAUSE,
     STATE_PATH,
-    admin_token,
     engine_discovery_selector,
     engine_url,
     gateway_name,
     inference_secret_name,
+    secret_token,
 )
 from rollfleet.errors import RollfleetError
 from rollfleet.kubectl import Kubectl, KubectlError
@@ -110,7 +110,7 @@ def _gateway_url(w: Walkthrough) -> str:
 
 def _inference_auth(w: Walkthrough) -> dict[str, str]:
     """The header generation needs: the fleet's inference token (its Secret, as a client mounts it)."""
-    token = admin_token(w.get("secret", inference_secret_name(FLEET)).get("data"))
+    token = secret_token(w.get("secret", inference_secret_name(FLEET)).get("data"))
     if token is None:
         raise DemoFailed(f"the Secret {inference_secret_name(FLEET)} holds no token")
     return {"Authorization": f"Bearer {token}"}

@@ -145,13 +145,13 @@ OPERATOR_KEY_SECRET = "rollfleet-operator-key"
 OPERATOR_KEY_DATA = "key"
 
 
-def admin_token_data(token: str) -> dict[str, str]:
-    """The `data` of the admin-token Secret holding `token`."""
+def token_secret_data(token: str) -> dict[str, str]:
+    """The `data` of a token Secret (the admin token's or the inference token's) holding `token`."""
     return {TOKEN_KEY: base64.b64encode(token.encode()).decode()}
 
 
-def admin_token(data: Mapping[str, str] | None) -> str | None:
-    """The token in the admin-token Secret's `data` (base64, as the API serves it), or None without one."""
+def secret_token(data: Mapping[str, str] | None) -> str | None:
+    """The token in a token Secret's `data` (base64, as the API serves it), or None without one."""
     return base64.b64decode((data or {}).get(TOKEN_KEY, "")).decode() or None
 
 

@@ -44,7 +44,6 @@ from rollfleet.contract import (
     TOKEN_FILE,
     TOKEN_MOUNT_DIR,
     EnginePhase,
-    admin_token_data,
     component_labels,
     engine_pod_name,
     engine_sa_name,
@@ -52,6 +51,7 @@ from rollfleet.contract import (
     inference_secret_name,
     network_policy_name,
     secret_name,
+    token_secret_data,
     trainer_name,
     weights_record_name,
 )
@@ -307,7 +307,7 @@ def _token_secret(ref: FleetRef, name: str, component: str, token: str) -> Manif
         "kind": "Secret",
         "type": "Opaque",
         "metadata": _meta(ref, name, component),
-        "data": admin_token_data(token),
+        "data": token_secret_data(token),
     }
 
 
