@@ -7,13 +7,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+from e2e.provider import wait_for
 from tests.unit.gateway.conftest import free_port, sse_chunks
 
 from rollfleet.gateway.dialects import MAX_N
@@ -37,17 +37,15 @@ class Gateway:
         raise AssertionError(f"no {field} in /proc/{self.proc.pid}/status")
 
 
-def _serving(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+def _serving(url: str, proc: subprocess.Popen[bytes]) -> None:
+    def health() -> bool:
         assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
+            return httpx.get(url + "/health", timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not serving after {timeout_s} s"
-        time.sleep(0.1)
+            return False
+
+    wait_for(health, timeout=60, interval=0.1, what=f"{url} serving")
 
 
 @pytest.fixture(scope="module")
