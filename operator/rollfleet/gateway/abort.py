@@ -57,7 +57,7 @@ async def abort(proxy: Proxy, request_ids: list[str], timeout_s: float) -> dict[
 async def _abort_local(proxy: Proxy, entry: InFlight, timeout_s: float) -> Answer:
     proxy.stop(entry, StopReason.ADMIN)
     try:
-        await asyncio.wait_for(entry.done.wait(), timeout_s)
+        await asyncio.wait_for(asyncio.shield(entry.ended), timeout_s)  # shielded: others wait on it too
     except TimeoutError:
         return Answer(AbortStatus.PENDING)
     return ended(entry.finish_reason, entry.unconfirmed)

@@ -87,10 +87,14 @@ def head_problem(version: str, headers: list[tuple[bytes, bytes]], upgrade: bool
     """Why a request head that llhttp accepted is refused, as h11 would refuse it (status, message)."""
     if version not in ("1.0", "1.1"):
         return 400, f"HTTP/{version} is not served: send HTTP/1.1"
-    hosts = sum(name == b"host" for name, _ in headers)
+    hosts, codings = 0, []
+    for name, value in headers:  # one pass: this runs for every request
+        if name == b"host":
+            hosts += 1
+        elif name == b"transfer-encoding":
+            codings.append(value)
     if hosts > 1 or (hosts == 0 and version == "1.1"):
         return 400, f"an HTTP/1.1 request needs exactly one Host header ({hosts} sent)"
-    codings = [value for name, value in headers if name == b"transfer-encoding"]
     if codings and (len(codings) > 1 or codings[0].strip().lower() != b"chunked"):
         return 501, "only Transfer-Encoding: chunked is served, once"
     if upgrade:
@@ -174,15 +178,17 @@ class _Reply:
         self.started = True
         if self.conn.server.stopping:
             self.request.keep_alive = False  # tell the client: this connection closes after the answer
-        fields = b"".join(b"%b: %b\r\n" % kv for kv in headers)
-        has_length = any(name.lower() == b"content-length" for name, _ in headers)
+        fields, has_length = [], False
+        for name, value in headers:
+            fields.append(b"%b: %b\r\n" % (name, value))
+            has_length = has_length or name.lower() == b"content-length"
         self.chunked = not has_length and self.request.version != "1.0" and self.request.method != "HEAD"
         if not has_length and not self.chunked:
             self.request.keep_alive = False  # the end of the body is the end of the connection
         self._head = b"".join(
             (
                 _STATUS_LINES.get(status) or b"HTTP/1.1 %d %b\r\n" % (status, _reason(status)),
-                fields,
+                *fields,
                 b"transfer-encoding: chunked\r\n" if self.chunked else b"",
                 b"" if self.request.keep_alive else b"connection: close\r\n",
                 b"\r\n",

@@ -60,7 +60,8 @@ class InFlight:
     # Resolved when the request must stop: the proxy's attempt waits on it next to its
     # upstream exchange (a future, not an Event, so waiting costs no extra task).
     stopping: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Resolved when the request is over (a future, not an Event: one is made per request).
+    ended: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def choice(self, index: int) -> Choice:
         return self.choices.setdefault(index, Choice())
@@ -106,7 +107,8 @@ class InFlightTable:
 
     def close(self, entry: InFlight, finish_reason: str | None) -> None:
         entry.finish_reason = finish_reason
-        entry.done.set()
+        if not entry.ended.done():
+            entry.ended.set_result(None)
         if self._active.get(entry.request_id) is entry:
             del self._active[entry.request_id]
         self._finished[entry.request_id] = Finished(finish_reason, entry.unconfirmed)

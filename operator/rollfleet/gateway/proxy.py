@@ -273,7 +273,7 @@ class Proxy:
 
     def stop(self, entry: InFlight, reason: StopReason) -> None:
         """End a request early: its current attempt is aborted on the engine, no further attempt starts."""
-        if entry.done.is_set() or entry.stopping.done():
+        if entry.ended.done() or entry.stopping.done():
             return
         entry.request_stop(reason)
         entry.stopping.set_result(None)
@@ -514,7 +514,8 @@ class _Exchange:
                     break
             last = self._closing is not None
             if self._closing is not None:
-                await self._confirm_versions(engine, *since)
+                if not self._versions_certain(engine, *since):
+                    await self._ask_versions(engine)
                 obj, _ = batch[self._closing]
                 obj["rollfleet"] = self._report()
                 batch[self._closing] = (obj, None)
@@ -546,7 +547,8 @@ class _Exchange:
         self._track(obj)
         if not self._all_finished():
             return AttemptResult(Outcome.UNSERVED, f"engine {engine.key} answered with {self._unfinished()}")
-        await self._confirm_versions(engine, *since)
+        if not self._versions_certain(engine, *since):
+            await self._ask_versions(engine)
         self.writer.whole = obj
         return AttemptResult(Outcome.FINISHED)
 
@@ -574,12 +576,15 @@ class _Exchange:
         batch.append((obj, raw))
         return None
 
-    async def _confirm_versions(self, engine: Engine, started: float, epoch: int) -> None:
-        """Ask the engine which weight versions produced the tokens, if they may be more than one."""
+    def _versions_certain(self, engine: Engine, started: float, epoch: int) -> bool:
+        """A short request on an engine whose weight version did not change meanwhile: made by one version."""
         p = self.proxy
         recent = asyncio.get_running_loop().time() - started < p.config.version_check_after_s
-        if recent and p.registry.version_epoch(engine.key) == epoch:
-            return
+        return recent and p.registry.version_epoch(engine.key) == epoch
+
+    async def _ask_versions(self, engine: Engine) -> None:
+        """Ask the engine which weight versions produced the tokens (they may be more than one)."""
+        p = self.proxy
         try:
             tracked = await p.engines.request(engine_ref(engine), self.req.request_id)
         except EngineCallError as err:
@@ -622,7 +627,7 @@ class _Exchange:
         return closed and self._all_finished()
 
     def _finished_choices(self) -> int:
-        return sum(c.finish_reason is not None for c in self.entry.choices.values())
+        return sum(1 for c in self.entry.choices.values() if c.finish_reason is not None)
 
     def _all_finished(self) -> bool:
         return self._finished_choices() >= self.n

@@ -111,8 +111,9 @@ class Router:
     def _least_loaded(self, candidates: list[str]) -> str:
         # Ties rotate: with sequential traffic every engine has load 0, and always
         # taking the first would send everything to one engine.
-        low = min(self.load(e) for e in candidates)
-        tied = [e for e in candidates if self.load(e) == low]
+        loads = [self.outstanding.get(e, 0) for e in candidates]  # (load(), inlined: every request runs this)
+        low = min(loads)
+        tied = [e for e, n in zip(candidates, loads, strict=True) if n == low]
         self._rotation += 1
         return tied[self._rotation % len(tied)]
 

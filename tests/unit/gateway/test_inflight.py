@@ -22,7 +22,7 @@ def test_ids_in_flight_are_refused_and_finished_ones_remembered_within_bounds() 
         entry.request_stop(StopReason.DEADLINE)  # the first reason wins
         assert entry.generated == 3 and entry.versions == ["v1", "v2"] and entry.stop is StopReason.ADMIN
         table.close(entry, "abort")
-        assert entry.done.is_set() and table.get("a") is None and len(table) == 0
+        assert entry.ended.done() and table.get("a") is None and len(table) == 0
         finished = table.finished("a")
         assert finished is not None and finished.finish_reason == "abort"
         for rid in ("b", "c"):
