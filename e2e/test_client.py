@@ -33,7 +33,16 @@ from rollfleet_client import (
     RolloutClient,
     Unauthorized,
 )
-from rollfleet_client.protocol import FLEET_PATH, FLEET_PAUSE_PATH, FLEET_RESUME_PATH
+from rollfleet_client.protocol import (
+    CALLER_HEADER,
+    FLEET_PATH,
+    FLEET_PAUSE_PATH,
+    FLEET_RESUME_PATH,
+    VLLM_IS_PAUSED_PATH,
+    VLLM_PAUSE_PATH,
+    VLLM_RESUME_PATH,
+    VLLM_WEIGHT_INFO_PATH,
+)
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -148,6 +157,27 @@ def test_pause_and_resume_from_the_client_are_the_fleets_annotation_and_reach_ev
         assert [engine_pause(e) for e in fleet.engines] == [None, None]
         g = client.generate([5, 6], max_tokens=3, ignore_eos=True)
         assert len(g.token_ids) == 3 and g.weight_generation is not None
+
+
+def test_vllms_own_pause_route_at_the_gateway_is_the_fleets_pause(fleet: LiveFleet) -> None:
+    """What an RL framework calls on one vLLM server (SkyRL's remote engines: /pause?mode=keep around a weight
+    update), called on the gateway: the fleet's annotation, checked at every engine."""
+    url, admin = fleet.gateways[0].url, {**fleet.admin, CALLER_HEADER: "e2e-framework"}
+    try:
+        r = httpx.post(url + VLLM_PAUSE_PATH, params={"mode": "keep"}, headers=admin, timeout=330)
+        assert (r.status_code, r.json()) == (200, {"status": "paused"}), r.text
+        assert fleet.fleet.get()["metadata"]["annotations"][ANNOTATION_PAUSE] == "keep"
+        assert (fleet.fleet.get()["status"].get("pause") or {}).get("requestedBy") == "rollfleet-client/e2e-framework"
+        assert [engine_pause(e) for e in fleet.engines] == ["keep", "keep"]
+        assert httpx.get(url + VLLM_IS_PAUSED_PATH, headers=fleet.inference, timeout=30).json() == {"is_paused": True}
+    finally:
+        r = httpx.post(url + VLLM_RESUME_PATH, headers=admin, timeout=330)
+    assert (r.status_code, r.json()) == (200, {"status": "resumed"}), r.text
+    assert [engine_pause(e) for e in fleet.engines] == [None, None]
+    assert httpx.get(url + VLLM_IS_PAUSED_PATH, headers=fleet.inference, timeout=30).json() == {"is_paused": False}
+    version = fleet.fleet.get()["status"]["weightVersion"]
+    info = httpx.get(url + VLLM_WEIGHT_INFO_PATH, headers=fleet.inference, timeout=30).json()
+    assert info == {"weight_version": version}
 
 
 def test_control_calls_refuse_bad_input_with_the_field_and_what_is_allowed(fleet: LiveFleet) -> None:

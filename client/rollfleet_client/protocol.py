@@ -43,6 +43,14 @@ TRL_WEIGHT_SYNC_PATHS = (
     "/finish_weight_update",
 )
 TRL_MULTIMODAL_PATHS = (f"{CHAT_PATH}/render", GENERATE_PATH)
+# vLLM's RL control routes, answered at the gateway's root (and under TRL_PREFIX) with the fleet's meaning
+# (rollfleet.gateway.vllm_api); with TRL_WORLD_SIZE_PATH and TRL_RESET_PREFIX_CACHE_PATH, vLLM's names.
+VLLM_PAUSE_PATH = "/pause"  # ?mode=abort|wait|keep: the fleet's pause
+VLLM_RESUME_PATH = "/resume"
+VLLM_IS_PAUSED_PATH = "/is_paused"
+VLLM_ABORT_REQUESTS_PATH = "/abort_requests"
+VLLM_WEIGHT_INFO_PATH = "/weight_info"
+VLLM_UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"  # answered 501: a fleet's versions come from its pushes
 
 REQUEST_ID_HEADER = "X-Request-Id"  # the caller's id: the key of abort, everywhere
 WEIGHT_VERSION_HEADER = "X-Rollfleet-Weight-Version"  # every weight version that produced the answer

@@ -46,6 +46,7 @@ from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
 from rollfleet.gateway.trl import trl_routes
 from rollfleet.gateway.upstream import UpstreamError
+from rollfleet.gateway.vllm_api import VllmControl, vllm_routes
 from rollfleet.kube import ApiError, Kube, load_client
 from rollfleet_client.protocol import (
     ABORT_PATH,
@@ -369,6 +370,7 @@ class _Gateway:
             HttpRoute("/health", self.health, methods=["GET"]),
             HttpRoute("/ready", self.ready, methods=["GET"]),
             HttpRoute("/metrics", self.metrics_endpoint, methods=["GET"]),
+            *vllm_routes(VllmControl(self)),
             *trl_routes(self),
         ]
 

@@ -118,6 +118,10 @@ class InFlightTable:
     def get(self, request_id: str) -> InFlight | None:
         return self._active.get(request_id)
 
+    def ids(self) -> list[str]:
+        """The ids in flight now."""
+        return list(self._active)
+
     def finished(self, request_id: str) -> Finished | None:
         return self._finished.get(request_id)
 

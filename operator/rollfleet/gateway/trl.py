@@ -9,24 +9,24 @@ TRL 1.16 (pinned in pyproject.toml; its client speaks `vllm serve`'s own routes)
   (abort by id, failover, deadline, metrics); their answers are put back together as vLLM
   answers a batch (prompt-major). The batch id is in flight too: aborting it, or the client
   leaving, stops every sample at its engine;
-- `GET /health` (200 while an engine is routable), `GET /get_world_size` (the engines' sum),
-  `POST /reset_prefix_cache` (on every routable engine);
+- `GET /health` (200 while an engine is routable);
 - `GET /v1/models` and `POST /v1/chat/completions`: the gateway's own (a conversation's n
   samples are one request);
-- 501, saying what to do instead, for vLLM's NCCL weight transfer (Rollfleet syncs weights
-  through its sync sidecar) and for multimodal features.
+- vLLM's control routes (`/get_world_size`, `/reset_prefix_cache`, the NCCL weight transfer's
+  501, ...): `vllm_api`'s, as at the gateway's root;
+- 501, saying what to do instead, for multimodal features.
 
 The translation (bodies in, bodies out) is pure. The endpoints use the gateway's own admission
 and proxy in-process (a sample is an ASGI request handed to its completions endpoint: no
-connection back to itself), and call engines for world size and prefix-cache reset.
+connection back to itself).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import orjson
 from starlette.requests import Request
@@ -34,12 +34,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as HttpRoute
 from starlette.types import Message, Receive, Scope
 
-from rollfleet.engine_client import EngineCallError, EngineRef
 from rollfleet.gateway.dialects import MAX_CHOICES, BadRequest, Json, Route
 from rollfleet.gateway.inflight import ABORT, InFlight, StopReason
-from rollfleet.gateway.proxy import ENGINE_HEADER, engine_ref, error_body
+from rollfleet.gateway.proxy import ENGINE_HEADER, error_body
 from rollfleet.gateway.refusal import Refused
-from rollfleet.gateway.registry import Engine
+from rollfleet.gateway.vllm_api import VllmControl, vllm_routes
 from rollfleet_client.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -51,20 +50,12 @@ from rollfleet_client.protocol import (
     TRL_MODELS_PATH,
     TRL_MULTIMODAL_PATHS,
     TRL_PREFIX,
-    TRL_RESET_PREFIX_CACHE_PATH,
-    TRL_WEIGHT_SYNC_PATHS,
-    TRL_WORLD_SIZE_PATH,
     WEIGHT_VERSION_HEADER,
 )
 
 if TYPE_CHECKING:
     from rollfleet.gateway.app import _Gateway
 
-WEIGHT_SYNC_HELP = (
-    "Rollfleet does not take weights from TRL over NCCL: it syncs weights through the fleet's sync sidecar. "
-    "Push the trainer's weights with rollfleet_client's SyncClient.push(state_dict, version=...) "
-    "(docs/weight-sync.md) instead of VLLMClient.init_communicator/update_named_params (docs/client.md, TRL)"
-)
 MULTIMODAL_HELP = (
     "multimodal prompts (TRL's image features) are not served through the Rollfleet gateway; "
     "send text or token-id prompts"
@@ -72,7 +63,6 @@ MULTIMODAL_HELP = (
 _TOKEN_ID = "token_id:"  # a logprob token asked for as an id (`return_tokens_as_token_ids`): `token_id:<id>`
 _PER_SAMPLE = ("prompt", "n", "stream", "stream_options", "request_id")  # set per sample, or not passed on
 _FORWARDED = (b"authorization", TIMEOUT_HEADER.lower().encode())  # a sample is admitted as its batch was
-T = TypeVar("T")
 
 
 # --- the translation (pure) ---------------------------------------------------------------
@@ -333,50 +323,8 @@ class _Trl:
             stop.set()
         return answer.status, answer.json()
 
-    async def world_size(self, request: Request) -> Response:
-        """vLLM's world size of the fleet as one server: its engines' own (tensor x data parallel), summed.
-
-        TRL uses it only to size the NCCL group of its weight transfer, which is refused (501) here.
-        """
-        try:
-            sizes = await self._each_engine(TRL_WORLD_SIZE_PATH, self.gateway.proxy.engines.world_size)
-        except Refused as refused:
-            return self.gateway.refuse(refused)
-        return JSONResponse({"world_size": sum(sizes.values())})
-
-    async def reset_prefix_cache(self, request: Request) -> Response:
-        """vLLM's answer, for the fleet: success when every routable engine reset its cache. A control call (every
-        caller's cache goes): the admin token, as the engines' own route asks."""
-        try:
-            self.gateway.authorize_admin(request.headers, request.url.path)
-            done = await self._each_engine(TRL_RESET_PREFIX_CACHE_PATH, self.gateway.proxy.engines.reset_prefix_cache)
-        except Refused as refused:
-            return self.gateway.refuse(refused)
-        return JSONResponse({"success": all(done.values()), "engines": done})
-
-    async def weight_sync(self, request: Request) -> Response:
-        return self.gateway.refuse(Refused(501, f"{request.url.path}: {WEIGHT_SYNC_HELP}"))
-
     async def multimodal(self, request: Request) -> Response:
         return self.gateway.refuse(Refused(501, f"{request.url.path}: {MULTIMODAL_HELP}"))
-
-    async def _each_engine(self, path: str, call: Callable[[EngineRef], Awaitable[T]]) -> dict[str, T]:
-        """`call` on every routable engine (the proxy's engine client, with the fleet's token), by engine."""
-        engines = [e for e in self.gateway.registry.routable() if e.url is not None]
-        if not engines:
-            raise Refused(503, f"{TRL_PREFIX}{path}: no routable engine (engines starting, syncing or draining)")
-
-        async def one(engine: Engine) -> T | EngineCallError:
-            try:
-                return await call(engine_ref(engine))
-            except EngineCallError as err:
-                return err
-
-        results = await asyncio.gather(*(one(e) for e in engines))
-        failed = [f"{r.engine.name}: {r.problem}" for r in results if isinstance(r, EngineCallError)]
-        if failed:
-            raise Refused(502, f"{TRL_PREFIX}{path} failed on " + "; ".join(failed))
-        return {e.key: r for e, r in zip(engines, results, strict=True) if not isinstance(r, EngineCallError)}
 
 
 def _headers(request_id: str, report: Json) -> dict[str, str]:
@@ -396,8 +344,7 @@ def trl_routes(gateway: _Gateway) -> list[HttpRoute]:
         HttpRoute(TRL_PREFIX + TRL_MODELS_PATH, gateway.models, methods=["GET"]),
         HttpRoute(TRL_PREFIX + COMPLETIONS_PATH, trl.completions, methods=["POST"]),
         HttpRoute(TRL_PREFIX + CHAT_PATH, gateway.generation(Route.CHAT), methods=["POST"]),
-        HttpRoute(TRL_PREFIX + TRL_WORLD_SIZE_PATH, trl.world_size, methods=["GET"]),
-        HttpRoute(TRL_PREFIX + TRL_RESET_PREFIX_CACHE_PATH, trl.reset_prefix_cache, methods=["POST"]),
-        *(HttpRoute(TRL_PREFIX + p, trl.weight_sync, methods=["GET", "POST"]) for p in TRL_WEIGHT_SYNC_PATHS),
+        # vLLM's control routes (world size, prefix-cache reset, the weight transfer's 501, ...), as at the root.
+        *vllm_routes(VllmControl(gateway), TRL_PREFIX),
         *(HttpRoute(TRL_PREFIX + p, trl.multimodal, methods=["POST"]) for p in TRL_MULTIMODAL_PATHS),
     ]
