@@ -338,11 +338,13 @@ class _Sequence:
 class Assembler:
     """Builds the one JSON response of a non-streaming client from client-dialect chunks."""
 
-    def __init__(self, route: Route, output_mode: str = "tokens") -> None:
+    def __init__(self, route: Route, output_mode: str = "tokens", n: int = 1) -> None:
         self.route = route
         self.output_mode = output_mode
+        self.n = n  # choices per prompt: choice i answers prompt i // n
         self.seqs: dict[int, _Sequence] = {}
         self.prompt_token_ids: list[int] | None = None
+        self.system_fingerprint: str | None = None  # vLLM's build and config (its last chunk says it)
 
     def reset(self) -> None:
         self.seqs.clear()
@@ -350,6 +352,8 @@ class Assembler:
     def add(self, chunk: Json) -> None:
         if self.route is not Route.COMPLETIONS and chunk.get("prompt_token_ids") and self.prompt_token_ids is None:
             self.prompt_token_ids = list(chunk["prompt_token_ids"])
+        if chunk.get("system_fingerprint"):
+            self.system_fingerprint = chunk["system_fingerprint"]
         for c in chunk.get("choices") or []:
             seq = self.seqs.setdefault(int(c.get("index", 0)), _Sequence())
             if self.route is Route.CHAT:
@@ -373,7 +377,12 @@ class Assembler:
                 seq.stop_reason = c.get("stop_reason")
 
     def response(self, tpl: Template, prompt_tokens: int | None, extra: Json) -> Json:
+        """The answer; `prompt_tokens` is the one prompt's length, where the choices do not say each prompt's."""
         completion_tokens = sum(len(s.token_ids) for s in self.seqs.values())
+        per_prompt = [s.prompt_token_ids for i, s in self.seqs.items() if i % self.n == 0]
+        if self.route is Route.COMPLETIONS and per_prompt and all(ids is not None for ids in per_prompt):
+            # Several prompts (a batch): vLLM counts each prompt's tokens once, whatever n.
+            prompt_tokens = sum(len(ids) for ids in per_prompt if ids is not None)
         usage = {
             "prompt_tokens": prompt_tokens or 0,
             "completion_tokens": completion_tokens,
@@ -399,6 +408,8 @@ class Assembler:
                 "choices": choices,
                 "usage": usage,
             }
+            if self.system_fingerprint is not None:
+                out["system_fingerprint"] = self.system_fingerprint
         if self.prompt_token_ids is not None:
             out["prompt_token_ids"] = self.prompt_token_ids
         out.update(extra)

@@ -321,7 +321,8 @@ class _Exchange:
         if req.body.get("stream"):
             self.writer = StreamWriter(send)
         else:
-            self.writer = JsonWriter(send, Assembler(req.route, req.body.get("output_mode", "tokens")))
+            per_prompt = int(req.body.get("n") or 1) if req.route is Route.COMPLETIONS else 1
+            self.writer = JsonWriter(send, Assembler(req.route, req.body.get("output_mode", "tokens"), per_prompt))
         self.attempts = 0
         self._closing: int | None = None  # index in the current batch of the chunk that ends the request
         self.continuation_refused = False

@@ -81,7 +81,7 @@ class VllmControl:
     async def pause(self, request: Request) -> Response:
         mode = parse_pause_mode(request.query_params.get("mode", "abort"))
         if mode is None:
-            return self._refuse(422, f"mode must be one of {list(PAUSE_MODES)}, got {request.query_params['mode']!r}")
+            return self._refuse(400, f"mode must be one of {list(PAUSE_MODES)}, got {request.query_params['mode']!r}")
         return await self._control(request, mode)
 
     async def resume(self, request: Request) -> Response:

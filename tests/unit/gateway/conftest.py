@@ -77,7 +77,7 @@ def serve_gateway(
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
         engines = [f"http://127.0.0.1:{p}" for p in ports] + list(engine_urls)
-        gateway = GatewayConfig(token=TOKEN, engines=engines, proxy=proxy, **config)
+        gateway = GatewayConfig(**{"token": TOKEN, **config}, engines=engines, proxy=proxy)
         async with serving(gateway, "127.0.0.1", gw_port):
             ready.set()
             await stop.wait()

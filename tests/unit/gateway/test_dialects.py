@@ -257,6 +257,18 @@ def test_closing_chunk_ends_open_choices_in_each_dialect() -> None:
     assert choice["text"] == "ab" and choice["finish_reason"] == "abort"
 
 
+def test_a_batch_answer_counts_each_prompts_tokens_once_and_says_vllms_fingerprint() -> None:
+    """As vLLM's own answer: usage.prompt_tokens sums the prompts (not n times each), and system_fingerprint (in
+    vLLM's last chunk of each choice) is kept."""
+    asm = Assembler(Route.COMPLETIONS, n=2)
+    for index, prompt in ((0, [1, 2, 3]), (1, [1, 2, 3]), (2, [4, 5]), (3, [4, 5])):
+        asm.add({"choices": [{"index": index, "text": "a", "token_ids": [9], "prompt_token_ids": prompt}]})
+    asm.add({"system_fingerprint": "vllm-x", "choices": [{"index": 3, "text": "", "finish_reason": "length"}]})
+    out = asm.response(TPL, 3, {})
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert out["system_fingerprint"] == "vllm-x"
+
+
 def test_json_deeper_than_the_limit_is_a_bad_request_not_a_server_error() -> None:
     """D8: 254-1023 levels parsed, then failed to serialize for the engine (a 500 with a traceback)."""
 
