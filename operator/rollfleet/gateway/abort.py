@@ -27,9 +27,11 @@ from rollfleet.gateway.inflight import ABORT, InFlight, StopReason
 from rollfleet.gateway.proxy import Proxy
 from rollfleet_engine.protocol import AbortStatus
 
+MAX_ABORT_IDS = 4096  # per call
+
 
 class GatewayAbortRequest(BaseModel):
-    request_ids: list[str] = Field(min_length=1, max_length=4096)
+    request_ids: list[str] = Field(min_length=1, max_length=MAX_ABORT_IDS)
     timeout_s: float = Field(default=10.0, gt=0, le=120)
 
 

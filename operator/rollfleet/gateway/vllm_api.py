@@ -143,6 +143,8 @@ class VllmControl:
         ids = body.get("request_ids") or gw.inflight.ids()
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             return self._refuse(400, "request_ids must be a list of request ids")
+        if len(ids) > abort_mod.MAX_ABORT_IDS:
+            return self._refuse(400, f"request_ids names {len(ids)} ids; at most {abort_mod.MAX_ABORT_IDS} per call")
         if ids:
             await abort_mod.abort(gw.proxy, ids, abort_mod.GatewayAbortRequest.model_fields["timeout_s"].default)
         return JSONResponse({"status": "aborted", "aborted": len(ids)})

@@ -112,7 +112,10 @@ def test_abort_requests_ends_requests_at_their_engines(gw: Stack, named: bool) -
     assert finish == {"vllm-abort-1": "abort", "vllm-abort-2": "abort" if not named else "length"}
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"request_ids": "one-id"}'])
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"[1, 2]", b'{"request_ids": "one-id"}', b'{"request_ids": [%b]}' % b",".join([b'"x"'] * 4097)],
+)
 def test_abort_requests_with_a_body_vllm_refuses_is_refused_and_stops_nothing(gw: Stack, body: bytes) -> None:
     r = httpx.post(gw.url + VLLM_ABORT_REQUESTS_PATH, content=body, headers=ADMIN, timeout=10)
     assert r.status_code == 400, r.text
