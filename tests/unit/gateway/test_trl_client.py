@@ -239,14 +239,16 @@ def test_chat_is_the_gateways_own_chat_route(gw: Fleet, client: VLLMClient) -> N
 
 def test_the_batchs_deadline_stops_every_sample_with_what_it_made(gw: Fleet) -> None:
     for sim in gw.sims:
-        sim.token_delay_ms = 5
+        sim.token_delay_ms = 5  # 25 s for 5,000 tokens: the deadline comes first
     started = time.monotonic()
+    # 3 s: on a loaded host (the tier's other worker, kind's image loads) a sample may wait a second for its
+    # engine before its first token; a 0.5 s deadline could end one with nothing made (seen in a CI run).
     r = httpx.post(
         gw.trl + COMPLETIONS_PATH,
         json={"prompt": [[1]], "n": 2, "max_tokens": 5000},
-        headers={TIMEOUT_HEADER: "0.5"},
+        headers={TIMEOUT_HEADER: "3"},
         timeout=30,
     )
-    assert r.status_code == 200 and time.monotonic() - started < 10
+    assert r.status_code == 200 and time.monotonic() - started < 15
     choices = r.json()["choices"]
     assert [c["finish_reason"] for c in choices] == ["abort", "abort"] and all(c["token_ids"] for c in choices)
