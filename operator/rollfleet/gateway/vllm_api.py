@@ -37,7 +37,7 @@ from starlette.routing import Route as HttpRoute
 
 from rollfleet.engine_client import EngineCallError, EngineRef
 from rollfleet.gateway import abort as abort_mod
-from rollfleet.gateway.control import NoSuchFleet, PushRunning, pause_done
+from rollfleet.gateway.control import CALLER_RE, NoSuchFleet, PushRunning, pause_done
 from rollfleet.gateway.proxy import engine_ref
 from rollfleet.gateway.refusal import Refused
 from rollfleet.gateway.registry import Engine
@@ -91,8 +91,10 @@ class VllmControl:
         gw = self.gateway
         try:
             gw.authorize_admin(request.headers, request.url.path)
+            caller = request.headers.get(CALLER_HEADER, CALLER)  # names the field manager: checked as a name
+            if not CALLER_RE.match(caller):
+                raise Refused(400, f"{CALLER_HEADER} must be 1-100 characters of [A-Za-z0-9._-]")
             if gw.control is not None:  # Kubernetes mode: the fleet's record, as kubectl annotate writes it
-                caller = request.headers.get(CALLER_HEADER, CALLER)
                 if mode is None:
                     state = await gw.control.resume(caller, CONTROL_WAIT_S)
                 else:

@@ -59,6 +59,13 @@ def test_a_pause_without_a_mode_is_vllms_default_abort_and_an_unknown_mode_is_re
         httpx.post(gw.url + VLLM_RESUME_PATH, headers=ADMIN, timeout=10)
 
 
+def test_a_caller_name_that_is_not_a_name_is_refused_before_anything_pauses(gw: Stack) -> None:
+    headers = {**ADMIN, "X-Rollfleet-Caller": "../../x y"}
+    r = httpx.post(gw.url + VLLM_PAUSE_PATH, params={"mode": "keep"}, headers=headers, timeout=10)
+    assert r.status_code == 400 and "X-Rollfleet-Caller" in r.text, r.text
+    assert [sim.pause_mode for sim in gw.sims] == [None, None]
+
+
 @pytest.mark.parametrize(
     ("path", "params"),
     [(VLLM_PAUSE_PATH, {"mode": "keep"}), (VLLM_RESUME_PATH, {}), (VLLM_ABORT_REQUESTS_PATH, {})],
