@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope
 
 from rollfleet.contract import PAUSE_MODES, PauseMode, parse_pause_mode
 from rollfleet.gateway import abort as abort_mod
-from rollfleet.gateway.control import CALLER_RE, FleetControl, NoSuchFleet, PushRunning, pause_done
+from rollfleet.gateway.control import FleetControl, NoSuchFleet, PushRunning, caller_name, pause_done
 from rollfleet.gateway.dialects import BadRequest, Route, check_depth, validate
 from rollfleet.gateway.httpserver import Client, Direct, HttpServer, Limits, Send
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable, StopReason
@@ -50,7 +50,6 @@ from rollfleet.gateway.vllm_api import VllmControl, vllm_routes
 from rollfleet.kube import ApiError, Kube, load_client
 from rollfleet_client.protocol import (
     ABORT_PATH,
-    CALLER_HEADER,
     FLEET_PATH,
     FLEET_PAUSE_PATH,
     FLEET_RESUME_PATH,
@@ -399,9 +398,7 @@ class _ControlAsk:
         wait_s = body.get("wait_s", 0)
         if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s <= MAX_CONTROL_WAIT_S:
             raise Refused(400, f"wait_s must be a number of seconds in [0, {MAX_CONTROL_WAIT_S}], got {wait_s!r}")
-        caller = request.headers.get(CALLER_HEADER, "anonymous")
-        if not CALLER_RE.match(caller):
-            raise Refused(400, f"{CALLER_HEADER} must be 1-100 characters of [A-Za-z0-9._-]")
+        caller = caller_name(request.headers, "anonymous")
         return cls(mode, caller, float(wait_s))
 
 

@@ -27,12 +27,24 @@ from rollfleet.contract import (
     weights_record_name,
 )
 from rollfleet.errors import RollfleetError
+from rollfleet.gateway.refusal import Refused
 from rollfleet.kube import CONFIG_MAP, FLEET, Kube, NotFound
 from rollfleet.sync.protocol import decode_record
 from rollfleet_client.models import EngineState, FleetState, PauseState
-from rollfleet_client.protocol import CALLER_MANAGER_PREFIX
+from rollfleet_client.protocol import CALLER_HEADER, CALLER_MANAGER_PREFIX
 
 CALLER_RE = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+
+
+def caller_name(headers: Mapping[str, str], default: str) -> str:
+    """Who asks for a pause or resume (X-Rollfleet-Caller, else `default`): it names the field manager, so it must
+    be a name; Refused 400 otherwise."""
+    caller = headers.get(CALLER_HEADER, default)
+    if not CALLER_RE.match(caller):
+        raise Refused(400, f"{CALLER_HEADER} must be 1-100 characters of [A-Za-z0-9._-]")
+    return caller
+
+
 _POLL_S = 0.25
 
 

@@ -37,14 +37,13 @@ from starlette.routing import Route as HttpRoute
 
 from rollfleet.engine_client import EngineCallError, EngineRef
 from rollfleet.gateway import abort as abort_mod
-from rollfleet.gateway.control import CALLER_RE, NoSuchFleet, PushRunning, pause_done
+from rollfleet.gateway.control import NoSuchFleet, PushRunning, caller_name, pause_done
 from rollfleet.gateway.proxy import engine_ref
 from rollfleet.gateway.refusal import Refused
 from rollfleet.gateway.registry import Engine
 from rollfleet.kube import ApiError
 from rollfleet_client.models import FleetState
 from rollfleet_client.protocol import (
-    CALLER_HEADER,
     TRL_RESET_PREFIX_CACHE_PATH,
     TRL_WEIGHT_SYNC_PATHS,
     TRL_WORLD_SIZE_PATH,
@@ -91,9 +90,7 @@ class VllmControl:
         gw = self.gateway
         try:
             gw.authorize_admin(request.headers, request.url.path)
-            caller = request.headers.get(CALLER_HEADER, CALLER)  # names the field manager: checked as a name
-            if not CALLER_RE.match(caller):
-                raise Refused(400, f"{CALLER_HEADER} must be 1-100 characters of [A-Za-z0-9._-]")
+            caller = caller_name(request.headers, CALLER)
             if gw.control is not None:  # Kubernetes mode: the fleet's record, as kubectl annotate writes it
                 if mode is None:
                     state = await gw.control.resume(caller, CONTROL_WAIT_S)
