@@ -25,15 +25,18 @@ from starlette.routing import Route
 
 from e2e.provider import Cluster, wait_for
 from rollfleet import jsonl
+from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import (
     ANNOTATION_PAUSE,
     ANNOTATION_RESUME,
     ENGINE_PORT,
     REQUEST_ID_HEADER,
     STATE_PATH,
+    SYNC_HEALTH_PORT,
     inference_secret_name,
     secret_name,
     secret_token,
+    trainer_name,
 )
 from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
@@ -184,14 +187,14 @@ class Fleet:
 
         return self.wait(ready, f"Ready with {replicas} engines", timeout)
 
-    def pods(self) -> list[dict[str, Any]]:
+    def pods(self, component: str = "engine") -> list[dict[str, Any]]:
         out = self.cluster.kubectl(
             "-n",
             self.namespace,
             "get",
             "pods",
             "-l",
-            f"rollfleet.dev/fleet={self.name},app.kubernetes.io/component=engine",
+            f"rollfleet.dev/fleet={self.name},app.kubernetes.io/component={component}",
             "-o",
             "json",
         )
@@ -430,3 +433,52 @@ def _signal_on_kind_node(pod: Any, container: str, sig: signal.Signals) -> None:
 
 def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
     signal_container(cluster, namespace, pod, "engine")
+
+
+SIDECAR_MODELS = "/models/tiny"  # the tiny model's directory, mounted into the sidecar pod (push_dir reads it)
+
+
+def sync_sidecar_pod(fleet: str, ns: str, pod: str) -> dict[str, Any]:
+    """The documented sidecar (manifests/sync/trainer-job.yaml) of `fleet` in a plain pod named `pod`, its API on
+    every address (not localhost only) for the test, which drives it from outside the pod, or for a trainer
+    outside the cluster."""
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    args = ["sync", f"--fleet={fleet}", "--namespace=$(POD_NAMESPACE)", "--weights-host=$(POD_IP)"]
+    args += ["--host=0.0.0.0", "--spool-dir=/var/lib/rollfleet-sync", "--reconcile-interval=0.5"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        # The labels the fleet's NetworkPolicy admits to the engines.
+        "metadata": {
+            "name": pod,
+            "namespace": ns,
+            "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": fleet},
+        },
+        "spec": {
+            "serviceAccountName": trainer_name(fleet),  # made by the operator with the fleet
+            "containers": [
+                {
+                    "name": "rollfleet-sync",
+                    "image": DEFAULT_ROLLFLEET_IMAGE,
+                    "args": args,
+                    "env": env,
+                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": SYNC_HEALTH_PORT}, "periodSeconds": 1},
+                    "volumeMounts": [
+                        {"name": "fleet-token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True},
+                        {"name": "sync-spool", "mountPath": "/var/lib/rollfleet-sync"},
+                        {"name": "models", "mountPath": SIDECAR_MODELS, "readOnly": True},
+                    ],
+                },
+                # Stands in for the trainer (the test process drives the sidecar): any image with `sleep`.
+                {"name": "trainer", "image": DEFAULT_ROLLFLEET_IMAGE, "command": ["sleep", "86400"]},
+            ],
+            "volumes": [
+                {"name": "fleet-token", "secret": {"secretName": secret_name(fleet)}},
+                {"name": "sync-spool", "emptyDir": {"medium": "Memory"}},
+                {"name": "models", "hostPath": {"path": NODE_MODEL_DIR, "type": "Directory"}},
+            ],
+        },
+    }

@@ -1,4 +1,5 @@
-"""The GRPO example (examples/grpo_tiny) end to end: a trainer pod trains against REAL vLLM engines.
+"""The GRPO examples end to end against REAL vLLM engines: examples/grpo_tiny (a trainer pod on
+rollfleet_client) and examples/trl_grpo (TRL's own GRPOTrainer, in its own virtualenv, outside the cluster).
 
 The example's own manifests: its fleet (2 engines) and its trainer pod (train.py from a ConfigMap,
 next to the sync sidecar, as the fleet's trainer ServiceAccount), run for a bounded number of
@@ -10,7 +11,9 @@ running on any engine at the end (the engines' own trackers).
 
 from __future__ import annotations
 
+import itertools
 import json
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +23,15 @@ import httpx
 import pytest
 import yaml
 
-from e2e.fleet_helpers import Fleet, deploy_operator
+from e2e.fleet_helpers import REPO, Fleet, deploy_operator, sync_sidecar_pod
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import ENGINE_PORT, REQUESTS_PATH
+from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, REQUESTS_PATH, SYNC_API_PORT
+from rollfleet_engine.tiny_model import ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_tiny"
+EXAMPLE = REPO / "examples" / "grpo_tiny"
+TRL_EXAMPLE = REPO / "examples" / "trl_grpo"
 NS = f"grpo-e2e-{uuid.uuid4().hex[:6]}"
 STEPS = 5
 MAX_STALENESS = 2
@@ -86,7 +91,69 @@ def test_grpo_trains_against_the_fleet_and_leaves_nothing_running(cluster: Clust
     assert st["weightVersion"] == f"grpo-{STEPS}" and {e["weightVersion"] for e in st["engines"]} == {
         st["weightVersion"]
     }
-    for engine in st["engines"]:
+    nothing_running(cluster, fleet)
+
+
+def nothing_running(cluster: Cluster, fleet: Fleet) -> None:
+    """No request left on any engine of the fleet (the engines' own trackers)."""
+    for engine in fleet.status()["engines"]:
         with cluster.reach(NS, engine["name"], ENGINE_PORT) as url:
             running = httpx.get(url + REQUESTS_PATH, timeout=10).raise_for_status().json()["in_flight"]
         assert running == [], f"{engine['name']} still runs {running}"
+
+
+@pytest.fixture(scope="module")
+def trl_env() -> Path:
+    """TRL's own virtualenv (released TRL, rollfleet-client, no vLLM), made by the project's script."""
+    out = subprocess.run(
+        [str(REPO / "hack" / "framework-env.sh"), "trl"], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
+    cluster: Cluster, fleet: Fleet, trl_env: Path, tmp_path: Path
+) -> None:
+    python = str(trl_env / "bin" / "python")
+    assert subprocess.run([python, "-c", "import vllm"], capture_output=True, check=False).returncode != 0
+    # One sidecar per fleet pushes: the GRPO example's trainer pod (and its sidecar) goes first.
+    cluster.kubectl("-n", NS, "delete", "pod", "grpo-tiny-trainer", "--ignore-not-found", "--wait=true", timeout=120)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(fleet.name, NS, "trl-sync")))
+    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", "pod/trl-sync", "--timeout=120s", timeout=130)
+    token = tmp_path / "token"
+    token.write_text(fleet.admin_token())
+    gateway = fleet.pods("gateway")[0]["metadata"]["name"]
+    with cluster.reach(NS, gateway, GATEWAY_PORT) as gateway_url, cluster.reach(NS, "trl-sync", SYNC_API_PORT) as sync:
+        run = subprocess.run(
+            [
+                *(python, str(TRL_EXAMPLE / "train.py"), "--gateway-url", gateway_url, "--sync-url", sync),
+                *("--token-file", str(token), "--model-dir", str(ensure_tiny_model()), "--steps", str(STEPS)),
+                *("--output-dir", str(tmp_path / "out")),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    steps = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"step"')]
+    print("\n".join(json.dumps(s) for s in steps))
+
+    assert [s["step"] for s in steps] == list(range(STEPS + 1))  # step 0: the starting weights, pushed
+    # The policy learns the toy task from the fleet's samples.
+    rewards = [s["reward"] for s in steps[1:]]
+    assert rewards[-1] > rewards[0] + 0.1, rewards
+    # Every push moved the fleet one generation on, and each step's samples came from the weights pushed
+    # after the step before: on-policy, by version and by the fleet's generation number.
+    first = steps[0]["generation"]
+    assert [s["generation"] for s in steps] == list(range(first, first + STEPS + 1))
+    for before, step in itertools.pairwise(steps):
+        assert step["samples"] == 16, step
+        assert step["sample_versions"] == [before["version"]], step
+        assert step["sample_generations"] == [before["generation"]], step
+
+    st = fleet.status()
+    assert st["weightVersion"] == f"trl-{STEPS}", st
+    assert {e["weightVersion"] for e in st["engines"]} == {st["weightVersion"]}
+    nothing_running(cluster, fleet)

@@ -19,11 +19,18 @@ import httpx
 import pytest
 from tests.engine.test_engine_live import _reference_greedy
 
-from e2e.fleet_helpers import OPERATOR_NS, Fleet, Stream, kill_engine_process, signal_container
+from e2e.fleet_helpers import (
+    OPERATOR_NS,
+    SIDECAR_MODELS,
+    Fleet,
+    Stream,
+    kill_engine_process,
+    signal_container,
+    sync_sidecar_pod,
+)
 from e2e.live_fleet import INITIAL_VERSION, NAME, LiveFleet
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.admission import POLICY_NAME
-from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import (
     ANNOTATION_RESUME,
     OPERATOR_KEY_SECRET,
@@ -32,7 +39,6 @@ from rollfleet.contract import (
     RECORD_WEIGHT_VERSION,
     ROUTABLE_PHASES,
     SYNC_API_PORT,
-    SYNC_HEALTH_PORT,
     engine_pod_name,
     engine_sa_name,
     gateway_name,
@@ -43,12 +49,11 @@ from rollfleet.contract import (
 from rollfleet.sync.protocol import PushPhase, WeightsRef, decode_record
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState
-from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR, ensure_tiny_model
+from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.alters_live]
 
 TRAINER = "trainer"
-MODELS = "/models/tiny"  # the tiny model's directory, mounted into the trainer pod (push_dir reads it)
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
 ROLLOUT_TOKENS = 1500
@@ -73,54 +78,9 @@ def weights_record(cluster: Cluster, ns: str) -> dict[str, str]:
     return dict(json.loads(out).get("data") or {})
 
 
-def trainer_pod(ns: str) -> dict[str, Any]:
-    """The documented sidecar (manifests/sync/trainer-job.yaml) in a plain pod, its API on every address (not
-    localhost only) for the test, which drives it from outside the pod."""
-    env = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    ]
-    args = ["sync", f"--fleet={NAME}", "--namespace=$(POD_NAMESPACE)", "--weights-host=$(POD_IP)"]
-    args += ["--host=0.0.0.0", "--spool-dir=/var/lib/rollfleet-sync", "--reconcile-interval=0.5"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        # The labels the fleet's NetworkPolicy admits to the engines.
-        "metadata": {
-            "name": TRAINER,
-            "namespace": ns,
-            "labels": {"app.kubernetes.io/component": "trainer", "rollfleet.dev/fleet": NAME},
-        },
-        "spec": {
-            "serviceAccountName": trainer_name(NAME),  # made by the operator with the fleet
-            "containers": [
-                {
-                    "name": "rollfleet-sync",
-                    "image": DEFAULT_ROLLFLEET_IMAGE,
-                    "args": args,
-                    "env": env,
-                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": SYNC_HEALTH_PORT}, "periodSeconds": 1},
-                    "volumeMounts": [
-                        {"name": "fleet-token", "mountPath": "/var/run/secrets/rollfleet", "readOnly": True},
-                        {"name": "sync-spool", "mountPath": "/var/lib/rollfleet-sync"},
-                        {"name": "models", "mountPath": MODELS, "readOnly": True},
-                    ],
-                },
-                # Stands in for the trainer (the test process drives the sidecar): any image with `sleep`.
-                {"name": "trainer", "image": DEFAULT_ROLLFLEET_IMAGE, "command": ["sleep", "86400"]},
-            ],
-            "volumes": [
-                {"name": "fleet-token", "secret": {"secretName": secret_name(NAME)}},
-                {"name": "sync-spool", "emptyDir": {"medium": "Memory"}},
-                {"name": "models", "hostPath": {"path": NODE_MODEL_DIR, "type": "Directory"}},
-            ],
-        },
-    }
-
-
 @pytest.fixture(scope="module")
 def sync(cluster: Cluster, fleet: Fleet, live_ns: str) -> Iterator[SyncClient]:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(trainer_pod(live_ns)))
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(NAME, live_ns, TRAINER)))
     cluster.kubectl("-n", live_ns, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
     try:
         with cluster.reach(live_ns, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
@@ -243,7 +203,7 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
         # Engines decode at uneven speeds on a loaded machine: one may finish before the push starts.
         assert not all(r.done.is_set() for r in rollouts)
 
-        status = sync.push_dir(f"{MODELS}/{WEIGHTS_B_DIR}", "b-1")
+        status = sync.push_dir(f"{SIDECAR_MODELS}/{WEIGHTS_B_DIR}", "b-1")
 
         assert status.state is PushState.DONE
         assert status.pause_window_s is not None and status.pause_window_s > 0
@@ -263,7 +223,7 @@ def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the
     cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
     auth = fleet.inference()  # generation at the engines asks for the fleet's inference token
-    started = sync.push_dir(MODELS, "a-2", wait=False)
+    started = sync.push_dir(SIDECAR_MODELS, "a-2", wait=False)
     kill_engine_process(cluster, live_ns, ENGINES[1])  # its container restarts on the image's weights (A, label "A")
     status = sync.wait(started.generation, timeout_s=120)
     assert status.state is PushState.DONE
@@ -292,7 +252,7 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
     weights_of = {"a-2": A, "b-3": "B"}  # the fleet serves a-2 (set A) after the previous test
     signal_container(cluster, live_ns, ENGINES[1], "engine", signal.SIGSTOP)  # the push waits on it
     try:
-        started = sync.push_dir(f"{MODELS}/{WEIGHTS_B_DIR}", "b-3", wait=False)
+        started = sync.push_dir(f"{SIDECAR_MODELS}/{WEIGHTS_B_DIR}", "b-3", wait=False)
         # Engine 0 has staged b-3 (prefetch, while serving); the sidecar still waits on engine 1's staging.
         wait_for(
             lambda: any(
