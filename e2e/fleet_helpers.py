@@ -482,3 +482,13 @@ def sync_sidecar_pod(fleet: str, ns: str, pod: str) -> dict[str, Any]:
             ],
         },
     }
+
+
+def framework_env(name: str) -> Path:
+    """An RL framework's own virtualenv (the released framework, rollfleet-client, no vLLM), made by the
+    project's script (docs/frameworks.md); its root."""
+    out = subprocess.run(
+        [str(REPO / "hack" / "framework-env.sh"), name], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return Path(out.stdout.strip().splitlines()[-1])

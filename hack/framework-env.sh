@@ -2,7 +2,7 @@
 # An RL framework's own virtualenv (docs/frameworks.md): the framework's released version and
 # rollfleet-client, and no vLLM, as a trainer's environment is. Prints the environment's path.
 #
-#   hack/framework-env.sh trl
+#   hack/framework-env.sh trl|verl|skyrl
 #
 # Cached by the framework's version beside the shared environment (hack/bootstrap.sh): a
 # hard-linked copy of it (torch and the rest, no download, no extra disk) with vLLM removed
@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 
 case "${1:-}" in
   trl) spec="trl==1.16.0" ;;
-  *) echo "usage: $0 trl   (the framework whose environment to make)" >&2; exit 2 ;;
+  verl) spec="verl==0.9.1" ;;
+  skyrl) spec="skyrl==0.3.0" ;;
+  *) echo "usage: $0 trl|verl|skyrl   (the framework whose environment to make)" >&2; exit 2 ;;
 esac
 name=$1
 log() { echo "[framework-env] $*" >&2; }

@@ -1,5 +1,6 @@
-"""The GRPO examples end to end against REAL vLLM engines: examples/grpo_tiny (a trainer pod on
-rollfleet_client) and examples/trl_grpo (TRL's own GRPOTrainer, in its own virtualenv, outside the cluster).
+"""The examples end to end against REAL vLLM engines, on one fleet: examples/grpo_tiny (a trainer pod on
+rollfleet_client), then examples/trl_grpo (TRL's own GRPOTrainer) and examples/verl_rollout (verl's own
+AgentLoopManager), each in the framework's own virtualenv, outside the cluster.
 
 The example's own manifests: its fleet (2 engines) and its trainer pod (train.py from a ConfigMap,
 next to the sync sidecar, as the fleet's trainer ServiceAccount), run for a bounded number of
@@ -23,15 +24,18 @@ import httpx
 import pytest
 import yaml
 
-from e2e.fleet_helpers import REPO, Fleet, deploy_operator, sync_sidecar_pod
+from e2e.fleet_helpers import REPO, Fleet, deploy_operator, framework_env, sync_sidecar_pod
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, REQUESTS_PATH, SYNC_API_PORT
+from rollfleet_client.protocol import ABORT_PATH, FLEET_PATH
 from rollfleet_engine.tiny_model import ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
 EXAMPLE = REPO / "examples" / "grpo_tiny"
 TRL_EXAMPLE = REPO / "examples" / "trl_grpo"
+VERL_EXAMPLE = REPO / "examples" / "verl_rollout"
+VERL_LONG = 3000  # tokens of the sample aborted mid-way: it runs for seconds on the tiny engines
 NS = f"grpo-e2e-{uuid.uuid4().hex[:6]}"
 STEPS = 5
 MAX_STALENESS = 2
@@ -94,28 +98,24 @@ def test_grpo_trains_against_the_fleet_and_leaves_nothing_running(cluster: Clust
     nothing_running(cluster, fleet)
 
 
-def nothing_running(cluster: Cluster, fleet: Fleet) -> None:
-    """No request left on any engine of the fleet (the engines' own trackers)."""
+def running(cluster: Cluster, fleet: Fleet) -> dict[str, list[str]]:
+    """The request ids each engine of the fleet runs now (the engines' own trackers)."""
+    out = {}
     for engine in fleet.status()["engines"]:
         with cluster.reach(NS, engine["name"], ENGINE_PORT) as url:
-            running = httpx.get(url + REQUESTS_PATH, timeout=10).raise_for_status().json()["in_flight"]
-        assert running == [], f"{engine['name']} still runs {running}"
+            in_flight = httpx.get(url + REQUESTS_PATH, timeout=10).raise_for_status().json()["in_flight"]
+        out[engine["name"]] = [r["request_id"] for r in in_flight]
+    return out
 
 
-@pytest.fixture(scope="module")
-def trl_env() -> Path:
-    """TRL's own virtualenv (released TRL, rollfleet-client, no vLLM), made by the project's script."""
-    out = subprocess.run(
-        [str(REPO / "hack" / "framework-env.sh"), "trl"], capture_output=True, text=True, timeout=900, check=False
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return Path(out.stdout.strip().splitlines()[-1])
+def nothing_running(cluster: Cluster, fleet: Fleet) -> None:
+    assert not any(running(cluster, fleet).values()), running(cluster, fleet)
 
 
 def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
-    cluster: Cluster, fleet: Fleet, trl_env: Path, tmp_path: Path
+    cluster: Cluster, fleet: Fleet, tmp_path: Path
 ) -> None:
-    python = str(trl_env / "bin" / "python")
+    python = str(framework_env("trl") / "bin" / "python")
     assert subprocess.run([python, "-c", "import vllm"], capture_output=True, check=False).returncode != 0
     # One sidecar per fleet pushes: the GRPO example's trainer pod (and its sidecar) goes first.
     cluster.kubectl("-n", NS, "delete", "pod", "grpo-tiny-trainer", "--ignore-not-found", "--wait=true", timeout=120)
@@ -156,4 +156,60 @@ def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
     st = fleet.status()
     assert st["weightVersion"] == f"trl-{STEPS}", st
     assert {e["weightVersion"] for e in st["engines"]} == {st["weightVersion"]}
+    nothing_running(cluster, fleet)
+
+
+def fleet_state(gateway_url: str, token: str) -> dict[str, Any]:
+    r = httpx.get(gateway_url + FLEET_PATH, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    return dict(r.raise_for_status().json())
+
+
+def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
+    cluster: Cluster, fleet: Fleet, tmp_path: Path
+) -> None:
+    python = str(framework_env("verl") / "bin" / "python")
+    assert subprocess.run([python, "-c", "import vllm"], capture_output=True, check=False).returncode != 0
+    token = tmp_path / "token"
+    token.write_text(fleet.admin_token())
+    gateway = fleet.pods("gateway")[0]["metadata"]["name"]
+
+    def verl_generate(url: str, *args: str) -> subprocess.Popen[str]:
+        command = [python, str(VERL_EXAMPLE / "generate.py"), "--gateway-url", url, "--token-file", str(token)]
+        command += ["--model-dir", str(ensure_tiny_model()), *args]
+        return subprocess.Popen(command, cwd=VERL_EXAMPLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def samples(proc: subprocess.Popen[str]) -> list[dict[str, Any]]:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (out + err)[-4000:]
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    with cluster.reach(NS, gateway, GATEWAY_PORT) as url:
+        state = fleet_state(url, fleet.admin_token())
+        assert state["weight_generation"] is not None, state  # the examples before pushed weights
+
+        batch = samples(verl_generate(url, "--prompts", "2", "--samples", "2"))
+        assert len(batch) == 4 and len({s["request_id"] for s in batch}) == 4, batch
+        for s in batch:
+            assert 0 < s["response_tokens"] <= 16 and s["logprobs"] == s["response_tokens"], s
+            # verl's weight step is the fleet's generation; the versions behind the tokens, the fleet's.
+            assert s["global_steps"] == state["weight_generation"], (s, state)
+            assert s["weight_versions"] == [state["weight_version"]] and s["submissions"] == 1, s
+
+        # One long sample, named det-0 by verl: aborted at the gateway once it runs, it comes back aborted with
+        # its tokens, and verl resubmits prompt + tokens until it has all it asked for.
+        long_args = ["--prompts", "1", "--samples", "1", "--response-length", str(VERL_LONG), "--ignore-eos"]
+        proc = verl_generate(url, *long_args, "--deterministic-ids")
+        wait_for(
+            lambda: any("det-0" in ids for ids in running(cluster, fleet).values()), timeout=180, what="det-0 runs"
+        )
+        r = httpx.post(
+            url + ABORT_PATH,
+            json={"request_ids": ["det-0"]},
+            headers={"Authorization": f"Bearer {fleet.admin_token()}"},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["results"]["det-0"] == "aborted", r.text
+        (long,) = samples(proc)
+    assert long["request_id"] == "det-0" and long["submissions"] == 2, long
+    assert long["response_tokens"] == VERL_LONG and long["logprobs"] == VERL_LONG, long
     nothing_running(cluster, fleet)

@@ -1,0 +1,136 @@
+"""verl's rollouts on a RolloutFleet: an ``LLMServerClient`` that generates through the fleet's gateway.
+
+verl's agent loops (``AgentLoopManager``) call ``llm_client.generate(request_id, prompt_ids=...,
+sampling_params=...)`` and expect a ``TokenOutput``. ``RollfleetLLMServerClient`` answers that call
+with one gateway request (``rollfleet_client``): token ids in, token ids and logprobs out, the
+request id verl chose as the fleet's request id, so ``POST /v1/abort`` (or
+``AsyncRolloutClient.abort``) stops exactly that sample at its engine. An aborted request comes
+back with the tokens it made and ``stop_reason="aborted"``; verl's own ``FullyAsyncLLMServerClient``
+loop, which this class inherits, then resubmits prompt plus those tokens, so the sample
+completes from where it stopped. ``extra_fields`` carry the fleet's weight generation as
+``global_steps`` (verl's name for the policy version), the weight versions behind the tokens,
+the request id and how many submissions the sample took.
+
+Ray ships the client to its agent-loop workers by pickling: the HTTP client is made in the
+process that uses it. Needs verl and rollfleet-client, not vLLM (``hack/framework-env.sh verl``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
+from verl.workers.rollout.replica import TokenOutput
+
+from rollfleet_client import AsyncRolloutClient, Generation, RequestIdInUse
+
+# verl's sampling parameters that vLLM's completions route takes as they are.
+_PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
+# The gateway refuses an id while a request under it runs: verl resubmits an aborted sample under
+# its id, and the abort's end may still be on its way there.
+_ID_RETRY_S, _ID_RETRIES = 0.2, 50
+
+
+def vllm_sampling(sampling_params: dict[str, Any]) -> dict[str, Any]:
+    """verl's sampling parameters as the completions route's: ``logprobs`` True is the sampled token's."""
+    out = {k: sampling_params[k] for k in _PASSED if sampling_params.get(k) is not None}
+    if "max_new_tokens" in sampling_params and "max_tokens" not in out:
+        out["max_tokens"] = sampling_params["max_new_tokens"]
+    logprobs = sampling_params.get("logprobs")
+    if logprobs is not None and logprobs is not False:
+        out["logprobs"] = 0 if logprobs is True else int(logprobs)
+    return out
+
+
+def token_output(g: Generation) -> TokenOutput:
+    """A gateway answer as verl's ``TokenOutput``: aborted (with its partial tokens) or completed."""
+    return TokenOutput(
+        token_ids=g.token_ids,
+        log_probs=g.logprobs,
+        stop_reason="aborted" if g.finish_reason == "abort" else "completed",
+        extra_fields={"global_steps": g.weight_generations[-1] if g.weight_generations else None},
+    )
+
+
+class _GatewayRequest(LLMServerClient):
+    """One generation, one gateway request: what verl's base client does with a Ray server handle."""
+
+    def __init__(
+        self,
+        config: Any,
+        gateway_url: str,
+        model: str,
+        token: str | None = None,
+        sampling: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(config=config, load_balancer_handle=None, **kwargs)
+        self.gateway_url, self.model, self.token = gateway_url, model, token
+        self.sampling = dict(sampling or {})  # added to every request's (vLLM's names: ignore_eos, ...)
+        self._client: AsyncRolloutClient | None = None
+        self._submissions: dict[str, list[Generation]] = {}  # per request id: its answers so far
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None}  # an HTTP client does not cross processes
+
+    def client(self) -> AsyncRolloutClient:
+        if self._client is None:
+            self._client = AsyncRolloutClient(self.gateway_url, model=self.model, token=self.token)
+        return self._client
+
+    async def generate(  # type: ignore[override]
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        **_: Any,  # mm_processor_kwargs, priority: nothing the gateway takes
+    ) -> TokenOutput:
+        if image_data is not None or video_data is not None or audio_data is not None:
+            raise NotImplementedError("multimodal rollouts: the gateway's token route takes text token ids only")
+        params = self.sampling | vllm_sampling(sampling_params)
+        for _ in range(_ID_RETRIES):
+            try:
+                g = await self.client().generate(list(prompt_ids), request_id=request_id, **params)
+                self._submissions.setdefault(request_id, []).append(g)
+                return token_output(g)
+            except RequestIdInUse:
+                await asyncio.sleep(_ID_RETRY_S)  # the id's previous request is still ending
+        raise RequestIdInUse(f"request id {request_id} stayed in use for {_ID_RETRY_S * _ID_RETRIES:.0f} s")
+
+
+class RollfleetLLMServerClient(FullyAsyncLLMServerClient, _GatewayRequest):
+    """verl's resubmitting client (an aborted sample continues from its tokens) over the fleet's gateway.
+
+    ``RollfleetLLMServerClient(config, gateway_url, model="tiny", token=...)``; pass it to
+    ``AgentLoopManager.create(config, llm_client=...)``. ``sampling``: vLLM sampling parameters that verl's
+    config has no setting for, added to every request (``{"ignore_eos": True}``).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        gateway_url: str,
+        model: str,
+        token: str | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> None:
+        _GatewayRequest.__init__(self, config, gateway_url, model, token, sampling)
+        self._only_hybrid = False
+
+    async def generate(self, request_id: str, **kwargs: Any) -> TokenOutput:  # type: ignore[override]
+        """verl's loop over submissions (resubmitting an aborted sample with its tokens); the sample's answer
+        says how many submissions it took and every weight version behind its tokens."""
+        self._submissions[request_id] = []
+        try:
+            out: TokenOutput = await super().generate(request_id, **kwargs)
+        finally:
+            answers = self._submissions.pop(request_id, [])
+        out.extra_fields["rollfleet_request_id"] = request_id
+        out.extra_fields["rollfleet_submissions"] = len(answers)
+        out.extra_fields["weight_versions"] = list(dict.fromkeys(v for g in answers for v in g.weight_versions))
+        return out
