@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 EXAMPLE = REPO / "examples" / "grpo_tiny"
 TRL_EXAMPLE = REPO / "examples" / "trl_grpo"
 VERL_EXAMPLE = REPO / "examples" / "verl_rollout"
-VERL_LONG = 3000  # tokens of the sample aborted mid-way: it runs for seconds on the tiny engines
+VERL_LONG = 1500  # tokens of the sample aborted mid-way: seconds on the tiny engines
+SKYRL_EXAMPLE = REPO / "examples" / "skyrl_remote"
+SKYRL_LONG = 1500  # tokens of the requests that SkyRL's pauses meet mid-way
 NS = f"grpo-e2e-{uuid.uuid4().hex[:6]}"
 STEPS = 5
 MAX_STALENESS = 2
@@ -108,6 +110,16 @@ def running(cluster: Cluster, fleet: Fleet) -> dict[str, list[str]]:
     return out
 
 
+def framework(fleet: Fleet, name: str, tmp: Path) -> tuple[str, Path, str]:
+    """The framework's own environment's interpreter (no vLLM there), the fleet's admin token in a file, and a
+    gateway pod of the fleet."""
+    python = str(framework_env(name) / "bin" / "python")
+    assert subprocess.run([python, "-c", "import vllm"], capture_output=True, check=False).returncode != 0
+    token = tmp / "token"
+    token.write_text(fleet.admin_token())
+    return python, token, fleet.pods("gateway")[0]["metadata"]["name"]
+
+
 def nothing_running(cluster: Cluster, fleet: Fleet) -> None:
     assert not any(running(cluster, fleet).values()), running(cluster, fleet)
 
@@ -115,15 +127,11 @@ def nothing_running(cluster: Cluster, fleet: Fleet) -> None:
 def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
     cluster: Cluster, fleet: Fleet, tmp_path: Path
 ) -> None:
-    python = str(framework_env("trl") / "bin" / "python")
-    assert subprocess.run([python, "-c", "import vllm"], capture_output=True, check=False).returncode != 0
+    python, token, gateway = framework(fleet, "trl", tmp_path)
     # One sidecar per fleet pushes: the GRPO example's trainer pod (and its sidecar) goes first.
     cluster.kubectl("-n", NS, "delete", "pod", "grpo-tiny-trainer", "--ignore-not-found", "--wait=true", timeout=120)
     cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(fleet.name, NS, "trl-sync")))
     cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", "pod/trl-sync", "--timeout=120s", timeout=130)
-    token = tmp_path / "token"
-    token.write_text(fleet.admin_token())
-    gateway = fleet.pods("gateway")[0]["metadata"]["name"]
     with cluster.reach(NS, gateway, GATEWAY_PORT) as gateway_url, cluster.reach(NS, "trl-sync", SYNC_API_PORT) as sync:
         run = subprocess.run(
             [
@@ -167,11 +175,7 @@ def fleet_state(gateway_url: str, token: str) -> dict[str, Any]:
 def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
     cluster: Cluster, fleet: Fleet, tmp_path: Path
 ) -> None:
-    python = str(framework_env("verl") / "bin" / "python")
-    assert subprocess.run([python, "-c", "import vllm"], capture_output=True, check=False).returncode != 0
-    token = tmp_path / "token"
-    token.write_text(fleet.admin_token())
-    gateway = fleet.pods("gateway")[0]["metadata"]["name"]
+    python, token, gateway = framework(fleet, "verl", tmp_path)
 
     def verl_generate(url: str, *args: str) -> subprocess.Popen[str]:
         command = [python, str(VERL_EXAMPLE / "generate.py"), "--gateway-url", url, "--token-file", str(token)]
@@ -212,4 +216,34 @@ def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
         (long,) = samples(proc)
     assert long["request_id"] == "det-0" and long["submissions"] == 2, long
     assert long["response_tokens"] == VERL_LONG and long["logprobs"] == VERL_LONG, long
+    nothing_running(cluster, fleet)
+
+
+def test_skyrl_remote_client_generates_pauses_resumes_and_aborts_the_fleet(
+    cluster: Cluster, fleet: Fleet, tmp_path: Path
+) -> None:
+    python, token, gateway = framework(fleet, "skyrl", tmp_path)
+    with cluster.reach(NS, gateway, GATEWAY_PORT) as url:
+        command = [python, str(SKYRL_EXAMPLE / "drive.py"), "--gateway-url", url, "--token-file", str(token)]
+        command += ["--model-dir", str(ensure_tiny_model()), "--long", str(SKYRL_LONG)]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    steps = {s["step"]: s for s in (json.loads(x) for x in run.stdout.splitlines() if x.startswith('{"step"'))}
+    print(json.dumps(steps, indent=1))
+
+    assert steps["world_size"]["total"] == 2  # the fleet's two engines, one GPU each, as one server
+    generated = steps["generate"]
+    assert all(0 < n <= 16 for n in generated["lengths"]) and generated["logprobs"] == generated["lengths"]
+    # keep: the fleet paused with the request frozen at its engine; after resume it finished, nothing lost.
+    keep = steps["pause_keep"]
+    assert keep["pause_status"] == [200] and keep["frozen_while_paused"] and keep["resume_status"] == [200]
+    assert keep["tokens"] == SKYRL_LONG and keep["stop_reason"] == "length", keep
+    # abort: the request came back aborted with the tokens it made; resubmitted with them, it completed.
+    abort = steps["pause_abort"]
+    assert abort["stop_reason"] == "abort" and abort["partial_tokens"] < SKYRL_LONG, abort
+    assert abort["partial_tokens"] + abort["resubmitted_tokens"] == SKYRL_LONG, abort
+    assert steps["reset_prefix_cache"]["status"] == [200]
+    # SkyRL's resume is the fleet's: no pause left in its record or at its engines.
+    st = fleet.status()
+    assert not st.get("pause") and {e["phase"] for e in st["engines"]} <= {"Ready"}, st
     nothing_running(cluster, fleet)

@@ -78,7 +78,7 @@ TIERS = (
         ("e2e",),
         cluster=True,
         engine=True,
-        budget_s=1080,  # beside the control-plane tier
+        budget_s=1200,  # beside the control-plane tier
         on_kind=True,
     ),
 )
