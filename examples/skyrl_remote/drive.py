@@ -33,6 +33,7 @@ import skyrl
 from transformers import AutoTokenizer
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+RESUBMITTED = 8  # tokens asked of the aborted request's continuation
 IN_FLIGHT_METRIC = "rollfleet_gateway_in_flight"  # requests this gateway replica runs (docs/gateway.md)
 
 
@@ -104,7 +105,8 @@ async def drive(args: argparse.Namespace) -> int:
             stop_reason=out["stop_reasons"][0],
         )
 
-        # abort: a running request ends with the tokens it made; SkyRL resubmits prompt + tokens after resume.
+        # abort: a running request ends with the tokens it made; SkyRL resubmits prompt + tokens after resume
+        # (a few more tokens here: the continuation is the point, not its length).
         task = asyncio.create_task(client.generate(long))
         await requests_running(args.gateway_url)
         await client.pause(mode=ric.PauseMode.ABORT)
@@ -114,7 +116,7 @@ async def drive(args: argparse.Namespace) -> int:
         rest = await client.generate(
             {
                 "prompt_token_ids": [long["prompt_token_ids"][0] + partial],
-                "sampling_params": {"max_tokens": args.long - len(partial), "ignore_eos": True},
+                "sampling_params": {"max_tokens": RESUBMITTED, "ignore_eos": True},
             }
         )
         emit(
