@@ -55,15 +55,30 @@ def normalize(value: Any) -> Any:
     return value
 
 
+def merged(a: Any, b: Any) -> Any:
+    """Two chunks of one choice as one: text joined, lists extended, dicts merged key by key, else the later
+    value unless it is null."""
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: merged(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a.keys() | b.keys()}
+    return a if b is None else b
+
+
 def by_choice(events: list[Any]) -> dict[str, Any]:
-    """A stream's events by choice, each choice's chunks in order (with the fields of the event that carried them):
-    the chunks of several choices (n, or several prompts) interleave in the engine's order of the moment, which
-    varies from one run of the same request to the next. Events with no choice (usage) in order."""
-    choices: dict[int, list[Any]] = {}
+    """A stream's events by choice, each choice's chunks merged into one (with the fields of the events that
+    carried them): how vLLM cuts a choice into chunks depends on its pace (a busy engine puts two tokens in
+    one chunk), and the chunks of several choices (n, or several prompts) interleave in the engine's order of
+    the moment. Events with no choice (usage) in order."""
+    choices: dict[int, Any] = {}
     for event in events:
         fields = {k: v for k, v in event.items() if k != "choices"}
         for choice in event.get("choices") or ():
-            choices.setdefault(choice.get("index", 0), []).append({**fields, "choice": choice})
+            index = choice.get("index", 0)
+            chunk = {**fields, "choice": choice}
+            choices[index] = merged(choices[index], chunk) if index in choices else chunk
     return {"choices": choices, "other": [e for e in events if not e.get("choices")]}
 
 
