@@ -77,8 +77,10 @@ def by_choice(events: list[Any]) -> dict[str, Any]:
         fields = {k: v for k, v in event.items() if k != "choices"}
         for choice in event.get("choices") or ():
             index = choice.get("index", 0)
-            chunk = {**fields, "choice": choice}
-            choices[index] = merged(choices[index], chunk) if index in choices else chunk
+            if index in choices:  # the event's own fields (id, model, object) are the same in every chunk
+                choices[index] = {**choices[index], **fields, "choice": merged(choices[index]["choice"], choice)}
+            else:
+                choices[index] = {**fields, "choice": choice}
     return {"choices": choices, "other": [e for e in events if not e.get("choices")]}
 
 

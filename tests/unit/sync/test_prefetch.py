@@ -65,7 +65,8 @@ def test_an_engine_whose_relay_fails_stages_from_the_sidecar(tmp_path: Path) -> 
         head, second = status.engines
         assert head.step is EngineStep.PENDING_SYNC and STAGING_MAX_BYTES_ENV in (head.error or ""), head
         assert second.step is EngineStep.RESUMED and second.source is None, second
-        assert "not staging" in (second.relay_error or ""), second
+        # Where the head had failed before the second's turn came, the sidecar did not try the relay at all.
+        assert second.relay_error is None or "not staging" in second.relay_error, second
         assert version_of(urls[1]) == "v2"
 
 
