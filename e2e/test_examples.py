@@ -1,8 +1,9 @@
 """The examples end to end against REAL vLLM engines, on one fleet: examples/grpo_tiny (a trainer pod on
-rollfleet_client), then examples/trl_grpo (TRL's own GRPOTrainer) and examples/verl_rollout (verl's own
-AgentLoopManager), each in the framework's own virtualenv, outside the cluster.
+rollfleet_client), then examples/trl_grpo (TRL's own GRPOTrainer), examples/verl_rollout (verl's own
+AgentLoopManager) and examples/skyrl_remote (SkyRL's own remote inference client), each in the
+framework's own virtualenv, outside the cluster.
 
-The example's own manifests: its fleet (2 engines) and its trainer pod (train.py from a ConfigMap,
+The GRPO example's own manifests: its fleet (2 engines) and its trainer pod (train.py from a ConfigMap,
 next to the sync sidecar, as the fleet's trainer ServiceAccount), run for a bounded number of
 steps. The trainer's log says, per step, what it learnt from; the test holds it to the issue's
 bar: reward rises, every step moves the fleet one generation on, no sample it learnt from is
@@ -102,13 +103,18 @@ def test_grpo_trains_against_the_fleet_and_leaves_nothing_running(cluster: Clust
     nothing_running(cluster, fleet)
 
 
+def in_flight(engine_url: str) -> list[str]:
+    """The request ids an engine runs now (its own tracker)."""
+    tracked = httpx.get(engine_url + REQUESTS_PATH, timeout=10).raise_for_status().json()
+    return [r["request_id"] for r in tracked["in_flight"]]
+
+
 def running(cluster: Cluster, fleet: Fleet) -> dict[str, list[str]]:
-    """The request ids each engine of the fleet runs now (the engines' own trackers)."""
+    """The request ids each engine of the fleet runs now."""
     out = {}
     for engine in fleet.status()["engines"]:
         with cluster.reach(NS, engine["name"], ENGINE_PORT) as url:
-            in_flight = httpx.get(url + REQUESTS_PATH, timeout=10).raise_for_status().json()["in_flight"]
-        out[engine["name"]] = [r["request_id"] for r in in_flight]
+            out[engine["name"]] = in_flight(url)
     return out
 
 
@@ -198,11 +204,12 @@ def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
             text=True,
         )
 
-        def det0_runs() -> bool:
-            runs = [httpx.get(e + REQUESTS_PATH, timeout=10).json()["in_flight"] for e in engine_urls]
-            return any(r["request_id"] == "det-0" for engine in runs for r in engine)
-
-        wait_for(det0_runs, timeout=180, interval=0.1, what="det-0 running at an engine")
+        wait_for(
+            lambda: any("det-0" in in_flight(e) for e in engine_urls),
+            timeout=180,
+            interval=0.1,
+            what="det-0 running at an engine",
+        )
         r = httpx.post(
             url + ABORT_PATH,
             json={"request_ids": ["det-0"]},

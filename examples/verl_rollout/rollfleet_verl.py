@@ -59,13 +59,14 @@ class _GatewayRequest(LLMServerClient):
     def __init__(
         self,
         config: Any,
+        *,
         gateway_url: str,
         model: str,
         token: str | None = None,
         sampling: dict[str, Any] | None = None,
-        **kwargs: Any,
+        **kwargs: Any,  # verl's own (load_balancer_handle: None here, the gateway routes)
     ) -> None:
-        super().__init__(config=config, load_balancer_handle=None, **kwargs)
+        super().__init__(config=config, **kwargs)
         self.gateway_url, self.model, self.token = gateway_url, model, token
         self.sampling = dict(sampling or {})  # added to every request's (vLLM's names: ignore_eos, ...)
         self._client: AsyncRolloutClient | None = None
@@ -106,21 +107,11 @@ class _GatewayRequest(LLMServerClient):
 class RollfleetLLMServerClient(FullyAsyncLLMServerClient, _GatewayRequest):
     """verl's resubmitting client (an aborted sample continues from its tokens) over the fleet's gateway.
 
-    ``RollfleetLLMServerClient(config, gateway_url, model="tiny", token=...)``; pass it to
+    ``RollfleetLLMServerClient(config, gateway_url=..., model="tiny", token=...)``; pass it to
     ``AgentLoopManager.create(config, llm_client=...)``. ``sampling``: vLLM sampling parameters that verl's
-    config has no setting for, added to every request (``{"ignore_eos": True}``).
+    config has no setting for, added to every request (``{"ignore_eos": True}``). verl's own constructor
+    runs first and hands the rest of the arguments on to ``_GatewayRequest``'s.
     """
-
-    def __init__(
-        self,
-        config: Any,
-        gateway_url: str,
-        model: str,
-        token: str | None = None,
-        sampling: dict[str, Any] | None = None,
-    ) -> None:
-        _GatewayRequest.__init__(self, config, gateway_url, model, token, sampling)
-        self._only_hybrid = False
 
     async def generate(self, request_id: str, **kwargs: Any) -> TokenOutput:  # type: ignore[override]
         """verl's loop over submissions (resubmitting an aborted sample with its tokens); the sample's answer
