@@ -435,6 +435,24 @@ def kill_engine_process(cluster: Cluster, namespace: str, pod: str) -> None:
     signal_container(cluster, namespace, pod, "engine")
 
 
+def greedy(url: str, auth: dict[str, str], prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """An engine's (or gateway's) greedy tokens for each prompt: what its weights say, to compare with
+    transformers' on a known set (``tests.engine.test_engine_live._reference_greedy``)."""
+    out = []
+    for prompt in prompts:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120).raise_for_status()
+        out.append(resp.json()["choices"][0]["token_ids"])
+    return out
+
+
 SIDECAR_MODELS = "/models/tiny"  # the tiny model's directory, mounted into the sidecar pod (push_dir reads it)
 
 

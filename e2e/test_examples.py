@@ -1,6 +1,6 @@
 """The examples end to end against REAL vLLM engines, on one fleet: examples/grpo_tiny (a trainer pod on
 rollfleet_client), then examples/trl_grpo (TRL's own GRPOTrainer), examples/verl_rollout (verl's own
-AgentLoopManager) and examples/skyrl_remote (SkyRL's own remote inference client), each in the
+AgentLoopManager, and its checkpoint engine with the rollfleet backend) and examples/skyrl_remote (SkyRL's own remote inference client), each in the
 framework's own virtualenv, outside the cluster.
 
 The GRPO example's own manifests: its fleet (2 engines) and its trainer pod (train.py from a ConfigMap,
@@ -25,11 +25,13 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from tests.engine.test_engine_live import _reference_greedy
 
-from e2e.fleet_helpers import REPO, Fleet, deploy_operator, framework_env, sync_sidecar_pod
+from e2e.fleet_helpers import REPO, Fleet, deploy_operator, framework_env, greedy, sync_sidecar_pod
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, REQUESTS_PATH, SYNC_API_PORT
 from rollfleet_client.protocol import ABORT_PATH, FLEET_PATH
+from rollfleet_client.sync import SyncClient
 from rollfleet_engine.tiny_model import ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -41,6 +43,7 @@ VERL_LONG = 400  # tokens per sample, one aborted mid-way (the abort lands withi
 SKYRL_EXAMPLE = REPO / "examples" / "skyrl_remote"
 SKYRL_LONG = 1000  # tokens of the requests that SkyRL's pauses meet mid-way
 NS = f"grpo-e2e-{uuid.uuid4().hex[:6]}"
+FRAMEWORK_SYNC = "framework-sync"  # the sync sidecar's pod that the frameworks' trainers push through
 STEPS = 5
 MAX_STALENESS = 2
 
@@ -118,6 +121,16 @@ def running(cluster: Cluster, fleet: Fleet) -> dict[str, list[str]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def framework_sync(cluster: Cluster, fleet: Fleet) -> str:
+    """A sync sidecar's pod for the frameworks' trainers (outside the cluster) to push through."""
+    # One sidecar per fleet pushes: the GRPO example's trainer pod (and its sidecar) goes first.
+    cluster.kubectl("-n", NS, "delete", "pod", "grpo-tiny-trainer", "--ignore-not-found", "--wait=true", timeout=120)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(fleet.name, NS, FRAMEWORK_SYNC)))
+    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{FRAMEWORK_SYNC}", "--timeout=120s", timeout=130)
+    return FRAMEWORK_SYNC
+
+
 def framework(fleet: Fleet, name: str, tmp: Path) -> tuple[str, Path, str]:
     """The framework's own environment's interpreter (no vLLM there), the fleet's admin token in a file, and a
     gateway pod of the fleet."""
@@ -128,32 +141,33 @@ def framework(fleet: Fleet, name: str, tmp: Path) -> tuple[str, Path, str]:
     return python, token, fleet.pods("gateway")[0]["metadata"]["name"]
 
 
+def step_lines(command: list[str], cwd: Path) -> list[dict[str, Any]]:
+    """Run a trainer example to its end (it must succeed); the JSON lines it printed per step."""
+    run = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"step"')]
+
+
 def nothing_running(cluster: Cluster, fleet: Fleet) -> None:
     assert not any(running(cluster, fleet).values()), running(cluster, fleet)
 
 
 def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
-    cluster: Cluster, fleet: Fleet, tmp_path: Path
+    cluster: Cluster, fleet: Fleet, framework_sync: str, tmp_path: Path
 ) -> None:
     python, token, gateway = framework(fleet, "trl", tmp_path)
-    # One sidecar per fleet pushes: the GRPO example's trainer pod (and its sidecar) goes first.
-    cluster.kubectl("-n", NS, "delete", "pod", "grpo-tiny-trainer", "--ignore-not-found", "--wait=true", timeout=120)
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(fleet.name, NS, "trl-sync")))
-    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", "pod/trl-sync", "--timeout=120s", timeout=130)
-    with cluster.reach(NS, gateway, GATEWAY_PORT) as gateway_url, cluster.reach(NS, "trl-sync", SYNC_API_PORT) as sync:
-        run = subprocess.run(
+    with (
+        cluster.reach(NS, gateway, GATEWAY_PORT) as gateway_url,
+        cluster.reach(NS, framework_sync, SYNC_API_PORT) as sync,
+    ):
+        steps = step_lines(
             [
                 *(python, str(TRL_EXAMPLE / "train.py"), "--gateway-url", gateway_url, "--sync-url", sync),
                 *("--token-file", str(token), "--model-dir", str(ensure_tiny_model()), "--steps", str(STEPS)),
                 *("--output-dir", str(tmp_path / "out")),
             ],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
+            TRL_EXAMPLE,
         )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    steps = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"step"')]
     print("\n".join(json.dumps(s) for s in steps))
 
     assert [s["step"] for s in steps] == list(range(STEPS + 1))  # step 0: the starting weights, pushed
@@ -228,6 +242,43 @@ def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
         assert s["weight_versions"] == [state["weight_version"]], s
     assert batch["det-0"]["submissions"] == 2 and batch["det-1"]["submissions"] == 1, batch
     nothing_running(cluster, fleet)
+
+
+VERL_STEPS = 2
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
+GREEDY_TOKENS = 12
+
+
+def test_verl_checkpoint_engine_pushes_each_step_to_every_engine(
+    cluster: Cluster, fleet: Fleet, framework_sync: str, tmp_path: Path
+) -> None:
+    """verl's checkpoint-engine update (prepare, topology, process group, send, finalize; the procedure of
+    verl's own checkpoint-engine tests) with the ``rollfleet`` backend, from 2 actor ranks on Ray: each step's
+    policy reaches every engine, checked by output against transformers' with the policy the trainer saved."""
+    python, _, _ = framework(fleet, "verl", tmp_path)
+    saved = tmp_path / "pushed"
+    with cluster.reach(NS, framework_sync, SYNC_API_PORT) as sync:
+        with SyncClient(sync) as client:
+            before = client.fleet_version().generation or 0
+        steps = step_lines(
+            [
+                *(python, str(VERL_EXAMPLE / "push_weights.py"), "--sync-url", sync, "--steps", str(VERL_STEPS)),
+                *("--model-dir", str(ensure_tiny_model()), "--save-dir", str(saved)),
+            ],
+            VERL_EXAMPLE,
+        )
+    # verl's sync metrics come back from the sender: one fleet generation per step, every engine verified.
+    assert [s["step"] for s in steps] == list(range(1, VERL_STEPS + 1)), steps
+    assert [s["rollfleet/weight_generation"] for s in steps] == [before + i for i in range(1, VERL_STEPS + 1)]
+    st = fleet.status()
+    assert st["weightVersion"] == f"verl-step-{VERL_STEPS}", st
+    assert {(e["phase"], e["weightVersion"]) for e in st["engines"]} == {("Ready", st["weightVersion"])}, st
+    last = _reference_greedy(str(saved / f"step-{VERL_STEPS}"), PROMPTS, GREEDY_TOKENS)
+    assert last != _reference_greedy(str(saved / f"step-{VERL_STEPS - 1}"), PROMPTS, GREEDY_TOKENS)  # steps differ
+    auth = fleet.inference()  # generation at the engines asks for the fleet's inference token
+    for engine in st["engines"]:
+        with cluster.reach(NS, engine["name"], ENGINE_PORT) as url:
+            assert greedy(url, auth, PROMPTS, GREEDY_TOKENS) == last, engine["name"]
 
 
 def test_skyrl_remote_client_generates_pauses_resumes_and_aborts_the_fleet(

@@ -28,6 +28,9 @@ from e2e.fleet_helpers import (
     signal_container,
     sync_sidecar_pod,
 )
+from e2e.fleet_helpers import (
+    greedy as fleet_greedy,
+)
 from e2e.live_fleet import INITIAL_VERSION, NAME, LiveFleet
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.admission import POLICY_NAME
@@ -100,19 +103,7 @@ def references() -> dict[str, list[list[int]]]:
 
 
 def greedy(url: str, auth: dict[str, str]) -> list[list[int]]:
-    out = []
-    for prompt in PROMPTS:
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": GREEDY_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120).raise_for_status()
-        out.append(resp.json()["choices"][0]["token_ids"])
-    return out
+    return fleet_greedy(url, auth, PROMPTS, GREEDY_TOKENS)
 
 
 def all_ready_on(version: str) -> Any:

@@ -11,6 +11,13 @@ completes from where it stopped. ``extra_fields`` carry the fleet's weight gener
 ``global_steps`` (verl's name for the policy version), the weight versions behind the tokens,
 the request id and how many submissions the sample took.
 
+``RollfleetCheckpointEngine`` is verl's checkpoint-engine backend ``rollfleet``
+(``checkpoint_engine.backend: rollfleet``, ``custom_backend_module: rollfleet_verl``): the actor's
+rank 0 pushes the policy through the sync sidecar of its pod, versioned and all-or-nothing, and
+returns when every engine of the fleet serves it. The fleet's engines are the receivers (the sidecar
+drives them), so verl runs no rollout workers of its own; verl 0.9's ``CheckpointEngineManager``
+needs some, and ``FleetCheckpointEngineManager`` takes its place: the actor side of the same update.
+
 Ray ships the client to its agent-loop workers by pickling: the HTTP client is made in the
 process that uses it. Needs verl and rollfleet-client, not vLLM (``hack/framework-env.sh verl``).
 """
@@ -18,12 +25,19 @@ process that uses it. Needs verl and rollfleet-client, not vLLM (``hack/framewor
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
+import ray
+import torch
+from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineManager, CheckpointEngineRegistry
+from verl.utils.ray_utils import auto_await
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
-from rollfleet_client import AsyncRolloutClient, Generation, RequestIdInUse
+from rollfleet_client import AsyncRolloutClient, Generation, RequestIdInUse, SyncClient
 
 # verl's sampling parameters that vLLM's completions route takes as they are.
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
@@ -125,3 +139,103 @@ class RollfleetLLMServerClient(FullyAsyncLLMServerClient, _GatewayRequest):
         out.extra_fields["rollfleet_submissions"] = len(answers)
         out.extra_fields["weight_versions"] = list(dict.fromkeys(v for g in answers for v in g.weight_versions))
         return out
+
+
+@CheckpointEngineRegistry.register("rollfleet")
+class RollfleetCheckpointEngine(CheckpointEngine):
+    """verl's weight transfer to a RolloutFleet: the actor's rank 0 pushes the whole policy through the sync
+    sidecar as ``<version_prefix>-<global_steps>``; ``send_weights`` returns once the fleet serves it (or raises
+    ``PushFailed``: the fleet stayed on its previous version). Every rank iterates the weights, as FSDP's and
+    Megatron's gathers need; rank 0 keeps a CPU copy to push (the sidecar hashes and serves it, the engines
+    prefetch and swap). Config (``checkpoint_engine.engine_kwargs.rollfleet``): ``sync_url`` (default: the
+    sidecar in this pod), ``version_prefix``, ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        sync_url: str | None = None,
+        version_prefix: str = "verl-step",
+        timeout_s: float = 1800.0,
+    ) -> None:
+        self.bucket_size = bucket_size  # verl's bucketing is for its own collectives: the sidecar takes the whole
+        self.is_master = is_master
+        self.sync_url, self.version_prefix, self.timeout_s = sync_url, version_prefix, timeout_s
+        self.rank = 0 if is_master else -1
+        self.pushes = 0
+
+    def prepare(self) -> dict[str, Any]:
+        return {}  # no group to form: the sidecar reaches the engines
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        if rollout_world_size:
+            raise ValueError(
+                "the rollfleet checkpoint engine feeds a RolloutFleet, whose engines take the weights from the "
+                f"sync sidecar: give CheckpointEngineManager no rollout replicas (it has {rollout_world_size} workers)"
+            )
+        return {"rank": [0] + [-1] * (actor_wg_world_size - 1)}, {}
+
+    def init_process_group(self, rank: int) -> None:
+        self.rank = rank
+
+    def finalize(self) -> None:
+        pass
+
+    def version(self, global_steps: int | None) -> str:
+        """The version label of a push: verl's step when it gives one, else this engine's own count."""
+        return f"{self.version_prefix}-{global_steps if global_steps is not None else f'push{self.pushes}'}"
+
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+        """Push the weights to the fleet (rank 0; the others only iterate); verl's sync metrics come back."""
+        self.pushes += 1
+        state: dict[str, torch.Tensor] = {}
+        async for name, tensor in ensure_async_iterator(weights):
+            if self.rank == 0:
+                state[name] = tensor.detach().to("cpu", copy=True)  # the generator may reuse its buffers
+        if self.rank != 0:
+            return {}
+        t0 = time.monotonic()
+
+        def push() -> Any:
+            with SyncClient(self.sync_url) as sync:
+                return sync.push(state, self.version(global_steps), timeout_s=self.timeout_s)
+
+        status = await asyncio.to_thread(push)
+        return {
+            "rollfleet/weight_generation": status.generation,
+            "rollfleet/push_s": time.monotonic() - t0,
+            "rollfleet/pause_window_s": status.pause_window_s,
+            "rollfleet/bytes": status.bytes,
+        }
+
+    def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+        raise NotImplementedError(
+            "a RolloutFleet's engines receive the weights from the sync sidecar: there is no verl rollout "
+            "worker to receive them (FleetCheckpointEngineManager runs none)"
+        )
+
+
+class FleetCheckpointEngineManager(CheckpointEngineManager):
+    """verl's ``CheckpointEngineManager`` for a fleet: ``update_weights`` does the actor side of verl's update
+    (topology, every actor worker's ``update_weights``, finalize) and returns the sender's sync metrics. The
+    sidecar pauses and resumes the engines itself, so there is nothing to abort or resume here. Construct it
+    where verl's trainer constructs its manager: ``FleetCheckpointEngineManager(config, actor_wg)``."""
+
+    def __init__(self, config: Any, actor_wg: Any, replicas: list[Any] | None = None) -> None:
+        if replicas:
+            raise ValueError("a fleet's engines are not verl rollout replicas: pass none")
+        super().__init__(config, actor_wg, [])
+
+    @auto_await
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
+        actors, size = self.actor_wg, self.actor_wg.world_size
+        metadata = ray.get(actors.execute_checkpoint_engine(["prepare"] * size))
+        kwargs, _ = self.backend_cls.build_topology(size, 0, metadata)
+        ray.get(actors.execute_checkpoint_engine(method=["init_process_group"] * size, **kwargs))
+        results = ray.get(actors.update_weights(global_steps=global_steps, mode=self.backend))
+        ray.get(actors.execute_checkpoint_engine(["finalize"] * size))
+        return {k: v for result in results if isinstance(result, dict) for k, v in result.items()}
