@@ -1,7 +1,7 @@
 """The examples end to end against REAL vLLM engines, on one fleet: examples/grpo_tiny (a trainer pod on
 rollfleet_client), then examples/trl_grpo (TRL's own GRPOTrainer), examples/verl_rollout (verl's own
-AgentLoopManager, and its checkpoint engine with the rollfleet backend) and examples/skyrl_remote (SkyRL's own remote inference client), each in the
-framework's own virtualenv, outside the cluster.
+AgentLoopManager, and its checkpoint engine with the rollfleet backend) and examples/skyrl_remote
+(SkyRL's own remote inference client), each in the framework's own virtualenv, outside the cluster.
 
 The GRPO example's own manifests: its fleet (2 engines) and its trainer pod (train.py from a ConfigMap,
 next to the sync sidecar, as the fleet's trainer ServiceAccount), run for a bounded number of
