@@ -12,6 +12,7 @@ USAGE = """usage: python -m rollfleet_engine <command> [args]
 commands:
   serve       run the engine: vLLM's OpenAI server with Rollfleet's control API
               serve --model DIR --token-file PATH [--host H] [--port P] [...] [-- vLLM args]
+              serve --model DIR --headless [...] -- vLLM args: a rank of a multi-pod engine
   tiny-model  build (once) the deterministic tiny test model and print its directory
               tiny-model [--out DIR]
 """

@@ -49,13 +49,14 @@ class ServeOptions:
     served_model_name: str
     host: str
     port: int
-    token_file: str
+    token_file: str | None  # None only for a headless rank (it serves no routes)
     inference_token_file: str | None
     allow_unsafe_routes: bool
     weight_version: str | None
     weight_backend: str | None
     device: str
     vllm_args: list[str]
+    headless: bool = False
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="address to bind (default: every address of the pod: its IP, and localhost for kubectl port-forward)",
     )
     parser.add_argument("--port", type=int, default=ENGINE_PORT)
-    parser.add_argument("--token-file", required=True, help="file holding the bearer token for control routes")
+    parser.add_argument(
+        "--token-file", default=None, help="file holding the control routes' bearer token (not with --headless)"
+    )
     parser.add_argument(
         "--inference-token-file", default=None, help="if set, inference routes need this token (or the control token)"
     )
@@ -84,11 +87,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", choices=["auto", "cpu", "gpu"], default="auto", help="'cpu' applies small-host vLLM defaults"
     )
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="a rank of a multi-pod engine that is not its leader: vLLM's headless mode (its workers for tensor or "
+        "pipeline parallel ranks, or its engine cores for data parallel ones), no HTTP; the leader serves",
+    )
 
 
 def options_from_args(ns: argparse.Namespace, extra: Sequence[str] = ()) -> ServeOptions:
     """Options from our parsed flags and the extra vLLM arguments (those after '--')."""
     backend = None if ns.weight_backend == "none" else ns.weight_backend
+    if ns.token_file is None and not ns.headless:
+        raise SystemExit("serve needs --token-file: the engine's control routes ask for its token")
     return ServeOptions(
         model=ns.model,
         served_model_name=ns.served_model_name or ns.model,
@@ -101,6 +112,7 @@ def options_from_args(ns: argparse.Namespace, extra: Sequence[str] = ()) -> Serv
         weight_backend=backend,
         device=ns.device,
         vllm_args=list(extra),
+        headless=ns.headless,
     )
 
 
@@ -140,11 +152,6 @@ def serve(opts: ServeOptions) -> None:
     # only in dev mode, and the engine core must be spawned, not forked.
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    policy = AccessPolicy(
-        control_token=read_token(opts.token_file),
-        inference_token=read_token(opts.inference_token_file) if opts.inference_token_file else None,
-        allow_unsafe_routes=opts.allow_unsafe_routes,
-    )
     on_cpu = _on_cpu(opts.device)
     if on_cpu:
         for key, value in CPU_ENV_DEFAULTS.items():
@@ -159,6 +166,18 @@ def serve(opts: ServeOptions) -> None:
     vargs = parser.parse_args(vllm_argv(opts, on_cpu))
     configure_logging_from_args(vargs)
     validate_parsed_serve_args(vargs)
+    if opts.headless:
+        from vllm.entrypoints.cli.serve import run_headless
+
+        vargs.headless, vargs.api_server_count = True, 0
+        run_headless(vargs)  # until SIGTERM, or until the leader goes
+        return
+    assert opts.token_file is not None
+    policy = AccessPolicy(
+        control_token=read_token(opts.token_file),
+        inference_token=read_token(opts.inference_token_file) if opts.inference_token_file else None,
+        allow_unsafe_routes=opts.allow_unsafe_routes,
+    )
     uvloop.run(_run(vargs, opts, policy))
 
 

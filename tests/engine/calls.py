@@ -23,10 +23,17 @@ class Stream:
     """A streaming completion read on a thread, with the arrival time of every token."""
 
     def __init__(
-        self, engine: Engine, request_id: str, max_tokens: int, chat: bool = False, attempt: str | None = None
+        self,
+        engine: Engine,
+        request_id: str,
+        max_tokens: int,
+        chat: bool = False,
+        attempt: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sent_headers = {"X-Request-Id": request_id} | ({ATTEMPT_HEADER: attempt} if attempt else {})
+        self.sent_headers |= headers or {}
         self.tokens: list[int] = []
         self.arrivals: list[float] = []
         self.finish_reason: str | None = None
@@ -101,6 +108,10 @@ def control(engine: Engine, path: str, method: str = "POST", **kwargs: Any) -> h
     return engine.client.request(method, engine.url + path, headers=engine.auth, timeout=120, **kwargs)
 
 
-def complete(engine: Engine, prompt: list[int], max_tokens: int, **extra: Any) -> httpx.Response:
+def complete(
+    engine: Engine, prompt: list[int], max_tokens: int, headers: dict[str, str] | None = None, **extra: Any
+) -> httpx.Response:
     body = {"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
-    return engine.client.post(engine.url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=120)
+    return engine.client.post(
+        engine.url + "/v1/completions", json={**body, "return_token_ids": True}, headers=headers, timeout=120
+    )

@@ -112,21 +112,30 @@ def engine_command(
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], engine: Engine, timeout_s: float) -> Iterator[Engine]:
-    """`engine`, served by `cmd` for the duration (its output in `engine.log`)."""
-    with engine.log.open("wb") as out:
+def process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`cmd` running for the duration (its output in `log`), stopped at the end."""
+    with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(engine.url, proc, engine.log, timeout_s)
-        yield engine
+        yield proc
     finally:
-        engine.client.close()
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], engine: Engine, timeout_s: float) -> Iterator[Engine]:
+    """`engine`, served by `cmd` for the duration (its output in `engine.log`)."""
+    with process(cmd, engine.log) as proc:
+        try:
+            wait_ready(engine.url, proc, engine.log, timeout_s)
+            yield engine
+        finally:
+            engine.client.close()
 
 
 @pytest.fixture(scope="package")

@@ -1,0 +1,143 @@
+"""One engine across two processes, as across two pods: vLLM's own multi-node modes on CPU, through the
+launcher (the leader serves with Rollfleet's routes; the other rank runs ``serve --headless``).
+
+- ``tp2``: tensor parallel 2 over vLLM's multiproc executor across nodes (``--nnodes 2``), each process
+  one rank; the ranks talk over gloo (vLLM's CPU shared-memory all-reduce needs one host's memory).
+- ``dp2``: data parallel 2, the leader's API server in front of its own engine core and the headless
+  rank's (``--data-parallel-start-rank 1``); ``X-data-parallel-rank`` pins a request to a rank.
+
+Each guarantee is checked at every rank: greedy tokens equal transformers', a weight update loads on
+every rank, abort by id ends the request wherever it runs, a keep-mode pause holds every rank and
+loses no token. Issue 34 (docs/engine.md, "Engines across pods").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
+from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+from rollfleet_engine.weights_server import WeightsServer
+
+from .calls import PROMPT, Stream, complete, control, in_flight_ids, rid, state, tracked
+from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, process, running
+from .test_engine_live import _reference_greedy
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
+GREEDY_TOKENS = 12
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the data-parallel rank that serves this request
+
+
+def shape_args(shape: str, host: str, port: int) -> tuple[list[str], list[str]]:
+    """vLLM's arguments for (the leader, the headless rank) of a two-process engine."""
+    if shape == "tp2":
+        common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-executor-backend", "mp"]
+        common += ["--master-addr", host, "--master-port", str(port)]
+        return [*common, "--node-rank", "0"], [*common, "--node-rank", "1"]
+    common = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
+    common += ["--data-parallel-address", host, "--data-parallel-rpc-port", str(port)]
+    return common, [*common, "--data-parallel-start-rank", "1"]
+
+
+@pytest.fixture(scope="module", params=["tp2", "dp2"])
+def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Engine]]:
+    shape = str(request.param)
+    tmp = tmp_path_factory.mktemp(f"engine-{shape}")
+    (tmp / "token").write_text(TOKEN + "\n")
+    host, port = free_loopback_address()
+    _, group_port = free_loopback_address()
+    leader_args, rank_args = shape_args(shape, host, group_port)
+    leader = engine_command(ensure_tiny_model(), host, port, tmp / "token", "a-0") + leader_args
+    split = leader.index("--")
+    rank = [*leader[:split], "--headless", *leader[split : len(leader) - len(leader_args)], *rank_args]
+    engine = Engine(f"http://{host}:{port}", TOKEN, "tiny", ensure_tiny_model(), tmp / "leader.log")
+    # The other rank serves nothing: the leader is ready once every rank is.
+    with process(rank, tmp / "rank.log"), running(leader, engine, START_TIMEOUT_S) as ready:
+        yield shape, ready
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[list[int]]]:
+    root = ensure_tiny_model()
+    return {
+        name: _reference_greedy(str(d), PROMPTS, GREEDY_TOKENS)
+        for name, d in (("A", root), ("B", root / WEIGHTS_B_DIR))
+    }
+
+
+def ranks(shape: str) -> list[dict[str, str] | None]:
+    """Headers that reach each rank that serves requests: DP pins a rank; TP's ranks serve every request."""
+    return [{DP_RANK_HEADER: "0"}, {DP_RANK_HEADER: "1"}] if shape == "dp2" else [None]
+
+
+def greedy(engine: Engine, headers: dict[str, str] | None) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        r = complete(engine, prompt, GREEDY_TOKENS, headers=headers, ignore_eos=True).raise_for_status()
+        out.append(r.json()["choices"][0]["token_ids"])
+    return out
+
+
+def test_every_rank_serves_transformers_tokens_and_loads_a_weight_update(
+    group: tuple[str, Engine], references: dict[str, list[list[int]]]
+) -> None:
+    shape, engine = group
+    assert references["A"] != references["B"]
+    for headers in ranks(shape):
+        assert greedy(engine, headers) == references["A"], headers
+    server = WeightsServer(engine.model_dir / WEIGHTS_B_DIR, host=engine.url.split("//")[1].split(":")[0])
+    server.start()
+    try:
+        assert control(engine, "/init_weight_transfer_engine", json={"init_info": {}}).status_code == 200
+        assert control(engine, "/start_weight_update").status_code == 200
+        r = control(engine, "/update_weights", json={"update_info": server.update_info()})
+        assert r.status_code == 200, r.text
+        assert control(engine, "/finish_weight_update", json={"weight_version": "b-1"}).status_code == 200
+    finally:
+        server.stop()
+    for headers in ranks(shape):
+        assert greedy(engine, headers) == references["B"], headers
+    assert state(engine)["weight_version"] == "b-1"
+
+
+def test_abort_by_id_ends_the_request_on_whichever_rank_runs_it(group: tuple[str, Engine]) -> None:
+    shape, engine = group
+    streams = [Stream(engine, rid(f"abort-{shape}"), LONG, headers=h) for h in ranks(shape)]
+    for s in streams:
+        s.wait_tokens(4)
+    ids = [s.request_id for s in streams]
+    t0 = time.monotonic()
+    r = control(engine, "/rollfleet/v1/abort", json={"request_ids": ids})
+    assert r.status_code == 200 and r.json()["results"] == dict.fromkeys(ids, "aborted"), r.text
+    for s in streams:
+        s.join()
+        assert s.finish_reason == "abort" and 4 <= len(s.tokens) < LONG, (s.finish_reason, len(s.tokens))
+        assert tracked(engine, s.request_id)["phase"] == "finished"
+    assert time.monotonic() - t0 < 10  # no rank waits on another's step: nothing deadlocks
+    assert not in_flight_ids(engine) & set(ids)
+    assert complete(engine, PROMPT, 4).status_code == 200  # and the engine serves on
+
+
+def test_pause_keep_holds_every_rank_and_loses_no_token(group: tuple[str, Engine]) -> None:
+    shape, engine = group
+    tokens = 48  # tensor parallel over gloo decodes at about 7 tokens/s here
+    baselines = [complete(engine, PROMPT, tokens, headers=h, ignore_eos=True).json() for h in ranks(shape)]
+    streams = [Stream(engine, rid(f"keep-{shape}"), tokens, headers=h) for h in ranks(shape)]
+    for s in streams:
+        s.wait_tokens(5)
+    assert control(engine, "/pause?mode=keep").status_code == 200
+    paused_at = time.monotonic()
+    assert state(engine)["paused"] is True
+    time.sleep(1.5)  # the observation window: no token may arrive in it, at any rank
+    resumed_at = time.monotonic()
+    assert control(engine, "/resume").status_code == 200
+    for s, baseline in zip(streams, baselines, strict=True):
+        s.join()
+        assert [t for t in s.arrivals if paused_at + 0.2 < t < resumed_at] == []
+        assert s.finish_reason == "length" and s.tokens == baseline["choices"][0]["token_ids"]
+    assert state(engine)["paused"] is False
