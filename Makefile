@@ -74,6 +74,10 @@ test-unit: env ## tier 1: no cluster and no engine (under 2 minutes)
 test-engine: env ## tier 2: real vLLM without a cluster, and the engine contract (simulator and vLLM)
 	python -m tests.tiers run engine $(PYTEST_ARGS)
 
+.PHONY: test-multipod
+test-multipod: env ## engines across processes on real vLLM (vLLM's multi-node modes), no cluster
+	python -m tests.tiers run multipod $(PYTEST_ARGS)
+
 .PHONY: test-controlplane
 test-controlplane: env build ## tier 3: the local cluster with the real operator, gateway and runner; simulated engines
 	python -m tests.tiers run controlplane $(PYTEST_ARGS)

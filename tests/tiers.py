@@ -1,8 +1,10 @@
 """The test tiers (docs/testing.md): what each runs and its time budget, in one place.
 
 A test's markers place it: `cluster` (it needs a Kubernetes cluster) and `engine` (it needs real
-vLLM). Each tier runs its paths with its marker expression, so every test is in exactly one tier as
-long as it lives under its tier's paths; `check` makes sure of that.
+vLLM), and a tier's own marker where it has one (`multipod`: engines across processes, run beside
+the acceptance tier once the control-plane tier is done, where the machine has room). Each tier runs
+its paths with its marker expression, so every test is in exactly one tier as long as it lives
+under its tier's paths; `check` makes sure of that.
 
     python -m tests.tiers run TIER [pytest args]    run one tier (make test-unit, test-engine, ...)
     python -m tests.tiers budget TIER               its budget in seconds (hack/test.sh prints against it)
@@ -39,10 +41,17 @@ class Tier:
     budget_s: int  # on CI's 2-core machine, warm caches, as `make test` runs it (docs/testing.md)
     on_kind: bool = False  # its cluster is kind's (real kubelets and containers), not the local one
     pytest_args: tuple[str, ...] = ()
+    marker: str | None = None  # a marker of its own: its tests carry it, no other tier runs them
 
     @property
     def marks(self) -> str:
-        return " and ".join(m if on else f"not {m}" for m, on in (("cluster", self.cluster), ("engine", self.engine)))
+        own = [self.marker] if self.marker else [f"not {m}" for m in OWN_MARKERS]
+        return " and ".join(
+            [*(m if on else f"not {m}" for m, on in (("cluster", self.cluster), ("engine", self.engine))), *own]
+        )
+
+
+OWN_MARKERS = ("multipod",)
 
 
 TIERS = (
@@ -63,6 +72,15 @@ TIERS = (
         cluster=False,
         engine=True,
         budget_s=420,  # beside kind coming up
+    ),
+    Tier(
+        "multipod",
+        "engines across processes (real vLLM, vLLM's multi-node modes), no cluster",
+        ("tests/engine",),
+        cluster=False,
+        engine=True,
+        budget_s=420,  # after the control-plane tier, beside the acceptance tier
+        marker="multipod",
     ),
     Tier(
         "controlplane",
@@ -88,7 +106,10 @@ BY_NAME = {t.name: t for t in TIERS}
 def tier_of(markers: Iterable[str]) -> Tier:
     """The tier a test's markers place it in."""
     names = set(markers)
-    return next(t for t in TIERS if t.cluster == ("cluster" in names) and t.engine == ("engine" in names))
+    own = next((m for m in OWN_MARKERS if m in names), None)
+    return next(
+        t for t in TIERS if t.cluster == ("cluster" in names) and t.engine == ("engine" in names) and t.marker == own
+    )
 
 
 def misplaced(nodeid: str, tier: Tier) -> str | None:

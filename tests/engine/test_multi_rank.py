@@ -26,7 +26,7 @@ from .calls import PROMPT, Stream, complete, control, in_flight_ids, rid, state,
 from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, process, running
 from .test_engine_live import _reference_greedy
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.multipod]
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
