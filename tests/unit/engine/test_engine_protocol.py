@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from rollfleet_engine.server import parse_serve_argv, vllm_argv
 
 
@@ -26,3 +28,12 @@ def test_serve_argv_split_and_defaults() -> None:
     assert "--weight-transfer-config" in argv and "--enforce-eager" in argv
     assert "--enable-scale-out" in argv  # the generate route that failover continues through
     assert "--enforce-eager" not in vllm_argv(opts, on_cpu=False)
+
+
+def test_the_token_file_is_required_except_for_a_headless_rank() -> None:
+    with pytest.raises(SystemExit, match="serve needs --token-file"):
+        parse_serve_argv(["--model", "/m"])
+    rank = parse_serve_argv(["--model", "/m", "--headless", "--", "--nnodes", "2", "--node-rank", "1"])
+    assert rank.headless and rank.token_file is None
+    assert vllm_argv(rank, on_cpu=True)[-4:] == ["--nnodes", "2", "--node-rank", "1"]  # the rank's own, last
+    assert not parse_serve_argv(["--model", "/m", "--token-file", "/t"]).headless
