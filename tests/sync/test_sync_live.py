@@ -30,7 +30,9 @@ pytestmark = pytest.mark.engine
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
-ROLLOUT_TOKENS = 1800  # long enough that every rollout is still decoding when the push lands
+# Long enough that the rollouts are still decoding when the push's pause lands: at 1,800 (about 20 s
+# here) a push slowed by kind's image loads beside the tier landed after every rollout had ended.
+ROLLOUT_TOKENS = 4000
 
 
 def reference_outputs(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
