@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from tests.engine.calls import GREEDY_PROMPTS
 from tests.engine.test_engine_live import _reference_greedy
 
 from e2e.fleet_helpers import REPO, Fleet, deploy_operator, framework_env, greedy, sync_sidecar_pod
@@ -245,7 +246,6 @@ def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
 
 
 VERL_STEPS = 2
-PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
 
 
@@ -273,12 +273,14 @@ def test_verl_checkpoint_engine_pushes_each_step_to_every_engine(
     st = fleet.status()
     assert st["weightVersion"] == f"verl-step-{VERL_STEPS}", st
     assert {(e["phase"], e["weightVersion"]) for e in st["engines"]} == {("Ready", st["weightVersion"])}, st
-    last = _reference_greedy(str(saved / f"step-{VERL_STEPS}"), PROMPTS, GREEDY_TOKENS)
-    assert last != _reference_greedy(str(saved / f"step-{VERL_STEPS - 1}"), PROMPTS, GREEDY_TOKENS)  # steps differ
+    last = _reference_greedy(str(saved / f"step-{VERL_STEPS}"), GREEDY_PROMPTS, GREEDY_TOKENS)
+    assert last != _reference_greedy(
+        str(saved / f"step-{VERL_STEPS - 1}"), GREEDY_PROMPTS, GREEDY_TOKENS
+    )  # steps differ
     auth = fleet.inference()  # generation at the engines asks for the fleet's inference token
     for engine in st["engines"]:
         with cluster.reach(NS, engine["name"], ENGINE_PORT) as url:
-            assert greedy(url, auth, PROMPTS, GREEDY_TOKENS) == last, engine["name"]
+            assert greedy(url, auth, GREEDY_PROMPTS, GREEDY_TOKENS) == last, engine["name"]
 
 
 def test_skyrl_remote_client_generates_pauses_resumes_and_aborts_the_fleet(

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.engine.calls import GREEDY_PROMPTS
 from tests.engine.test_engine_live import _reference_greedy
 
 from e2e.fleet_helpers import (
@@ -57,7 +58,6 @@ from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.alters_live]
 
 TRAINER = "trainer"
-PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
 ROLLOUT_TOKENS = 1500
 ENGINES = [engine_pod_name(NAME, 0), engine_pod_name(NAME, 1)]
@@ -97,13 +97,13 @@ def sync(cluster: Cluster, fleet: Fleet, live_ns: str) -> Iterator[SyncClient]:
 def references() -> dict[str, list[list[int]]]:
     root = str(ensure_tiny_model())  # the bytes the nodes' directory holds, read here
     return {
-        A: _reference_greedy(root, PROMPTS, GREEDY_TOKENS),
-        "B": _reference_greedy(f"{root}/{WEIGHTS_B_DIR}", PROMPTS, GREEDY_TOKENS),
+        A: _reference_greedy(root, GREEDY_PROMPTS, GREEDY_TOKENS),
+        "B": _reference_greedy(f"{root}/{WEIGHTS_B_DIR}", GREEDY_PROMPTS, GREEDY_TOKENS),
     }
 
 
 def greedy(url: str, auth: dict[str, str]) -> list[list[int]]:
-    return fleet_greedy(url, auth, PROMPTS, GREEDY_TOKENS)
+    return fleet_greedy(url, auth, GREEDY_PROMPTS, GREEDY_TOKENS)
 
 
 def all_ready_on(version: str) -> Any:

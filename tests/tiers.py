@@ -51,9 +51,6 @@ class Tier:
         )
 
 
-OWN_MARKERS = ("multipod",)
-
-
 TIERS = (
     # One pytest worker per core: a third of the tier's time is tests waiting on the processes they start.
     Tier(
@@ -101,6 +98,7 @@ TIERS = (
     ),
 )
 BY_NAME = {t.name: t for t in TIERS}
+OWN_MARKERS = tuple(t.marker for t in TIERS if t.marker)
 
 
 def tier_of(markers: Iterable[str]) -> Tier:

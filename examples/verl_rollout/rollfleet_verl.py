@@ -159,8 +159,7 @@ class RollfleetCheckpointEngine(CheckpointEngine):
         version_prefix: str = "verl-step",
         timeout_s: float = 1800.0,
     ) -> None:
-        self.bucket_size = bucket_size  # verl's bucketing is for its own collectives: the sidecar takes the whole
-        self.is_master = is_master
+        # bucket_size: verl's bucketing is for its own collectives; the sidecar takes the whole policy.
         self.sync_url, self.version_prefix, self.timeout_s = sync_url, version_prefix, timeout_s
         self.rank = 0 if is_master else -1
         self.pushes = 0
@@ -175,7 +174,8 @@ class RollfleetCheckpointEngine(CheckpointEngine):
         if rollout_world_size:
             raise ValueError(
                 "the rollfleet checkpoint engine feeds a RolloutFleet, whose engines take the weights from the "
-                f"sync sidecar: give CheckpointEngineManager no rollout replicas (it has {rollout_world_size} workers)"
+                f"sync sidecar: use FleetCheckpointEngineManager, with no rollout replicas ({rollout_world_size} "
+                "workers given)"
             )
         return {"rank": [0] + [-1] * (actor_wg_world_size - 1)}, {}
 

@@ -17,6 +17,8 @@ from rollfleet_engine.protocol import ATTEMPT_HEADER
 from .conftest import Engine
 
 PROMPT = [5, 6, 7, 8]
+# Prompts whose greedy tokens tell weight sets apart (compared with transformers' on a known set).
+GREEDY_PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 
 
 class Stream:

@@ -15,7 +15,7 @@ from rollfleet_engine.protocol import STAGE_PATH, WEIGHT_VERSION_HEADER
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
 from rollfleet_engine.weights_server import WeightsServer
 
-from .calls import PROMPT, complete, control, state
+from .calls import GREEDY_PROMPTS, PROMPT, complete, control, state
 from .conftest import Engine
 
 pytestmark = pytest.mark.engine
@@ -41,7 +41,7 @@ def _reference_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int)
 
 
 def test_weight_update_a_to_b_matches_transformers(engine: Engine) -> None:
-    prompts = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
+    prompts = GREEDY_PROMPTS
     max_tokens = 16
 
     def served() -> list[list[int]]:

@@ -22,13 +22,12 @@ from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from rollfleet_engine.weights_server import WeightsServer
 
-from .calls import PROMPT, Stream, complete, control, in_flight_ids, rid, state, tracked
+from .calls import GREEDY_PROMPTS, PROMPT, Stream, complete, control, in_flight_ids, rid, state, tracked
 from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, process, running
 from .test_engine_live import _reference_greedy
 
 pytestmark = [pytest.mark.engine, pytest.mark.multipod]
 
-PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the data-parallel rank that serves this request
 
@@ -65,7 +64,7 @@ def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def references() -> dict[str, list[list[int]]]:
     root = ensure_tiny_model()
     return {
-        name: _reference_greedy(str(d), PROMPTS, GREEDY_TOKENS)
+        name: _reference_greedy(str(d), GREEDY_PROMPTS, GREEDY_TOKENS)
         for name, d in (("A", root), ("B", root / WEIGHTS_B_DIR))
     }
 
@@ -77,7 +76,7 @@ def ranks(shape: str) -> list[dict[str, str] | None]:
 
 def greedy(engine: Engine, headers: dict[str, str] | None) -> list[list[int]]:
     out = []
-    for prompt in PROMPTS:
+    for prompt in GREEDY_PROMPTS:
         r = complete(engine, prompt, GREEDY_TOKENS, headers=headers, ignore_eos=True).raise_for_status()
         out.append(r.json()["choices"][0]["token_ids"])
     return out

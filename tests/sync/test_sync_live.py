@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import SPOOL_INCOMING_DIR, EngineStep, PushState, PushStatus
-from tests.engine.calls import Stream, complete
+from tests.engine.calls import GREEDY_PROMPTS, Stream, complete
 from tests.engine.conftest import Engine
 from tests.engine.test_engine_live import _reference_greedy
 
@@ -28,7 +28,6 @@ from .conftest import EngineProcess, Sidecar
 
 pytestmark = pytest.mark.engine
 
-PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
 GREEDY_TOKENS = 12
 # Long enough that the rollouts are still decoding when the push's pause lands: at 1,800 (about 20 s
 # here) a push slowed by kind's image loads beside the tier landed after every rollout had ended.
@@ -36,8 +35,8 @@ ROLLOUT_TOKENS = 4000
 
 
 def reference_outputs(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
-    """Greedy outputs of transformers with each weight set, for PROMPTS."""
-    refs = {name: _reference_greedy(str(d), PROMPTS, GREEDY_TOKENS) for name, d in weights_dirs.items()}
+    """Greedy outputs of transformers with each weight set, for GREEDY_PROMPTS."""
+    refs = {name: _reference_greedy(str(d), GREEDY_PROMPTS, GREEDY_TOKENS) for name, d in weights_dirs.items()}
     assert refs["A"] != refs["B"]
     return refs
 
@@ -49,7 +48,7 @@ def references(weights_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
 
 def greedy(engine: Engine) -> list[list[int]]:
     out = []
-    for prompt in PROMPTS:
+    for prompt in GREEDY_PROMPTS:
         resp = complete(engine, prompt, GREEDY_TOKENS, ignore_eos=True)
         assert resp.status_code == 200, resp.text
         out.append(resp.json()["choices"][0]["token_ids"])
