@@ -194,8 +194,9 @@ class _Gateway:
             raise Refused(400, f"{GROUP_HEADER} or {SESSION_HEADER} is longer than {MAX_SESSION_KEY} characters")
         request_id = _request_id(headers, body)
         timeout = _timeout_s(headers, config.request_timeout_s, config.max_timeout_s)
+        loop = asyncio.get_running_loop()
         try:
-            entry = self.inflight.open(request_id)
+            entry = self.inflight.open(request_id, loop)
         except IdInUse:
             raise Refused(409, f"request id {request_id!r} is still in flight; ids must not be reused") from None
         req = ClientRequest(
@@ -204,7 +205,7 @@ class _Gateway:
             request_id=request_id,
             session=session,
             end_session=headers.get(_SESSION_END, "").lower() in ("1", "true", "yes"),
-            deadline=asyncio.get_running_loop().time() + timeout,
+            deadline=loop.time() + timeout,
         )
         return req, entry
 

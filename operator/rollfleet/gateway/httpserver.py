@@ -138,7 +138,7 @@ class _Reply:
     async def wait_done(self) -> None:
         """Until the client leaves or this answer ended."""
         if not self.ended and not self.conn.closed:
-            self._done = asyncio.get_running_loop().create_future()
+            self._done = self.conn.loop.create_future()
             await self._done
 
     def finish_waiting(self) -> None:
@@ -199,6 +199,9 @@ class _Reply:
 class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self.server = server
+        # Made by the server's protocol factory, in the loop. Kept: each lookup of the running loop is a getpid()
+        # system call (CPython checks for a fork), and a request would make several.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.closed = False
@@ -272,7 +275,7 @@ class _Connection(asyncio.Protocol):
 
     async def drained(self) -> None:
         if self.write_paused and not self.closed:
-            self._drain = asyncio.get_running_loop().create_future()
+            self._drain = self.loop.create_future()
             await self._drain
 
     # --- httptools callbacks --------------------------------------------------------
@@ -355,7 +358,7 @@ class _Connection(asyncio.Protocol):
     # --- answering ------------------------------------------------------------------
     def _begin(self, request: _Request) -> None:
         self._reply = _Reply(self, request)
-        task = asyncio.get_running_loop().create_task(self._answer(request, self._reply))
+        task = self.loop.create_task(self._answer(request, self._reply))
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 

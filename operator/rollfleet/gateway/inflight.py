@@ -45,6 +45,11 @@ class Choice:
 @dataclass
 class InFlight:
     request_id: str
+    # Resolved when the request must stop: the proxy's attempt waits on it next to its
+    # upstream exchange (a future, not an Event, so waiting costs no extra task).
+    stopping: asyncio.Future[None]
+    # Resolved when the request is over (a future, not an Event: one is made per request).
+    ended: asyncio.Future[None]
     # Sent to engines with the request (X-Rollfleet-Attempt), and with every abort this replica makes for it:
     # the engine ends a request only for the sender that started it, whatever id a client reuses.
     attempt: str = ""
@@ -57,11 +62,6 @@ class InFlight:
     stop: StopReason | None = None
     finish_reason: str | None = None
     unconfirmed: str | None = None  # why the engine never confirmed this request's end, if it did not
-    # Resolved when the request must stop: the proxy's attempt waits on it next to its
-    # upstream exchange (a future, not an Event, so waiting costs no extra task).
-    stopping: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    # Resolved when the request is over (a future, not an Event: one is made per request).
-    ended: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def choice(self, index: int) -> Choice:
         return self.choices.setdefault(index, Choice())
@@ -97,11 +97,12 @@ class InFlightTable:
         self._attempt_prefix = f"gw-{secrets.token_hex(6)}-"
         self._attempts = itertools.count()
 
-    def open(self, request_id: str) -> InFlight:
+    def open(self, request_id: str, loop: asyncio.AbstractEventLoop) -> InFlight:
         if request_id in self._active:
             raise IdInUse(request_id)
         self._finished.pop(request_id, None)
-        entry = InFlight(request_id, f"{self._attempt_prefix}{next(self._attempts)}")
+        attempt = f"{self._attempt_prefix}{next(self._attempts)}"
+        entry = InFlight(request_id, loop.create_future(), loop.create_future(), attempt)
         self._active[request_id] = entry
         return entry
 

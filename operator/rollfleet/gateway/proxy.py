@@ -282,8 +282,8 @@ class Proxy:
     async def serve(self, req: ClientRequest, entry: InFlight, send: Send, receive: Receive | None = None) -> None:
         """Answer one admitted request through ASGI's `send`. A client leaving is seen through `receive`, or,
         without it, told by the caller (`stop(entry, StopReason.DISCONNECT)`)."""
-        loop = asyncio.get_running_loop()
-        exchange = _Exchange(self, req, entry, send)
+        loop = asyncio.get_running_loop()  # looked up once per request: each lookup is a getpid() system call
+        exchange = _Exchange(self, req, entry, send, loop)
         watcher = None if receive is None else asyncio.create_task(self._watch_disconnect(receive, exchange))
         timer = loop.call_at(req.deadline, self.stop, entry, StopReason.DEADLINE)
         finish: str | None = None
@@ -311,10 +311,13 @@ class Proxy:
 class _Exchange:
     """One client request across its attempts."""
 
-    def __init__(self, proxy: Proxy, req: ClientRequest, entry: InFlight, send: Send) -> None:
+    def __init__(
+        self, proxy: Proxy, req: ClientRequest, entry: InFlight, send: Send, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.proxy = proxy
         self.req = req
         self.entry = entry
+        self.loop = loop
         self.n = choices_requested(req.route, req.body)
         self.tpl: Template | None = None
         self.writer: Writer
@@ -349,7 +352,7 @@ class _Exchange:
             engine, decision = picked
             plan = self._plan()
             if plan is None:
-                self.proxy.router.finish(decision, _now())
+                self.proxy.router.finish(decision, self.loop.time())
                 return await self._fail(502, f"engine failed after output was streamed: {last_failure}")
             self.attempts += 1
             if self.attempts > 1:
@@ -424,8 +427,7 @@ class _Exchange:
 
     async def _pick(self) -> tuple[Engine, Decision] | None:
         """An engine this id has not run on; waits (bounded) while none is routable: no 503 storms."""
-        loop = asyncio.get_running_loop()
-        p, entry = self.proxy, self.entry
+        loop, p, entry = self.loop, self.proxy, self.entry
         deadline = min(self.req.deadline, loop.time() + p.config.queue_timeout_s)
         while entry.stop is None:
             candidates = [e for e in p.registry.routable() if e.instance not in entry.tried]
@@ -464,7 +466,7 @@ class _Exchange:
         finally:
             watch.attempt_ended()
             entry.stopping.remove_done_callback(watch.stop)
-            p.router.finish(decision, _now(), end_session=self.req.end_session)
+            p.router.finish(decision, self.loop.time(), end_session=self.req.end_session)
         return result
 
     async def _exchange(self, engine: Engine, path: str, body: Json, cont: ContinuationState | None) -> AttemptResult:
@@ -495,7 +497,7 @@ class _Exchange:
         if version:
             entry.add_versions(version.split(","))
             p.registry.observe_version(engine.key, version.split(",")[-1])
-        since = (asyncio.get_running_loop().time(), p.registry.version_epoch(engine.key))
+        since = (self.loop.time(), p.registry.version_epoch(engine.key))
         if not resp.headers.get(b"content-type", b"").startswith(b"text/event-stream"):
             return await self._read_whole(engine, await resp.read(), since)
         # Whatever bytes arrived together are forwarded together: one write to the client per
@@ -580,7 +582,7 @@ class _Exchange:
     def _versions_certain(self, engine: Engine, started: float, epoch: int) -> bool:
         """A short request on an engine whose weight version did not change meanwhile: made by one version."""
         p = self.proxy
-        recent = asyncio.get_running_loop().time() - started < p.config.version_check_after_s
+        recent = self.loop.time() - started < p.config.version_check_after_s
         return recent and p.registry.version_epoch(engine.key) == epoch
 
     async def _ask_versions(self, engine: Engine) -> None:
@@ -700,7 +702,7 @@ class _StopWatch:
 
     def __init__(self, exchange: _Exchange, engine: Engine) -> None:
         self.exchange, self.engine = exchange, engine
-        task = asyncio.current_task()
+        task = asyncio.current_task(exchange.loop)
         assert task is not None, "made by an attempt, in its task"
         self.task = task
         self.over = False
@@ -709,7 +711,7 @@ class _StopWatch:
 
     def stop(self, _: asyncio.Future[None]) -> None:
         if not self.over:
-            self.ended = asyncio.get_running_loop().create_future()
+            self.ended = self.exchange.loop.create_future()
             self.exchange.proxy.background(self._stop(self.ended))
 
     def attempt_ended(self) -> None:
@@ -772,7 +774,3 @@ def _error_code(error: Any) -> int:
     """The HTTP status an engine's in-stream error stands for (vLLM puts it in `code`); 500 when it says none."""
     code = error.get("code") if isinstance(error, dict) else None
     return code if isinstance(code, int) and 400 <= code <= 599 else 500
-
-
-def _now() -> float:
-    return asyncio.get_running_loop().time()

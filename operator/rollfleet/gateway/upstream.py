@@ -49,6 +49,7 @@ _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOM
 class _Connection(asyncio.Protocol):
     def __init__(self, pool: _Pool) -> None:
         self.pool = pool
+        self.loop = asyncio.get_running_loop()  # made by create_connection, in the loop: looked up once, not per wait
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
@@ -168,7 +169,7 @@ class Response:
 
     # --- from the connection --------------------------------------------------------
     async def _wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._conn.loop.create_future()
         try:
             await self._waiter
         finally:

@@ -11,10 +11,11 @@ from rollfleet.gateway.inflight import IdInUse, InFlightTable, StopReason
 
 def test_ids_in_flight_are_refused_and_finished_ones_remembered_within_bounds() -> None:
     async def scenario() -> None:
+        loop = asyncio.get_running_loop()
         table = InFlightTable(keep_finished=2)
-        entry = table.open("a")
+        entry = table.open("a", loop)
         with pytest.raises(IdInUse):
-            table.open("a")
+            table.open("a", loop)
         entry.choice(0).token_ids += [1, 2]
         entry.choice(1).token_ids += [3]
         entry.add_versions(["v1", "v1", "v2"])
@@ -26,8 +27,8 @@ def test_ids_in_flight_are_refused_and_finished_ones_remembered_within_bounds() 
         finished = table.finished("a")
         assert finished is not None and finished.finish_reason == "abort"
         for rid in ("b", "c"):
-            table.close(table.open(rid), "length")
+            table.close(table.open(rid, loop), "length")
         assert table.finished("a") is None and table.finished("c") is not None
-        assert table.open("a").request_id == "a"  # an id may be used again once it ended
+        assert table.open("a", loop).request_id == "a"  # an id may be used again once it ended
 
     asyncio.run(scenario())
