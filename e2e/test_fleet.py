@@ -82,8 +82,32 @@ def _create(cluster: Cluster, manifest: dict[str, Any]) -> str:
 
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
-    ("tp-multiple", {"engine": {"gpusPerEngine": 3, "tensorParallelSize": 2}}, "must be a multiple of"),
-    ("tp-without-gpu", {"engine": {"gpusPerEngine": 0, "tensorParallelSize": 2}}, "needs GPUs"),
+    # Engine shapes (issue 34): each refused with the rule it breaks.
+    ("tp-not-dividing-gpus", {"engine": {"gpusPerEngine": 3, "tensorParallelSize": 2}}, "multiple of the 2 ranks"),
+    (
+        "ranks-uneven-over-pods",
+        {"engine": {"gpusPerEngine": 0, "tensorParallelSize": 3, "podsPerEngine": 2}},
+        "3 ranks (tensorParallelSize x pipelineParallelSize x dataParallelSize) do not divide evenly among "
+        "podsPerEngine=2",
+    ),
+    (
+        "dp-local-not-dividing-dp",
+        {"engine": {"gpusPerEngine": 0, "dataParallelSize": 4, "dataParallelSizeLocal": 3}},
+        "dataParallelSizeLocal=3 (data parallel ranks per pod) must divide dataParallelSize=4",
+    ),
+    (
+        "dp-local-against-pods",
+        {"engine": {"gpusPerEngine": 0, "dataParallelSize": 4, "dataParallelSizeLocal": 2}},
+        "2 pods hold data parallel ranks, but podsPerEngine=1",
+    ),
+    (
+        "dp-replicas-split-over-pods",
+        {"engine": {"gpusPerEngine": 0, "dataParallelSize": 2, "tensorParallelSize": 2, "podsPerEngine": 4}},
+        "dataParallelSize=2 must be a multiple of podsPerEngine=4",
+    ),
+    ("ep-without-dp-or-tp", {"engine": {"enableExpertParallel": True}}, "needs tensorParallelSize or dataParallelSize"),
+    ("too-many-pods", {"engine": {"podsPerEngine": 65}}, "less than or equal to 64"),
+    ("reserved-parallel-flag", {"engine": {"args": ["--data-parallel-size=2"]}}, "engine.args must not set"),
     (
         "no-surge-no-unavailable",
         {"updateStrategy": {"maxUnavailable": 0, "maxSurge": 0}},
@@ -127,6 +151,48 @@ def test_invalid_fleets_are_refused_with_a_clear_message(cluster: Cluster, opera
     assert "must start with a letter" in _create(cluster, fleet_manifest("1fleet", NS, replicas=1))
     listed = cluster.kubectl("-n", NS, "get", "rf", "-o", "name").stdout
     assert "bad-" not in listed
+
+
+# Shapes the API server accepts: one GPU per rank, spread evenly over the pods.
+VALID_SHAPES: list[dict[str, Any]] = [
+    {"gpusPerEngine": 0, "tensorParallelSize": 2},  # CPU ranks (the CPU engine's gloo)
+    {"gpusPerEngine": 1, "tensorParallelSize": 2, "podsPerEngine": 2},  # one replica across two pods
+    {"gpusPerEngine": 4, "tensorParallelSize": 2, "dataParallelSize": 4, "podsPerEngine": 2},  # DP over pods
+    {"gpusPerEngine": 8, "dataParallelSize": 8, "enableExpertParallel": True},  # wide expert parallel, one pod
+    {"gpusPerEngine": 4, "tensorParallelSize": 2, "pipelineParallelSize": 4, "podsPerEngine": 2},
+]
+
+
+def test_engine_shapes_that_fit_are_accepted(cluster: Cluster, operator: None) -> None:
+    for i, shape in enumerate(VALID_SHAPES):
+        manifest = fleet_manifest(f"shape-{i}", NS, replicas=1)
+        manifest["spec"]["engine"] = shape
+        proc = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
+        assert proc.returncode == 0, f"{shape}: {proc.stderr}"
+
+
+def test_a_multi_pod_fleet_without_leaderworkerset_is_degraded_naming_the_crd_and_makes_no_pod(
+    cluster: Cluster, operator: None, engine: dict[str, Any]
+) -> None:
+    """LWS is a prerequisite of engines of several pods: without its CRD the operator says so and creates nothing."""
+    fleet = Fleet(cluster, "two-pods", NS)
+    manifest = fleet_manifest(fleet.name, NS, replicas=1, engine={**engine, "tensorParallelSize": 2})
+    manifest["spec"]["engine"] |= {"podsPerEngine": 2, "gpusPerEngine": 1}
+    manifest["spec"]["gateway"] = {"enabled": False}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    try:
+
+        def degraded(st: dict[str, Any]) -> bool:
+            return any(c["type"] == "Degraded" and c["reason"] == "LeaderWorkerSetMissing" for c in st["conditions"])
+
+        st = fleet.wait(degraded, "Degraded: LeaderWorkerSetMissing", timeout=60)
+        [cond] = [c for c in st["conditions"] if c["type"] == "Degraded"]
+        assert cond["status"] == "True" and "leaderworkersets.leaderworkerset.x-k8s.io" in cond["message"], cond
+        assert fleet.pods() == [] and st["readyReplicas"] == 0
+        row = cluster.kubectl("-n", NS, "get", "rf", fleet.name, "--no-headers").stdout.split()
+        assert row[1:4] == ["0/1", "1", "2"], row  # READY, DESIRED, PODS (per engine)
+    finally:
+        cluster.kubectl("-n", NS, "delete", "rf", fleet.name, "--wait=true", "--timeout=120s", check=False, timeout=150)
 
 
 def test_an_engine_that_cannot_start_backs_off_says_why_and_recovers_once_the_spec_is_fixed(
@@ -217,8 +283,8 @@ def test_generation_needs_the_inference_token_unless_the_spec_opens_it_and_the_s
 def test_fleet_becomes_ready_on_gpu_nodes(cluster: Cluster, fleet: Fleet) -> None:
     table = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()
     header = table[0].split()
-    assert header[:7] == ["NAME", "READY", "DESIRED", "UP-TO-DATE", "PAUSED", "WEIGHTS", "AGE"]
-    assert table[1].split()[1:3] == ["2/2", "2"]
+    assert header[:8] == ["NAME", "READY", "DESIRED", "PODS", "UP-TO-DATE", "PAUSED", "WEIGHTS", "AGE"]
+    assert table[1].split()[1:4] == ["2/2", "2", "1"]
     pods = fleet.pods()
     assert sorted(p["metadata"]["name"] for p in pods) == ["e2e-engine-0", "e2e-engine-1"]
     gpu_pool = set(cluster.kubectl("get", "nodes", "-l", "rollfleet.dev/pool=gpu", "-o", "name").stdout.split())

@@ -138,6 +138,31 @@ def vllm_argv(opts: ServeOptions, on_cpu: bool) -> list[str]:
     return argv + opts.vllm_args
 
 
+def pipeline_problem(model: str, vllm_args: Sequence[str]) -> str | None:
+    """Why the model cannot be split into the pipeline stages asked for (None: it can, or the model is not a local
+    directory to read). vLLM itself gives such a stage no layers and fails later, without saying why."""
+    stages = 1
+    for i, arg in enumerate(vllm_args):  # argparse keeps the last value
+        name, eq, value = arg.partition("=")
+        if name in ("--pipeline-parallel-size", "-pp"):
+            raw = value if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+            if not raw.isdigit():
+                return f"{name} takes a number of stages, not {raw!r}"
+            stages = int(raw)
+    config_file = os.path.join(model, "config.json")
+    if stages <= 1 or not os.path.isfile(config_file):
+        return None
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    if isinstance(layers, int) and stages > layers:
+        return (
+            f"--pipeline-parallel-size {stages} is more stages than the model's {layers} layers (num_hidden_layers in "
+            f"{config_file}): each stage needs at least one layer; lower the fleet's engine.pipelineParallelSize"
+        )
+    return None
+
+
 def _on_cpu(device: str) -> bool:
     if device != "auto":
         return device == "cpu"
@@ -148,6 +173,9 @@ def _on_cpu(device: str) -> bool:
 
 def serve(opts: ServeOptions) -> None:
     """Run the engine until SIGTERM/SIGINT."""
+    problem = pipeline_problem(opts.model, opts.vllm_args)
+    if problem is not None:
+        raise SystemExit(f"rollfleet engine: {problem}")
     # Both must be set before vLLM reads its environment: the RL control routes exist
     # only in dev mode, and the engine core must be spawned, not forked.
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"

@@ -123,6 +123,13 @@ JOB = Kind("Job", "job", "jobs", _BATCH)
 ROLE = Kind("Role", "role", "roles", _RBAC)
 ROLE_BINDING = Kind("RoleBinding", "role_binding", "rolebindings", _RBAC)
 NETWORK_POLICY = Kind("NetworkPolicy", "network_policy", "networkpolicies", _NET)
+CRD = Kind(
+    "CustomResourceDefinition",
+    "custom_resource_definition",
+    "customresourcedefinitions",
+    kubernetes.client.ApiextensionsV1Api,
+    namespaced=False,
+)
 FLEET = Kind(fleet.KIND, "fleet", fleet.PLURAL, kubernetes.client.CustomObjectsApi, custom=True)
 REQUEST = Kind(request.KIND, "request", request.PLURAL, kubernetes.client.CustomObjectsApi, custom=True)
 _BY_KIND = {
@@ -140,6 +147,7 @@ _BY_KIND = {
         ROLE,
         ROLE_BINDING,
         NETWORK_POLICY,
+        CRD,
         FLEET,
         REQUEST,
     )

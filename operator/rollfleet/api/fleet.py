@@ -41,10 +41,16 @@ RESERVED_ENGINE_FLAGS = (
     "--host",
     "--port",
     "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
+    "--data-parallel-size-local",
+    "--enable-expert-parallel",
     "--max-model-len",
     "--weight-transfer-config",
 )
 _RESERVED_LIST = "[" + ", ".join(f"'{f}'" for f in RESERVED_ENGINE_FLAGS) + "]"
+# An engine's ranks (one GPU each), as CEL reads the engine spec.
+_RANKS = "(self.tensorParallelSize * self.pipelineParallelSize * self.dataParallelSize)"
 # Bounded so that CEL rules over argument lists stay within the API server's cost budget.
 Arg = Annotated[str, StringConstraints(max_length=1024)]
 # No CEL rule reads the command: an inline script (`python3 -c ...`, `sh -c ...`) may be longer.
@@ -99,14 +105,46 @@ class EngineSpec(ApiModel):
 
     model_config = ApiModel.model_config | {
         "json_schema_extra": validations(
+            # The engine's shape (docs/engine.md, "Engines across pods"): tensor x pipeline x data parallel ranks,
+            # one GPU each, spread evenly over podsPerEngine pods. Each rule guards on the ones before it, so a
+            # bad shape is refused with the rule it breaks first.
             cel(
-                "self.gpusPerEngine % self.tensorParallelSize == 0",
-                "engine.gpusPerEngine must be a multiple of engine.tensorParallelSize: each model replica spans "
-                "tensorParallelSize GPUs",
+                f"{_RANKS} % self.podsPerEngine == 0",
+                message_expression=f"'engine: ' + string({_RANKS}) + ' ranks (tensorParallelSize x "
+                "pipelineParallelSize x dataParallelSize) do not divide evenly among podsPerEngine=' + "
+                "string(self.podsPerEngine) + ' pods'",
             ),
             cel(
-                "self.gpusPerEngine > 0 || self.tensorParallelSize == 1",
-                "engine.tensorParallelSize above 1 needs GPUs: set engine.gpusPerEngine to a multiple of it",
+                f"self.gpusPerEngine == 0 || {_RANKS} % self.podsPerEngine != 0 || "
+                f"self.gpusPerEngine % ({_RANKS} / self.podsPerEngine) == 0",
+                message_expression="'engine.gpusPerEngine=' + string(self.gpusPerEngine) + ' (GPUs per pod) must be "
+                f"a multiple of the ' + string({_RANKS} / self.podsPerEngine) + ' ranks each pod runs "
+                "(tensorParallelSize x pipelineParallelSize x dataParallelSize / podsPerEngine): each rank uses one "
+                "GPU'",
+            ),
+            cel(
+                "self.dataParallelSize == 1 || self.dataParallelSize % self.podsPerEngine == 0",
+                message_expression="'engine.dataParallelSize=' + string(self.dataParallelSize) + ' must be a multiple "
+                "of podsPerEngine=' + string(self.podsPerEngine) + ': a data parallel engine holds whole replicas in "
+                "each pod (its tensor and pipeline ranks span pods only when dataParallelSize is 1)'",
+            ),
+            cel(
+                "!has(self.dataParallelSizeLocal) || self.dataParallelSize % self.dataParallelSizeLocal == 0",
+                message_expression="'engine.dataParallelSizeLocal=' + string(self.dataParallelSizeLocal) + ' (data "
+                "parallel ranks per pod) must divide dataParallelSize=' + string(self.dataParallelSize)",
+            ),
+            cel(
+                "!has(self.dataParallelSizeLocal) || self.dataParallelSize % self.dataParallelSizeLocal != 0 || "
+                "self.dataParallelSize / self.dataParallelSizeLocal == self.podsPerEngine",
+                message_expression="'engine.dataParallelSize / dataParallelSizeLocal = ' + "
+                "string(self.dataParallelSize / self.dataParallelSizeLocal) + ' pods hold data parallel ranks, but "
+                "podsPerEngine=' + string(self.podsPerEngine) + ': leave dataParallelSizeLocal out, or make them "
+                "agree'",
+            ),
+            cel(
+                "!self.enableExpertParallel || self.tensorParallelSize * self.dataParallelSize > 1",
+                "engine.enableExpertParallel spreads a MoE model's experts over the tensor x data parallel ranks: it "
+                "needs tensorParallelSize or dataParallelSize above 1",
             ),
             cel(
                 f"!has(self.args) || self.args.all(a, !{_RESERVED_LIST}.exists(f, a == f || a.startsWith(f + '=')))",
@@ -144,7 +182,11 @@ class EngineSpec(ApiModel):
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
     gpus_per_engine: int = Field(
-        default=1, ge=0, le=64, description="GPUs each engine requests; 0 runs engines on CPU nodes."
+        default=1,
+        ge=0,
+        le=64,
+        description="GPUs each engine pod requests (an engine of podsPerEngine pods uses that many times as many); "
+        "0 runs engines on CPU nodes.",
     )
     gpu_resource: str = Field(
         default="nvidia.com/gpu",
@@ -153,7 +195,41 @@ class EngineSpec(ApiModel):
         description="Extended resource name of a GPU on this cluster's nodes.",
     )
     tensor_parallel_size: int = Field(
-        default=1, ge=1, le=64, description="vLLM tensor parallel size; gpusPerEngine must be a multiple of it."
+        default=1, ge=1, le=64, description="vLLM --tensor-parallel-size: each layer split over this many ranks."
+    )
+    pipeline_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="vLLM --pipeline-parallel-size: the model's layers split into this many stages (at most its "
+        "layers; the engine refuses more at start).",
+    )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="vLLM --data-parallel-size: model replicas inside one engine, behind its one endpoint (with "
+        "enableExpertParallel, a MoE model's experts are spread over them).",
+    )
+    data_parallel_size_local: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Data parallel ranks in each pod (vLLM --data-parallel-size-local); default dataParallelSize "
+        "/ podsPerEngine.",
+    )
+    enable_expert_parallel: bool = Field(
+        default=False,
+        description="vLLM --enable-expert-parallel: a MoE model's experts sharded over the tensor x data parallel "
+        "ranks.",
+    )
+    pods_per_engine: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pods one engine spans, each on its own node of the pool: above 1 the engine is a "
+        "LeaderWorkerSet group (LWS must be installed). The ranks (tensorParallelSize x pipelineParallelSize x "
+        "dataParallelSize) are spread evenly over them.",
     )
     max_model_len: int | None = Field(
         default=None, ge=16, le=10_000_000, description="Maximum context length (vLLM --max-model-len)."
@@ -501,6 +577,7 @@ CRD = CrdInfo(
     printer_columns=(
         PrinterColumn("Ready", "string", ".status.ready", "Engines serving / desired."),
         PrinterColumn("Desired", "integer", ".spec.replicas", "Desired engines."),
+        PrinterColumn("Pods", "integer", ".spec.engine.podsPerEngine", "Pods each engine spans."),
         PrinterColumn("Up-to-date", "integer", ".status.updatedReplicas", "Engines matching the current spec."),
         PrinterColumn("Paused", "string", ".status.pause.mode", "Pause mode while paused."),
         PrinterColumn("Weights", "string", ".status.weightVersion", "Weight version of the fleet."),

@@ -123,8 +123,15 @@ def engine_args(spec: RolloutFleetSpec) -> list[str]:
     if _inference_token(spec):
         args += ["--inference-token-file", INFERENCE_TOKEN_FILE]
     vllm: list[str] = []
-    if engine.tensor_parallel_size > 1:
-        vllm += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    for flag, size in (
+        ("--tensor-parallel-size", engine.tensor_parallel_size),
+        ("--pipeline-parallel-size", engine.pipeline_parallel_size),
+        ("--data-parallel-size", engine.data_parallel_size),
+    ):
+        if size > 1:
+            vllm += [flag, str(size)]
+    if engine.enable_expert_parallel:
+        vllm.append("--enable-expert-parallel")
     if engine.max_model_len is not None:
         vllm += ["--max-model-len", str(engine.max_model_len)]
     vllm += engine.args

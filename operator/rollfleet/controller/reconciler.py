@@ -38,7 +38,7 @@ from rollfleet.contract import (
     gateway_endpoint,
     weights_record_name,
 )
-from rollfleet.controller import desired, plan
+from rollfleet.controller import desired, groups, plan
 from rollfleet.controller.events import event_manifest, rfc3339
 from rollfleet.controller.owner import FleetRef
 from rollfleet.controller.status import (
@@ -55,7 +55,7 @@ from rollfleet.controller.status import (
 from rollfleet.controller.tasks import Stop
 from rollfleet.controller.tokens import OperatorKey
 from rollfleet.engine_client import EngineCallError, EngineClient, EngineRef
-from rollfleet.kube import CONFIG_MAP, FLEET, NODE, POD, Conflict, Kube, NotFound, kind_named
+from rollfleet.kube import CONFIG_MAP, CRD, FLEET, NODE, POD, Conflict, Kube, NotFound, kind_named
 from rollfleet.sync.fleetversion import fleet_weight_version
 from rollfleet.sync.protocol import decode_record, operator_fields
 from rollfleet_engine.protocol import EngineState
@@ -294,15 +294,21 @@ class FleetLoop:
         engines = [classify(o, weights, request.mode is not None, spec.weight_sync.require_sync) for o in observed]
         record = plan.pause_record(request, recorded, engines, now)
 
+        blocked = await self._group_check(spec)
         max_unavailable, max_surge = plan.rollout_budget(spec.update_strategy, spec.replicas)
-        actions = plan.plan_pods(
-            engines,
-            replicas=spec.replicas,
-            current_hash=current_hash,
-            max_unavailable=max_unavailable,
-            max_surge=max_surge,
-            drain_timeout=spec.drain_timeout_seconds,
-            now=now,
+        # A shape this cluster cannot run changes no pod: the engines there are keep serving.
+        actions = (
+            []
+            if blocked
+            else plan.plan_pods(
+                engines,
+                replicas=spec.replicas,
+                current_hash=current_hash,
+                max_unavailable=max_unavailable,
+                max_surge=max_surge,
+                drain_timeout=spec.drain_timeout_seconds,
+                now=now,
+            )
         )
         by_name = {e.obs.name: e for e in engines}
         await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
@@ -333,6 +339,7 @@ class FleetLoop:
             gateway_enabled=spec.gateway.enabled,
             previous=previous,
             now=now,
+            blocked=blocked,
         )
         interval = BUSY_RESYNC_S if busy or actions or phase_changes or self._calls else IDLE_RESYNC_S
         if status != previous:
@@ -342,6 +349,17 @@ class FleetLoop:
             await self._write_status(status, previous)
             self._transition_events(previous, status)
         return interval
+
+    async def _group_check(self, spec: RolloutFleetSpec) -> groups.Blocked | None:
+        """Whether this cluster can run the fleet's engines of several pods (single-pod ones: no call)."""
+        if spec.engine.pods_per_engine == 1:
+            return None
+        kube = self.shared.kube
+        try:
+            await kube.get(CRD, "", groups.LWS_CRD)
+        except NotFound:
+            return groups.group_problem(spec, lws_installed=False, pool=[])
+        return groups.group_problem(spec, lws_installed=True, pool=groups.pool_nodes(spec, await kube.list(NODE)))
 
     # ---- owned objects ---------------------------------------------------------------------
 

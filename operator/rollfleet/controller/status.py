@@ -32,6 +32,7 @@ from rollfleet.contract import (
     EnginePhase,
     engine_index,
 )
+from rollfleet.controller.groups import Blocked
 from rollfleet_engine.protocol import EngineState
 
 # The Paused condition's reason (and a Warning event) while engines are paused but the fleet is not.
@@ -370,8 +371,10 @@ def fleet_status(
     gateway_enabled: bool,
     previous: RolloutFleetStatus | None,
     now: datetime,
+    blocked: Blocked | None = None,
 ) -> RolloutFleetStatus:
-    """The status subresource: counts, per-engine entries, pause, gateway and conditions."""
+    """The status subresource: counts, per-engine entries, pause, gateway and conditions. `blocked`: why the
+    operator leaves the engines as they are (a shape the cluster cannot run)."""
     desired = spec.replicas
     existing = [e for e in engines if not e.obs.terminating]
     leaving = [e for e in existing if e.phase == EnginePhase.DRAINING]
@@ -399,8 +402,16 @@ def fleet_status(
     prev_conditions = previous.conditions if previous else []
     values = {
         "Ready": _ready_condition(ready, desired, gateway, gateway_enabled),
-        "Progressing": _progress_condition(len(staying), len(leaving), updated, ready, desired),
-        "Degraded": _degraded_condition(engines, staying, ready, desired, generation, previous),
+        "Progressing": (
+            (False, blocked.reason, "no engine is created or replaced until this is fixed")
+            if blocked
+            else _progress_condition(len(staying), len(leaving), updated, ready, desired)
+        ),
+        "Degraded": (
+            (True, blocked.reason, blocked.message)
+            if blocked
+            else _degraded_condition(engines, staying, ready, desired, generation, previous)
+        ),
         "Paused": _pause_condition(pause, paused, len(staying)),
     }
     conditions = [_condition(prev_conditions, t, *c, generation=generation, now=now) for t, c in values.items()]

@@ -73,6 +73,21 @@ def test_engine_args_follow_the_engine_cli_contract() -> None:
     assert args[args.index("--") + 1 :] == ["--max-model-len", "512", "--enforce-eager"]
 
 
+def test_an_engines_parallelism_becomes_vllms_own_flags() -> None:
+    shape = {"tensorParallelSize": 2, "pipelineParallelSize": 2, "dataParallelSize": 2, "enableExpertParallel": True}
+    args = desired.engine_args(spec(engine={**shape, "gpusPerEngine": 8}))
+    assert args[args.index("--") + 1 :] == [
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+    ]
+    assert "--" not in desired.engine_args(spec())  # sizes of 1 are vLLM's defaults: not passed
+
+
 def test_model_sources_mount_or_point_into_the_image() -> None:
     host = desired.engine_pod(REF, spec(), 0)["spec"]
     assert {"name": "model", "hostPath": {"path": "/models/tiny", "type": "Directory"}} in host["volumes"]
