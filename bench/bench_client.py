@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_gateway import BODY, free_port, router_commands, start_simulators, stop, wait_serving
+from bench.bench_gateway import AUTH, BODY, KEY, free_port, router_commands, start_simulators, stop, wait_serving
 from rollfleet_client import AsyncRolloutClient
 from rollfleet_client.protocol import COMPLETIONS_PATH, REQUEST_ID_HEADER
 
@@ -53,8 +53,8 @@ async def closed_loop(call: Call, concurrency: int, duration: float) -> float:
 async def measure(url: str, concurrency: int, duration: float) -> dict[str, float]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with (
-        httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as http,
-        AsyncRolloutClient(url, model=BODY["model"], max_connections=concurrency) as client,
+        httpx.AsyncClient(base_url=url, limits=limits, timeout=60, headers=AUTH) as http,
+        AsyncRolloutClient(url, model=BODY["model"], inference_token=KEY, max_connections=concurrency) as client,
     ):
         body = {**BODY, "return_token_ids": True, "stream": False}
 
@@ -80,14 +80,15 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-client-"))
-    token = tmp / "token"
+    token, key = tmp / "token", tmp / "key"
     token.write_text("bench-token\n")
+    key.write_text(KEY + "\n")  # the gateway asks for its key, as a fleet's does
     procs: list[subprocess.Popen[bytes]] = []
     try:
         engines = start_simulators(2, tmp, procs)
         port, log = free_port(), tmp / "gateway.log"
         with log.open("wb") as out:
-            gateway = router_commands(engines, token)["rollfleet-gateway"](port)
+            gateway = router_commands(engines, token, key)["rollfleet-gateway"](port)
             procs.append(subprocess.Popen(gateway, stdout=out, stderr=subprocess.STDOUT))
         url = f"http://127.0.0.1:{port}"
         wait_serving(url, procs[-1], log)

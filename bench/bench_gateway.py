@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from bench.deployed_python import Unavailable, deployed_rollfleet
 from bench.granian_gateway import ENGINES_ENV, KEY_FILE_ENV, TOKEN_FILE_ENV
 from bench.processes import stop
 from rollfleet.gateway.upstream import Upstream
@@ -53,7 +54,9 @@ BODY = {"model": "sim", "prompt": "benchmark prompt", "max_tokens": 16}
 # sent it (the Rust routers check none).
 KEY = "bench-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-OURS = ("rollfleet-gateway", "rollfleet-gateway-granian")  # the gateway on its own server, and on granian
+# The gateway on its own server, on granian (both on this venv's interpreter), and on its own server on the Python
+# the control-plane image ships (bench/deployed_python.py): the gateway as users run it.
+OURS = ("rollfleet-gateway", "rollfleet-gateway-granian", "rollfleet-gateway-deployed")
 # Issue 32's floors, against vllm-router in the same run: throughput ratios at least, added p50 ratio at most.
 FLOORS = {"json_rps_ratio": 0.85, "stream_rps_ratio": 1.0, "json_added_p50_ratio": 1.5, "stream_added_p50_ratio": 1.5}
 BASELINE = "vllm-router"
@@ -219,11 +222,15 @@ def start_simulators(n: int, tmp: Path, procs: list[subprocess.Popen[bytes]]) ->
     return engines
 
 
-def router_commands(engines: list[str], token_file: Path, key_file: Path) -> dict[str, Callable[[int], list[str]]]:
+def router_commands(
+    engines: list[str], token_file: Path, key_file: Path, deployed: Path | None = None
+) -> dict[str, Callable[[int], list[str]]]:
+    """Each router's command line by name; `deployed`: the `rollfleet` of the image's Python (None: not run)."""
     prom = [free_port(), free_port()]  # the Rust routers' Prometheus listeners (they cannot be turned off)
-    return {
-        OURS[0]: lambda port: [
-            str(BIN / "rollfleet"),
+
+    def gateway(rollfleet: Path, port: int) -> list[str]:
+        return [
+            str(rollfleet),
             "gateway",
             "--engines",
             ",".join(engines),
@@ -237,7 +244,10 @@ def router_commands(engines: list[str], token_file: Path, key_file: Path) -> dic
             str(key_file),
             "--log-level",
             "warning",
-        ],
+        ]
+
+    commands: dict[str, Callable[[int], list[str]]] = {
+        OURS[0]: functools.partial(gateway, BIN / "rollfleet"),
         # The same admission and proxy on granian's RSGI (bench/granian_gateway.py: engines and tokens from the
         # environment main() sets); one worker and uvloop, as the gateway's own server runs.
         OURS[1]: lambda port: [
@@ -292,6 +302,9 @@ def router_commands(engines: list[str], token_file: Path, key_file: Path) -> dic
             str(prom[1]),
         ],
     }
+    if deployed is not None:
+        commands[OURS[2]] = functools.partial(gateway, deployed)
+    return commands
 
 
 def measure(results: dict[str, list[Result]], name: str, url: str, args: argparse.Namespace, pid: int | None) -> None:
@@ -356,7 +369,13 @@ def main() -> int:
         pids: dict[str, int | None] = {"direct (engine)": None}
         failed: list[Result] = []
         os.environ |= {ENGINES_ENV: ",".join(engines), TOKEN_FILE_ENV: str(token), KEY_FILE_ENV: str(key)}
-        for name, command in router_commands(engines, token, key).items():
+        try:
+            deployed: Path | None = deployed_rollfleet()
+        except Unavailable as err:
+            deployed = None
+            failed.append(Result(OURS[2], note=f"could not run: {err}"))
+            print(f"{OURS[2]} could not run: {err}")
+        for name, command in router_commands(engines, token, key, deployed).items():
             port = free_port()
             log = tmp / f"{name}.log"
             url = f"http://127.0.0.1:{port}"

@@ -39,6 +39,7 @@ from rollfleet.contract import (
     trainer_name,
 )
 from rollfleet.gateway.app import GatewayConfig, build_app
+from rollfleet.kubectl import KubectlError
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +151,10 @@ def sim_engine(cluster: Cluster, token_delay_ms: float) -> dict[str, Any]:
     }
 
 
+# kubectl's words when the API server did not answer a call (a timeout or refusal, not a refusal of the request).
+UNREACHABLE = "Unable to connect to the server"
+
+
 @dataclass
 class Fleet:
     cluster: Cluster
@@ -169,7 +174,12 @@ class Fleet:
         """Wait until `predicate(status)` holds; returns that status."""
 
         def check() -> dict[str, Any] | None:
-            st = self.status()
+            try:
+                st = self.status()
+            except KubectlError as err:
+                if UNREACHABLE not in str(err):
+                    raise
+                return None  # the API server did not answer this poll (a loaded host): the deadline still holds
             return st if predicate(st) else None
 
         return dict(wait_for(check, timeout=timeout, interval=0.5, what=f"{self.name}: {what}"))

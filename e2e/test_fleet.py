@@ -83,27 +83,30 @@ def _create(cluster: Cluster, manifest: dict[str, Any]) -> str:
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     # Engine shapes (issue 34): each refused with the rule it breaks.
-    ("tp-not-dividing-gpus", {"engine": {"gpusPerEngine": 3, "tensorParallelSize": 2}}, "multiple of the 2 ranks"),
+    (
+        "tp-not-dividing-gpus",
+        {"engine": {"gpusPerEngine": 3, "tensorParallelSize": 2}},
+        "must be a multiple of the ranks each pod runs",
+    ),
     (
         "ranks-uneven-over-pods",
         {"engine": {"gpusPerEngine": 0, "tensorParallelSize": 3, "podsPerEngine": 2}},
-        "3 ranks (tensorParallelSize x pipelineParallelSize x dataParallelSize) do not divide evenly among "
-        "podsPerEngine=2",
+        "must divide evenly among podsPerEngine pods",
     ),
     (
         "dp-local-not-dividing-dp",
         {"engine": {"gpusPerEngine": 0, "dataParallelSize": 4, "dataParallelSizeLocal": 3}},
-        "dataParallelSizeLocal=3 (data parallel ranks per pod) must divide dataParallelSize=4",
+        "dataParallelSizeLocal (data parallel ranks per pod) must divide engine.dataParallelSize",
     ),
     (
         "dp-local-against-pods",
         {"engine": {"gpusPerEngine": 0, "dataParallelSize": 4, "dataParallelSizeLocal": 2}},
-        "2 pods hold data parallel ranks, but podsPerEngine=1",
+        "it must equal engine.podsPerEngine",
     ),
     (
         "dp-replicas-split-over-pods",
         {"engine": {"gpusPerEngine": 0, "dataParallelSize": 2, "tensorParallelSize": 2, "podsPerEngine": 4}},
-        "dataParallelSize=2 must be a multiple of podsPerEngine=4",
+        "engine.dataParallelSize must be a multiple of podsPerEngine",
     ),
     ("ep-without-dp-or-tp", {"engine": {"enableExpertParallel": True}}, "needs tensorParallelSize or dataParallelSize"),
     ("too-many-pods", {"engine": {"podsPerEngine": 65}}, "less than or equal to 64"),
@@ -183,7 +186,9 @@ def test_a_multi_pod_fleet_without_leaderworkerset_is_degraded_naming_the_crd_an
     try:
 
         def degraded(st: dict[str, Any]) -> bool:
-            return any(c["type"] == "Degraded" and c["reason"] == "LeaderWorkerSetMissing" for c in st["conditions"])
+            return any(
+                c["type"] == "Degraded" and c["reason"] == "LeaderWorkerSetMissing" for c in st.get("conditions", [])
+            )
 
         st = fleet.wait(degraded, "Degraded: LeaderWorkerSetMissing", timeout=60)
         [cond] = [c for c in st["conditions"] if c["type"] == "Degraded"]

@@ -48,11 +48,15 @@ def _cluster_kubeconfig(args: argparse.Namespace) -> int:
 
 
 def _cluster_build(args: argparse.Namespace) -> int:
+    from rollfleet_dev import lws
+    from rollfleet_dev.gobuild import ensure_tool
     from rollfleet_dev.localcluster import build
 
     b = build.ensure_built()
     for name, path in vars(b).items():
         print(f"{name:<24} {path}")
+    # Built with the control plane, installed only when asked (`rollfleet cluster lws install`).
+    print(f"{'lws_manager':<24} {ensure_tool(lws.LWS) / 'cmd'}")
     return 0
 
 
@@ -70,8 +74,22 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=_cluster_down)
     csub.add_parser("status", help="what runs, and whether it is healthy").set_defaults(func=_cluster_status)
     csub.add_parser("kubeconfig", help="print the admin kubeconfig's path").set_defaults(func=_cluster_kubeconfig)
-    csub.add_parser("build", help="build the control-plane binaries only").set_defaults(func=_cluster_build)
+    csub.add_parser("build", help="build the control-plane binaries (and LWS's manager) only").set_defaults(
+        func=_cluster_build
+    )
+    p = csub.add_parser(
+        "lws", help="install (or uninstall) LeaderWorkerSet, which engines of several pods need, from its module"
+    )
+    p.add_argument("action", choices=["install", "uninstall"])
+    p.set_defaults(func=_cluster_lws)
     agent_cli.add_cluster_subcommands(csub)
+
+
+def _cluster_lws(args: argparse.Namespace) -> int:
+    from rollfleet_dev import lws
+
+    lws.install_local() if args.action == "install" else lws.uninstall_local()
+    return 0
 
 
 def _kind_up(args: argparse.Namespace) -> int:
@@ -102,6 +120,13 @@ def _kind_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kind_lws(args: argparse.Namespace) -> int:
+    from rollfleet_dev import lws
+
+    lws.install_kind()
+    return 0
+
+
 def _kind_kubeconfig(args: argparse.Namespace) -> int:
     from rollfleet_dev.kind import cluster
 
@@ -127,6 +152,9 @@ def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "stop", help="stop the node containers, keeping the cluster and its images (`up` starts it again)"
     ).set_defaults(func=_kind_stop)
     ksub.add_parser("build", help="build the node image only").set_defaults(func=_kind_build)
+    ksub.add_parser(
+        "lws", help="install LeaderWorkerSet (engines of several pods need it) as its release does"
+    ).set_defaults(func=_kind_lws)
     ksub.add_parser("kubeconfig", help="print the kubeconfig's path").set_defaults(func=_kind_kubeconfig)
 
 

@@ -330,7 +330,7 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
     try:
         for component in START_ORDER:
             t0 = time.monotonic()
-            _start(layout, component, args[component], checks[component])
+            start_component(layout, component, args[component], checks[component])
             _log(f"{component} ready ({time.monotonic() - t0:.1f}s)")
     except BaseException:
         down(layout, purge=False)  # keep the logs that explain the failure
@@ -339,7 +339,7 @@ def up(pools: Path = DEFAULT_POOLS, layout: Layout | None = None) -> Layout:
     return layout
 
 
-def _start(layout: Layout, component: str, argv: list[str], healthy: Callable[[], bool]) -> None:
+def start_component(layout: Layout, component: str, argv: list[str], healthy: Callable[[], bool]) -> None:
     """Start one component and wait until it is healthy."""
     log = layout.log_file(component)
     with open(log, "ab") as out:
@@ -356,8 +356,8 @@ def restart(component: str, pools: Path = DEFAULT_POOLS, layout: Layout | None =
     if pid is None:
         raise ClusterError(f"{component} is not running: start the cluster with `rollfleet cluster up`")
     t0 = time.monotonic()
-    _stop(pid, grace=10)
-    _start(
+    stop_process(pid, grace=10)
+    start_component(
         layout,
         component,
         component_args(layout, build.ensure_built(), pools)[component],
@@ -373,7 +373,7 @@ def _spawn(argv: list[str], out: BinaryIO, layout: Layout) -> subprocess.Popen[b
     )
 
 
-def _stop(pid: int, grace: float) -> None:
+def stop_process(pid: int, grace: float) -> None:
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -409,10 +409,10 @@ def down(layout: Layout | None = None, purge: bool = True) -> None:
     for component in reversed(START_ORDER):
         pid = running_pid(layout, component)
         if pid is not None:
-            _stop(pid, grace=30 if component == "node-agent" else 10)
+            stop_process(pid, grace=30 if component == "node-agent" else 10)
             _log(f"{component} stopped")
     for pid in leftover_processes(layout.root):
-        _stop(pid, grace=5)
+        stop_process(pid, grace=5)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(port_in_use(p) for p in PORTS.values()):
         time.sleep(0.2)

@@ -18,6 +18,8 @@ IDENTITIES: dict[str, tuple[str, str]] = {
     "scheduler": ("system:kube-scheduler", ""),
     "controller-manager": ("system:kube-controller-manager", ""),
     "node-agent": ("rollfleet-node-agent", "system:masters"),
+    # LeaderWorkerSet's manager (rollfleet_dev.lws): bound to LWS's own ClusterRole when it is installed.
+    "lws": ("rollfleet-lws-manager", ""),
 }
 
 
@@ -87,22 +89,25 @@ def create(pki_dir: Path, sans: list[str]) -> Pki:
         "-out",
         str(pki.ca_crt),
     )
+    serving_certificate(pki, "kube-apiserver", sans, pki.apiserver_crt, pki.apiserver_key)
+    _openssl("genrsa", "-out", str(pki.sa_key), "2048")
+    _openssl("rsa", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub))
+    lines = []
+    for i, (user, groups) in enumerate(IDENTITIES.values()):
+        group_field = f',"{groups}"' if groups else ""
+        lines.append(f"{secrets.token_hex(24)},{user},{i + 1}{group_field}")
+    pki.token_file.write_text("\n".join(lines) + "\n")
+    for f in pki_dir.iterdir():
+        f.chmod(0o600)
+    return pki
+
+
+def serving_certificate(pki: Pki, name: str, sans: list[str], crt: Path, key: Path) -> None:
+    """A server certificate for `sans` (IP addresses or DNS names), signed by the cluster's CA."""
     san = ",".join(f"IP:{s}" if s[0].isdigit() else f"DNS:{s}" for s in sans)
-    csr = pki_dir / "apiserver.csr"
-    ext = pki_dir / "apiserver.ext"
+    csr, ext = pki.dir / f"{name}.csr", pki.dir / f"{name}.ext"
     ext.write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n")
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=kube-apiserver",
-        "-keyout",
-        str(pki.apiserver_key),
-        "-out",
-        str(csr),
-    )
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(key), "-out", str(csr))
     _openssl(
         "x509",
         "-req",
@@ -118,18 +123,9 @@ def create(pki_dir: Path, sans: list[str]) -> Pki:
         "-extfile",
         str(ext),
         "-out",
-        str(pki.apiserver_crt),
+        str(crt),
     )
-    _openssl("genrsa", "-out", str(pki.sa_key), "2048")
-    _openssl("rsa", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub))
-    lines = []
-    for i, (user, groups) in enumerate(IDENTITIES.values()):
-        group_field = f',"{groups}"' if groups else ""
-        lines.append(f"{secrets.token_hex(24)},{user},{i + 1}{group_field}")
-    pki.token_file.write_text("\n".join(lines) + "\n")
-    for f in pki_dir.iterdir():
-        f.chmod(0o600)
-    return pki
+    key.chmod(0o600)
 
 
 def kubeconfig(server: str, ca: Path, token: str, user: str) -> str:
