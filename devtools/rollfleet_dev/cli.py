@@ -123,7 +123,7 @@ def _kind_build(args: argparse.Namespace) -> int:
 def _kind_lws(args: argparse.Namespace) -> int:
     from rollfleet_dev import lws
 
-    lws.install_kind()
+    lws.install_kind() if args.action == "install" else lws.uninstall_kind()
     return 0
 
 
@@ -152,9 +152,9 @@ def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "stop", help="stop the node containers, keeping the cluster and its images (`up` starts it again)"
     ).set_defaults(func=_kind_stop)
     ksub.add_parser("build", help="build the node image only").set_defaults(func=_kind_build)
-    ksub.add_parser(
-        "lws", help="install LeaderWorkerSet (engines of several pods need it) as its release does"
-    ).set_defaults(func=_kind_lws)
+    p = ksub.add_parser("lws", help="install (or uninstall) LeaderWorkerSet, as its release does, from its module")
+    p.add_argument("action", choices=["install", "uninstall"])
+    p.set_defaults(func=_kind_lws)
     ksub.add_parser("kubeconfig", help="print the kubeconfig's path").set_defaults(func=_kind_kubeconfig)
 
 

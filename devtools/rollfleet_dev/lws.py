@@ -188,6 +188,9 @@ def kind_manifests(kustomized: str, image: str = IMAGE) -> list[Manifest]:
     for doc in docs:
         if doc["kind"] != "Deployment":
             continue
+        # One manager: its release runs two (leader election), and kind's one node for system pods here has
+        # the CPU requests of one.
+        doc["spec"]["replicas"] = 1
         for c in doc["spec"]["template"]["spec"]["containers"]:
             if c["image"].startswith(RELEASE_IMAGE_PREFIX):
                 c["image"], c["imagePullPolicy"] = image, "IfNotPresent"
@@ -226,5 +229,17 @@ def install_kind() -> None:
     )
     docs = kind_manifests(kubectl.run("kustomize", str(config_dir() / "default")).stdout)
     kubectl.run("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs))
-    kubectl.run("-n", KIND_NAMESPACE, "rollout", "status", "deployment/lws-controller-manager", "--timeout=300s")
+    kubectl.run(
+        "-n", KIND_NAMESPACE, "rollout", "status", "deployment/lws-controller-manager", "--timeout=300s", timeout=320
+    )
     log(f"LWS {LWS_VERSION} installed on kind (namespace {KIND_NAMESPACE})")
+
+
+def uninstall_kind() -> None:
+    """Remove what `install_kind` applied (the CRD last: deleting it deletes every LeaderWorkerSet)."""
+    from rollfleet_dev.kind import cluster
+
+    kubectl = Kubectl(cluster.kubeconfig_path())
+    docs = kind_manifests(kubectl.run("kustomize", str(config_dir() / "default")).stdout)
+    kubectl.run("delete", "--ignore-not-found", "--wait=true", "-f", "-", input=yaml.safe_dump_all(docs), timeout=320)
+    log("LWS removed from kind")

@@ -77,5 +77,6 @@ def test_kind_runs_lws_release_manifests_with_the_image_built_here() -> None:
     docs = lws.kind_manifests(yaml.safe_dump_all([{"kind": "Namespace"}, manager]))
     [container] = docs[1]["spec"]["template"]["spec"]["containers"]
     assert container["image"] == lws.IMAGE and container["imagePullPolicy"] == "IfNotPresent"
+    assert docs[1]["spec"]["replicas"] == 1
     with pytest.raises(ValueError, match="not once"):
         lws.kind_manifests(yaml.safe_dump_all([{"kind": "Namespace"}]))
