@@ -296,7 +296,7 @@ class FleetLoop:
 
         blocked = await self._group_check(spec)
         max_unavailable, max_surge = plan.rollout_budget(spec.update_strategy, spec.replicas)
-        # A shape this cluster cannot run changes no pod: the engines there are keep serving.
+        # A shape this cluster cannot run changes no pod: the engines already there keep serving.
         actions = (
             []
             if blocked
