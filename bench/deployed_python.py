@@ -2,11 +2,11 @@
 
 The image (`Dockerfile`) runs `rollfleet` in a venv of its base image's `python3.11`: the public
 `python:3.11-slim` for users, Debian bookworm's `python3.11` where the images are built here
-(`hack/base-images.sh`). Both interpreters are release builds with profile-guided optimization and a
-statically linked interpreter. The development venv's interpreter on this host is pyenv's build (no
-PGO or LTO, libpython shared), whose interpreter loop is slower on the gateway's Python hot path, which
-is where its CPU per request goes (docs/gateway.md, "Server choice"). A benchmark of the gateway as
-users run it runs it on the image's interpreter.
+(`hack/base-images.sh`). Both interpreters are release builds with profile-guided optimization. The
+development venv's interpreter on this host is pyenv's build (no PGO or LTO, libpython shared), whose
+interpreter loop is slower on the gateway's Python hot path, which is where its CPU per request goes
+(docs/gateway.md, "Server choice"). A benchmark of the gateway as users run it runs it on the image's
+interpreter.
 
 `deployed_rollfleet()` makes (once, cached by interpreter and dependency versions) a venv of that
 interpreter with the project's runtime dependencies at the versions of the running environment and
@@ -25,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
+
+from rollfleet_dev.localcluster.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 # Debian bookworm's interpreter: the one the images built here run (hack/base-images.sh); this host is bookworm.
@@ -52,7 +54,7 @@ def deployed_rollfleet(cache: Path | None = None) -> Path:
     ).stdout.strip()
     requirements = pinned_requirements()
     key = hashlib.sha256("\n".join([interpreter, version, *requirements]).encode()).hexdigest()[:12]
-    cache = cache or Path(os.environ.get("ROLLFLEET_CACHE", Path.home() / ".cache" / "rollfleet"))
+    cache = cache or cache_dir()
     venv = cache / "bench" / f"gateway-python-{key}"
     command, done = venv / "bin" / "rollfleet", venv / ".complete"
     if done.is_file():

@@ -24,7 +24,9 @@ GROUP_LABEL = "leaderworkerset.sigs.k8s.io/name"
 @pytest.fixture(scope="module")
 def lws(cluster: Cluster) -> Iterator[None]:
     if cluster.provider != "local":
-        pytest.skip("LWS is installed on the local cluster here; kind's install comes with its image")
+        pytest.skip(
+            "this module installs LWS on the local cluster; on kind `rollfleet kind lws install` is checked by hand"
+        )
     from rollfleet_dev import lws as lws_install
 
     cluster.kubectl("create", "namespace", NS, check=False)

@@ -153,8 +153,9 @@ def install_local(layout: controlplane.Layout | None = None) -> None:
     kubeconfig.chmod(0o600)
     kubectl = Kubectl(layout.kubeconfig)
     manifests = local_manifests(config, p.ca_crt.read_bytes())
+    crd_and_rbac, webhooks = _split(manifests)
     # The CRD and RBAC first; the webhooks once their server answers (they fail closed on LWS's objects).
-    text = yaml.safe_dump_all(manifests[:3])
+    text = yaml.safe_dump_all(crd_and_rbac)
     kubectl.run("apply", "--server-side", "--force-conflicts", "--field-manager=rollfleet-lws", "-f", "-", input=text)
     _wait_established(kubectl)
     if controlplane.running_pid(layout, COMPONENT) is None:
@@ -162,7 +163,7 @@ def install_local(layout: controlplane.Layout | None = None) -> None:
         t0 = time.monotonic()
         controlplane.start_component(layout, COMPONENT, argv, functools.partial(_serving, WEBHOOK_PORT))
         log(f"LWS {LWS_VERSION} manager serving ({time.monotonic() - t0:.1f}s)")
-    text = yaml.safe_dump_all(manifests[3:])
+    text = yaml.safe_dump_all(webhooks)
     kubectl.run("apply", "--server-side", "--force-conflicts", "--field-manager=rollfleet-lws", "-f", "-", input=text)
     log(f"LWS {LWS_VERSION} installed; its manager's log: {layout.log_file(COMPONENT)}")
 
@@ -171,14 +172,23 @@ def uninstall_local(layout: controlplane.Layout | None = None) -> None:
     """Remove what `install_local` made: webhooks first (they fail closed), then the manager, RBAC and CRD."""
     layout = layout or controlplane.Layout()
     kubectl = Kubectl(layout.kubeconfig)
-    manifests = local_manifests(config_dir(), b"")
-    for doc in reversed(manifests):
-        kubectl.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", "--wait=true")
-        if doc["kind"] == "ClusterRoleBinding":
-            pid = controlplane.running_pid(layout, COMPONENT)
-            if pid is not None:
-                controlplane.stop_process(pid, grace=10)
+    crd_and_rbac, webhooks = _split(local_manifests(config_dir(), b""))
+
+    def delete(docs: list[Manifest]) -> None:
+        for doc in reversed(docs):
+            kubectl.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", "--wait=true")
+
+    delete(webhooks)
+    pid = controlplane.running_pid(layout, COMPONENT)
+    if pid is not None:
+        controlplane.stop_process(pid, grace=10)
+    delete(crd_and_rbac)  # the CRD last: deleting it deletes every LeaderWorkerSet
     log("LWS removed")
+
+
+def _split(manifests: list[Manifest]) -> tuple[list[Manifest], list[Manifest]]:
+    """`local_manifests` as (CRD and RBAC, webhook configurations): the webhooks go on only while their server runs."""
+    return manifests[:3], manifests[3:]
 
 
 def kind_manifests(kustomized: str, image: str = IMAGE) -> list[Manifest]:
@@ -198,6 +208,11 @@ def kind_manifests(kustomized: str, image: str = IMAGE) -> list[Manifest]:
     if replaced != 1:
         raise ValueError(f"LWS's manifests name its image {replaced} times, not once: look at config/default again")
     return docs
+
+
+def _kind_text(kubectl: Kubectl) -> str:
+    """What kind gets, as YAML: LWS's release manifests, kustomized from the module, with the image built here."""
+    return yaml.safe_dump_all(kind_manifests(kubectl.run("kustomize", str(config_dir() / "default")).stdout))
 
 
 def _image(binary: Path) -> None:
@@ -227,8 +242,7 @@ def install_kind() -> None:
         check=True,
         capture_output=True,
     )
-    docs = kind_manifests(kubectl.run("kustomize", str(config_dir() / "default")).stdout)
-    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(docs))
+    kubectl.run("apply", "--server-side", "--force-conflicts", "-f", "-", input=_kind_text(kubectl))
     kubectl.run(
         "-n", KIND_NAMESPACE, "rollout", "status", "deployment/lws-controller-manager", "--timeout=300s", timeout=320
     )
@@ -240,6 +254,5 @@ def uninstall_kind() -> None:
     from rollfleet_dev.kind import cluster
 
     kubectl = Kubectl(cluster.kubeconfig_path())
-    docs = kind_manifests(kubectl.run("kustomize", str(config_dir() / "default")).stdout)
-    kubectl.run("delete", "--ignore-not-found", "--wait=true", "-f", "-", input=yaml.safe_dump_all(docs), timeout=320)
+    kubectl.run("delete", "--ignore-not-found", "--wait=true", "-f", "-", input=_kind_text(kubectl), timeout=320)
     log("LWS removed from kind")

@@ -86,10 +86,12 @@ async def annotate_pod(kube: Kube, namespace: str, name: str, annotations: Mappi
 
 
 class NodeHealth:
-    """Which nodes are lost (gone, or not Ready), refreshed only when an engine looks unwell."""
+    """The nodes as last listed (at most every NODE_REFRESH_S, for every fleet): which are lost (gone, or not
+    Ready), refreshed only when an engine looks unwell, and which hold a multi-pod fleet's pool."""
 
     def __init__(self, kube: Kube) -> None:
         self._kube = kube
+        self.listed: list[dict[str, Any]] = []
         self._ready: dict[str, bool] = {}
         self._at = -1e9
         self._lock = asyncio.Lock()
@@ -98,7 +100,7 @@ class NodeHealth:
         async with self._lock:
             if time.monotonic() - self._at < NODE_REFRESH_S:
                 return
-            nodes = await self._kube.list(NODE)
+            nodes = self.listed = await self._kube.list(NODE)
             self._ready = {
                 n["metadata"]["name"]: any(
                     c.get("type") == "Ready" and c.get("status") == "True"
@@ -354,12 +356,13 @@ class FleetLoop:
         """Whether this cluster can run the fleet's engines of several pods (single-pod ones: no call)."""
         if spec.engine.pods_per_engine == 1:
             return None
-        kube = self.shared.kube
         try:
-            await kube.get(CRD, "", groups.LWS_CRD)
+            await self.shared.kube.get(CRD, "", groups.LWS_CRD)
         except NotFound:
             return groups.group_problem(spec, lws_installed=False, pool=[])
-        return groups.group_problem(spec, lws_installed=True, pool=groups.pool_nodes(spec, await kube.list(NODE)))
+        nodes = self.shared.nodes
+        await nodes.refresh()  # one listing serves every fleet's checks for NODE_REFRESH_S
+        return groups.group_problem(spec, lws_installed=True, pool=groups.pool_nodes(spec, nodes.listed))
 
     # ---- owned objects ---------------------------------------------------------------------
 
