@@ -6,19 +6,22 @@ module removes LWS again, so the modules after it see a cluster without it."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from e2e.fleet_helpers import Fleet, deploy_operator, fleet_manifest, sim_engine
 from e2e.provider import Cluster, wait_for
+from rollfleet.contract import GATEWAY_PORT, LABEL_FLEET, LWS_LABEL_NAME, engine_group_leader, engine_pod_name
 from rollfleet.controller.groups import LWS_CRD
 
 pytestmark = pytest.mark.cluster
 NS = "rf-e2e-lws"
-GROUP_LABEL = "leaderworkerset.sigs.k8s.io/name"
+FLEET = "two-pods"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def lws(cluster: Cluster) -> Iterator[None]:
 
 
 def group_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
-    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{GROUP_LABEL}={name}", "-o", "json").stdout
+    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={name}", "-o", "json").stdout
     return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -90,18 +93,90 @@ def test_lws_runs_a_group_of_two_pods_and_recreates_it_whole_when_one_goes(clust
     wait_for(recreated, timeout=120, what="the whole group recreated (the leader too) after its worker went")
 
 
-def test_a_multi_pod_fleet_sees_leaderworkerset_installed(cluster: Cluster, lws: None) -> None:
-    """With LWS's CRD there, the operator's verdict on a 2-pod fleet is no longer that LWS is missing; the GPU pool
-    (2 nodes) holds a group of 2."""
+def lws_of_fleet(cluster: Cluster) -> list[dict[str, Any]]:
+    """The fleet's LeaderWorkerSets (not the first case's), but those being deleted."""
+    out = cluster.kubectl("-n", NS, "get", "leaderworkersets", "-l", f"{LABEL_FLEET}={FLEET}", "-o", "json").stdout
+    return [g for g in json.loads(out)["items"] if not g["metadata"].get("deletionTimestamp")]
+
+
+def lws_names(cluster: Cluster) -> list[str]:
+    return sorted(g["metadata"]["name"] for g in lws_of_fleet(cluster))
+
+
+def lws_uids(cluster: Cluster) -> set[str]:
+    return {g["metadata"]["uid"] for g in lws_of_fleet(cluster)}
+
+
+def gateway_engines(cluster: Cluster, fleet: Fleet, requests: int) -> set[str]:
+    """The engines the gateway sent `requests` completions to (its upstream attempts by engine)."""
+    [gateway] = [p["metadata"]["name"] for p in fleet.pods("gateway") if p["status"].get("phase") == "Running"]
+    with cluster.reach(NS, gateway, GATEWAY_PORT) as url:
+        for i in range(requests):
+            body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=fleet.inference(), timeout=30)
+            assert r.status_code == 200, (i, r.status_code, r.text)
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    return {m.group(1) for m in re.finditer(r'rollfleet_gateway_upstream_attempts_total\{engine="([^"]+)"', metrics)}
+
+
+def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(cluster: Cluster, lws: None) -> None:
+    """A fleet of 2 engines of 2 pods: each engine is a LeaderWorkerSet group across the GPU pool's 2 nodes, the
+    leader is the engine (status, gateway), the other pod its headless rank; a rank lost restarts the group, scale
+    and a rolling update create and delete whole groups."""
     deploy_operator(cluster, [NS])
-    fleet = Fleet(cluster, "two-pods", NS)
-    manifest = fleet_manifest(fleet.name, NS, replicas=1, engine={**sim_engine(cluster, 5.0), "tensorParallelSize": 2})
+    fleet = Fleet(cluster, FLEET, NS)
+    manifest = fleet_manifest(fleet.name, NS, replicas=2, engine={**sim_engine(cluster, 5.0), "tensorParallelSize": 2})
     manifest["spec"]["engine"] |= {"podsPerEngine": 2, "gpusPerEngine": 1}
-    manifest["spec"]["gateway"] = {"enabled": False}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    st = fleet.wait_ready(2, timeout=120)
+    groups = [engine_pod_name(fleet.name, i) for i in (0, 1)]
+    assert sorted(e["name"] for e in st["engines"]) == [engine_group_leader(g) for g in groups], st["engines"]
+    assert lws_names(cluster) == groups
+    for group in groups:
+        pods = {p["metadata"]["name"]: p for p in group_pods(cluster, group)}
+        leader, rank = pods[engine_group_leader(group)], pods[f"{engine_group_leader(group)}-1"]
+        assert len(pods) == 2 and leader["spec"]["nodeName"] != rank["spec"]["nodeName"], "one pod per node"
+        assert rank["metadata"]["labels"]["app.kubernetes.io/component"] == "engine-rank"
+        args = rank["spec"]["containers"][0]["args"]
+        assert "--headless" in args and args[args.index("--pod-rank") + 1] == "$(LWS_WORKER_INDEX)", args
+        assert env_of(rank)["LWS_WORKER_INDEX"] == "1" and env_of(leader)["LWS_WORKER_INDEX"] == "0"
+    # The gateway finds the leaders only: the headless ranks serve nothing.
+    assert gateway_engines(cluster, fleet, 8) == {engine_group_leader(g) for g in groups}
 
-    def verdict(st: dict[str, Any]) -> bool:
-        return any(c["type"] == "Degraded" and c["reason"] == "GroupsNotServed" for c in st.get("conditions", []))
+    # A rank lost: LWS recreates its whole group, a fresh engine the operator waits for as for any other.
+    leader = engine_group_leader(groups[0])
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in group_pods(cluster, groups[0])}
+    cluster.kubectl("-n", NS, "delete", "pod", f"{leader}-1", "--wait=false")
 
-    fleet.wait(verdict, "the operator's verdict with LWS installed", timeout=60)
-    assert fleet.pods() == []
+    def restarted(st: dict[str, Any]) -> bool:
+        pods = group_pods(cluster, groups[0])
+        fresh = len(pods) == 2 and all(p["metadata"]["uid"] != before.get(p["metadata"]["name"]) for p in pods)
+        return fresh and st.get("readyReplicas") == 2
+
+    fleet.wait(restarted, "the group recreated whole, and Ready again", timeout=120)
+    assert lws_names(cluster) == groups  # the same group, not a second one
+
+    # Scale down: the last engine's group goes whole; the other is not touched.
+    kept = {p["metadata"]["uid"] for p in group_pods(cluster, groups[0])}
+    cluster.kubectl("-n", NS, "patch", "rf", fleet.name, "--type=merge", "-p", '{"spec":{"replicas":1}}')
+    fleet.wait_ready(1, timeout=120)
+    wait_for(lambda: lws_names(cluster) == groups[:1] and not group_pods(cluster, groups[1]), 60, "group 1 gone")
+    assert {p["metadata"]["uid"] for p in group_pods(cluster, groups[0])} == kept
+
+    # A rolling update: the engine's group is drained and deleted whole, and a new one made (the same index, as
+    # the fleet's update strategy has no surge: a new LeaderWorkerSet of the same name).
+    old = lws_uids(cluster)
+    patch = {"spec": {"engine": {"env": [{"name": "ROLLED", "value": "1"}]}}}
+    cluster.kubectl("-n", NS, "patch", "rf", fleet.name, "--type=merge", "-p", json.dumps(patch))
+
+    def rolled(st: dict[str, Any]) -> bool:
+        uids = lws_uids(cluster)
+        return st.get("updatedReplicas") == 1 and st.get("readyReplicas") == 1 and len(uids) == 1 and not uids & old
+
+    fleet.wait(rolled, "rolled to a new group", timeout=120)
+    [group] = lws_names(cluster)
+    pods = group_pods(cluster, group)
+    assert len(pods) == 2 and all(p["metadata"]["uid"] not in kept for p in pods)
+    assert all(env_of(p).get("ROLLED") == "1" for p in pods)
+    cluster.kubectl("-n", NS, "delete", "rf", fleet.name, "--wait=true", "--timeout=120s", timeout=130)
+    wait_for(lambda: not lws_names(cluster), 60, "the fleet's groups deleted with it")

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -627,7 +628,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     # A fleet's engine listens on every address of its pod, as the real one does.
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=None, help="required but for a --headless rank")
     parser.add_argument("--token-delay-ms", type=float, default=float(os.environ.get("SIM_TOKEN_DELAY_MS", "0")))
     parser.add_argument("--name", "--served-model-name", default="sim")
     parser.add_argument("--weight-version", default="v1")
@@ -638,9 +639,18 @@ def main() -> None:
     # The engine's access flags: without --token-file nothing is checked (benchmarks only).
     parser.add_argument("--token-file", default=None)
     parser.add_argument("--inference-token-file", default=None)
+    # A multi-pod engine's other ranks (the operator's group manifest): the leader serves, they only run.
+    parser.add_argument("--headless", action="store_true")
     # The rest of the operator's engine arguments (serve, --model, ...) mean nothing here. The fleet's
     # `engine.args` (the knobs above, for a simulated fleet) come after the `--` that precedes vLLM's.
     args, _ = parser.parse_known_args([a for a in sys.argv[1:] if a != "--"])
+    if args.headless:
+        stop = {signal.SIGTERM, signal.SIGINT}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        signal.sigwait(stop)  # as vLLM's headless rank: until stopped
+        return
+    if args.port is None:
+        parser.error("--port is required (only a --headless rank serves no port)")
     import uvloop
 
     uvloop.install()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollfleet_engine.access import AccessPolicy, read_token
+from rollfleet_engine.group import group_args, last_int, wait_for_address
 from rollfleet_engine.protocol import ENGINE_PORT, HTTP_WEIGHT_BACKEND
 
 # Defaults that let a small model run on a CPU-only host; any of them can be
@@ -43,6 +44,10 @@ CPU_ENV_DEFAULTS = {
 }
 
 
+# How long a rank of a multi-pod engine waits for its leader's name (the leader pod may be scheduled last).
+LEADER_RESOLVE_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     model: str
@@ -57,6 +62,7 @@ class ServeOptions:
     device: str
     vllm_args: list[str]
     headless: bool = False
+    group_leader: str | None = None  # a rank of a multi-pod engine: where its leader is (rollfleet_engine.group)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +99,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a rank of a multi-pod engine that is not its leader: vLLM's headless mode (its workers for tensor or "
         "pipeline parallel ranks, or its engine cores for data parallel ones), no HTTP; the leader serves",
     )
+    group = parser.add_argument_group("multi-pod engine (the operator sets these from LWS's environment)")
+    group.add_argument("--group-leader", default=None, help="address of the group's leader pod (LWS_LEADER_ADDRESS)")
+    group.add_argument("--group-pods", type=int, default=None, help="pods in the group (LWS_GROUP_SIZE)")
+    group.add_argument("--pod-rank", type=int, default=None, help="this pod's rank, 0 the leader (LWS_WORKER_INDEX)")
 
 
 def options_from_args(ns: argparse.Namespace, extra: Sequence[str] = ()) -> ServeOptions:
@@ -100,6 +110,7 @@ def options_from_args(ns: argparse.Namespace, extra: Sequence[str] = ()) -> Serv
     backend = None if ns.weight_backend == "none" else ns.weight_backend
     if ns.token_file is None and not ns.headless:
         raise SystemExit("serve needs --token-file: the engine's control routes ask for its token")
+    extra = list(extra) + _group_flags(ns, extra)
     return ServeOptions(
         model=ns.model,
         served_model_name=ns.served_model_name or ns.model,
@@ -111,9 +122,30 @@ def options_from_args(ns: argparse.Namespace, extra: Sequence[str] = ()) -> Serv
         weight_version=ns.weight_version,
         weight_backend=backend,
         device=ns.device,
-        vllm_args=list(extra),
+        vllm_args=extra,
         headless=ns.headless,
+        group_leader=ns.group_leader,
     )
+
+
+def _group_flags(ns: argparse.Namespace, extra: Sequence[str]) -> list[str]:
+    """vLLM's multi-node flags for a pod of a group (none for an engine of one pod)."""
+    group = (ns.group_leader, ns.group_pods, ns.pod_rank)
+    if group == (None, None, None):
+        return []
+    if None in group:
+        raise SystemExit(
+            "serve: --group-leader, --group-pods and --pod-rank go together (a rank of a multi-pod engine)"
+        )
+    if ns.headless != (ns.pod_rank > 0):
+        raise SystemExit(
+            f"serve: --pod-rank {ns.pod_rank} {'needs' if ns.pod_rank else 'cannot be'} --headless: "
+            "the leader (rank 0) serves, the other ranks run headless"
+        )
+    try:
+        return group_args(extra, ns.group_leader, ns.group_pods, ns.pod_rank)
+    except ValueError as err:
+        raise SystemExit(f"serve: {err}") from err
 
 
 def vllm_argv(opts: ServeOptions, on_cpu: bool) -> list[str]:
@@ -141,14 +173,10 @@ def vllm_argv(opts: ServeOptions, on_cpu: bool) -> list[str]:
 def pipeline_problem(model: str, vllm_args: Sequence[str]) -> str | None:
     """Why the model cannot be split into the pipeline stages asked for (None: it can, or the model is not a local
     directory to read). vLLM itself gives such a stage no layers and fails later, without saying why."""
-    stages = 1
-    for i, arg in enumerate(vllm_args):  # argparse keeps the last value
-        name, eq, value = arg.partition("=")
-        if name in ("--pipeline-parallel-size", "-pp"):
-            raw = value if eq else (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
-            if not raw.isdigit():
-                return f"{name} takes a number of stages, not {raw!r}"
-            stages = int(raw)
+    try:
+        stages = last_int(vllm_args, ("--pipeline-parallel-size", "-pp"), 1)
+    except ValueError as err:
+        return str(err)
     config_file = os.path.join(model, "config.json")
     if stages <= 1 or not os.path.isfile(config_file):
         return None
@@ -176,6 +204,8 @@ def serve(opts: ServeOptions) -> None:
     problem = pipeline_problem(opts.model, opts.vllm_args)
     if problem is not None:
         raise SystemExit(f"rollfleet engine: {problem}")
+    if opts.group_leader is not None:
+        wait_for_address(opts.group_leader, LEADER_RESOLVE_TIMEOUT_S)
     # Both must be set before vLLM reads its environment: the RL control routes exist
     # only in dev mode, and the engine core must be spawned, not forked.
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"

@@ -73,6 +73,8 @@ APP_NAME = "rollfleet"  # the value of LABEL_NAME
 MANAGER = "rollfleet-operator"
 # Values of LABEL_COMPONENT.
 COMPONENT_ENGINE = "engine"
+# The pods of a multi-pod engine other than its leader (which is the `engine` pod): vLLM's headless ranks.
+COMPONENT_ENGINE_RANK = "engine-rank"
 COMPONENT_ADMIN_TOKEN = "admin-token"
 COMPONENT_INFERENCE_TOKEN = "inference-token"
 COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
@@ -161,10 +163,32 @@ def engine_pod_name(fleet: str, index: int) -> str:
 
 
 def engine_index(pod_name: str, fleet: str) -> int | None:
-    """The index in `<fleet>-engine-<index>`, or None for a name that is not an engine of this fleet."""
+    """The index in `<fleet>-engine-<index>`, or in `<fleet>-engine-<index>-0` (the leader pod of a multi-pod
+    engine's group, which LWS names after the group); None for a name that is not an engine of this fleet."""
     prefix = f"{fleet}-{COMPONENT_ENGINE}-"
     rest = pod_name[len(prefix) :] if pod_name.startswith(prefix) else ""
+    rest = rest.removesuffix(GROUP_LEADER_SUFFIX)
     return int(rest) if rest.isdigit() and str(int(rest)) == rest else None
+
+
+# A multi-pod engine's LeaderWorkerSet is named like a single-pod engine; LWS names its one group's leader pod
+# `<LWS>-0` and the other ranks `<LWS>-0-<rank>`.
+GROUP_LEADER_SUFFIX = "-0"
+# LeaderWorkerSet's API (sigs.k8s.io/lws): what the operator creates for a multi-pod engine, the label LWS puts
+# on every pod of it, and what its pod webhook tells each pod.
+LWS_API_GROUP = "leaderworkerset.x-k8s.io"
+LWS_API = (LWS_API_GROUP, "v1")
+LWS_API_VERSION = "/".join(LWS_API)
+LWS_PLURAL = "leaderworkersets"
+LWS_LABEL_NAME = "leaderworkerset.sigs.k8s.io/name"
+LWS_ENV_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_ENV_GROUP_SIZE = "LWS_GROUP_SIZE"
+LWS_ENV_WORKER_INDEX = "LWS_WORKER_INDEX"
+
+
+def engine_group_leader(group: str) -> str:
+    """The leader pod (the engine, as the fleet's status names it) of the group `engine_pod_name` names."""
+    return group + GROUP_LEADER_SUFFIX
 
 
 def engine_sa_name(fleet: str) -> str:

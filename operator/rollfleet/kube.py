@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from rollfleet.api import fleet, request
-from rollfleet.contract import GROUP, MANAGER, VERSION
+from rollfleet.contract import GROUP, LWS_API, LWS_PLURAL, MANAGER, VERSION
 from rollfleet.errors import RollfleetError
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,11 @@ class Kind:
     plural: str  # in call counts of lists; a custom resource's URL
     api: Callable[[kubernetes.client.ApiClient], Any]  # the client's API class
     namespaced: bool = True
-    custom: bool = False  # a Rollfleet custom resource (CustomObjectsApi, GROUP/VERSION)
+    group_version: tuple[str, str] | None = None  # a custom resource's (CustomObjectsApi) API group and version
+
+    @property
+    def custom(self) -> bool:
+        return self.group_version is not None
 
 
 _CORE, _APPS = kubernetes.client.CoreV1Api, kubernetes.client.AppsV1Api
@@ -130,8 +134,11 @@ CRD = Kind(
     kubernetes.client.ApiextensionsV1Api,
     namespaced=False,
 )
-FLEET = Kind(fleet.KIND, "fleet", fleet.PLURAL, kubernetes.client.CustomObjectsApi, custom=True)
-REQUEST = Kind(request.KIND, "request", request.PLURAL, kubernetes.client.CustomObjectsApi, custom=True)
+_CUSTOM, _ROLLFLEET = kubernetes.client.CustomObjectsApi, (GROUP, VERSION)
+FLEET = Kind(fleet.KIND, "fleet", fleet.PLURAL, _CUSTOM, group_version=_ROLLFLEET)
+REQUEST = Kind(request.KIND, "request", request.PLURAL, _CUSTOM, group_version=_ROLLFLEET)
+# An engine of several pods (rollfleet.controller.groups): LWS's API, which the operator only creates and deletes.
+LEADER_WORKER_SET = Kind("LeaderWorkerSet", "leader_worker_set", LWS_PLURAL, _CUSTOM, group_version=LWS_API)
 _BY_KIND = {
     k.kind: k
     for k in (
@@ -150,6 +157,7 @@ _BY_KIND = {
         CRD,
         FLEET,
         REQUEST,
+        LEADER_WORKER_SET,
     )
 }
 
@@ -351,8 +359,8 @@ class Kube:
     def _args(kind: Kind, namespace: str | None, name: str | None) -> tuple[Any, ...]:
         """The positional arguments before the body: the custom resource's API, then name and namespace in the
         order the client wants them."""
-        if kind.custom:
-            return GROUP, VERSION, namespace, kind.plural, *([name] if name is not None else [])
+        if kind.group_version is not None:
+            return *kind.group_version, namespace, kind.plural, *([name] if name is not None else [])
         return tuple(a for a in (name, namespace if kind.namespaced else None) if a is not None)
 
     async def _list(

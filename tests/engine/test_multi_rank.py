@@ -1,5 +1,6 @@
 """One engine across two processes, as across two pods: vLLM's own multi-node modes on CPU, through the
-launcher (the leader serves with Rollfleet's routes; the other rank runs ``serve --headless``).
+launcher, with the flags the operator gives a LeaderWorkerSet group's pods (``--group-leader``, ``--group-pods``,
+``--pod-rank``; the leader serves with Rollfleet's routes, the other rank runs ``serve --headless``).
 
 - ``tp2``: tensor parallel 2 over vLLM's multiproc executor across nodes (``--nnodes 2``), each process
   one rank; the ranks talk over gloo (vLLM's CPU shared-memory all-reduce needs one host's memory).
@@ -32,15 +33,19 @@ GREEDY_TOKENS = 12
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the data-parallel rank that serves this request
 
 
-def shape_args(shape: str, host: str, port: int) -> tuple[list[str], list[str]]:
-    """vLLM's arguments for (the leader, the headless rank) of a two-process engine."""
-    if shape == "tp2":
-        common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-executor-backend", "mp"]
-        common += ["--master-addr", host, "--master-port", str(port)]
-        return [*common, "--node-rank", "0"], [*common, "--node-rank", "1"]
-    common = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
-    common += ["--data-parallel-address", host, "--data-parallel-rpc-port", str(port)]
-    return common, [*common, "--data-parallel-start-rank", "1"]
+def shape_args(shape: str) -> list[str]:
+    """vLLM's arguments of the engine; the launcher adds each rank's multi-node flags (rollfleet_engine.group)."""
+    return ["--tensor-parallel-size", "2"] if shape == "tp2" else ["--data-parallel-size", "2"]
+
+
+def rank_command(leader: list[str], rank: int) -> list[str]:
+    """The leader's command as pod `rank` of the group runs it, as the operator's group manifest has it."""
+    split = leader.index("--")
+    ours = [*leader[:split], "--pod-rank", str(rank)]
+    if rank:  # a headless rank serves no routes: no token, no port
+        token = ours.index("--token-file")
+        ours = [*ours[:token], *ours[token + 2 :], "--headless"]
+    return [*ours, *leader[split:]]
 
 
 @pytest.fixture(scope="module", params=["tp2", "dp2"])
@@ -48,15 +53,17 @@ def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     shape = str(request.param)
     tmp = tmp_path_factory.mktemp(f"engine-{shape}")
     (tmp / "token").write_text(TOKEN + "\n")
+    # Each group on a loopback address of its own: the group's ports (rollfleet_engine.group) are fixed.
     host, port = free_loopback_address()
-    _, group_port = free_loopback_address()
-    leader_args, rank_args = shape_args(shape, host, group_port)
-    leader = engine_command(ensure_tiny_model(), host, port, tmp / "token", "a-0") + leader_args
-    split = leader.index("--")
-    rank = [*leader[:split], "--headless", *leader[split : len(leader) - len(leader_args)], *rank_args]
+    command = engine_command(ensure_tiny_model(), host, port, tmp / "token", "a-0")
+    split = command.index("--")
+    command = [*command[:split], "--group-leader", host, "--group-pods", "2", *command[split:], *shape_args(shape)]
     engine = Engine(f"http://{host}:{port}", TOKEN, "tiny", ensure_tiny_model(), tmp / "leader.log")
     # The other rank serves nothing: the leader is ready once every rank is.
-    with process(rank, tmp / "rank.log"), running(leader, engine, START_TIMEOUT_S) as ready:
+    with (
+        process(rank_command(command, 1), tmp / "rank.log"),
+        running(rank_command(command, 0), engine, START_TIMEOUT_S) as ready,
+    ):
         yield shape, ready
 
 

@@ -24,6 +24,7 @@ from rollfleet.contract import (
     COLLECTIVE_BACKENDS,
     COMPONENT_ADMIN_TOKEN,
     COMPONENT_ENGINE,
+    COMPONENT_ENGINE_RANK,
     COMPONENT_GATEWAY,
     COMPONENT_INFERENCE_TOKEN,
     COMPONENT_TRAINER,
@@ -39,6 +40,10 @@ from rollfleet.contract import (
     LABEL_INDEX,
     LABEL_MANAGED_BY,
     LABEL_NAME,
+    LWS_API_VERSION,
+    LWS_ENV_GROUP_SIZE,
+    LWS_ENV_LEADER_ADDRESS,
+    LWS_ENV_WORKER_INDEX,
     MANAGER,
     READY_PATH,
     TOKEN_FILE,
@@ -61,6 +66,8 @@ Manifest = dict[str, Any]
 ObjectKey = tuple[str, str]  # (kind, name) of an object in the fleet's namespace
 
 MODEL_MOUNT = "/models"
+# Set by the kubelet on every node: a pod anti-affinity's topology of one node.
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 # Set by the API server on every namespace (Kubernetes 1.22+): how a policy names one namespace.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 # A lost node's pods are evicted after this long (Kubernetes' default is 300 s); the
@@ -101,27 +108,23 @@ def model_key(spec: RolloutFleetSpec) -> str:
     return json.dumps(spec.model.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True)
 
 
-def engine_args(spec: RolloutFleetSpec) -> list[str]:
-    """Arguments of `python -m rollfleet_engine` (the engine image's entrypoint)."""
+def engine_args(spec: RolloutFleetSpec, rank: bool = False) -> list[str]:
+    """Arguments of `python -m rollfleet_engine` (the engine image's entrypoint): of the engine's pod, or of its
+    group's pods (`spec.engine.podsPerEngine` above 1), the leader's or (`rank`) the other ranks'."""
     model, engine, sync = spec.model, spec.engine, spec.weight_sync
     model_dir = model.image_path if model.image_path else MODEL_MOUNT
-    args = [
-        "serve",
-        "--model",
-        model_dir,
-        "--served-model-name",
-        model.served_name,
-        "--port",
-        str(ENGINE_PORT),
-        "--token-file",
-        TOKEN_FILE,
-        "--weight-backend",
-        sync.backend,
-    ]
+    args = ["serve", "--model", model_dir, "--served-model-name", model.served_name]
+    # vLLM's headless mode serves no HTTP: no port and no tokens.
+    args += ["--headless"] if rank else ["--port", str(ENGINE_PORT), "--token-file", TOKEN_FILE]
+    args += ["--weight-backend", sync.backend]
     if sync.initial_version:
         args += ["--weight-version", sync.initial_version]
-    if _inference_token(spec):
+    if _inference_token(spec) and not rank:
         args += ["--inference-token-file", INFERENCE_TOKEN_FILE]
+    if engine.pods_per_engine > 1:
+        # LWS's pod webhook sets these in each pod's environment; the kubelet expands $(VAR) in args.
+        args += ["--group-leader", f"$({LWS_ENV_LEADER_ADDRESS})", "--group-pods", f"$({LWS_ENV_GROUP_SIZE})"]
+        args += ["--pod-rank", f"$({LWS_ENV_WORKER_INDEX})"]
     vllm: list[str] = []
     for flag, size in (
         ("--tensor-parallel-size", engine.tensor_parallel_size),
@@ -190,9 +193,10 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> Manifest:
     }
 
 
-def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest], list[Manifest]]:
-    """The engine pod's volumes and the container's mounts: tokens, model, shared memory."""
-    volumes, mounts = _token_volumes(fleet, spec)
+def _engine_volumes(fleet: str, spec: RolloutFleetSpec, tokens: bool = True) -> tuple[list[Manifest], list[Manifest]]:
+    """The engine pod's volumes and the container's mounts: tokens (not for a group's headless ranks), model,
+    shared memory."""
+    volumes, mounts = _token_volumes(fleet, spec) if tokens else ([], [])
     if spec.model.host_path:
         volumes.append({"name": "model", "hostPath": {"path": spec.model.host_path, "type": "Directory"}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
@@ -213,7 +217,9 @@ def _engine_volumes(fleet: str, spec: RolloutFleetSpec) -> tuple[list[Manifest],
     return volumes, mounts
 
 
-def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest]) -> Manifest:
+def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest], rank: bool = False) -> Manifest:
+    """The engine's container; of a group's other ranks (`rank`): headless, no port, no probes (the leader's
+    readiness is the group's: vLLM's leader serves only once every rank has joined)."""
     engine = spec.engine
     requests = dict(engine.resources.requests or {}) if engine.resources else {}
     limits = dict(engine.resources.limits or {}) if engine.resources else {}
@@ -225,18 +231,21 @@ def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest]) -> Manifes
         "name": "engine",
         "image": engine.image,
         "imagePullPolicy": engine.image_pull_policy,
-        "args": engine_args(spec),
+        "args": engine_args(spec, rank=rank),
         "env": env,
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": _resources(requests, limits),
         "volumeMounts": mounts,
-        # The engine only listens once the model is loaded, so startup allows the whole load time.
-        "startupProbe": _http_probe("/health", "http", 5, max(1, engine.startup_timeout_seconds // 5)),
-        "readinessProbe": _http_probe(READY_PATH, "http", 5, 3),
-        "livenessProbe": _http_probe("/health", "http", 10, 6),
         # An engine that fails to start leaves its last log lines in its status: the fleet's says why.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if not rank:
+        container |= {
+            "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+            # The engine only listens once the model is loaded, so startup allows the whole load time.
+            "startupProbe": _http_probe("/health", "http", 5, max(1, engine.startup_timeout_seconds // 5)),
+            "readinessProbe": _http_probe(READY_PATH, "http", 5, 3),
+            "livenessProbe": _http_probe("/health", "http", 10, 6),
+        }
     if engine.command:
         container["command"] = list(engine.command)
     return container
@@ -254,38 +263,25 @@ def _engine_tolerations(spec: RolloutFleetSpec) -> list[Manifest]:
     ]
 
 
-def _placement_fields(placement: PlacementSpec) -> Manifest:
-    """The pod spec fields a fleet's placement sets, only those it sets."""
+def _placement_fields(placement: PlacementSpec, spread: Manifest | None = None) -> Manifest:
+    """The pod spec fields a fleet's placement sets, only those it sets; `spread`: a pod anti-affinity term
+    added to the placement's own."""
+    affinity = dict(placement.affinity or {})
+    if spread is not None:
+        anti = dict(affinity.get("podAntiAffinity") or {})
+        required = list(anti.get("requiredDuringSchedulingIgnoredDuringExecution") or [])
+        affinity["podAntiAffinity"] = anti | {"requiredDuringSchedulingIgnoredDuringExecution": [*required, spread]}
     fields: Manifest = {
         "nodeSelector": dict(placement.node_selector) if placement.node_selector else None,
-        "affinity": placement.affinity,
+        "affinity": affinity,
         "priorityClassName": placement.priority_class_name,
         "schedulerName": placement.scheduler_name,
     }
     return {k: v for k, v in fields.items() if v}
 
 
-def engine_pod(
-    ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING, crashes: int = 0
-) -> Manifest:
-    """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts.
-
-    `crashes`: how many engines of this index crashed in a row before it (its crash-loop backoff)."""
-    volumes, mounts = _engine_volumes(ref.name, spec)
-    pod_spec: Manifest = {
-        # Never: a dead engine is replaced by the operator (a fresh pod, drained and
-        # re-synced), not restarted in place behind the fleet's back.
-        "restartPolicy": "Never",
-        "serviceAccountName": engine_sa_name(ref.name),
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
-        "containers": [_engine_container(spec, mounts)],
-        "volumes": volumes,
-        "tolerations": _engine_tolerations(spec),
-        **_placement_fields(spec.placement),
-    }
-    name = engine_pod_name(ref.name, index)
+def _engine_meta(ref: FleetRef, spec: RolloutFleetSpec, name: str, index: int, phase: str, crashes: int) -> Manifest:
+    """The engine pod's labels and the annotations the operator keeps its state in."""
     meta = _meta(
         ref,
         name,
@@ -295,7 +291,84 @@ def engine_pod(
     if crashes:
         meta["annotations"][ANNOTATION_CRASHES] = str(crashes)
     meta["labels"][LABEL_INDEX] = str(index)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    return meta
+
+
+def _engine_pod_spec(ref: FleetRef, spec: RolloutFleetSpec, index: int, rank: bool = False) -> Manifest:
+    volumes, mounts = _engine_volumes(ref.name, spec, tokens=not rank)
+    group = spec.engine.pods_per_engine > 1
+    # An engine's pods, one per node: each holds its share of the GPUs (groups.pool_nodes counts such nodes).
+    spread = (
+        {
+            "labelSelector": {"matchLabels": {LABEL_FLEET: ref.name, LABEL_INDEX: str(index)}},
+            "topologyKey": HOSTNAME_LABEL,
+        }
+        if group
+        else None
+    )
+    return {
+        # Never: a dead engine is replaced by the operator (a fresh pod, drained and re-synced), not restarted
+        # in place behind the fleet's back. A group's pods are LWS's StatefulSets', which restart them (Always
+        # is all a StatefulSet allows): LWS then recreates the whole group, a fresh engine all the same.
+        "restartPolicy": "Always" if group else "Never",
+        "serviceAccountName": engine_sa_name(ref.name),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [_engine_container(spec, mounts, rank=rank)],
+        "volumes": volumes,
+        "tolerations": _engine_tolerations(spec),
+        **_placement_fields(spec.placement, spread),
+    }
+
+
+def engine_pod(
+    ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING, crashes: int = 0
+) -> Manifest:
+    """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts.
+
+    `crashes`: how many engines of this index crashed in a row before it (its crash-loop backoff)."""
+    meta = _engine_meta(ref, spec, engine_pod_name(ref.name, index), index, phase, crashes)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": _engine_pod_spec(ref, spec, index)}
+
+
+def engine_group(
+    ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING, crashes: int = 0
+) -> Manifest:
+    """Engine `index` of a fleet whose engines span `spec.engine.podsPerEngine` pods: a LeaderWorkerSet of one
+    group (rollfleet.controller.groups). Its leader pod is the engine, as `engine_pod` would be (labels,
+    annotations, the serving container); the other pods run vLLM's headless ranks. LWS places the group's pods
+    together and recreates all of them when one fails."""
+    name = engine_pod_name(ref.name, index)
+    leader_meta = _engine_meta(ref, spec, name, index, phase, crashes)
+    rank_labels = component_labels(ref.name, COMPONENT_ENGINE_RANK) | {LABEL_INDEX: str(index)}
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": _meta(ref, name, COMPONENT_ENGINE) | {"labels": leader_meta["labels"]},
+        "spec": {
+            "replicas": 1,  # one engine: the operator scales, drains and rolls engines itself
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": spec.engine.pods_per_engine,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {
+                    "metadata": {"labels": leader_meta["labels"], "annotations": leader_meta["annotations"]},
+                    "spec": _engine_pod_spec(ref, spec, index),
+                },
+                "workerTemplate": {
+                    "metadata": {"labels": rank_labels | {LABEL_MANAGED_BY: MANAGER}},
+                    "spec": _engine_pod_spec(ref, spec, index, rank=True),
+                },
+            },
+        },
+    }
+
+
+def engine_object(ref: FleetRef, spec: RolloutFleetSpec, index: int, crashes: int = 0) -> Manifest:
+    """What the operator creates for engine `index`: its pod, or its group's LeaderWorkerSet."""
+    make = engine_group if spec.engine.pods_per_engine > 1 else engine_pod
+    return make(ref, spec, index, crashes=crashes)
 
 
 def admin_secret(ref: FleetRef, token: str) -> Manifest:
@@ -527,12 +600,25 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
     ingress: list[Manifest] = [{"from": sources, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}]
     if spec.weight_sync.backend in COLLECTIVE_BACKENDS:
         ingress.append({"from": [trainers, engines]})
+    selected = engines
+    if spec.engine.pods_per_engine > 1:
+        # A multi-pod engine's ranks (its leader and the headless pods) rendezvous on the leader and then talk on
+        # ports vLLM and torch.distributed pick at run time: the fleet's engine pods reach each other on any.
+        selected = {
+            "podSelector": {
+                "matchLabels": {LABEL_NAME: APP_NAME, LABEL_FLEET: ref.name},
+                "matchExpressions": [
+                    {"key": LABEL_COMPONENT, "operator": "In", "values": [COMPONENT_ENGINE, COMPONENT_ENGINE_RANK]}
+                ],
+            }
+        }
+        ingress.append({"from": [selected]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(ref, network_policy_name(ref.name), COMPONENT_ENGINE),
         "spec": {
-            "podSelector": {"matchLabels": component_labels(ref.name, COMPONENT_ENGINE)},
+            "podSelector": selected["podSelector"],
             "policyTypes": ["Ingress"],
             "ingress": ingress,
         },

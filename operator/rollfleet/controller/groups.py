@@ -1,8 +1,8 @@
 """Engines of several pods: whether the cluster can run a fleet's engine shape. Pure.
 
 An engine whose `spec.engine.podsPerEngine` is above 1 is a LeaderWorkerSet group (LWS,
-sigs.k8s.io/lws, a prerequisite the way cert-manager is elsewhere): gang-placed, one pod per
-node of the pool, restarted as a whole. The API server refuses shapes that are impossible on
+sigs.k8s.io/lws, a prerequisite the way cert-manager is elsewhere; `desired.engine_group` makes it):
+one pod per node of the pool, restarted as a whole. The API server refuses shapes that are impossible on
 their face (the CEL rules of `rollfleet.api.fleet.EngineSpec`); what depends on the cluster is
 judged here, from what the reconciler read: whether LWS's CRD is installed, and how many nodes
 of the pool could hold one pod each. A fleet that cannot run is Degraded with the reason, and the
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollfleet.api.fleet import RolloutFleetSpec
+from rollfleet.contract import LWS_API_GROUP, LWS_PLURAL
 
-LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_CRD = f"{LWS_PLURAL}.{LWS_API_GROUP}"
 LWS_VERSION = "v0.8.0"
 
 
@@ -77,8 +78,4 @@ def group_problem(spec: RolloutFleetSpec, lws_installed: bool, pool: list[str]) 
             f"engine.podsPerEngine={pods} puts each pod of an engine on its own node, but {len(pool)} schedulable "
             f"nodes match the pool ({where}{gpus}): add nodes to the pool or lower podsPerEngine",
         )
-    return Blocked(
-        "GroupsNotServed",
-        f"engine.podsPerEngine={pods}: this operator version checks engines of several pods but does not run them "
-        "yet (docs/engine.md, Engines across pods); its engines are left as they are",
-    )
+    return None

@@ -55,7 +55,18 @@ from rollfleet.controller.status import (
 from rollfleet.controller.tasks import Stop
 from rollfleet.controller.tokens import OperatorKey
 from rollfleet.engine_client import EngineCallError, EngineClient, EngineRef
-from rollfleet.kube import CONFIG_MAP, CRD, FLEET, NODE, POD, Conflict, Kube, NotFound, kind_named
+from rollfleet.kube import (
+    CONFIG_MAP,
+    CRD,
+    FLEET,
+    LEADER_WORKER_SET,
+    NODE,
+    POD,
+    Conflict,
+    Kube,
+    NotFound,
+    kind_named,
+)
 from rollfleet.sync.fleetversion import fleet_weight_version
 from rollfleet.sync.protocol import decode_record, operator_fields
 from rollfleet_engine.protocol import EngineState
@@ -478,12 +489,13 @@ class FleetLoop:
     ) -> None:
         kube, ns = self.shared.kube, self.ref.namespace
         if isinstance(action, plan.Create):
-            pod = desired.engine_pod(self.ref, spec, action.index, crashes=self._crashes.pop(action.index, 0))
+            engine = desired.engine_object(self.ref, spec, action.index, crashes=self._crashes.pop(action.index, 0))
             try:
-                await kube.create(pod)
+                await kube.create(engine)
             except Conflict:  # names are stable: one of that name exists already, no duplicate
                 return
-            self.event("Normal", "EngineCreated", f"{pod['metadata']['name']} created ({action.reason})")
+            what = "" if engine["kind"] == "Pod" else f" ({engine['kind']} of {spec.engine.pods_per_engine} pods)"
+            self.event("Normal", "EngineCreated", f"{engine['metadata']['name']}{what} created ({action.reason})")
         elif isinstance(action, plan.Drain):
             await annotate_pod(
                 kube,
@@ -501,8 +513,14 @@ class FleetLoop:
         else:
             if action.crashes is not None:
                 self._crashes[engines[action.name].obs.index] = action.crashes
+            force = {"gracePeriodSeconds": 0} if action.force else None
+            group = engines[action.name].obs.group
             with contextlib.suppress(NotFound):
-                await kube.delete(POD, ns, action.name, {"gracePeriodSeconds": 0} if action.force else None)
+                # A multi-pod engine goes as a whole: its LeaderWorkerSet, whose pods the garbage collector deletes.
+                if group is not None:
+                    await kube.delete(LEADER_WORKER_SET, ns, group)
+                if group is None or force:
+                    await kube.delete(POD, ns, action.name, force)
             failed = engines[action.name].phase == EnginePhase.FAILED
             self.event(
                 "Warning" if failed else "Normal",

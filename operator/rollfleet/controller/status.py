@@ -28,6 +28,7 @@ from rollfleet.contract import (
     ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
+    LWS_LABEL_NAME,
     ROUTABLE_PHASES,
     EnginePhase,
     engine_index,
@@ -83,6 +84,7 @@ class EngineObs:
     state: EngineState | None = None  # last GET /rollfleet/v1/state; None: not (yet) reachable
     crashes: int = 0  # engines of this index that crashed in a row before this one
     exited: Exited | None = None  # when its engine container ended, if it did
+    group: str | None = None  # the LeaderWorkerSet of a multi-pod engine, whose leader this pod is
 
     @property
     def failed(self) -> bool:
@@ -138,6 +140,7 @@ def observe_pod(pod: Mapping[str, Any], fleet: str, node_lost: bool, state: Engi
         state=state,
         crashes=_int(annotations.get(ANNOTATION_CRASHES)),
         exited=_exited(status),
+        group=(meta.get("labels") or {}).get(LWS_LABEL_NAME),
     )
 
 

@@ -102,6 +102,7 @@ class ObjectTasks:
         self._wanted = wanted
         self._tasks: dict[str, _Task] = {}
         self._done: set[str] = set()  # uids whose task ended on its own: never started again
+        self._uid_of: dict[tuple[str | None, str | None], str] = {}  # (namespace, name) -> uid of its task
 
     def on_event(self, event_type: str | None, raw: Mapping[str, Any], make: Callable[[LiveBody], ObjectRun]) -> None:
         """A watch event: start the object's task, hand it the new body, or stop it."""
@@ -119,11 +120,21 @@ class ObjectTasks:
             return
         if uid in self._done or not self._wanted(raw):
             return
+        key = (meta.get("namespace"), meta.get("name"))
+        earlier = self._tasks.get(self._uid_of.get(key, ""))
+        if earlier is not None:
+            # The same name with another uid: the earlier object is gone, though its deletion never came (kopf
+            # stops watching a namespace being deleted; the namespace then made again holds the new object).
+            # Its task must not act on the new object's pods.
+            earlier.stop.set(deleted=True)
+        self._uid_of[key] = uid
         entry = self._tasks[uid] = _Task(LiveBody(raw), Stop())
         name = f"{self.kind} {meta.get('namespace')}/{meta.get('name')}"
-        entry.task = asyncio.create_task(self._supervise(uid, entry, make(entry.body), name), name=name)
+        entry.task = asyncio.create_task(self._supervise(uid, key, entry, make(entry.body), name), name=name)
 
-    async def _supervise(self, uid: str, entry: _Task, work: ObjectRun, name: str) -> None:
+    async def _supervise(
+        self, uid: str, key: tuple[str | None, str | None], entry: _Task, work: ObjectRun, name: str
+    ) -> None:
         failures = 0
         try:
             while not entry.stop:
@@ -142,6 +153,8 @@ class ObjectTasks:
             await work.close()
             if self._tasks.get(uid) is entry:
                 del self._tasks[uid]
+            if self._uid_of.get(key) == uid:
+                del self._uid_of[key]
 
     async def stop_all(self) -> None:
         """The operator exits: stop every task (each may finish its step), then cancel what is left."""

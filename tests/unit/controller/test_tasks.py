@@ -89,6 +89,23 @@ def test_a_deletion_mark_stops_the_task_too() -> None:
     asyncio.run(main())
 
 
+def test_an_object_of_the_same_name_and_another_uid_stops_the_earlier_task() -> None:
+    """The earlier fleet's deletion was never delivered (its namespace deleted and made again): its task stops
+    once the new fleet of that name shows up, so that two tasks never act on one fleet's pods."""
+
+    async def main() -> None:
+        tasks = ObjectTasks("fleet")
+        made: list[Recorder] = []
+        tasks.on_event(None, fleet(uid="u1"), recorder(made))
+        await settle()
+        tasks.on_event("ADDED", fleet(uid="u2"), recorder(made))
+        await settle()
+        assert len(made) == 2 and made[0].stopped_deleted is True and made[0].closed
+        assert made[1].runs == 1 and made[1].stopped_deleted is None  # the new one runs on
+
+    asyncio.run(main())
+
+
 def test_a_task_that_ends_on_its_own_is_not_started_again() -> None:
     async def main() -> None:
         tasks = ObjectTasks("request")
