@@ -89,7 +89,8 @@ class RollfleetMiddleware:
             await self.runtime.refresh_weight_version()
             if path == FINISH_WEIGHT_UPDATE_PATH:
                 self.runtime.weights_intact = True
-                self.runtime.stager.release()  # loaded: the staged copy is not needed any more
+                if self.runtime.stager is not None:
+                    self.runtime.stager.release()  # loaded: the staged copy is not needed any more
 
     async def _tracked(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
         body = await _read_body(receive)

@@ -31,7 +31,7 @@ from rollfleet_engine.protocol import (
     WeightUpdateInfo,
 )
 from rollfleet_engine.runtime import Runtime
-from rollfleet_engine.staging import RelayUnavailable
+from rollfleet_engine.staging import RelayUnavailable, Stager
 
 router = APIRouter()
 
@@ -97,7 +97,7 @@ async def stage(request: Request, body: WeightUpdateInfo) -> StageStatus:
     The caller's own Authorization goes with the download: from another engine's relay (a control
     route, the same fleet token), and harmlessly to the sidecar's weights server."""
     try:
-        return _runtime(request).stager.start(body, request.headers.get("authorization"))
+        return _stager(request).start(body, request.headers.get("authorization"))
     except ValueError as err:
         raise HTTPException(status_code=400, detail=str(err)) from err
 
@@ -105,7 +105,7 @@ async def stage(request: Request, body: WeightUpdateInfo) -> StageStatus:
 @router.get(STAGE_RELAY_PATH + WEIGHTS_MANIFEST_PATH)
 async def relay_manifest(request: Request) -> Response:
     """The manifest of the set this engine stages, for the next engine of a relay chain."""
-    stager = _runtime(request).stager
+    stager = _stager(request)
     try:
         raw = await run_in_threadpool(stager.relay_manifest)  # waits until the manifest has arrived
     except RelayUnavailable as err:
@@ -117,7 +117,7 @@ async def relay_manifest(request: Request) -> Response:
 async def relay_shard(request: Request, path: str) -> StreamingResponse:
     """A shard of the set this engine stages, its bytes as they arrive (the stream breaks if staging fails)."""
     try:
-        shard, chunks = _runtime(request).stager.relay_shard("/" + path)
+        shard, chunks = _stager(request).relay_shard("/" + path)
     except RelayUnavailable as err:
         raise HTTPException(status_code=409, detail=str(err)) from err
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(shard.size)})
@@ -126,4 +126,15 @@ async def relay_shard(request: Request, path: str) -> StreamingResponse:
 @router.get(STAGE_PATH, response_model=StageStatus)
 async def stage_status(request: Request, wait: Annotated[float, Query(ge=0, le=STAGE_WAIT_MAX_S)] = 0) -> StageStatus:
     """The staging's status; with `wait`, once it has ended (or after `wait` seconds): no polling loop."""
-    return await run_in_threadpool(_runtime(request).stager.status, wait)
+    return await run_in_threadpool(_stager(request).status, wait)
+
+
+def _stager(request: Request) -> Stager:
+    """The engine's staging area; 404 where it has none (the sync sidecar then has it pull in the pause)."""
+    stager = _runtime(request).stager
+    if stager is None:
+        raise HTTPException(
+            status_code=404,
+            detail="this engine's ranks span pods: it does not prefetch, its ranks pull each update in the pause",
+        )
+    return stager

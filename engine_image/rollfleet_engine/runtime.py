@@ -34,7 +34,9 @@ class Runtime:
     model_name: str
     weight_backend: str | None
     tracker: RequestTracker = field(default_factory=RequestTracker)
-    stager: Stager = field(default_factory=default_stager)
+    # None: no prefetch. An engine whose ranks run in other pods loads from a staged copy only its own pod
+    # holds (a file:// URL); there its ranks pull each update in the pause, straight from the weights server.
+    stager: Stager | None = field(default_factory=default_stager)
     weight_version: str = "default"
     pause_mode: PauseMode | None = None
     weights_intact: bool = True  # see EngineState.weights_intact

@@ -271,6 +271,8 @@ async def _build_and_serve(
     runtime = Runtime(
         engine=engine, policy=policy, model_name=opts.served_model_name, weight_backend=opts.weight_backend
     )
+    if opts.group_leader is not None:
+        runtime.stager = None  # a staged copy would be this pod's only (Runtime.stager)
     install_generate_hook(engine, runtime.tracker)
     if opts.weight_version is not None:
         await engine.update_weight_version(opts.weight_version)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from rollfleet_engine.protocol import STAGE_PATH
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from rollfleet_engine.weights_server import WeightsServer
@@ -99,6 +100,9 @@ def test_every_rank_serves_transformers_tokens_and_loads_a_weight_update(
     server = WeightsServer(engine.model_dir / WEIGHTS_B_DIR, host=engine.url.split("//")[1].split(":")[0])
     server.start()
     try:
+        # No prefetch on an engine whose ranks span pods: a staged copy would be the leader's pod's only.
+        staged = control(engine, STAGE_PATH, json=server.update_info())
+        assert staged.status_code == 404 and "span pods" in staged.text, staged.text
         assert control(engine, "/init_weight_transfer_engine", json={"init_info": {}}).status_code == 200
         assert control(engine, "/start_weight_update").status_code == 200
         r = control(engine, "/update_weights", json={"update_info": server.update_info()})

@@ -86,15 +86,23 @@ def engine_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) 
 
 
 @kopf.index(*_DEPLOYMENTS, labels=_owned(COMPONENT_GATEWAY))
-def gateways(status: kopf.Status, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, GatewayObs]:
-    obs = GatewayObs(int(status.get("replicas") or 0), int(status.get("readyReplicas") or 0))
+def gateways(
+    body: kopf.Body, status: kopf.Status, namespace: str, labels: kopf.Labels, **_: Any
+) -> dict[Key, GatewayObs]:
+    obs = GatewayObs(int(status.get("replicas") or 0), int(status.get("readyReplicas") or 0), _owner(body))
     return {(namespace, labels[LABEL_FLEET]): obs}
 
 
 @kopf.index(*_CONFIG_MAPS, labels=_owned(COMPONENT_WEIGHTS))
 def weight_records(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, WeightsRecord]:
-    record = WeightsRecord(dict(body.get("data") or {}), str(body["metadata"]["resourceVersion"]))
+    record = WeightsRecord(dict(body.get("data") or {}), str(body["metadata"]["resourceVersion"]), _owner(body))
     return {(namespace, labels[LABEL_FLEET]): record}
+
+
+def _owner(body: kopf.Body) -> str | None:
+    """The uid of the fleet that owns an object (its controller owner reference)."""
+    refs = body.get("metadata", {}).get("ownerReferences") or []
+    return next((str(r["uid"]) for r in refs if r.get("controller")), None)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

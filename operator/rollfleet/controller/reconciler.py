@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -132,6 +132,11 @@ class WeightsRecord:
 
     data: Mapping[str, str]
     resource_version: str
+    owner: str | None = None  # the uid of the fleet that owns the ConfigMap
+
+
+# An index entry that names the fleet owning its object.
+OwnedT = TypeVar("OwnedT", GatewayObs, WeightsRecord)
 
 
 # kopf's indexes (`controller/handlers.py`), by (namespace, fleet name): the fleet's engine
@@ -203,11 +208,19 @@ class FleetLoop:
     def _fingerprint(self) -> Hashable:
         """What the watch has delivered for this fleet, in a form that changes with any of it."""
         pods = frozenset((p["metadata"].get("uid"), p["metadata"].get("resourceVersion")) for p in self._index_pods())
-        gateway, record = tuple(self._gateway_index.get(self.key, ())), self._weights_record()
+        gateway, record = self._gateway(), self._weights_record()
         return self.body["metadata"].get("resourceVersion"), pods, gateway, record and record.resource_version
 
     def _weights_record(self) -> WeightsRecord | None:
-        return next(iter(self._record_index.get(self.key, ())), None)
+        return self._own(self._record_index.get(self.key, ()))
+
+    def _gateway(self) -> GatewayObs | None:
+        return self._own(self._gateway_index.get(self.key, ()))
+
+    def _own(self, entries: Iterable[OwnedT]) -> OwnedT | None:
+        """This fleet's entry of an index. kopf misses deletions in a namespace deleted and made again: an entry
+        of the deleted fleet of this name may stay in the index for ever, owned by another uid."""
+        return next((e for e in entries if e.owner in (None, self.ref.uid)), None)
 
     def _index_pods(self) -> Sequence[Mapping[str, Any]]:
         return [p for p in self._pod_index.get(self.key, ()) if p["metadata"].get("uid") not in self._gone]
@@ -347,7 +360,7 @@ class FleetLoop:
             engines=engines,
             weights=weights,
             pause=PauseView(record, request.invalid_value, resuming=request.mode is None),
-            gateway=next(iter(self._gateway_index.get(self.key, ())), None),
+            gateway=self._gateway(),
             gateway_endpoint=gateway_endpoint(self.ref.name, self.ref.namespace),
             gateway_enabled=spec.gateway.enabled,
             previous=previous,

@@ -243,6 +243,7 @@ def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sy
 class GatewayObs:
     replicas: int
     ready_replicas: int
+    owner: str | None = None  # the uid of the fleet that owns the Deployment
 
 
 def _condition(

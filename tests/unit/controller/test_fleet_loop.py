@@ -92,3 +92,14 @@ def test_pods_a_listing_showed_gone_leave_the_loops_view() -> None:
 @pytest.mark.parametrize(("failures", "delay"), [(1, 2.0), (2, 4.0), (4, 16.0), (5, 30.0), (50, MAX_BACKOFF_S)])
 def test_task_backoff_doubles_up_to_its_cap(failures: int, delay: float) -> None:
     assert backoff_s(failures) == delay
+
+
+def test_index_entries_of_a_deleted_namesake_fleet_are_not_this_fleets() -> None:
+    """kopf missed the deletions of a namespace deleted and made again: its fleet's gateway and weights record stay
+    in the indexes under the same key, owned by the old uid. The loop reads its own fleet's only (seen on kind:
+    the old gateway's 0/0 replicas kept a new fleet's Ready False for good)."""
+    stale, own = GatewayObs(0, 0, owner="u-old"), GatewayObs(1, 1, owner="u-f")
+    old_record, record = WeightsRecord({"v": "old"}, "3", owner="u-old"), WeightsRecord({}, "9", owner="u-f")
+    loop = loop_with({}, {KEY: [stale, own]}, {KEY: [old_record, record]})
+    assert loop._gateway() == own and loop._weights_record() == record
+    assert loop_with({}, {KEY: [stale]})._gateway() is None

@@ -1,0 +1,240 @@
+"""Engines of two pods on real vLLM, on kind (issue 34): a fleet of 2 engines, each tensor parallel 2 over 2 pods
+of the GPU pool (LeaderWorkerSet groups, LWS installed by the project's script), and every fleet guarantee checked
+at the engines: the leader serves and is the engine; abort by id frees the request there; pause keep holds the
+group and loses no token; a weight push loads on both ranks and the version is one per engine; a rank killed
+restarts its whole group, whose requests continue on the other engine from their tokens, and which is PendingSync
+until the sidecar brings it to the fleet's version.
+
+The local cluster has no DNS, and a group's ranks find their leader by LWS's DNS name: the module runs on kind
+only. docs/engine.md, "Engines across pods"; docs/operator.md, "Engines of several pods".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from tests.engine.calls import GREEDY_PROMPTS
+from tests.engine.test_engine_live import _reference_greedy
+
+from e2e.fleet_helpers import (
+    ENGINE_START_S,
+    SIDECAR_MODELS,
+    Fleet,
+    Stream,
+    deploy_operator,
+    fleet_manifest,
+    greedy,
+    signal_container,
+    sync_sidecar_pod,
+)
+from e2e.live_fleet import INITIAL_VERSION
+from e2e.provider import Cluster, wait_for
+from rollfleet.contract import (
+    ANNOTATION_PAUSE,
+    COMPONENT_ENGINE_RANK,
+    ENGINE_PORT,
+    GATEWAY_PORT,
+    LABEL_COMPONENT,
+    LWS_LABEL_NAME,
+    SYNC_API_PORT,
+    engine_group_leader,
+    engine_pod_name,
+)
+from rollfleet_client.protocol import ABORT_PATH as GATEWAY_ABORT_PATH
+from rollfleet_client.sync import SyncClient
+from rollfleet_client.sync_protocol import PushState
+from rollfleet_engine.protocol import REQUESTS_PATH, STATE_PATH
+from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+NS = "rf-e2e-groups"
+NAME = "groups"
+TRAINER = "trainer"
+GROUPS = [engine_pod_name(NAME, i) for i in (0, 1)]
+LEADERS = [engine_group_leader(g) for g in GROUPS]
+GREEDY_TOKENS = 8
+A, B = INITIAL_VERSION, "b-1"
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster: Cluster) -> Iterator[Fleet]:
+    if cluster.provider == "local":
+        pytest.skip("a group's ranks find their leader by LWS's DNS name; the local cluster has no DNS (kind only)")
+    from rollfleet_dev import lws
+
+    lws.install_kind()
+    cluster.kubectl("create", "namespace", NS, check=False)
+    deploy_operator(cluster, [NS])
+    manifest = fleet_manifest(NAME, NS, replicas=2, weightSync={"initialVersion": A})
+    manifest["spec"]["engine"] |= {"tensorParallelSize": 2, "podsPerEngine": 2, "gpusPerEngine": 1}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    fleet = Fleet(cluster, NAME, NS)
+    try:
+        fleet.wait_ready(2, timeout=ENGINE_START_S)
+        yield fleet
+    finally:
+        cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
+        lws.uninstall_kind()
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[list[int]]]:
+    root = str(ensure_tiny_model())  # the bytes the nodes' directory holds, read here
+    return {
+        v: _reference_greedy(d, GREEDY_PROMPTS, GREEDY_TOKENS) for v, d in ((A, root), (B, f"{root}/{WEIGHTS_B_DIR}"))
+    }
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster, fleet: Fleet) -> Iterator[str]:
+    [pod] = [p["metadata"]["name"] for p in fleet.pods("gateway") if not p["metadata"].get("deletionTimestamp")][:1]
+    with cluster.reach(NS, pod, GATEWAY_PORT) as url:
+        yield url
+
+
+def group_pods(cluster: Cluster, group: str) -> list[dict[str, Any]]:
+    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={group}", "-o", "json").stdout
+    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def engine_get(cluster: Cluster, leader: str, path: str) -> Any:
+    with cluster.reach(NS, leader, ENGINE_PORT) as url:
+        return httpx.get(url + path, timeout=30).raise_for_status().json()
+
+
+def test_each_engine_is_a_group_across_the_pool_and_its_leader_serves_it(
+    cluster: Cluster, fleet: Fleet, gateway: str, references: dict[str, list[list[int]]]
+) -> None:
+    st = fleet.status()
+    assert sorted(e["name"] for e in st["engines"]) == LEADERS  # one engine per group, named by its leader
+    for group in GROUPS:
+        pods = group_pods(cluster, group)
+        assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2, "one pod per GPU-pool node"
+        ranks = [p for p in pods if p["metadata"]["labels"][LABEL_COMPONENT] == COMPONENT_ENGINE_RANK]
+        assert [p["metadata"]["name"] for p in ranks] == [f"{engine_group_leader(group)}-1"]
+    # The model split over two pods gives transformers' greedy tokens, through the gateway.
+    assert greedy(gateway, fleet.inference(), GREEDY_PROMPTS, GREEDY_TOKENS) == references[A]
+    # The gateway sent them to the leaders only: the headless ranks serve nothing.
+    metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
+    routed = set(re.findall(r'rollfleet_gateway_upstream_attempts_total\{engine="([^"]+)"', metrics))
+    assert routed and routed <= set(LEADERS), routed
+
+
+def test_abort_by_id_frees_the_request_at_the_engine(cluster: Cluster, fleet: Fleet, gateway: str) -> None:
+    stream = Stream(gateway, max_tokens=400, request_id="group-abort-1", auth=fleet.inference()).start()
+    wait_for(lambda: stream.tokens() >= 3, timeout=120, what="the request decoding")
+    admin = {"Authorization": f"Bearer {fleet.admin_token()}"}
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{gateway}{GATEWAY_ABORT_PATH}", json={"request_ids": [stream.request_id]}, headers=admin, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["results"] == {stream.request_id: "aborted"}, r.text
+    stream.wait(timeout=60)
+    assert stream.finish == {0: "abort"} and stream.tokens() < 400
+    assert time.monotonic() - t0 < 10  # no rank waits on the other: nothing deadlocks
+    # Checked at the engine that ran it: finished there, and nothing of it in flight.
+    ran = {}
+    for leader in LEADERS:
+        with cluster.reach(NS, leader, ENGINE_PORT) as url:
+            r = httpx.get(f"{url}{REQUESTS_PATH}/{stream.request_id}", timeout=30)
+        if r.status_code == 200:
+            ran[leader] = r.json()
+    assert len(ran) == 1, ran  # known at exactly one engine: the one that ran it
+    [(leader, tracked)] = ran.items()
+    assert tracked["phase"] == "finished", tracked
+    assert stream.request_id not in {r["request_id"] for r in engine_get(cluster, leader, REQUESTS_PATH)["in_flight"]}
+
+
+def test_pause_keep_holds_every_group_and_loses_no_token(cluster: Cluster, fleet: Fleet, gateway: str) -> None:
+    tokens = 40
+    streams = [Stream(gateway, max_tokens=tokens, auth=fleet.inference()).start() for _ in range(2)]
+    wait_for(lambda: all(s.tokens() >= 3 for s in streams), timeout=120, what="requests decoding")
+    cluster.kubectl("-n", NS, "annotate", "rf", NAME, f"{ANNOTATION_PAUSE}=keep", "--overwrite")
+    fleet.wait(lambda st: (st.get("pause") or {}).get("pausedEngines") == 2, "both engines paused", timeout=60)
+    paused_at = time.monotonic()
+    for leader in LEADERS:
+        assert engine_get(cluster, leader, STATE_PATH)["paused"] is True
+    time.sleep(1.5)  # the observation window: no token may arrive in it
+    resumed_at = time.monotonic()
+    cluster.kubectl("-n", NS, "annotate", "rf", NAME, f"{ANNOTATION_PAUSE}-")
+    for s in streams:
+        s.wait(timeout=300)
+        assert [t for t, _ in s.chunks if paused_at + 0.3 < t < resumed_at] == []
+        assert s.finish == {0: "length"} and s.completion_tokens == tokens
+    fleet.wait(lambda st: not st.get("pause"), "resumed", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(NAME, NS, TRAINER)))
+    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
+    with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
+        wait_for(lambda: client.fleet_version().version == A, timeout=60, what=f"the sidecar sees version {A}")
+        yield client
+
+
+def on_version(version: str) -> Any:
+    def check(st: dict[str, Any]) -> bool:
+        engines = st.get("engines", [])
+        return (
+            st.get("weightVersion") == version
+            and len(engines) == 2  # one per engine, not one per pod
+            and all(e["phase"] == "Ready" and e.get("weightVersion") == version for e in engines)
+        )
+
+    return check
+
+
+def test_a_push_loads_on_every_rank_and_the_version_is_one_per_engine(
+    fleet: Fleet, gateway: str, sync: SyncClient, references: dict[str, list[list[int]]]
+) -> None:
+    status = sync.push_dir(f"{SIDECAR_MODELS}/{WEIGHTS_B_DIR}", B)
+    assert status.state is PushState.DONE, status
+    fleet.wait(on_version(B), f"status shows {B} on both engines", timeout=120)
+    # Both ranks loaded their half: a rank on the old weights would change the tokens.
+    assert greedy(gateway, fleet.inference(), GREEDY_PROMPTS, GREEDY_TOKENS) == references[B]
+
+
+def test_a_killed_rank_restarts_its_group_which_syncs_before_it_serves_and_requests_continue(
+    cluster: Cluster, fleet: Fleet, gateway: str, sync: SyncClient, references: dict[str, list[list[int]]]
+) -> None:
+    fleet.wait(on_version(B), f"both engines on {B}", timeout=120)
+    tokens = 200
+    streams = [
+        Stream(gateway, max_tokens=tokens, request_id=f"group-kill-{i}", auth=fleet.inference()) for i in range(4)
+    ]
+    for s in streams:
+        s.start()
+    wait_for(lambda: all(s.tokens() >= 3 for s in streams), timeout=120, what="requests decoding")
+    on_first = {r["request_id"] for r in engine_get(cluster, LEADERS[0], REQUESTS_PATH)["in_flight"]}
+    assert on_first & {s.request_id for s in streams}, "some request runs on the engine whose rank is killed"
+    before = {p["metadata"]["uid"] for p in group_pods(cluster, GROUPS[0])}
+
+    signal_container(cluster, NS, f"{LEADERS[0]}-1", "engine", signal.SIGKILL)
+
+    # LWS recreates the whole group; the engine is not Ready until both its pods are up and it has the
+    # fleet's version (it starts on A, the sidecar brings it to B: PendingSync meanwhile).
+    def restarted(st: dict[str, Any]) -> bool:
+        pods = group_pods(cluster, GROUPS[0])
+        return len(pods) == 2 and not {p["metadata"]["uid"] for p in pods} & before
+
+    seen: set[str] = set()
+
+    def back(st: dict[str, Any]) -> bool:
+        seen.update(e["phase"] for e in st.get("engines", []) if e["name"] == LEADERS[0])
+        return restarted(st) and on_version(B)(st)
+
+    fleet.wait(back, "the group recreated whole and back on the fleet's version", timeout=ENGINE_START_S)
+    assert "PendingSync" in seen or "Starting" in seen, seen
+    for s in streams:  # every request went on from its tokens (the failover continuation), none lost
+        s.wait(timeout=600)
+        assert s.finish == {0: "length"} and s.completion_tokens == tokens, (s.request_id, s.finish)
+    with cluster.reach(NS, LEADERS[0], ENGINE_PORT) as url:
+        assert greedy(url, fleet.inference(), GREEDY_PROMPTS, GREEDY_TOKENS) == references[B]
