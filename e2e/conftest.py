@@ -45,6 +45,19 @@ def sim_live(cluster: Cluster) -> Iterator[LiveFleet]:
 
 
 @pytest.fixture(scope="session")
+def lws_on_kind(cluster: Cluster) -> Iterator[None]:
+    """LeaderWorkerSet on kind, installed by the project's script, for the modules whose engines span pods; removed
+    at the session's end. The local cluster has no DNS, by which a group's ranks find their leader: kind only."""
+    if cluster.provider == "local":
+        pytest.skip("a group's ranks find their leader by LWS's DNS name; the local cluster has no DNS (kind only)")
+    from rollfleet_dev import lws
+
+    lws.install_kind()
+    yield
+    lws.uninstall_kind()
+
+
+@pytest.fixture(scope="session")
 def core(cluster: Cluster) -> kubernetes.client.CoreV1Api:
     return kubernetes.client.CoreV1Api(cluster.api_client())
 

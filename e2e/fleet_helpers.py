@@ -31,6 +31,7 @@ from rollfleet.contract import (
     ANNOTATION_RESUME,
     ENGINE_PORT,
     REQUEST_ID_HEADER,
+    REQUESTS_PATH,
     STATE_PATH,
     SYNC_HEALTH_PORT,
     inference_secret_name,
@@ -40,6 +41,7 @@ from rollfleet.contract import (
 )
 from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet.kubectl import KubectlError
+from rollfleet_client.protocol import TRL_PREFIX
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,9 +235,13 @@ class Fleet:
     def admin_token(self) -> str:
         return read_token(self.cluster, self.namespace, secret_name(self.name))
 
+    def inference_token(self) -> str:
+        """What generation needs (a fleet's default: its inference token)."""
+        return read_token(self.cluster, self.namespace, inference_secret_name(self.name))
+
     def inference(self) -> dict[str, str]:
-        """The header generation needs (a fleet's default: its inference token)."""
-        return {"Authorization": f"Bearer {read_token(self.cluster, self.namespace, inference_secret_name(self.name))}"}
+        """The header generation needs."""
+        return {"Authorization": f"Bearer {self.inference_token()}"}
 
     def engine_control(self, pod: str, path: str) -> None:
         """A control call (pause, resume) made straight to one engine, with the fleet's token."""
@@ -520,3 +526,62 @@ def framework_env(name: str) -> Path:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+GRPO_EXAMPLE = REPO / "examples" / "grpo_tiny"
+GRPO_TRAINER = "grpo-tiny-trainer"  # the pod in examples/grpo_tiny/trainer-pod.yaml
+
+
+def run_grpo_example(cluster: Cluster, namespace: str, steps: int, max_staleness: int) -> list[dict[str, Any]]:
+    """examples/grpo_tiny as its README says (train.py from a ConfigMap, its trainer pod beside the sync
+    sidecar, against the fleet grpo-tiny), for `steps` steps; it must succeed. The JSON lines it logged, one
+    per step."""
+    cluster.kubectl(
+        "-n", namespace, "create", "configmap", "grpo-tiny-train", f"--from-file={GRPO_EXAMPLE / 'train.py'}"
+    )
+    pod = dict(yaml.safe_load((GRPO_EXAMPLE / "trainer-pod.yaml").read_text()))
+    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
+    trainer["command"] += [f"--steps={steps}", f"--max-staleness={max_staleness}"]
+    cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def ended() -> dict[str, Any] | None:
+        out = cluster.kubectl("-n", namespace, "get", "pod", GRPO_TRAINER, "-o", "json").stdout
+        for c in json.loads(out)["status"].get("containerStatuses") or []:
+            if c["name"] == "trainer" and "terminated" in (c.get("state") or {}):
+                return dict(c["state"]["terminated"])
+        return None
+
+    exit_ = wait_for(ended, timeout=1200, interval=2, what="the GRPO trainer to finish")
+    logs = cluster.container_log(namespace, GRPO_TRAINER, "trainer")
+    assert exit_["exitCode"] == 0, logs[-3000:]
+    lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    print("\n".join(json.dumps(s) for s in lines))
+    return lines
+
+
+def in_flight(engine_url: str) -> list[str]:
+    """The request ids an engine runs now (its own tracker)."""
+    tracked = httpx.get(engine_url + REQUESTS_PATH, timeout=10).raise_for_status().json()
+    return [r["request_id"] for r in tracked["in_flight"]]
+
+
+def running(fleet: Fleet) -> dict[str, list[str]]:
+    """The request ids each engine of the fleet runs now (a group's: its leader's, which tracks them all)."""
+    out = {}
+    for engine in fleet.status()["engines"]:
+        with fleet.cluster.reach(fleet.namespace, engine["name"], ENGINE_PORT) as url:
+            out[engine["name"]] = in_flight(url)
+    return out
+
+
+def nothing_running(fleet: Fleet) -> None:
+    assert not any(running(fleet).values()), running(fleet)
+
+
+def trl_client(gateway_url: str, token: str) -> Any:
+    """TRL's own VLLMClient as a user makes it: its one setting is the URL, which carries the fleet's token
+    (requests sends it as HTTP Basic auth on every call, the constructor's own included; the gateway takes the
+    password)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    return VLLMClient(base_url=gateway_url.replace("://", f"://trl:{token}@") + TRL_PREFIX, connection_timeout=60)

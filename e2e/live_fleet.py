@@ -149,15 +149,16 @@ def shared(request: pytest.FixtureRequest) -> LiveFleet:
 ROLLFLEET = str(Path(sys.executable).parent / "rollfleet")
 
 
-def create(fleet: LiveFleet, prompts: int | list[dict[str, Any]], samples: int, **spec: Any) -> tuple[str, str]:
-    """A RolloutRequest on the live fleet (`prompts` text prompts, or these prompts); its name and uid."""
+def create(on: LiveFleet | Fleet, prompts: int | list[dict[str, Any]], samples: int, **spec: Any) -> tuple[str, str]:
+    """A RolloutRequest on the fleet (`prompts` text prompts, or these prompts); its name and uid."""
+    fleet = _fleet(on)
     name = f"rr-{uuid.uuid4().hex[:6]}"
     doc = {
         "apiVersion": "rollfleet.dev/v1alpha1",
         "kind": "RolloutRequest",
         "metadata": {"name": name, "namespace": fleet.namespace},
         "spec": {
-            "fleet": fleet.fleet.name,
+            "fleet": fleet.name,
             "prompts": [{"text": f"rollout prompt {i}:"} for i in range(prompts)]
             if isinstance(prompts, int)
             else prompts,
@@ -169,15 +170,16 @@ def create(fleet: LiveFleet, prompts: int | list[dict[str, Any]], samples: int, 
     return name, get(fleet, name)["metadata"]["uid"]
 
 
-def get(fleet: LiveFleet, name: str) -> dict[str, Any]:
+def get(on: LiveFleet | Fleet, name: str) -> dict[str, Any]:
+    fleet = _fleet(on)
     return dict(json.loads(fleet.cluster.kubectl("-n", fleet.namespace, "get", "rr", name, "-o", "json").stdout))
 
 
-def status(fleet: LiveFleet, name: str) -> dict[str, Any]:
+def status(fleet: LiveFleet | Fleet, name: str) -> dict[str, Any]:
     return dict(get(fleet, name).get("status") or {})
 
 
-def wait_phase(fleet: LiveFleet, name: str, phase: str, timeout: float = 600) -> dict[str, Any]:
+def wait_phase(fleet: LiveFleet | Fleet, name: str, phase: str, timeout: float = 600) -> dict[str, Any]:
     def reached() -> dict[str, Any] | None:
         st = status(fleet, name)
         if st.get("phase") in ("Succeeded", "Failed", "Aborted") and st["phase"] != phase:
@@ -187,8 +189,9 @@ def wait_phase(fleet: LiveFleet, name: str, phase: str, timeout: float = 600) ->
     return dict(wait_for(reached, timeout, interval=0.5, what=f"{name} {phase}"))
 
 
-def results(fleet: LiveFleet, name: str) -> list[dict[str, Any]]:
+def results(on: LiveFleet | Fleet, name: str) -> list[dict[str, Any]]:
     """`rollfleet results rr/<name>`: one JSON object per line."""
+    fleet = _fleet(on)
     out = subprocess.run(
         [ROLLFLEET, "results", f"rr/{name}", "-n", fleet.namespace],
         capture_output=True,
@@ -198,6 +201,11 @@ def results(fleet: LiveFleet, name: str) -> list[dict[str, Any]]:
     )
     assert out.returncode == 0, out.stderr
     return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def _fleet(on: LiveFleet | Fleet) -> Fleet:
+    """The fleet a request helper acts on: the session's live fleet, or a module's own."""
+    return on.fleet if isinstance(on, LiveFleet) else on
 
 
 def runner_pods(fleet: LiveFleet, uid: str) -> list[dict[str, Any]]:

@@ -24,20 +24,30 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from tests.engine.calls import GREEDY_PROMPTS
 from tests.engine.test_engine_live import _reference_greedy
 
-from e2e.fleet_helpers import REPO, Fleet, deploy_operator, framework_env, greedy, sync_sidecar_pod
+from e2e.fleet_helpers import (
+    GRPO_EXAMPLE,
+    GRPO_TRAINER,
+    REPO,
+    Fleet,
+    deploy_operator,
+    framework_env,
+    greedy,
+    in_flight,
+    nothing_running,
+    run_grpo_example,
+    sync_sidecar_pod,
+)
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, REQUESTS_PATH, SYNC_API_PORT
+from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, SYNC_API_PORT
 from rollfleet_client.protocol import ABORT_PATH, FLEET_PATH
 from rollfleet_client.sync import SyncClient
 from rollfleet_engine.tiny_model import ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
-EXAMPLE = REPO / "examples" / "grpo_tiny"
 TRL_EXAMPLE = REPO / "examples" / "trl_grpo"
 VERL_EXAMPLE = REPO / "examples" / "verl_rollout"
 VERL_LONG = 400  # tokens per sample, one aborted mid-way (the abort lands within a second of its start)
@@ -53,7 +63,7 @@ MAX_STALENESS = 2
 def fleet(cluster: Cluster) -> Iterator[Fleet]:
     deploy_operator(cluster, [NS])
     cluster.kubectl("create", "namespace", NS)
-    cluster.kubectl("-n", NS, "apply", "-f", str(EXAMPLE / "fleet.yaml"))
+    cluster.kubectl("-n", NS, "apply", "-f", str(GRPO_EXAMPLE / "fleet.yaml"))
     fleet = Fleet(cluster, "grpo-tiny", NS)
     fleet.wait_ready(2)
     yield fleet
@@ -61,29 +71,8 @@ def fleet(cluster: Cluster) -> Iterator[Fleet]:
     cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
-def trainer_pod() -> dict[str, Any]:
-    pod = dict(yaml.safe_load((EXAMPLE / "trainer-pod.yaml").read_text()))
-    trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
-    trainer["command"] += [f"--steps={STEPS}", f"--max-staleness={MAX_STALENESS}"]
-    return pod
-
-
-def trainer_exit(cluster: Cluster) -> dict[str, Any] | None:
-    out = cluster.kubectl("-n", NS, "get", "pod", "grpo-tiny-trainer", "-o", "json").stdout
-    for c in json.loads(out)["status"].get("containerStatuses") or []:
-        if c["name"] == "trainer" and "terminated" in (c.get("state") or {}):
-            return dict(c["state"]["terminated"])
-    return None
-
-
 def test_grpo_trains_against_the_fleet_and_leaves_nothing_running(cluster: Cluster, fleet: Fleet) -> None:
-    cluster.kubectl("-n", NS, "create", "configmap", "grpo-tiny-train", f"--from-file={EXAMPLE / 'train.py'}")
-    cluster.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(trainer_pod()))
-    ended = wait_for(lambda: trainer_exit(cluster), timeout=1200, interval=2, what="the trainer to finish")
-    logs = cluster.container_log(NS, "grpo-tiny-trainer", "trainer")
-    assert ended["exitCode"] == 0, logs[-3000:]
-    steps = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
-    print("\n".join(json.dumps(s) for s in steps))
+    steps = run_grpo_example(cluster, NS, STEPS, MAX_STALENESS)
 
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     # The policy learns the toy task from the fleet's samples.
@@ -104,29 +93,14 @@ def test_grpo_trains_against_the_fleet_and_leaves_nothing_running(cluster: Clust
     assert st["weightVersion"] == f"grpo-{STEPS}" and {e["weightVersion"] for e in st["engines"]} == {
         st["weightVersion"]
     }
-    nothing_running(cluster, fleet)
-
-
-def in_flight(engine_url: str) -> list[str]:
-    """The request ids an engine runs now (its own tracker)."""
-    tracked = httpx.get(engine_url + REQUESTS_PATH, timeout=10).raise_for_status().json()
-    return [r["request_id"] for r in tracked["in_flight"]]
-
-
-def running(cluster: Cluster, fleet: Fleet) -> dict[str, list[str]]:
-    """The request ids each engine of the fleet runs now."""
-    out = {}
-    for engine in fleet.status()["engines"]:
-        with cluster.reach(NS, engine["name"], ENGINE_PORT) as url:
-            out[engine["name"]] = in_flight(url)
-    return out
+    nothing_running(fleet)
 
 
 @pytest.fixture(scope="module")
 def framework_sync(cluster: Cluster, fleet: Fleet) -> str:
     """A sync sidecar's pod for the frameworks' trainers (outside the cluster) to push through."""
     # One sidecar per fleet pushes: the GRPO example's trainer pod (and its sidecar) goes first.
-    cluster.kubectl("-n", NS, "delete", "pod", "grpo-tiny-trainer", "--ignore-not-found", "--wait=true", timeout=120)
+    cluster.kubectl("-n", NS, "delete", "pod", GRPO_TRAINER, "--ignore-not-found", "--wait=true", timeout=120)
     cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(fleet.name, NS, FRAMEWORK_SYNC)))
     cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{FRAMEWORK_SYNC}", "--timeout=120s", timeout=130)
     return FRAMEWORK_SYNC
@@ -147,10 +121,6 @@ def step_lines(command: list[str], cwd: Path) -> list[dict[str, Any]]:
     run = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"step"')]
-
-
-def nothing_running(cluster: Cluster, fleet: Fleet) -> None:
-    assert not any(running(cluster, fleet).values()), running(cluster, fleet)
 
 
 def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
@@ -187,7 +157,7 @@ def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
     st = fleet.status()
     assert st["weightVersion"] == f"trl-{STEPS}", st
     assert {e["weightVersion"] for e in st["engines"]} == {st["weightVersion"]}
-    nothing_running(cluster, fleet)
+    nothing_running(fleet)
 
 
 def fleet_state(gateway_url: str, token: str) -> dict[str, Any]:
@@ -242,7 +212,7 @@ def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
         assert s["global_steps"] == state["weight_generation"], (s, state)
         assert s["weight_versions"] == [state["weight_version"]], s
     assert batch["det-0"]["submissions"] == 2 and batch["det-1"]["submissions"] == 1, batch
-    nothing_running(cluster, fleet)
+    nothing_running(fleet)
 
 
 VERL_STEPS = 2
@@ -310,4 +280,4 @@ def test_skyrl_remote_client_generates_pauses_resumes_and_aborts_the_fleet(
     # SkyRL's resume is the fleet's: no pause left in its record or at its engines.
     st = fleet.status()
     assert not st.get("pause") and {e["phase"] for e in st["engines"]} <= {"Ready"}, st
-    nothing_running(cluster, fleet)
+    nothing_running(fleet)

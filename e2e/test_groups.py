@@ -1,12 +1,14 @@
-"""Engines of two pods on real vLLM, on kind (issue 34): a fleet of 2 engines, each tensor parallel 2 over 2 pods
-of the GPU pool (LeaderWorkerSet groups, LWS installed by the project's script), and every fleet guarantee checked
-at the engines: the leader serves and is the engine; abort by id frees the request there; pause keep holds the
-group and loses no token; a weight push loads on both ranks and the version is one per engine; a rank killed
-restarts its whole group, whose requests continue on the other engine from their tokens, and which is PendingSync
-until the sidecar brings it to the fleet's version.
+"""Engines of two pods on real vLLM, on kind (issue 34): the GRPO example's fleet of 2 engines, each tensor
+parallel 2 over 2 pods of the GPU pool (LeaderWorkerSet groups, LWS installed by the project's script), and every
+fleet guarantee checked at the engines: the leader serves and is the engine; abort by id frees the request there;
+pause keep holds the group and loses no token; a weight push loads on both ranks and the version is one per
+engine; a rank killed restarts its whole group, whose requests continue on the other engine from their tokens,
+and which is PendingSync until the sidecar brings it to the fleet's version. Then what users run works
+unchanged on such engines: a RolloutRequest, TRL's client, and the GRPO example for 3 steps.
 
-The local cluster has no DNS, and a group's ranks find their leader by LWS's DNS name: the module runs on kind
-only. docs/engine.md, "Engines across pods"; docs/operator.md, "Engines of several pods".
+On kind only (the fixture `lws_on_kind`): the local cluster has no DNS, by which a group's ranks find their
+leader. e2e/test_groups_dp.py runs a data parallel engine across pods. docs/engine.md, "Engines across pods";
+docs/operator.md, "Engines of several pods".
 """
 
 from __future__ import annotations
@@ -20,21 +22,25 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from tests.engine.calls import GREEDY_PROMPTS
 from tests.engine.test_engine_live import _reference_greedy
 
 from e2e.fleet_helpers import (
     ENGINE_START_S,
+    GRPO_EXAMPLE,
     SIDECAR_MODELS,
     Fleet,
     Stream,
     deploy_operator,
-    fleet_manifest,
     greedy,
+    nothing_running,
+    run_grpo_example,
     signal_container,
     sync_sidecar_pod,
+    trl_client,
 )
-from e2e.live_fleet import INITIAL_VERSION
+from e2e.live_fleet import INITIAL_VERSION, create, results, wait_phase
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import (
     ANNOTATION_PAUSE,
@@ -55,7 +61,7 @@ from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 NS = "rf-e2e-groups"
-NAME = "groups"
+NAME = "grpo-tiny"  # examples/grpo_tiny/fleet-2pod.yaml
 TRAINER = "trainer"
 GROUPS = [engine_pod_name(NAME, i) for i in (0, 1)]
 LEADERS = [engine_group_leader(g) for g in GROUPS]
@@ -64,16 +70,14 @@ A, B = INITIAL_VERSION, "b-1"
 
 
 @pytest.fixture(scope="module")
-def fleet(cluster: Cluster) -> Iterator[Fleet]:
-    if cluster.provider == "local":
-        pytest.skip("a group's ranks find their leader by LWS's DNS name; the local cluster has no DNS (kind only)")
-    from rollfleet_dev import lws
-
-    lws.install_kind()
+def fleet(cluster: Cluster, lws_on_kind: None) -> Iterator[Fleet]:
     cluster.kubectl("create", "namespace", NS, check=False)
     deploy_operator(cluster, [NS])
-    manifest = fleet_manifest(NAME, NS, replicas=2, weightSync={"initialVersion": A})
-    manifest["spec"]["engine"] |= {"tensorParallelSize": 2, "podsPerEngine": 2, "gpusPerEngine": 1}
+    # The GRPO example's fleet of 2-pod engines, as a user applies it; on weights labelled A, which the
+    # greedy references are computed from.
+    manifest = yaml.safe_load((GRPO_EXAMPLE / "fleet-2pod.yaml").read_text())
+    manifest["metadata"]["namespace"] = NS
+    manifest["spec"]["weightSync"] = {"initialVersion": A}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
     fleet = Fleet(cluster, NAME, NS)
     try:
@@ -81,7 +85,6 @@ def fleet(cluster: Cluster) -> Iterator[Fleet]:
         yield fleet
     finally:
         cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
-        lws.uninstall_kind()
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +241,37 @@ def test_a_killed_rank_restarts_its_group_which_syncs_before_it_serves_and_reque
         assert s.finish == {0: "length"} and s.completion_tokens == tokens, (s.request_id, s.finish)
     with cluster.reach(NS, LEADERS[0], ENGINE_PORT) as url:
         assert greedy(url, fleet.inference(), GREEDY_PROMPTS, GREEDY_TOKENS) == references[B]
+
+
+def test_a_rollout_request_runs_unchanged_on_two_pod_engines(fleet: Fleet) -> None:
+    name, _ = create(fleet, 4, 2, sampling={"maxTokens": 8, "ignoreEos": True, "logprobs": 0})
+    st = wait_phase(fleet, name, "Succeeded", timeout=300)
+    assert st["counts"] == {"total": 8, "completed": 8, "aborted": 0, "failed": 0, "inFlight": 0}, st
+    rows = results(fleet, name)
+    assert sorted((r["prompt"], r["sample"]) for r in rows) == [(p, s) for p in range(4) for s in range(2)]
+    for r in rows:
+        assert r["error"] is None and len(r["token_ids"]) == 8 and len(r["logprobs"]) == 8, r
+
+
+def test_trl_client_generates_on_two_pod_engines_and_counts_every_rank(fleet: Fleet, gateway: str) -> None:
+    client = trl_client(gateway, fleet.inference_token())
+    out = client.generate([[5, 6, 7]], n=4, max_tokens=8, temperature=1.0, generation_kwargs={"ignore_eos": True})
+    assert [len(c) for c in out["completion_ids"]] == [8] * 4, out
+    assert client.get_world_size() == 4  # 2 engines of 2 ranks: each leader answers for its group
+    nothing_running(fleet)
+
+
+def test_the_grpo_example_trains_on_two_pod_engines(cluster: Cluster, fleet: Fleet) -> None:
+    steps = 3
+    # One sidecar per fleet pushes: the example's trainer pod brings its own.
+    cluster.kubectl("-n", NS, "delete", "pod", TRAINER, "--ignore-not-found", "--wait=true", timeout=120)
+    lines = run_grpo_example(cluster, NS, steps, max_staleness=2)
+    assert [s["step"] for s in lines] == list(range(1, steps + 1))
+    # Each step pushed a version to both groups: the fleet's generation moves on by one every step.
+    first = lines[0]["generation"]
+    assert [s["generation"] for s in lines] == list(range(first, first + steps)), lines
+    assert all(s["push_s"] and s["pause_window_s"] is not None for s in lines)
+    # The split engines sampled with the weights the trainer pushed: its logprobs are theirs.
+    assert lines[0]["logprob_gap"] < 1e-3, lines[0]
+    fleet.wait(on_version(f"grpo-{steps}"), f"both engines on grpo-{steps}", timeout=120)
+    nothing_running(fleet)

@@ -12,12 +12,11 @@ import re
 
 import pytest
 
+from e2e.fleet_helpers import trl_client
 from e2e.live_fleet import LiveFleet
 from e2e.provider import wait_for
-from rollfleet_client.protocol import TRL_PREFIX
 
 pytest.importorskip("trl")
-from trl.generation.vllm_client import VLLMClient
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 
@@ -30,16 +29,8 @@ def fleet(live: LiveFleet) -> LiveFleet:
     return live
 
 
-def trl_client(fleet: LiveFleet, token: str) -> VLLMClient:
-    """TRL's client as a user makes it: its one setting is the URL, which carries the fleet's token (requests
-    sends it as HTTP Basic auth on every call, the constructor's own included; the gateway takes the password)."""
-    return VLLMClient(
-        base_url=fleet.gateways[0].url.replace("://", f"://trl:{token}@") + TRL_PREFIX, connection_timeout=60
-    )
-
-
 def test_trl_generates_n_samples_per_prompt_with_logprobs_through_the_gateway(fleet: LiveFleet) -> None:
-    client = trl_client(fleet, fleet.inference_token)
+    client = trl_client(fleet.gateways[0].url, fleet.inference_token)
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     out = client.generate(prompts, n=4, max_tokens=8, temperature=1.0, generation_kwargs={"ignore_eos": True})
     assert out["prompt_ids"] == prompts
@@ -52,7 +43,7 @@ def test_trl_generates_n_samples_per_prompt_with_logprobs_through_the_gateway(fl
     # Every engine's cache goes: a control call, as at the engines, which the trainer's admin token opens.
     with pytest.raises(Exception, match="401"):
         client.reset_prefix_cache()
-    trl_client(fleet, fleet.token).reset_prefix_cache()
+    trl_client(fleet.gateways[0].url, fleet.token).reset_prefix_cache()
     with pytest.raises(Exception, match=r"501.*sync sidecar"):
         client.init_communicator(device="cpu")
 

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from rollfleet import jsonl
+from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import ATTEMPT_HEADER
 
 from .conftest import Engine
@@ -117,3 +118,11 @@ def complete(
     return engine.client.post(
         engine.url + "/v1/completions", json={**body, "return_token_ids": True}, headers=headers, timeout=120
     )
+
+
+def metric_reaches(engine: Engine, name: str, value: float, timeout: float = 30, **labels: str) -> None:
+    """Wait until an engine's counter (summed over its labels, or these labels') is `value`."""
+    deadline = time.monotonic() + timeout
+    while (seen := engine_metric(engine.url, name, **labels)) != value:
+        assert time.monotonic() < deadline, f"{name}{labels or ''} is {seen}, not {value}"
+        time.sleep(0.05)  # polling a condition: vLLM updates its gauges once per step

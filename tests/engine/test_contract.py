@@ -26,7 +26,7 @@ from rollfleet_engine.protocol import WEIGHT_VERSION_HEADER
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 
-from .calls import PROMPT, Stream, complete, control, in_flight_ids, rid, state, tracked
+from .calls import PROMPT, Stream, complete, control, in_flight_ids, metric_reaches, rid, state, tracked
 from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, sim_command
 
 FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"  # requests that produced their first token
@@ -281,25 +281,18 @@ def test_greedy_and_seeded_requests_repeat_and_other_seeds_differ(engine: Engine
     assert len({tokens(temperature=1.0, seed=s) for s in range(2, 6)}) > 1  # samples of a prompt differ
 
 
-def _metric_reaches(engine: Engine, name: str, value: float, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while (seen := engine_metric(engine.url, name)) != value:
-        assert time.monotonic() < deadline, f"{name} is {seen}, not {value}"
-        time.sleep(0.05)  # polling a condition: vLLM updates its gauges once per step
-
-
 def test_the_metrics_the_tests_read_count_requests(engine: Engine) -> None:
     """Requests decoding, and requests finished whole: the control-plane tier judges engines by them."""
-    _metric_reaches(engine, "vllm:num_requests_running", 0)
+    metric_reaches(engine, "vllm:num_requests_running", 0)
     successes = engine_metric(engine.url, "vllm:request_success_total")
     s = Stream(engine, rid("metrics"), LONG)
     s.wait_tokens(4)
-    _metric_reaches(engine, "vllm:num_requests_running", 1)
+    metric_reaches(engine, "vllm:num_requests_running", 1)
     assert control(engine, "/rollfleet/v1/abort", json={"request_ids": [s.request_id]}).status_code == 200
     s.join()
-    _metric_reaches(engine, "vllm:num_requests_running", 0)
+    metric_reaches(engine, "vllm:num_requests_running", 0)
     assert complete(engine, PROMPT, 4).status_code == 200
-    _metric_reaches(engine, "vllm:request_success_total", successes + 1)  # the aborted one is no success
+    metric_reaches(engine, "vllm:request_success_total", successes + 1)  # the aborted one is no success
 
 
 def test_a_client_that_goes_away_frees_its_request(engine: Engine) -> None:
@@ -318,7 +311,7 @@ def test_a_client_that_goes_away_frees_its_request(engine: Engine) -> None:
             assert time.monotonic() < deadline, view
             time.sleep(0.05)  # polling a condition
         assert view["finish_reason"] == "abort" and view["output_tokens"] < LONG, view
-        _metric_reaches(engine, "vllm:num_requests_running", 0)
+        metric_reaches(engine, "vllm:num_requests_running", 0)
 
 
 def test_n_choices_come_each_with_its_index_and_the_usage_counts_them_all(engine: Engine) -> None:

@@ -24,7 +24,18 @@ from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from rollfleet_engine.weights_server import WeightsServer
 
-from .calls import GREEDY_PROMPTS, PROMPT, Stream, complete, control, in_flight_ids, rid, state, tracked
+from .calls import (
+    GREEDY_PROMPTS,
+    PROMPT,
+    Stream,
+    complete,
+    control,
+    in_flight_ids,
+    metric_reaches,
+    rid,
+    state,
+    tracked,
+)
 from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, process, running
 from .test_engine_live import _reference_greedy
 
@@ -130,6 +141,9 @@ def test_abort_by_id_ends_the_request_on_whichever_rank_runs_it(group: tuple[str
         assert tracked(engine, s.request_id)["phase"] == "finished"
     assert time.monotonic() - t0 < 10  # no rank waits on another's step: nothing deadlocks
     assert not in_flight_ids(engine) & set(ids)
+    # At each engine core itself: vLLM's counters, which the leader reports per data parallel rank.
+    for core in ["0", "1"] if shape == "dp2" else ["0"]:
+        metric_reaches(engine, "vllm:num_requests_running", 0, timeout=5, engine=core)
     assert complete(engine, PROMPT, 4).status_code == 200  # and the engine serves on
 
 

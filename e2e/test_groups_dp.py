@@ -1,0 +1,202 @@
+"""A data parallel engine across two pods on real vLLM, on kind (issue 34): one engine of data parallel 2, a
+LeaderWorkerSet group of two pods on the two nodes of the GPU pool, one engine core in each; the leader's API
+server balances over both (vLLM's DP coordinator), and vLLM's `X-data-parallel-rank` header pins a request to a
+rank. Each guarantee is checked at both ranks, by vLLM's own counters, which the leader reports per rank
+(`engine="0"`, `engine="1"`): both serve transformers' tokens; abort by id ends requests on both ranks at once
+(abort under data parallel must not deadlock); a client that leaves frees its rank; pause keep holds both ranks
+and loses no token; a weight push loads on both.
+
+On kind only (the fixture `lws_on_kind`), like e2e/test_groups.py (tensor parallel across pods).
+docs/engine.md, "Engines across pods".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from tests.engine.calls import GREEDY_PROMPTS
+from tests.engine.test_engine_live import _reference_greedy
+
+from e2e.fleet_helpers import (
+    ENGINE_START_S,
+    SIDECAR_MODELS,
+    Fleet,
+    Stream,
+    deploy_operator,
+    fleet_manifest,
+    greedy,
+    sync_sidecar_pod,
+)
+from e2e.live_fleet import INITIAL_VERSION
+from e2e.provider import Cluster, wait_for
+from rollfleet.contract import (
+    ANNOTATION_PAUSE,
+    ENGINE_PORT,
+    GATEWAY_PORT,
+    LWS_LABEL_NAME,
+    REQUEST_ID_HEADER,
+    SYNC_API_PORT,
+    engine_group_leader,
+    engine_pod_name,
+)
+from rollfleet_client.sync import SyncClient
+from rollfleet_client.sync_protocol import PushState
+from rollfleet_dev.engine_metrics import engine_metric
+from rollfleet_engine.protocol import ABORT_PATH, REQUESTS_PATH, STATE_PATH
+from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+
+pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+NS = "rf-e2e-groups-dp"
+NAME = "dp"
+GROUP = engine_pod_name(NAME, 0)
+LEADER = engine_group_leader(GROUP)
+RANKS = ("0", "1")
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the data parallel rank that serves this request
+RUNNING = "vllm:num_requests_running"
+GREEDY_TOKENS = 8
+A, B = INITIAL_VERSION, "b-1"
+
+
+def pin(rank: str) -> dict[str, str]:
+    return {DP_RANK_HEADER: rank}
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster: Cluster, lws_on_kind: None) -> Iterator[Fleet]:
+    cluster.kubectl("create", "namespace", NS, check=False)
+    deploy_operator(cluster, [NS])
+    manifest = fleet_manifest(NAME, NS, replicas=1, weightSync={"initialVersion": A})
+    manifest["spec"]["engine"] |= {"dataParallelSize": 2, "podsPerEngine": 2, "gpusPerEngine": 1}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    fleet = Fleet(cluster, NAME, NS)
+    try:
+        fleet.wait_ready(1, timeout=ENGINE_START_S)
+        yield fleet
+    finally:
+        cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
+
+
+@pytest.fixture(scope="module")
+def engine(cluster: Cluster, fleet: Fleet) -> Iterator[str]:
+    """The engine's own port: its leader's, which serves both ranks."""
+    with cluster.reach(NS, LEADER, ENGINE_PORT) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Cluster, fleet: Fleet) -> Iterator[str]:
+    [pod] = [p["metadata"]["name"] for p in fleet.pods("gateway") if not p["metadata"].get("deletionTimestamp")][:1]
+    with cluster.reach(NS, pod, GATEWAY_PORT) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[list[int]]]:
+    root = str(ensure_tiny_model())
+    return {
+        v: _reference_greedy(d, GREEDY_PROMPTS, GREEDY_TOKENS) for v, d in ((A, root), (B, f"{root}/{WEIGHTS_B_DIR}"))
+    }
+
+
+def running_at(engine: str, rank: str) -> float:
+    return engine_metric(engine, RUNNING, engine=rank)
+
+
+def tracked(engine: str, request_id: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{engine}{REQUESTS_PATH}/{request_id}", timeout=30).raise_for_status().json())
+
+
+def test_both_ranks_serve_transformers_tokens_behind_one_engine(
+    cluster: Cluster, fleet: Fleet, engine: str, gateway: str, references: dict[str, list[list[int]]]
+) -> None:
+    assert [e["name"] for e in fleet.status()["engines"]] == [LEADER]  # one engine, named by its leader
+    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={GROUP}", "-o", "json").stdout
+    pods = [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2, "one pod per GPU-pool node"
+    for rank in RANKS:
+        assert greedy(engine, fleet.inference() | pin(rank), GREEDY_PROMPTS, GREEDY_TOKENS) == references[A], rank
+    assert greedy(gateway, fleet.inference(), GREEDY_PROMPTS, GREEDY_TOKENS) == references[A]
+
+
+def test_abort_by_id_ends_requests_on_both_ranks_without_deadlock(fleet: Fleet, engine: str) -> None:
+    streams = {
+        rank: Stream(engine, max_tokens=2000, request_id=f"dp-abort-{rank}", auth=fleet.inference() | pin(rank)).start()
+        for rank in RANKS
+    }
+    wait_for(lambda: all(s.tokens() >= 3 for s in streams.values()), timeout=120, what="both ranks decoding")
+    assert all(running_at(engine, rank) == 1 for rank in RANKS)
+    ids = [s.request_id for s in streams.values()]
+    t0 = time.monotonic()
+    r = httpx.post(
+        engine + ABORT_PATH,
+        json={"request_ids": ids},
+        headers={"Authorization": f"Bearer {fleet.admin_token()}"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["results"] == dict.fromkeys(ids, "aborted"), r.text
+    wait_for(lambda: all(running_at(engine, rank) == 0 for rank in RANKS), 10, interval=0.05, what="both ranks idle")
+    print(f"\ndata parallel abort of one request per rank: both ranks idle {time.monotonic() - t0:.2f}s after the call")
+    for s in streams.values():
+        s.wait(timeout=60)
+        assert s.finish == {0: "abort"} and s.tokens() < 2000
+        assert tracked(engine, str(s.request_id))["phase"] == "finished"
+
+
+def test_a_client_that_leaves_frees_its_rank(fleet: Fleet, engine: str, gateway: str) -> None:
+    rid = f"dp-gone-{uuid.uuid4().hex[:6]}"
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    received = 0
+    headers = {REQUEST_ID_HEADER: rid} | fleet.inference()
+    with httpx.stream("POST", gateway + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        for piece in r.iter_text():
+            received += piece.count('"token_ids":[') - piece.count('"token_ids":[]')
+            if received >= 20:
+                break
+    # Whichever rank the leader gave it to, nothing runs on either once the client is gone.
+    wait_for(lambda: all(running_at(engine, rank) == 0 for rank in RANKS), 30, interval=0.05, what="both ranks idle")
+    ended = tracked(engine, rid)
+    assert ended["phase"] == "finished" and ended["finish_reason"] == "abort", ended
+
+
+def test_pause_keep_holds_both_ranks_and_loses_no_token(cluster: Cluster, fleet: Fleet, engine: str) -> None:
+    tokens = 60
+    streams = [Stream(engine, max_tokens=tokens, auth=fleet.inference() | pin(rank)).start() for rank in RANKS]
+    wait_for(lambda: all(s.tokens() >= 3 for s in streams), timeout=120, what="both ranks decoding")
+    cluster.kubectl("-n", NS, "annotate", "rf", NAME, f"{ANNOTATION_PAUSE}=keep", "--overwrite")
+    fleet.wait(lambda st: (st.get("pause") or {}).get("pausedEngines") == 1, "the engine paused", timeout=60)
+    paused_at = time.monotonic()
+    with httpx.Client(timeout=30) as client:
+        assert client.get(engine + STATE_PATH).json()["paused"] is True
+    time.sleep(1.5)  # the observation window: no token may arrive in it, from either rank
+    resumed_at = time.monotonic()
+    cluster.kubectl("-n", NS, "annotate", "rf", NAME, f"{ANNOTATION_PAUSE}-")
+    for s in streams:
+        s.wait(timeout=300)
+        assert [t for t, _ in s.chunks if paused_at + 0.3 < t < resumed_at] == []
+        assert s.finish == {0: "length"} and s.completion_tokens == tokens
+    fleet.wait(lambda st: not st.get("pause"), "resumed", timeout=60)
+
+
+def test_a_push_loads_on_both_ranks(
+    cluster: Cluster, fleet: Fleet, engine: str, references: dict[str, list[list[int]]]
+) -> None:
+    trainer = "trainer"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(NAME, NS, trainer)))
+    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{trainer}", "--timeout=120s", timeout=130)
+    with cluster.reach(NS, trainer, SYNC_API_PORT) as url, SyncClient(url) as sync:
+        wait_for(lambda: sync.fleet_version().version == A, timeout=60, what=f"the sidecar sees version {A}")
+        status = sync.push_dir(f"{SIDECAR_MODELS}/{WEIGHTS_B_DIR}", B)
+    assert status.state is PushState.DONE, status
+    fleet.wait(
+        lambda st: st.get("weightVersion") == B and [e.get("weightVersion") for e in st.get("engines", [])] == [B],
+        f"status shows {B} on the engine",
+        timeout=120,
+    )
+    for rank in RANKS:  # a rank on the old weights would give set A's tokens
+        assert greedy(engine, fleet.inference() | pin(rank), GREEDY_PROMPTS, GREEDY_TOKENS) == references[B], rank
