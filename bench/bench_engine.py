@@ -1,7 +1,7 @@
-"""Engine benchmark: portable weight-update throughput vs raw loopback TCP; pause/resume latency.
+"""Engine benchmark: portable weight-update throughput vs raw loopback TCP; pause/resume latency; abort to idle.
 
 Not a test: prints a table and the ratios. Everything is measured in the same run, so
-the ratios hold on whatever machine runs it. Three parts:
+the ratios hold on whatever machine runs it. Four parts:
 
 1. raw loopback TCP: one socket, sender thread -> ``recv_into`` a preallocated buffer;
 2. portable pull: ``WeightsServer`` -> ``fetch_weights`` (manifest, safetensors stream,
@@ -10,12 +10,17 @@ the ratios hold on whatever machine runs it. Three parts:
    ``/update_weights`` + ``/finish_weight_update``, and ``/pause?mode=keep`` /
    ``/resume`` latency with streams decoding.
 
-Usage: python -m bench.bench_engine [--mib 256] [--repeats 5] [--no-engine]
+4. abort by id to idle (vLLM's running count 0), one engine core against data parallel 2 over two
+   processes run as a group's pods are (the launcher's group flags): one request per rank, one call.
+
+Usage: python -m bench.bench_engine [--mib 256] [--repeats 5] [--no-engine] [--no-group] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import socket
 import statistics
 import subprocess
@@ -32,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.processes import stop
+from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from rollfleet_engine.weights_client import fetch_weights
 from rollfleet_engine.weights_server import WeightsServer
@@ -84,36 +90,52 @@ def synthetic_state_dict(nbytes: int, tensor_mib: int = 4) -> dict[str, torch.Te
     return {f"model.layers.{i}.weight": torch.randn(per) for i in range(max(1, nbytes // (tensor_mib * MIB)))}
 
 
+def engine_command(host: str, port: int, token: Path, *vllm_args: str) -> list[str]:
+    """The launcher's command for an engine of the tiny model on CPU (what a fleet's engine pod runs)."""
+    cmd = [sys.executable, "-m", "rollfleet_engine", "serve", "--model", str(ensure_tiny_model())]
+    cmd += ["--served-model-name", "tiny", "--host", host, "--port", str(port), "--token-file", str(token)]
+    return [*cmd, "--", "--dtype", "float32", "--max-model-len", "2048", "--disable-uvicorn-access-log", *vllm_args]
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/rollfleet/v1/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"engine did not start; log in {log}")
+
+
 @contextmanager
-def engine_process() -> Iterator[str]:
-    model = ensure_tiny_model()
-    with tempfile.TemporaryDirectory() as tmp:
+def engine_process(*vllm_args: str, group_pods: int = 1) -> Iterator[str]:
+    """An engine (its URL), of one process or of `group_pods` processes as the pods of a group: the leader
+    serves, the other ranks run `serve --headless` with the flags the operator gives a group's pods."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         token = Path(tmp) / "token"
         token.write_text("bench-token\n")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        log = (Path(tmp) / "engine.log").open("wb")
-        cmd = [sys.executable, "-m", "rollfleet_engine", "serve", "--model", str(model)]
-        cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token)]
-        cmd += ["--", "--dtype", "float32", "--max-model-len", "2048", "--disable-uvicorn-access-log"]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        base = engine_command("127.0.0.1", port, token, *vllm_args)
+        split = base.index("--")
+        procs = []
+        for rank in reversed(range(group_pods)):  # the other ranks first, as LWS may start them
+            ours = base[:split]
+            if group_pods > 1:
+                ours += ["--group-leader", "127.0.0.1", "--group-pods", str(group_pods), "--pod-rank", str(rank)]
+            if rank:  # a headless rank serves no routes: no token
+                at = ours.index("--token-file")
+                ours = [*ours[:at], *ours[at + 2 :], "--headless"]
+            log = stack.enter_context((Path(tmp) / f"engine-{rank}.log").open("wb"))
+            cmd = ours + base[split:]
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            stack.callback(stop, procs[-1])
         url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    if httpx.get(url + "/rollfleet/v1/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-            else:
-                raise RuntimeError(f"engine did not start; log in {log.name}")
-            yield url
-        finally:
-            stop(proc)
-            log.close()
+        wait_ready(url, procs[-1], Path(tmp) / "engine-0.log")
+        yield url
 
 
 def stream_forever(url: str, stop: threading.Event) -> None:
@@ -123,6 +145,52 @@ def stream_forever(url: str, stop: threading.Event) -> None:
             for _ in r.iter_lines():
                 if stop.is_set():
                     break
+
+
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the data parallel rank that serves a request
+AUTH = {"Authorization": "Bearer bench-token"}
+
+
+def abort_idle_s(url: str, ranks: int, repeats: int) -> float:
+    """Median seconds from an abort-by-id call to every rank idle (vLLM's running count, which a data parallel
+    engine's leader reports per rank), with one long request decoding on each rank."""
+    runs = []
+    for i in range(repeats):
+        ids = [f"bench-abort-{i}-{rank}" for rank in range(ranks)]
+        threads = [
+            threading.Thread(
+                target=lambda rid=rid, rank=rank: httpx.post(
+                    url + "/v1/completions",
+                    json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True},
+                    headers=AUTH | {"X-Request-Id": rid, DP_RANK_HEADER: str(rank)},
+                    timeout=300,
+                ),
+                daemon=True,
+            )
+            for rank, rid in enumerate(ids)
+        ]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(running(url, rank) == 1 for rank in range(ranks)), "every rank decoding")
+        start = time.perf_counter()
+        httpx.post(url + "/rollfleet/v1/abort", json={"request_ids": ids}, headers=AUTH, timeout=60).raise_for_status()
+        wait_until(lambda: all(running(url, rank) == 0 for rank in range(ranks)), "every rank idle")
+        runs.append(time.perf_counter() - start)
+        for t in threads:
+            t.join(60)
+    return statistics.median(runs)
+
+
+def running(url: str, rank: int) -> float:
+    return engine_metric(url, "vllm:num_requests_running", engine=str(rank))
+
+
+def wait_until(done: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} after {timeout_s:g} s")
+        time.sleep(0.01)  # polling the engine's counters: the measure's resolution
 
 
 def engine_numbers(url: str, repeats: int) -> dict[str, float]:
@@ -173,7 +241,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=256, help="bytes moved by the throughput runs")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-engine", action="store_true", help="skip the part that needs a vLLM engine")
+    parser.add_argument("--no-engine", action="store_true", help="skip the parts that need vLLM engines")
+    parser.add_argument("--no-group", action="store_true", help="skip the data parallel engine of two processes")
+    parser.add_argument("--json", type=Path, help="also write the figures here, with stable names")
     args = parser.parse_args()
     nbytes = args.mib * MIB
 
@@ -183,6 +253,11 @@ def main() -> None:
         save_file(synthetic_state_dict(nbytes), str(Path(weights_dir) / "model.safetensors"))
         pull_s = best_of(args.repeats, lambda: portable_pull_seconds(Path(weights_dir)))
     tcp_mbs, pull_mbs = args.mib / tcp_s, args.mib / pull_s
+    figures: dict[str, float] = {
+        "raw_tcp_mib_s": tcp_mbs,
+        "portable_pull_mib_s": pull_mbs,
+        "portable_pull_ratio": pull_mbs / tcp_mbs,
+    }
 
     rows = [
         ("raw loopback TCP", f"{tcp_mbs:,.0f} MiB/s", f"{args.mib} MiB, median of {args.repeats}"),
@@ -191,6 +266,7 @@ def main() -> None:
     if not args.no_engine:
         with engine_process() as url:
             e = engine_numbers(url, args.repeats)
+            figures |= e | {"abort_idle_s": abort_idle_s(url, 1, args.repeats)}
         rows += [
             (
                 "engine weight update (tiny B)",
@@ -199,12 +275,33 @@ def main() -> None:
             ),
             ("pause (keep), 4 streams", f"{e['pause_ms']:,.1f} ms", "POST /pause?mode=keep round trip"),
             ("resume", f"{e['resume_ms']:,.1f} ms", "POST /resume round trip"),
+            (
+                "abort by id to idle",
+                f"{figures['abort_idle_s'] * 1e3:,.0f} ms",
+                f"one request decoding, vLLM's running count 0, median of {args.repeats}",
+            ),
         ]
+    if not args.no_engine and not args.no_group:
+        # Data parallel 2 over two processes, as over the two pods of a group (the launcher's group flags).
+        with engine_process("--data-parallel-size", "2", group_pods=2) as url:
+            figures["dp2_abort_idle_s"] = abort_idle_s(url, 2, args.repeats)
+        figures["dp2_abort_idle_ratio"] = figures["dp2_abort_idle_s"] / figures["abort_idle_s"]
+        rows.append(
+            (
+                "abort by id to idle, DP 2 over 2 pods",
+                f"{figures['dp2_abort_idle_s'] * 1e3:,.0f} ms",
+                f"one request per rank, one call, both ranks' running counts 0, median of {args.repeats}",
+            )
+        )
     width = max(len(r[0]) for r in rows)
     print(f"{'measure':<{width}}  {'value':>14}  notes")
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>14}  {note}")
     print(f"\nratio portable pull / raw TCP: {pull_mbs / tcp_mbs:.2f}")
+    if "dp2_abort_idle_ratio" in figures:
+        print(f"ratio DP 2 abort-to-idle / one engine core's: {figures['dp2_abort_idle_ratio']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

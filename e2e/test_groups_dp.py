@@ -4,7 +4,8 @@ server balances over both (vLLM's DP coordinator), and vLLM's `X-data-parallel-r
 rank. Each guarantee is checked at both ranks, by vLLM's own counters, which the leader reports per rank
 (`engine="0"`, `engine="1"`): both serve transformers' tokens; abort by id ends requests on both ranks at once
 (abort under data parallel must not deadlock); a client that leaves frees its rank; pause keep holds both ranks
-and loses no token; a weight push loads on both.
+and loses no token; a weight push loads on both; a rolling update drains the group and replaces it whole, the
+new group on the fleet's weights.
 
 On kind only (the fixture `lws_on_kind`), like e2e/test_groups.py (tensor parallel across pods).
 docs/engine.md, "Engines across pods".
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -54,6 +55,7 @@ from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
 NS = "rf-e2e-groups-dp"
 NAME = "dp"
+TRAINER = "trainer"  # the sync sidecar's pod
 GROUP = engine_pod_name(NAME, 0)
 LEADER = engine_group_leader(GROUP)
 RANKS = ("0", "1")
@@ -104,6 +106,11 @@ def references() -> dict[str, list[list[int]]]:
     }
 
 
+def group_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={GROUP}", "-o", "json").stdout
+    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
 def running_at(engine: str, rank: str) -> float:
     return engine_metric(engine, RUNNING, engine=rank)
 
@@ -116,8 +123,7 @@ def test_both_ranks_serve_transformers_tokens_behind_one_engine(
     cluster: Cluster, fleet: Fleet, engine: str, gateway: str, references: dict[str, list[list[int]]]
 ) -> None:
     assert [e["name"] for e in fleet.status()["engines"]] == [LEADER]  # one engine, named by its leader
-    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={GROUP}", "-o", "json").stdout
-    pods = [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+    pods = group_pods(cluster)
     assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2, "one pod per GPU-pool node"
     for rank in RANKS:
         assert greedy(engine, fleet.inference() | pin(rank), GREEDY_PROMPTS, GREEDY_TOKENS) == references[A], rank
@@ -183,20 +189,60 @@ def test_pause_keep_holds_both_ranks_and_loses_no_token(cluster: Cluster, fleet:
     fleet.wait(lambda st: not st.get("pause"), "resumed", timeout=60)
 
 
+@pytest.fixture(scope="module")
+def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
+    """The fleet's sync sidecar, kept for the module: it brings a new group to the fleet's version."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(NAME, NS, TRAINER)))
+    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
+    with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
+        wait_for(lambda: client.fleet_version().version == A, timeout=60, what=f"the sidecar sees version {A}")
+        yield client
+
+
+def on_version(version: str) -> Callable[[dict[str, Any]], bool]:
+    def check(st: dict[str, Any]) -> bool:
+        engines = st.get("engines", [])
+        return st.get("weightVersion") == version and [(e["phase"], e.get("weightVersion")) for e in engines] == [
+            ("Ready", version)
+        ]
+
+    return check
+
+
 def test_a_push_loads_on_both_ranks(
-    cluster: Cluster, fleet: Fleet, engine: str, references: dict[str, list[list[int]]]
+    fleet: Fleet, engine: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
-    trainer = "trainer"
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(NAME, NS, trainer)))
-    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{trainer}", "--timeout=120s", timeout=130)
-    with cluster.reach(NS, trainer, SYNC_API_PORT) as url, SyncClient(url) as sync:
-        wait_for(lambda: sync.fleet_version().version == A, timeout=60, what=f"the sidecar sees version {A}")
-        status = sync.push_dir(f"{SIDECAR_MODELS}/{WEIGHTS_B_DIR}", B)
+    status = sync.push_dir(f"{SIDECAR_MODELS}/{WEIGHTS_B_DIR}", B)
     assert status.state is PushState.DONE, status
-    fleet.wait(
-        lambda st: st.get("weightVersion") == B and [e.get("weightVersion") for e in st.get("engines", [])] == [B],
-        f"status shows {B} on the engine",
-        timeout=120,
-    )
+    fleet.wait(on_version(B), f"status shows {B} on the engine", timeout=120)
     for rank in RANKS:  # a rank on the old weights would give set A's tokens
         assert greedy(engine, fleet.inference() | pin(rank), GREEDY_PROMPTS, GREEDY_TOKENS) == references[B], rank
+
+
+def test_a_rolling_update_drains_the_group_and_replaces_it_whole(
+    cluster: Cluster, fleet: Fleet, gateway: str, sync: SyncClient, references: dict[str, list[list[int]]]
+) -> None:
+    fleet.wait(on_version(B), f"the engine on {B}", timeout=120)
+    old = {p["metadata"]["uid"] for p in group_pods(cluster)}
+    tokens = 400
+    stream = Stream(gateway, max_tokens=tokens, request_id="dp-roll", auth=fleet.inference()).start()
+    wait_for(lambda: stream.tokens() >= 3, timeout=120, what="the request decoding")
+    patch = {"spec": {"engine": {"env": [{"name": "ROLLED", "value": "1"}]}}}
+    cluster.kubectl("-n", NS, "patch", "rf", NAME, "--type=merge", "-p", json.dumps(patch))
+
+    phases: set[str] = set()
+
+    def rolled(st: dict[str, Any]) -> bool:
+        phases.update(e["phase"] for e in st.get("engines", []))
+        pods = group_pods(cluster)
+        fresh = len(pods) == 2 and not {p["metadata"]["uid"] for p in pods} & old
+        return fresh and st.get("updatedReplicas") == 1 and on_version(B)(st)
+
+    fleet.wait(rolled, f"a new group, Ready on {B}", timeout=ENGINE_START_S)
+    assert "Draining" in phases, phases  # the old group finished its request before it went
+    assert phases & {"Starting", "PendingSync"}, phases  # the new one served only once on the fleet's version
+    stream.wait(timeout=300)
+    assert stream.finish == {0: "length"} and stream.completion_tokens == tokens
+    with cluster.reach(NS, LEADER, ENGINE_PORT) as url:
+        for rank in RANKS:  # both ranks of the new group on the fleet's weights
+            assert greedy(url, fleet.inference() | pin(rank), GREEDY_PROMPTS, GREEDY_TOKENS) == references[B], rank
