@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import kubernetes
 import pytest
 
 from e2e.fleet_helpers import (
@@ -33,7 +34,14 @@ from e2e.fleet_helpers import (
     sim_engine,
 )
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import ANNOTATION_CRASHES, ENGINE_PORT, REQUESTS_PATH, STATE_PATH, engine_pod_name
+from rollfleet.contract import (
+    ANNOTATION_CRASHES,
+    ENGINE_PORT,
+    REQUESTS_PATH,
+    STATE_PATH,
+    disruption_budget_name,
+    engine_pod_name,
+)
 from rollfleet.controller.status import CRASH_BACKOFF_START_S, ENGINES_PAUSED_ALONE, parse_time
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION, TINY_MODEL_CONTEXT
@@ -530,6 +538,39 @@ def test_deleted_engine_pod_is_replaced_and_degraded_meanwhile(cluster: Cluster,
     assert fleet.condition("Degraded")["status"] == "False"
 
 
+def _evict(core: kubernetes.client.CoreV1Api, pod: str) -> None:
+    """What `kubectl drain` does to each pod: the Eviction API, which keeps PodDisruptionBudgets."""
+    body = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod, namespace=NS))
+    core.create_namespaced_pod_eviction(pod, NS, body)
+
+
+def test_evictions_take_one_engine_at_a_time_and_the_evicted_one_is_replaced(
+    cluster: Cluster, fleet: Fleet, core: kubernetes.client.CoreV1Api
+) -> None:
+    """The fleet's PodDisruptionBudget, from its update strategy (maxUnavailable 1), kept by the API server."""
+
+    def counted() -> dict[str, Any] | None:
+        out = cluster.kubectl("-n", NS, "get", "pdb", disruption_budget_name(NAME), "-o", "json").stdout
+        pdb = json.loads(out)
+        st = pdb.get("status") or {}
+        return pdb if st.get("currentHealthy") == REPLICAS and st.get("disruptionsAllowed") == 1 else None
+
+    pdb = wait_for(counted, 60, what="the disruption controller to count every engine healthy")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    first, second = (_pod(fleet, engine_pod_name(NAME, i)) for i in range(REPLICAS))
+    _evict(core, first["metadata"]["name"])
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        _evict(core, second["metadata"]["name"])
+    assert refused.value.status == 429 and "disruption budget" in str(refused.value.body), refused.value.body
+    wait_for(
+        lambda: _replaced(fleet, first["metadata"]["name"], first["metadata"]["uid"]),
+        timeout=120,
+        what="the evicted engine replaced",
+    )
+    fleet.wait_ready(REPLICAS)
+    assert _pod(fleet, second["metadata"]["name"])["metadata"]["uid"] == second["metadata"]["uid"]
+
+
 def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluster, fleet: Fleet) -> None:
     [before] = operator_pods(cluster)
     cluster.kubectl("-n", NS, "scale", "rf", NAME, "--replicas=3")
@@ -559,7 +600,7 @@ def test_deleting_the_fleet_removes_everything_it_created(cluster: Cluster, shar
     shared.acquire()
     cluster.kubectl("-n", NS, "delete", "rf", NAME, "--wait=true", "--timeout=120s", timeout=150)
     selector = f"rollfleet.dev/fleet={NAME}"
-    kinds = "pods,deployments,replicasets,services,secrets,serviceaccounts,roles,rolebindings,networkpolicies"
+    kinds = "pods,deployments,replicasets,services,secrets,serviceaccounts,roles,rolebindings,networkpolicies,pdb"
 
     def gone() -> bool:
         out = cluster.kubectl("-n", NS, "get", kinds, "-l", selector, "-o", "name").stdout.strip()

@@ -263,6 +263,11 @@ def network_policy_name(fleet: str) -> str:
     return f"{fleet}-{COMPONENT_ENGINE}"
 
 
+def disruption_budget_name(fleet: str) -> str:
+    """The PodDisruptionBudget of a fleet's engine pods."""
+    return f"{fleet}-{COMPONENT_ENGINE}"
+
+
 def engine_url(ip: str, port: int = ENGINE_PORT) -> str:
     """Base URL of the engine at a pod IP."""
     return f"http://{ip}:{port}"

@@ -113,7 +113,7 @@ class Kind:
 
 _CORE, _APPS = kubernetes.client.CoreV1Api, kubernetes.client.AppsV1Api
 _RBAC, _NET = kubernetes.client.RbacAuthorizationV1Api, kubernetes.client.NetworkingV1Api
-_BATCH = kubernetes.client.BatchV1Api
+_BATCH, _POLICY = kubernetes.client.BatchV1Api, kubernetes.client.PolicyV1Api
 POD = Kind("Pod", "pod", "pods", _CORE)
 NODE = Kind("Node", "node", "nodes", _CORE, namespaced=False)
 SECRET = Kind("Secret", "secret", "secrets", _CORE)
@@ -127,6 +127,7 @@ JOB = Kind("Job", "job", "jobs", _BATCH)
 ROLE = Kind("Role", "role", "roles", _RBAC)
 ROLE_BINDING = Kind("RoleBinding", "role_binding", "rolebindings", _RBAC)
 NETWORK_POLICY = Kind("NetworkPolicy", "network_policy", "networkpolicies", _NET)
+POD_DISRUPTION_BUDGET = Kind("PodDisruptionBudget", "pod_disruption_budget", "poddisruptionbudgets", _POLICY)
 CRD = Kind(
     "CustomResourceDefinition",
     "custom_resource_definition",
@@ -154,6 +155,7 @@ _BY_KIND = {
         ROLE,
         ROLE_BINDING,
         NETWORK_POLICY,
+        POD_DISRUPTION_BUDGET,
         CRD,
         FLEET,
         REQUEST,

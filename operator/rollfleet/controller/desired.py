@@ -50,6 +50,7 @@ from rollfleet.contract import (
     TOKEN_MOUNT_DIR,
     EnginePhase,
     component_labels,
+    disruption_budget_name,
     engine_pod_name,
     engine_sa_name,
     gateway_name,
@@ -60,6 +61,7 @@ from rollfleet.contract import (
     trainer_name,
     weights_record_name,
 )
+from rollfleet.controller import plan
 from rollfleet.controller.owner import FleetRef
 
 Manifest = dict[str, Any]
@@ -570,6 +572,37 @@ def _pods(labels: dict[str, str]) -> Manifest:
     return {"podSelector": {"matchLabels": labels}}
 
 
+def _engine_pods(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
+    """Every pod of the fleet's engines: the engine pods, and the other ranks' pods of multi-pod engines."""
+    if spec.engine.pods_per_engine == 1:
+        return _pods(component_labels(ref.name, COMPONENT_ENGINE))
+    return {
+        "podSelector": {
+            "matchLabels": {LABEL_NAME: APP_NAME, LABEL_FLEET: ref.name},
+            "matchExpressions": [
+                {"key": LABEL_COMPONENT, "operator": "In", "values": [COMPONENT_ENGINE, COMPONENT_ENGINE_RANK]}
+            ],
+        }
+    }
+
+
+def engine_disruption_budget(ref: FleetRef, spec: RolloutFleetSpec) -> Manifest:
+    """Voluntary disruptions (`kubectl drain`, a cluster autoscaler's evictions) take the fleet's engines down at most
+    `plan.disruption_budget` at a time, as a rolling update would. Every pod of a multi-pod engine counts: evicting
+    any restarts its whole group, whose pods are then all unavailable until it is back. Pods that are not Ready may
+    always be evicted (`AlwaysAllow`): such an engine serves nothing, and must not hold up a node's drain."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(ref, disruption_budget_name(ref.name), COMPONENT_ENGINE),
+        "spec": {
+            "selector": _engine_pods(ref, spec)["podSelector"],
+            "maxUnavailable": plan.disruption_budget(spec.update_strategy, spec.replicas),
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namespace: str | None) -> Manifest:
     """Ingress to the engine pods: the engine port from the gateway, the operator, the trainers and (http
     weight sync) the other engines, nothing else.
@@ -600,18 +633,10 @@ def engine_network_policy(ref: FleetRef, spec: RolloutFleetSpec, operator_namesp
     ingress: list[Manifest] = [{"from": sources, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}]
     if spec.weight_sync.backend in COLLECTIVE_BACKENDS:
         ingress.append({"from": [trainers, engines]})
-    selected = engines
+    selected = _engine_pods(ref, spec)
     if spec.engine.pods_per_engine > 1:
         # A multi-pod engine's ranks (its leader and the headless pods) rendezvous on the leader and then talk on
         # ports vLLM and torch.distributed pick at run time: the fleet's engine pods reach each other on any.
-        selected = {
-            "podSelector": {
-                "matchLabels": {LABEL_NAME: APP_NAME, LABEL_FLEET: ref.name},
-                "matchExpressions": [
-                    {"key": LABEL_COMPONENT, "operator": "In", "values": [COMPONENT_ENGINE, COMPONENT_ENGINE_RANK]}
-                ],
-            }
-        }
         ingress.append({"from": [selected]})
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -635,6 +660,7 @@ def owned_objects(ref: FleetRef, spec: RolloutFleetSpec, operator_namespace: str
             trainer_role(ref),
             trainer_role_binding(ref, spec),
         ]
+    objects.append(engine_disruption_budget(ref, spec))
     if spec.network_policy.enabled:
         objects.append(engine_network_policy(ref, spec, operator_namespace))
     if spec.gateway.enabled:

@@ -66,6 +66,13 @@ def rollout_budget(strategy: UpdateStrategy, replicas: int) -> tuple[int, int]:
     return (1 if surge == 0 and unavailable == 0 else unavailable), surge
 
 
+def disruption_budget(strategy: UpdateStrategy, replicas: int) -> int:
+    """Engines that voluntary disruptions (a node drain's evictions) may take down at once: as many as a rolling
+    update, and at least 1. A disruption cannot surge, and a budget of 0 would block every drain of a node that
+    runs an engine for good."""
+    return max(1, rollout_budget(strategy, replicas)[0])
+
+
 def drain_finished(engine: Engine, drain_timeout: float, now: datetime) -> str | None:
     """Why a draining engine may be deleted now, or None to keep waiting."""
     obs = engine.obs

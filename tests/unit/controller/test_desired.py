@@ -282,6 +282,40 @@ def test_network_policy_can_be_switched_off_and_is_then_deleted() -> None:
     assert desired.template_hash(off) == desired.template_hash(spec())
 
 
+@pytest.mark.parametrize(
+    ("replicas", "strategy", "budget"),
+    [
+        (2, {}, 1),  # the default: one engine at a time, as a rolling update
+        (8, {"maxUnavailable": "25%"}, 2),
+        (3, {"maxUnavailable": "25%", "maxSurge": 1}, 1),  # 0 engines: at least 1, or no drain could progress
+        (4, {"maxUnavailable": 0, "maxSurge": 2}, 1),
+        (10, {"maxUnavailable": 3}, 3),
+    ],
+)
+def test_the_disruption_budget_takes_engines_as_an_update_does_and_at_least_one(
+    replicas: int, strategy: dict[str, Any], budget: int
+) -> None:
+    pdb = desired.engine_disruption_budget(REF, spec(replicas=replicas, updateStrategy=strategy))
+    assert pdb["apiVersion"] == "policy/v1" and pdb["metadata"]["name"] == "tiny-engine"
+    assert pdb["spec"] == {
+        "selector": {"matchLabels": ENGINES},
+        "maxUnavailable": budget,
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",  # an engine that is not Ready never holds up a drain
+    }
+    assert pdb in desired.owned_objects(REF, spec(replicas=replicas, updateStrategy=strategy), None)
+
+
+def test_the_disruption_budget_of_multi_pod_engines_counts_every_pod_of_their_groups() -> None:
+    shape = {"tensorParallelSize": 2, "podsPerEngine": 2, "gpusPerEngine": 1}
+    selector = desired.engine_disruption_budget(REF, spec(engine=shape))["spec"]["selector"]
+    assert selector == {
+        "matchLabels": {"app.kubernetes.io/name": "rollfleet", "rollfleet.dev/fleet": "tiny"},
+        "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": ["engine", "engine-rank"]}
+        ],
+    }
+
+
 def test_admin_secret_holds_the_token() -> None:
     secret = desired.admin_secret(REF, "s3cret")
     assert secret["metadata"]["name"] == "tiny-admin-token"
