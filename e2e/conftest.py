@@ -13,7 +13,7 @@ import kubernetes
 import pytest
 
 from e2e.fleet_helpers import sim_engine
-from e2e.live_fleet import LiveFleet, live_fleet
+from e2e.live_fleet import LiveFleet, live_fleet, release_live_engines
 from e2e.provider import Cluster
 
 
@@ -46,12 +46,14 @@ def sim_live(cluster: Cluster) -> Iterator[LiveFleet]:
 
 @pytest.fixture(scope="session")
 def lws_on_kind(cluster: Cluster) -> Iterator[None]:
-    """LeaderWorkerSet on kind, installed by the project's script, for the modules whose engines span pods; removed
-    at the session's end. The local cluster has no DNS, by which a group's ranks find their leader: kind only."""
+    """LeaderWorkerSet on kind, installed by the project's script, for the modules whose engines span pods (marker
+    `after_live`: the session's real fleet is scaled to no engine first); removed at the session's end. The local
+    cluster has no DNS, by which a group's ranks find their leader: kind only."""
     if cluster.provider == "local":
         pytest.skip("a group's ranks find their leader by LWS's DNS name; the local cluster has no DNS (kind only)")
     from rollfleet_dev import lws
 
+    release_live_engines(cluster)  # a group's workers and the live fleet's do not fit this machine's memory together
     lws.install_kind()
     yield
     lws.uninstall_kind()
@@ -63,12 +65,13 @@ def core(cluster: Cluster) -> kubernetes.client.CoreV1Api:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # A module that changes the shared real fleet for good runs after the fleet's other users; modules
+    # A module that changes the shared real fleet for good runs after the fleet's other users; modules that
+    # need its memory for big fleets of their own run after that (`release_live_engines`); modules
     # that make the shared operator cluster-wide (the README's walkthrough) run after every module that
     # scopes it to its namespaces; tests that stop the shared cluster run after everything else. The
     # sort is stable: file and parameter order hold within each group.
     def group(item: pytest.Item) -> int:
-        order = ("alters_live", "cluster_wide", "last")
+        order = ("alters_live", "after_live", "cluster_wide", "last")
         return max((i + 1 for i, mark in enumerate(order) if item.get_closest_marker(mark)), default=0)
 
     items.sort(key=group)

@@ -258,6 +258,19 @@ def live_fleet(cluster: Cluster, engine: dict[str, Any] | None = None) -> Iterat
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
+def release_live_engines(cluster: Cluster) -> None:
+    """Scale the session's real fleet (if it was made) to no engine, and wait for its engine pods to go: for the
+    modules that run big fleets of their own after its last user (marker `after_live`), on a machine whose memory
+    holds one of them at a time (a vLLM CPU worker holds about 1.6 GiB)."""
+    out = cluster.kubectl("get", "rf", "-A", "-o", "json").stdout
+    for item in json.loads(out)["items"]:
+        namespace = item["metadata"]["namespace"]
+        if item["metadata"]["name"] == NAME and namespace.startswith("live-e2e-"):
+            cluster.kubectl("-n", namespace, "patch", "rf", NAME, "--type=merge", "-p", '{"spec":{"replicas":0}}')
+            fleet = Fleet(cluster, NAME, namespace)
+            wait_for(lambda f=fleet: not f.pods(), ENGINE_START_S, what=f"{namespace}'s engines gone")
+
+
 @contextlib.contextmanager
 def host_path_claim(fleet: LiveFleet, directory: Path) -> Iterator[str]:
     """A PersistentVolumeClaim in the fleet's namespace, bound to a hostPath volume at `directory` (a directory of

@@ -59,7 +59,7 @@ from rollfleet_client.sync_protocol import PushState
 from rollfleet_engine.protocol import REQUESTS_PATH, STATE_PATH
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
-pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.after_live]
 NS = "rf-e2e-groups"
 NAME = "grpo-tiny"  # examples/grpo_tiny/fleet-2pod.yaml
 TRAINER = "trainer"

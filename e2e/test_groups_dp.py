@@ -52,7 +52,7 @@ from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import ABORT_PATH, REQUESTS_PATH, STATE_PATH
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
-pytestmark = [pytest.mark.cluster, pytest.mark.engine]
+pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.after_live]
 NS = "rf-e2e-groups-dp"
 NAME = "dp"
 TRAINER = "trainer"  # the sync sidecar's pod
