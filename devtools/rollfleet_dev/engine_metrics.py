@@ -11,7 +11,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def engine_metric(engine_url: str, name: str, timeout: float = 10, **labels: str) -> float:
+def engine_metric(engine_url: str, name: str, /, timeout: float = 10, **labels: str) -> float:
     """The sum of a sample (e.g. `vllm:generation_tokens_total`) over its labels, or over the samples with these
     labels (`engine="1"`: a data parallel engine's rank 1, whose counters its leader's API server reports). Raises
     LookupError when labels are given and no sample has them: a rank that reports nothing is not an idle one."""

@@ -120,8 +120,9 @@ def complete(
     )
 
 
-def metric_reaches(engine: Engine, name: str, value: float, timeout: float = 30, **labels: str) -> None:
-    """Wait until an engine's counter (summed over its labels, or these labels') is `value`."""
+def metric_reaches(engine: Engine, name: str, value: float, /, timeout: float = 30, **labels: str) -> None:
+    """Wait until an engine's counter (summed over its labels, or these labels') is `value`. Positional: vLLM's
+    label of a data parallel rank is `engine`."""
     deadline = time.monotonic() + timeout
     while (seen := engine_metric(engine.url, name, **labels)) != value:
         assert time.monotonic() < deadline, f"{name}{labels or ''} is {seen}, not {value}"
