@@ -7,6 +7,7 @@ between the local cluster (a local process) and kind (`kubectl exec`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from rollfleet.contract import (
     REQUEST_ID_HEADER,
     REQUESTS_PATH,
     STATE_PATH,
+    SYNC_API_PORT,
     SYNC_HEALTH_PORT,
     inference_secret_name,
     secret_name,
@@ -42,6 +45,7 @@ from rollfleet.contract import (
 from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet.kubectl import KubectlError
 from rollfleet_client.protocol import TRL_PREFIX
+from rollfleet_client.sync import SyncClient
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -585,3 +589,29 @@ def trl_client(gateway_url: str, token: str) -> Any:
     from trl.generation.vllm_client import VLLMClient
 
     return VLLMClient(base_url=gateway_url.replace("://", f"://trl:{token}@") + TRL_PREFIX, connection_timeout=60)
+
+
+@contextlib.contextmanager
+def sidecar_client(cluster: Cluster, fleet: Fleet, pod: str, version: str) -> Iterator[SyncClient]:
+    """A sync sidecar's pod for the fleet (`sync_sidecar_pod`), and a client of it once it sees the fleet on
+    `version`."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(fleet.name, fleet.namespace, pod)))
+    cluster.kubectl("-n", fleet.namespace, "wait", "--for=condition=Ready", f"pod/{pod}", "--timeout=120s", timeout=130)
+    with cluster.reach(fleet.namespace, pod, SYNC_API_PORT) as url, SyncClient(url) as client:
+        wait_for(lambda: client.fleet_version().version == version, timeout=60, what=f"the sidecar sees {version}")
+        yield client
+
+
+def all_engines_on(version: str, engines: int) -> Callable[[dict[str, Any]], bool]:
+    """A status check: the fleet's version is `version`, and so is each of its `engines` engines', all Ready (one
+    entry per engine, however many pods each has)."""
+
+    def check(st: dict[str, Any]) -> bool:
+        listed = st.get("engines", [])
+        return (
+            st.get("weightVersion") == version
+            and len(listed) == engines
+            and all(e["phase"] == "Ready" and e.get("weightVersion") == version for e in listed)
+        )
+
+    return check

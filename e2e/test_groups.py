@@ -17,7 +17,7 @@ import json
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -32,12 +32,13 @@ from e2e.fleet_helpers import (
     SIDECAR_MODELS,
     Fleet,
     Stream,
+    all_engines_on,
     deploy_operator,
     greedy,
     nothing_running,
     run_grpo_example,
+    sidecar_client,
     signal_container,
-    sync_sidecar_pod,
     trl_client,
 )
 from e2e.live_fleet import INITIAL_VERSION, create, results, wait_phase
@@ -49,7 +50,6 @@ from rollfleet.contract import (
     GATEWAY_PORT,
     LABEL_COMPONENT,
     LWS_LABEL_NAME,
-    SYNC_API_PORT,
     engine_group_leader,
     engine_pod_name,
 )
@@ -176,23 +176,13 @@ def test_pause_keep_holds_every_group_and_loses_no_token(cluster: Cluster, fleet
 
 @pytest.fixture(scope="module")
 def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(NAME, NS, TRAINER)))
-    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
-    with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
-        wait_for(lambda: client.fleet_version().version == A, timeout=60, what=f"the sidecar sees version {A}")
+    """The fleet's sync sidecar, kept for the module: it brings a new group to the fleet's version."""
+    with sidecar_client(cluster, fleet, TRAINER, A) as client:
         yield client
 
 
-def on_version(version: str) -> Any:
-    def check(st: dict[str, Any]) -> bool:
-        engines = st.get("engines", [])
-        return (
-            st.get("weightVersion") == version
-            and len(engines) == 2  # one per engine, not one per pod
-            and all(e["phase"] == "Ready" and e.get("weightVersion") == version for e in engines)
-        )
-
-    return check
+def on_version(version: str) -> Callable[[dict[str, Any]], bool]:
+    return all_engines_on(version, 2)
 
 
 def test_a_push_loads_on_every_rank_and_the_version_is_one_per_engine(

@@ -29,10 +29,11 @@ from e2e.fleet_helpers import (
     SIDECAR_MODELS,
     Fleet,
     Stream,
+    all_engines_on,
     deploy_operator,
     fleet_manifest,
     greedy,
-    sync_sidecar_pod,
+    sidecar_client,
 )
 from e2e.live_fleet import INITIAL_VERSION
 from e2e.provider import Cluster, wait_for
@@ -42,7 +43,6 @@ from rollfleet.contract import (
     GATEWAY_PORT,
     LWS_LABEL_NAME,
     REQUEST_ID_HEADER,
-    SYNC_API_PORT,
     engine_group_leader,
     engine_pod_name,
 )
@@ -192,21 +192,12 @@ def test_pause_keep_holds_both_ranks_and_loses_no_token(cluster: Cluster, fleet:
 @pytest.fixture(scope="module")
 def sync(cluster: Cluster, fleet: Fleet) -> Iterator[SyncClient]:
     """The fleet's sync sidecar, kept for the module: it brings a new group to the fleet's version."""
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(NAME, NS, TRAINER)))
-    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
-    with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as client:
-        wait_for(lambda: client.fleet_version().version == A, timeout=60, what=f"the sidecar sees version {A}")
+    with sidecar_client(cluster, fleet, TRAINER, A) as client:
         yield client
 
 
 def on_version(version: str) -> Callable[[dict[str, Any]], bool]:
-    def check(st: dict[str, Any]) -> bool:
-        engines = st.get("engines", [])
-        return st.get("weightVersion") == version and [(e["phase"], e.get("weightVersion")) for e in engines] == [
-            ("Ready", version)
-        ]
-
-    return check
+    return all_engines_on(version, 1)
 
 
 def test_a_push_loads_on_both_ranks(
