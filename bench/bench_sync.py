@@ -21,9 +21,13 @@ Not a test: prints a table and the ratios, all measured in the same run. Parts:
    network (``netsim``: a namespace per node, 1 Gbit/s links shaped with tc), with the
    engines' relay chain and, as the baseline, the star (``--no-relay``: the sidecar sends
    every engine its own copy). Needs root; skipped (and its figures null) without.
+5. shard-aware pull (same network): a 128 MiB Llama-shaped checkpoint to one engine whose tensor
+   parallel ranks span 2 pods (2 stand-ins on 2 nodes, each pulling only its cut of every tensor in
+   the pause, as a group's ranks do: ``tp_slices``), against the same push to a 1-pod engine (one
+   stand-in, prefetch then load). Bytes are counted on the nodes' links. Needs root, as part 4.
 
 Usage: python -m bench.bench_sync [--gib 1.0] [--repeats 3] [--no-engine] [--no-fanout | --only-fanout]
-                                  [--fanout-mib 128] [--json PATH]
+                                  [--fanout-mib 128] [--no-shards | --only-shards] [--json PATH]
        python -m bench.bench_sync --receiver HOST:PORT   (one stand-in receiver; used by parts 3 and 4)
 """
 
@@ -42,11 +46,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from safetensors.torch import save_file
 
 from bench import netsim
@@ -268,19 +273,25 @@ def prefetch_against_pull(
 FANOUT_COUNTS = (1, 2, 4, 8)
 
 
+def network_checkpoints(part: str, tmp: Path, state_dict: Callable[[], dict[str, torch.Tensor]]) -> list[Path] | None:
+    """Two checkpoints (pushed in turns) for a part on the simulated network; None, said why, where it cannot run."""
+    why = netsim.unavailable()
+    if why is not None:
+        print(f"{part} part skipped: {why}", file=sys.stderr)
+        return None
+    ckpts = [tmp / f"ckpt-{i}" for i in range(2)]
+    for ckpt in ckpts:
+        ckpt.mkdir(parents=True)
+        save_file(state_dict(), str(ckpt / "model.safetensors"))
+    return ckpts
+
+
 def fanout_part(mib: int, repeats: int, tmp: Path) -> tuple[list[Row], dict[str, float]]:
     """Push time to 1, 2, 4 and 8 stand-ins on a simulated network (``netsim``: 1 Gbit/s links), with the
     relay chain and with the star (``--no-relay``), each measured in this run."""
-    why = netsim.unavailable()
-    if why is not None:
-        print(f"fan-out part skipped: {why}", file=sys.stderr)
+    ckpts = network_checkpoints("fan-out", tmp, lambda: synthetic_state_dict(mib * MIB))
+    if ckpts is None:
         return [], {}
-    tmp.mkdir(parents=True, exist_ok=True)
-    ckpts = []
-    for i in range(2):
-        ckpts.append(tmp / f"ckpt-{i}")
-        ckpts[-1].mkdir()
-        save_file(synthetic_state_dict(mib * MIB), str(ckpts[-1] / "model.safetensors"))
     rows: list[Row] = []
     figures: dict[str, float] = {}
     with netsim.network(1 + max(FANOUT_COUNTS)) as nodes:
@@ -308,24 +319,97 @@ def fanout_part(mib: int, repeats: int, tmp: Path) -> tuple[list[Row], dict[str,
     return rows, figures
 
 
+# The Llama-shaped checkpoint of the shard part: key-value heads and vocabulary that every rule of
+# tp_slices splits (the stand-ins plan their cuts with them, as an engine with this config).
+SHARD_HIDDEN, SHARD_FFN, SHARD_KV_HEADS, SHARD_HEAD_DIM, SHARD_VOCAB = 1024, 2816, 2, 128, 8000
+GROUP_PEER_ENV = "STANDIN_GROUP_PEER"  # a stand-in group's leader: its other rank's URL
+TP_RANK_ENV = "STANDIN_TP_RANK"  # a stand-in that is one of 2 tensor-parallel ranks
+
+
+def llama_state_dict(nbytes: int) -> dict[str, torch.Tensor]:
+    """About `nbytes` of float32 tensors named and shaped as a Llama checkpoint's (embeddings, then layers)."""
+    h, f, kv = SHARD_HIDDEN, SHARD_FFN, SHARD_KV_HEADS * SHARD_HEAD_DIM
+    out = {"model.embed_tokens.weight": torch.randn(SHARD_VOCAB, h), "lm_head.weight": torch.randn(SHARD_VOCAB, h)}
+    per_layer = 4 * (2 * h * h + 2 * kv * h + 3 * f * h + h)
+    for i in range(max(1, (nbytes - 8 * SHARD_VOCAB * h) // per_layer)):
+        shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, h), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f),
+                  "input_layernorm": (h,)}  # fmt: skip
+        out |= {f"model.layers.{i}.{name}.weight": torch.randn(*shape) for name, shape in shapes.items()}
+    return out
+
+
+def shard_part(mib: int, repeats: int, tmp: Path) -> tuple[list[Row], dict[str, float]]:
+    """Push time and bytes into one engine of 2 tensor-parallel pods, against a 1-pod engine, on a simulated
+    network (engines' links 1 Gbit/s), each measured in this run."""
+    ckpts = network_checkpoints("shard", tmp, lambda: llama_state_dict(mib * MIB))
+    if ckpts is None:
+        return [], {}
+    rows: list[Row] = []
+    figures: dict[str, float] = {}
+    # The trainer's link first as fast as two engine pods' together (a trainer node's uplink is not slower
+    # than the engines it feeds: then each pod's own link is the limit), then as slow as one pod's (there the
+    # trainer's link is the limit whatever each rank pulls: the bytes count, not the time).
+    for trainer_link, tag in (("2gbit", ""), ("1gbit", " uniform")):
+        with netsim.network(3, first_rate=trainer_link) as nodes:
+            for pods in (1, 2):
+                spec = {
+                    "receivers": [[n.netns, n.address] for n in nodes[1 : 1 + pods]],
+                    "trainer": nodes[0].address,
+                    "ckpts": [str(c) for c in ckpts],
+                    "relay": False,
+                    "group": pods > 1,
+                    "repeats": repeats,
+                    "tmp": str(tmp / f"{trainer_link}-{pods}"),
+                }
+                argv = [sys.executable, "-m", "bench.bench_sync", "--fanout-trainer", json.dumps(spec)]
+                done = subprocess.run(nodes[0].command(argv), check=True, capture_output=True, text=True)
+                phases = json.loads(done.stdout.strip().splitlines()[-1])
+                figures[f"shards{tag} {pods}-pod s"] = phases["push_s"]
+                figures[f"shards{tag} {pods}-pod bytes"] = phases["rx_bytes"]
+                how = "TP=2 ranks pull their cuts in the pause" if pods > 1 else "prefetch"
+                note = (
+                    f"{phases['bytes'] / MIB:,.1f} MiB Llama-shaped push_dir, {how}; "
+                    f"{phases['rx_bytes'] / MIB:,.1f} MiB in, pause {phases['pause_window_s']:.2f} s"
+                )
+                label = f"shard-aware pull, {pods}-pod engine, trainer link {trainer_link}: end to end"
+                rows.append((label, f"{phases['push_s']:,.3f} s", note))
+    return rows, figures
+
+
+def rx_bytes(node: netsim.Node) -> int:
+    """Bytes received on the node's link so far."""
+    out = subprocess.run(["ip", "-j", "-s", "-n", node.netns, "link", "show", "dev", "eth0"], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+
+
 def fanout_trainer(spec_json: str) -> None:
-    """Inside the trainer's namespace: a sidecar and the stand-ins, a warm-up push, then timed pushes; prints
-    the median push time as JSON."""
+    """Inside the trainer's namespace: a sidecar and the stand-ins (with `group`: one engine whose 2 tensor
+    parallel ranks are the 2 stand-ins), a warm-up push, then timed pushes; prints the median push time, and
+    the bytes the stand-ins' nodes received per push, as JSON."""
     spec = json.loads(spec_json)
     nodes = [netsim.Node(netns, address) for netns, address in spec["receivers"]]
     tmp, ckpts = Path(spec["tmp"]), [Path(c) for c in spec["ckpts"]]
     flags = ("--relay-min-engines", "2") if spec["relay"] else ("--no-relay",)
-    with (
-        receivers(len(nodes), tmp, nodes=nodes) as urls,
-        sidecar(urls, tmp, *flags, weights_host=spec["trainer"]) as client,
-    ):
-        client.push_dir(ckpts[1], "warm-up")  # as a running trainer's: the stand-ins' parameters exist
-        runs = []
-        for i in range(spec["repeats"]):
-            start = time.perf_counter()
-            status = client.push_dir(ckpts[i % 2], f"fanout-{i}")
-            runs.append((time.perf_counter() - start, status))
+    env: dict[int, dict[str, str]] = {}
+    if spec.get("group"):
+        peer = f"http://{nodes[1].address}:{ENGINE_PORT}"
+        env = {0: {TP_RANK_ENV: "0", GROUP_PEER_ENV: peer}, 1: {TP_RANK_ENV: "1"}}
+    with receivers(len(nodes), tmp, env=env, nodes=nodes) as urls:
+        engines = urls[:1] if spec.get("group") else urls  # the sidecar sees the group's leader only
+        with sidecar(engines, tmp, *flags, weights_host=spec["trainer"]) as client:
+            client.push_dir(ckpts[1], "warm-up")  # as a running trainer's: the stand-ins' parameters exist
+            runs, moved = [], []
+            for i in range(spec["repeats"]):
+                before = sum(rx_bytes(n) for n in nodes)
+                start = time.perf_counter()
+                status = client.push_dir(ckpts[i % 2], f"fanout-{i}")
+                runs.append((time.perf_counter() - start, status))
+                moved.append(sum(rx_bytes(n) for n in nodes) - before)
     phases = {
+        "rx_bytes": statistics.median(moved),
+        "bytes": runs[0][1].bytes,
         "push_s": statistics.median(t for t, _ in runs),
         "staging_s": statistics.median(s.staging_s or 0.0 for _, s in runs),
         "prefetch_s": statistics.median(s.prefetch_s or 0.0 for _, s in runs),
@@ -377,14 +461,27 @@ def receiver(address: str) -> None:
     )
     from rollfleet_engine.runtime import default_stager
     from rollfleet_engine.staging import RelayUnavailable
-    from rollfleet_engine.weights_client import fetch_weights
+    from rollfleet_engine.tp_slices import RankShard, rank_plan
+    from rollfleet_engine.weights_client import fetch_slices, fetch_weights
 
     host, port = address.rsplit(":", 1)
+    tp_rank = os.environ.get(TP_RANK_ENV)
+    peer = os.environ.get(GROUP_PEER_ENV)
+
+    def pull(info: dict[str, Any]) -> list[tuple[str, Any]]:
+        """As the engine's worker: the whole set, or, as one of 2 tensor-parallel ranks, its cuts."""
+        if tp_rank is None:
+            return fetch_weights(info["url"], info.get("manifest_sha256"), 600)
+        shard = RankShard(2, int(tp_rank), SHARD_KV_HEADS, SHARD_VOCAB)
+        return fetch_slices(info["url"], info.get("manifest_sha256"), 600, lambda m: rank_plan(m, shard))
+
     state = {"version": "initial", "paused": False, "staged": []}
     dies_after = int(os.environ.get(RELAY_DIES_AFTER_ENV, "0")) or None
     stager = default_stager()  # the engine's own, in memory (/dev/shm) where the host has it
 
     async def stage(request: web.Request) -> web.Response:
+        if peer is not None:  # as a group's leader: its ranks span pods, they pull in the pause
+            return web.json_response({"detail": "this engine's ranks span pods"}, status=404)
         started = stager.start(WeightUpdateInfo.model_validate(await request.json()))
         return web.json_response(started.model_dump(mode="json"), status=202)
 
@@ -428,7 +525,17 @@ def receiver(address: str) -> None:
 
     async def update(request: web.Request) -> web.Response:
         info = (await request.json())["update_info"]
-        state["staged"] = await asyncio.to_thread(fetch_weights, info["url"], info.get("manifest_sha256"), 600)
+        ours = asyncio.to_thread(pull, info)
+        if peer is None:
+            state["staged"] = await ours
+        else:  # the group's other rank pulls its cuts at the same time, over its own link
+            async with httpx.AsyncClient(timeout=600) as http:
+                state["staged"], answer = await asyncio.gather(ours, http.post(f"{peer}/standin/pull", json=info))
+            answer.raise_for_status()
+        return web.json_response({})
+
+    async def rank_pull(request: web.Request) -> web.Response:
+        state["staged"] = await asyncio.to_thread(pull, await request.json())
         return web.json_response({})
 
     model: dict[str, Any] = {}  # the stand-in's parameters: what load_weights copies into
@@ -460,6 +567,7 @@ def receiver(address: str) -> None:
     app.router.add_post("/resume", resume)
     app.router.add_post("/start_weight_update", ok)
     app.router.add_post("/update_weights", update)
+    app.router.add_post("/standin/pull", rank_pull)
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_get("/rollfleet/v1/state", engine_state)
     app.router.add_get("/rollfleet/v1/requests", requests)
@@ -477,7 +585,9 @@ def main() -> None:
     parser.add_argument("--no-engine", action="store_true", help="skip the part with real vLLM engines")
     parser.add_argument("--no-fanout", action="store_true", help="skip the fan-out part (simulated network)")
     parser.add_argument("--only-fanout", action="store_true", help="run the fan-out part alone")
-    parser.add_argument("--fanout-mib", type=int, default=128, help="size pushed in the fan-out part")
+    parser.add_argument("--fanout-mib", type=int, default=128, help="size pushed in the fan-out and shard parts")
+    parser.add_argument("--no-shards", action="store_true", help="skip the shard-aware pull part (simulated network)")
+    parser.add_argument("--only-shards", action="store_true", help="run the shard-aware pull part alone")
     parser.add_argument("--receiver", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fanout-trainer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the figures here, with stable names")
@@ -492,11 +602,13 @@ def main() -> None:
     rates: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
         parts = []
-        if not args.only_fanout:
+        if not (args.only_fanout or args.only_shards):
             parts += [] if args.no_engine else [lambda: tiny_part(args.repeats, Path(tmp, "tiny"))]
             parts.append(lambda: big_part(args.gib, args.repeats, Path(tmp, "big")))
-        if not args.no_fanout:
+        if not (args.no_fanout or args.only_shards):
             parts.append(lambda: fanout_part(args.fanout_mib, args.repeats, Path(tmp, "fanout")))
+        if not (args.no_shards or args.only_fanout):
+            parts.append(lambda: shard_part(args.fanout_mib, args.repeats, Path(tmp, "shards")))
         for part in parts:
             r, t = part()
             rows, rates = rows + r, rates | t
@@ -530,6 +642,8 @@ REPORTED_GOALS = {
     "push_stream_tcp_ratio": ">= 0.5",
     "fanout_8_over_1": "<= 1.5",
     "fanout_8_over_1_star_baseline": "about 8",
+    "shard_pull_bytes_ratio": "<= 1.05",
+    "shard_push_time_ratio": "<= 0.65",
 }
 
 
@@ -557,6 +671,13 @@ def _report(rates: dict[str, float], gib: float) -> dict[str, float | None]:
         "end_to_end_ratio_vs_pull_in_pause": ratio(f"{big}, end to end s", f"{pull}, end to end s"),
         "fanout_8_over_1": ratio("fan-out relay 8 s", "fan-out relay 1 s"),
         "fanout_8_over_1_star_baseline": ratio("fan-out star 8 s", "fan-out star 1 s"),
+        # Into one engine of 2 tensor-parallel pods, over into a 1-pod engine: bytes on the links, push time.
+        "shard_pull_bytes_ratio": ratio("shards 2-pod bytes", "shards 1-pod bytes"),
+        "shard_push_time_ratio": ratio("shards 2-pod s", "shards 1-pod s"),
+        "shard_push_1pod_s": rates.get("shards 1-pod s"),
+        "shard_push_2pod_s": rates.get("shards 2-pod s"),
+        # The same with the trainer's link as slow as one pod's: there it is the limit for both.
+        "shard_push_time_ratio_uniform_links": ratio("shards uniform 2-pod s", "shards uniform 1-pod s"),
     }
     for mode in ("relay", "star"):
         for count in FANOUT_COUNTS:

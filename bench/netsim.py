@@ -48,8 +48,9 @@ def _shape(netns: str, device: str, rate: str) -> None:
 
 
 @contextlib.contextmanager
-def network(nodes: int, rate: str = "1gbit") -> Iterator[list[Node]]:
-    """`nodes` namespaces on one switch, each link limited to `rate` each way; removed on exit."""
+def network(nodes: int, rate: str = "1gbit", first_rate: str | None = None) -> Iterator[list[Node]]:
+    """`nodes` namespaces on one switch, each link limited to `rate` each way (the first node's to `first_rate`,
+    if given: a trainer's node whose link is faster than an engine's); removed on exit."""
     tag = f"rfb{os.getpid() % 10_000_000}"  # interface names: at most 15 characters
     switch = f"{tag}-sw"
     made: list[str] = []
@@ -69,8 +70,9 @@ def network(nodes: int, rate: str = "1gbit") -> Iterator[list[Node]]:
             for device in ("lo", "eth0"):
                 _run("ip", "-n", node.netns, "link", "set", device, "up")
             _run("ip", "-n", switch, "link", "set", port, "master", "br0", "up")
-            _shape(node.netns, "eth0", rate)  # what the node sends
-            _shape(switch, port, rate)  # what it receives
+            link = first_rate if i == 0 and first_rate else rate
+            _shape(node.netns, "eth0", link)  # what the node sends
+            _shape(switch, port, link)  # what it receives
             result.append(node)
         yield result
     finally:

@@ -8,7 +8,9 @@ or more times), ``/finish_weight_update`` with ``weight_version``.
 All-or-nothing: ``update_weights`` downloads and verifies every tensor into host memory
 before it touches the model, then loads them; ``finish_weight_update`` finalizes and
 labels. A failed transfer raises, vLLM ends the update session, the following finish is
-refused, and the old weights (and version) keep serving. Weights that do not fit the
+refused, and the old weights (and version) keep serving. A tensor-parallel rank pulling over HTTP
+takes only its part of each tensor (``tp_slices``), each cut confirmed against this model's own
+layers first (a tensor whose layer does not confirm it is pulled whole). Weights that do not fit the
 model fail in the load, after some layers took them: the error carries
 ``MIXED_WEIGHTS_MARK``, the engine then says it is not intact (``middleware``), and the
 sidecar brings it back to one version.
@@ -16,8 +18,10 @@ sidecar brings it back to one version.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -26,9 +30,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from rollfleet_engine.protocol import MIXED_WEIGHTS_MARK
+from rollfleet_engine.protocol import MIXED_WEIGHTS_MARK, TensorCut, WeightManifest
 from rollfleet_engine.reload import abandon_layerwise_reload
-from rollfleet_engine.weights_client import fetch_weights
+from rollfleet_engine.tp_slices import RankShard, rank_plan
+from rollfleet_engine.weights_client import fetch_slices, fetch_weights
 
 logger = init_logger(__name__)
 
@@ -68,8 +73,17 @@ class HTTPWeightTransferEngine(WeightTransferEngine[HTTPInitInfo, HTTPUpdateInfo
     def receive_weights(self, update_info: HTTPUpdateInfo) -> None:
         """Download and verify every tensor, then load them. A failure here, unlike one in finish, ends vLLM's
         update session, so the engine can take the next update."""
-        weights = fetch_weights(update_info.url, update_info.manifest_sha256, update_info.timeout_s)
-        logger.info("Received %d verified tensors from %s", len(weights), update_info.url)
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        info, tp_size = update_info, get_tensor_model_parallel_world_size()
+        if tp_size > 1 and urlsplit(info.url).scheme == "http":
+            text = self.model_config.hf_text_config
+            rank = RankShard(tp_size, get_tensor_model_parallel_rank(), text.num_key_value_heads, text.vocab_size)
+            planner = functools.partial(confirmed_plan, self.model, rank)
+            weights = fetch_slices(info.url, info.manifest_sha256, info.timeout_s, planner)
+        else:
+            weights = fetch_weights(info.url, info.manifest_sha256, info.timeout_s)
+        logger.info("Received %d verified tensors from %s", len(weights), info.url)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -94,3 +108,64 @@ class HTTPWeightTransferEngine(WeightTransferEngine[HTTPInitInfo, HTTPUpdateInfo
 
     def shutdown(self) -> None:
         self._loaded = False
+
+
+def confirmed_plan(model: Any, rank: RankShard, manifest: WeightManifest) -> list[TensorCut]:
+    """`rank`'s cuts of `manifest` (``tp_slices.rank_plan``), each kept only if the layer that loads the tensor
+    narrows it to exactly those rows: else the tensor is pulled whole and its loader cuts it, as ever."""
+    params, modules = _loader_params(model), dict(model.named_modules())
+    fused = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+    cuts = rank_plan(manifest, rank)
+    kept = [
+        cut if cut.dim is None or _layer_cuts(params, modules, fused, rank, cut) else TensorCut(name=cut.name)
+        for cut in cuts
+    ]
+    logger.info("Shard-aware pull: %d of %d tensors cut for tensor-parallel rank %d of %d",
+                sum(c.dim is not None for c in kept), len(kept), rank.tp_rank, rank.tp_size)  # fmt: skip
+    return kept
+
+
+def _loader_params(model: Any) -> dict[str, Any]:
+    """The model's parameters as its loaders see them: vLLM's record of each layer's tensors in checkpoint
+    format, taken before the backend processed them (on CPU, a linear layer's weight is repacked and its
+    parameter removed), else the live parameter."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    params = dict(model.named_parameters())
+    for name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is not None:
+            params |= {f"{name}.{p}" if name else p: meta for p, meta in info.restore_metadata[0].items()}
+    return params
+
+
+def _layer_cuts(
+    params: dict[str, Any], modules: dict[str, Any], fused: dict[str, str], rank: RankShard, cut: TensorCut
+) -> bool:
+    """Whether the layer that loads checkpoint tensor `cut.name` (through vLLM's fused names: q_proj into
+    qkv_proj) takes exactly `cut` of it on this rank."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    prefix, _, leaf = cut.name.rpartition(".")
+    parent, _, layer = prefix.rpartition(".")
+    name = f"{parent}.{fused.get(layer, layer)}" if parent else fused.get(layer, layer)
+    module, param = modules.get(name), params.get(f"{name}.{leaf}")
+    if (
+        module is None
+        or param is None
+        or any(getattr(param, a, None) is not None for a in ("packed_dim", "packed_factor"))
+    ):
+        return False
+    if isinstance(module, VocabParallelEmbedding):
+        indices = module.shard_indices
+        return cut.dim == 0 and (cut.begin, cut.end) == (indices.org_vocab_start_index, indices.org_vocab_end_index)
+    if (getattr(module, "tp_size", None), getattr(module, "tp_rank", None)) != (rank.tp_size, rank.tp_rank):
+        return False
+    if getattr(module, "num_kv_head_replicas", 1) != 1:
+        return False
+    if isinstance(module, RowParallelLinear):
+        return getattr(param, "input_dim", None) == cut.dim and param.shape[cut.dim] == cut.end - cut.begin
+    if not isinstance(module, ColumnParallelLinear) or getattr(param, "output_dim", None) != cut.dim:
+        return False
+    return layer in fused or param.shape[cut.dim] == cut.end - cut.begin  # a fused one holds several cuts

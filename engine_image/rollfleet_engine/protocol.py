@@ -27,6 +27,9 @@ STAGE_WAIT_MAX_S = 30.0
 # the base URL of a weights server (WEIGHTS_MANIFEST_PATH, then each shard's path) on the engine port.
 STAGE_RELAY_PATH = f"{STAGE_PATH}/relay"
 WEIGHTS_MANIFEST_PATH = "/manifest"  # under a weights server's base URL; the manifest names the shards' paths
+# Shard-aware pull: POST a SlicePlan here (under a weights server's base URL) for the manifest of one
+# rank's slices, one shard whose path the answer names (rollfleet_engine.tp_slices).
+WEIGHTS_SLICES_PATH = "/slices"
 # Where an engine stages weights (a memory-backed emptyDir in the engine pod), and its bound in bytes.
 STAGING_DIR_ENV = "ROLLFLEET_STAGING_DIR"
 STAGING_MAX_BYTES_ENV = "ROLLFLEET_STAGING_MAX_BYTES"
@@ -190,6 +193,22 @@ class WeightManifest(BaseModel):
     @property
     def total_bytes(self) -> int:
         return sum(s.size for s in self.shards)
+
+
+class TensorCut(BaseModel):
+    """The part of one tensor a rank needs: rows ``[begin, end)`` of dimension `dim`, or the whole tensor."""
+
+    name: str
+    dim: int | None = Field(default=None, ge=0, description="None: the whole tensor.")
+    begin: int = Field(default=0, ge=0)
+    end: int = Field(default=0, ge=0)
+
+
+class SlicePlan(BaseModel):
+    """What one rank asks a weights server for: a cut of every tensor it needs, of the manifest it pinned."""
+
+    manifest_sha256: str
+    cuts: list[TensorCut]
 
 
 class StageState(StrEnum):

@@ -33,7 +33,7 @@ import xxhash
 
 from rollfleet_engine.protocol import Shard, TensorEntry, WeightManifest
 
-_HEADER_LEN = struct.Struct("<Q")
+HEADER_LEN = struct.Struct("<Q")
 # torch dtype name -> safetensors dtype (the subset a model checkpoint uses).
 _TORCH_TO_ST = {
     "float32": "F32",
@@ -70,11 +70,12 @@ def tensor_checksum(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     return xxhash.xxh3_128(data).hexdigest()
 
 
-def _header(entries: list[TensorEntry]) -> bytes:
+def safetensors_header(entries: list[TensorEntry]) -> bytes:
+    """A shard's bytes before its data section: the header's length, then the header (padded to 8)."""
     header = {e.name: {"dtype": e.dtype, "shape": e.shape, "data_offsets": list(e.data_offsets)} for e in entries}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-    return _HEADER_LEN.pack(len(raw)) + raw
+    return HEADER_LEN.pack(len(raw)) + raw
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def shard_from_tensors(tensors: Mapping[str, Any], path: str) -> MemoryShard:
         )
         buffers.append(raw)
         offset += raw.nbytes
-    header = _header(entries)
+    header = safetensors_header(entries)
     return MemoryShard(Shard(path=path, size=len(header) + offset, tensors=entries), header, buffers)
 
 
@@ -118,7 +119,7 @@ def read_layout(directory: Path) -> Layout:
     layout: Layout = {}
     for file in sorted(directory.glob("*.safetensors")):
         with file.open("rb") as f:
-            (n,) = _HEADER_LEN.unpack(f.read(8))
+            (n,) = HEADER_LEN.unpack(f.read(8))
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
         layout.update({name: (meta["dtype"], tuple(meta["shape"])) for name, meta in header.items()})
@@ -128,7 +129,7 @@ def read_layout(directory: Path) -> Layout:
 def shard_from_file(file: Path, path: str) -> Shard:
     """Describe an existing .safetensors file (reads it once to checksum every tensor, on every core)."""
     with file.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        (n,) = _HEADER_LEN.unpack_from(data, 0)
+        (n,) = HEADER_LEN.unpack_from(data, 0)
         header = json.loads(data[8 : 8 + n])
         header.pop("__metadata__", None)
         base = 8 + n
@@ -191,7 +192,7 @@ def _tensor_entries(header: dict[str, Any], shard: Shard) -> list[TensorEntry]:
 
 
 def _header_length(raw: bytes | bytearray | memoryview, shard: Shard) -> int:
-    (n,) = _HEADER_LEN.unpack(raw)
+    (n,) = HEADER_LEN.unpack(raw)
     if 8 + n > shard.size:
         raise TransferError(f"{shard.path}: header length {n} exceeds the shard size {shard.size}")
     return int(n)
@@ -277,7 +278,7 @@ def tensors_from_buffer(data: bytearray | memoryview, shard: Shard) -> list[tupl
     """``(name, tensor)`` for every tensor of a whole shard already in memory (verified when it was
     written: ``staging``), each a view of `data`."""
     torch = _torch()
-    (n,) = _HEADER_LEN.unpack_from(data, 0)
+    (n,) = HEADER_LEN.unpack_from(data, 0)
     base = 8 + n
     view = memoryview(data)
     return [

@@ -1,5 +1,10 @@
 """Engine-side pull of a weights server's snapshot: manifest, then every shard, verified.
 
+A tensor-parallel rank of an engine whose ranks span pods pulls only its part of each tensor
+(``fetch_slices``, with a plan from ``tp_slices``): the server cuts the parts and checksums them from
+bytes it first checked against the pinned manifest; the rank checks the layout against its plan and
+every part against those checksums.
+
 Uses only the standard library's HTTP client: each tensor is read straight from the
 socket into its own buffer (one copy) and checked before it is handed on. A ``file://``
 URL is weights this engine staged and verified beforehand (``staging``): read from its
@@ -12,7 +17,7 @@ import functools
 import hashlib
 import http.client
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,10 +29,14 @@ from rollfleet_engine.protocol import (
     STAGED_URL_SCHEME,
     STAGING_DIR_ENV,
     WEIGHTS_MANIFEST_PATH,
+    WEIGHTS_SLICES_PATH,
     Shard,
+    SlicePlan,
+    TensorCut,
     WeightManifest,
 )
-from rollfleet_engine.safetensors_stream import TransferError, read_shard, tensors_from_buffer
+from rollfleet_engine.safetensors_stream import TransferError, read_shard, sha256_hex, tensors_from_buffer
+from rollfleet_engine.tp_slices import cut_shape
 
 MANIFEST_FILE = "manifest.json"
 _QUOTED_BYTES = 300  # of a refusal's body, in the error
@@ -83,6 +92,51 @@ def fetch_weights(url: str, manifest_sha256: str | None, timeout_s: float) -> li
             check_length(resp, shard)
             weights.extend(read_shard(resp.readinto, shard))
     return weights
+
+
+Planner = Callable[[WeightManifest], list[TensorCut]]
+
+
+def fetch_slices(url: str, manifest_sha256: str | None, timeout_s: float, plan: Planner) -> list[tuple[str, Any]]:
+    """The tensors of the weights at `url` that `plan` names, each at its full shape with only its cut
+    received and verified (the rest of it is never read by the loader that asked for the cut); raise on
+    any mismatch."""
+    raw, manifest = fetch_manifest(url, manifest_sha256, timeout_s)
+    cuts = plan(manifest)
+    entries = {t.name: t for shard in manifest.shards for t in shard.tensors}
+    body = SlicePlan(manifest_sha256=sha256_hex(raw), cuts=cuts).model_dump_json().encode()
+    parts = urlsplit(url.rstrip("/"))
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=timeout_s)
+    try:
+        conn.request("POST", parts.path + WEIGHTS_SLICES_PATH, body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise TransferError(f"POST {url}{WEIGHTS_SLICES_PATH}: HTTP {resp.status}: {answer[:_QUOTED_BYTES]!r}")
+    (shard,) = WeightManifest.model_validate_json(answer).shards
+    # The server gives the checksums; the layout must be the plan's, of the manifest this rank pinned.
+    planned = [(c.name, entries[c.name].dtype, cut_shape(entries[c.name], c)) for c in cuts]
+    if [(t.name, t.dtype, t.shape) for t in shard.tensors] != planned:
+        raise TransferError(f"{url}: the slices offered are not the ones planned")
+    with http_get(url, shard.path, timeout_s) as resp:
+        check_length(resp, shard)
+        received = read_shard(resp.readinto, shard)
+    by_name = {c.name: c for c in cuts}
+    return [(name, _at_full_shape(entries[name].shape, by_name[name], part)) for name, part in received]
+
+
+def _at_full_shape(shape: list[int], cut: TensorCut, part: Any) -> Any:
+    """`part` placed at its rows of an otherwise unwritten tensor of `shape` (whose pages, never touched,
+    cost no memory): what a tensor-parallel loader narrows to this rank's rows."""
+    if cut.dim is None:
+        return part
+    import torch
+
+    full = torch.empty(shape, dtype=part.dtype)
+    full.narrow(cut.dim, cut.begin, cut.end - cut.begin).copy_(part)
+    return full
 
 
 def staging_root() -> Path:

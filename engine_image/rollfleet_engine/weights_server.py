@@ -1,8 +1,11 @@
 """Trainer-side weights server: serves a state dict or a safetensors directory over HTTP.
 
 Engines with the ``http`` weight backend pull from it. Routes: ``GET /manifest``
-(shards, and per tensor name, dtype, shape, offsets and sha256) and ``GET /shards/<i>``
-(a byte-exact safetensors file). Python API, reused by the sync sidecar::
+(shards, and per tensor name, dtype, shape, offsets and checksum), ``GET /shards/<i>``
+(a byte-exact safetensors file), and, for a rank that needs only its part of each tensor
+(``tp_slices``), ``POST /slices`` with a ``SlicePlan``: the manifest of one shard of those
+parts, each checksummed from bytes first checked against the pinned manifest, served at
+``GET /slices/<id>``. Python API, reused by the sync sidecar::
 
     server = WeightsServer(model.state_dict(), host="10.0.0.5", port=0)
     url = server.start()
@@ -16,24 +19,53 @@ while engines pull.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from rollfleet_engine.protocol import WEIGHTS_MANIFEST_PATH, WeightManifest, WeightUpdateInfo
+from pydantic import ValidationError
+
+from rollfleet_engine.protocol import (
+    WEIGHTS_MANIFEST_PATH,
+    WEIGHTS_SLICES_PATH,
+    Shard,
+    SlicePlan,
+    TensorCut,
+    TensorEntry,
+    WeightManifest,
+    WeightUpdateInfo,
+)
 from rollfleet_engine.safetensors_stream import (
+    HEADER_LEN,
     MemoryShard,
     manifest_bytes,
+    safetensors_header,
     sha256_hex,
     shard_from_file,
     shard_from_tensors,
+    tensor_checksum,
 )
+from rollfleet_engine.tp_slices import ITEMSIZE, cut_bytes, cut_shape
 
 _SEND_CHUNK = 16 << 20
+_MAX_PLAN_BYTES = 16 << 20  # a plan names every tensor once: far below this for any model
+_KEPT_SLICE_SETS = 64  # per snapshot: a group's ranks each ask once per push
+
+
+class PlanRefused(ValueError):
+    """A slice plan this server cannot serve; the message says why."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 FileStamp = tuple[tuple[str, int, int, int, int], ...]
@@ -76,6 +108,81 @@ class _Snapshot:
         self.manifest = WeightManifest(shards=shards)
         self.manifest_raw = manifest_bytes(self.manifest)
         self.manifest_sha256 = sha256_hex(self.manifest_raw)
+        # name -> (shard path, index in it, entry); the slice sets planned so far, by id: (their shard, the cuts)
+        self.entries = {t.name: (sh.path, i, t) for sh in shards for i, t in enumerate(sh.tensors)}
+        self.slice_sets: dict[str, tuple[Shard, list[tuple[TensorEntry, TensorCut]]]] = {}
+        self._lock = threading.Lock()
+
+    def tensor_bytes(self, name: str) -> memoryview | bytes:
+        """The bytes of tensor `name`, as served now (a file is read again: it may have been written over)."""
+        path, index, entry = self.entries[name]
+        begin, end = entry.data_offsets
+        if path in self.memory:
+            return self.memory[path].buffers[index]
+        with self.files[path].open("rb") as f:
+            (n,) = HEADER_LEN.unpack(f.read(8))
+            return os.pread(f.fileno(), end - begin, 8 + n + begin)
+
+    def plan_slices(self, plan: SlicePlan) -> Shard:
+        """The shard of `plan`'s cuts, each checksummed from bytes that first matched this snapshot's
+        manifest (so a slice a rank verifies is a slice of the version it pinned). Raises PlanRefused."""
+        if plan.manifest_sha256 != self.manifest_sha256:
+            raise PlanRefused(HTTPStatus.CONFLICT, "the plan is for other weights than the ones served now")
+        set_id = hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:32]
+        with self._lock:
+            if set_id in self.slice_sets:
+                return self.slice_sets[set_id][0]
+        cuts = []
+        for cut in plan.cuts:
+            if cut.name not in self.entries:
+                raise PlanRefused(HTTPStatus.BAD_REQUEST, f"no tensor {cut.name!r} in the weights served")
+            entry = self.entries[cut.name][2]
+            try:
+                cuts.append((entry, cut, cut_shape(entry, cut)))
+            except ValueError as err:
+                raise PlanRefused(HTTPStatus.BAD_REQUEST, str(err)) from None
+        if len({cut.name for cut in plan.cuts}) != len(plan.cuts):
+            raise PlanRefused(HTTPStatus.BAD_REQUEST, "the plan names a tensor more than once")
+
+        def checksum(entry: TensorEntry, cut: TensorCut) -> str:
+            data = memoryview(self.tensor_bytes(entry.name))
+            if tensor_checksum(data) != entry.xxh3_128:
+                raise PlanRefused(HTTPStatus.CONFLICT, f"{entry.name} changed since it was hashed; push again")
+            return tensor_checksum(cut_bytes(data, entry, cut))
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count(), thread_name_prefix="xxh3") as pool:
+            sums = list(pool.map(lambda c: checksum(c[0], c[1]), cuts))
+        entries, offset = [], 0
+        for (entry, _, shape), sum_ in zip(cuts, sums, strict=True):
+            size = math.prod(shape) * ITEMSIZE[entry.dtype]
+            entries.append(
+                TensorEntry(
+                    name=entry.name, dtype=entry.dtype, shape=shape, data_offsets=(offset, offset + size), xxh3_128=sum_
+                )
+            )
+            offset += size
+        size = len(safetensors_header(entries)) + offset
+        shard = Shard(path=f"{WEIGHTS_SLICES_PATH}/{set_id}", size=size, tensors=entries)
+        with self._lock:
+            while len(self.slice_sets) >= _KEPT_SLICE_SETS:
+                self.slice_sets.pop(next(iter(self.slice_sets)))
+            self.slice_sets[set_id] = (shard, [(entry, cut) for entry, cut, _ in cuts])
+        return shard
+
+    def slice_stream(self, path: str) -> tuple[Shard, Iterator[memoryview | bytes]] | None:
+        """The planned slice set at `path` and its bytes, header first; None if no plan made it."""
+        with self._lock:
+            planned = self.slice_sets.get(path.removeprefix(WEIGHTS_SLICES_PATH + "/"))
+        if planned is None:
+            return None
+        shard, cuts = planned
+
+        def chunks() -> Iterator[memoryview | bytes]:
+            yield safetensors_header(shard.tensors)
+            for entry, cut in cuts:
+                yield cut_bytes(memoryview(self.tensor_bytes(entry.name)), entry, cut)
+
+        return shard, chunks()
 
 
 class WeightsServer:
@@ -84,6 +191,8 @@ class WeightsServer:
     def __init__(self, source: Mapping[str, Any] | str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
         self._snapshot = _Snapshot(source)
         self._host, self._port = host, port
+        self.bytes_sent = 0  # weights' bytes (shards and slice sets) sent since the start, all versions
+        self._count_lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -105,6 +214,10 @@ class WeightsServer:
         class Handler(_Handler):
             def snapshot(self) -> _Snapshot:
                 return server._snapshot
+
+            def sent(self, n: int) -> None:
+                with server._count_lock:
+                    server.bytes_sent += n
 
         self._httpd = ThreadingHTTPServer((self._host, self._port), Handler)
         self._httpd.daemon_threads = True
@@ -145,6 +258,9 @@ class _Handler(BaseHTTPRequestHandler):
     def snapshot(self) -> _Snapshot:
         raise NotImplementedError
 
+    def sent(self, n: int) -> None:
+        raise NotImplementedError
+
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: one line per tensor pull would drown the trainer's log."""
 
@@ -156,10 +272,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path in snap.memory:
             mem = snap.memory[self.path]
             self._head(mem.shard.size, "application/octet-stream")
-            self.wfile.write(mem.header)
-            for buf in mem.buffers:
-                for start in range(0, buf.nbytes, _SEND_CHUNK):
-                    self.wfile.write(buf[start : start + _SEND_CHUNK])
+            self._write([mem.header, *mem.buffers])
         elif self.path in snap.files:
             file = snap.files[self.path]
             size = file.stat().st_size
@@ -167,8 +280,47 @@ class _Handler(BaseHTTPRequestHandler):
             with file.open("rb") as f:
                 # Zero-copy from the page cache to the socket.
                 self.connection.sendfile(f, 0, size)
+            self.sent(size)
+        elif (planned := snap.slice_stream(self.path)) is not None:
+            shard, chunks = planned
+            self._head(shard.size, "application/octet-stream")
+            self._write(chunks)
         else:
             self.send_error(HTTPStatus.NOT_FOUND)
+
+    def do_POST(self) -> None:
+        if self.path != WEIGHTS_SLICES_PATH:
+            self.send_error(HTTPStatus.NOT_FOUND)
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or -1)
+            if not 0 <= length <= _MAX_PLAN_BYTES:
+                raise PlanRefused(HTTPStatus.BAD_REQUEST, f"a slice plan needs a Content-Length of 0-{_MAX_PLAN_BYTES}")
+            plan = SlicePlan.model_validate_json(self.rfile.read(length))
+            shard = self.snapshot().plan_slices(plan)
+        except ValidationError as err:
+            self._refuse(HTTPStatus.BAD_REQUEST, f"not a slice plan: {err.errors(include_url=False)[:3]}")
+        except ValueError as err:  # PlanRefused, or a Content-Length that is no number
+            self._refuse(getattr(err, "status", HTTPStatus.BAD_REQUEST), str(err))
+        else:
+            body = WeightManifest(shards=[shard]).model_dump_json().encode()
+            self._head(len(body), "application/json")
+            self.wfile.write(body)
+
+    def _write(self, chunks: Iterable[memoryview | bytes]) -> None:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            for start in range(0, view.nbytes, _SEND_CHUNK):
+                self.wfile.write(view[start : start + _SEND_CHUNK])
+            self.sent(view.nbytes)
+
+    def _refuse(self, status: HTTPStatus, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def _head(self, length: int, content_type: str) -> None:
         self.send_response(HTTPStatus.OK)

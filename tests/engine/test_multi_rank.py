@@ -8,8 +8,9 @@ launcher, with the flags the operator gives a LeaderWorkerSet group's pods (``--
   rank's (``--data-parallel-start-rank 1``); ``X-data-parallel-rank`` pins a request to a rank.
 
 Each guarantee is checked at every rank: greedy tokens equal transformers', a weight update loads on
-every rank, abort by id ends the request wherever it runs, a keep-mode pause holds every rank and
-loses no token. Issue 34 (docs/engine.md, "Engines across pods").
+every rank (tensor-parallel ranks each pulling only their cut of each tensor: the model's bytes once),
+abort by id ends the request wherever it runs, a keep-mode pause holds every rank and loses no token.
+Issue 34 (docs/engine.md, "Engines across pods").
 """
 
 from __future__ import annotations
@@ -121,6 +122,13 @@ def test_every_rank_serves_transformers_tokens_and_loads_a_weight_update(
         assert control(engine, "/finish_weight_update", json={"weight_version": "b-1"}).status_code == 200
     finally:
         server.stop()
+    # Shard-aware pull: tensor-parallel ranks move the model once between them (each its cut of every
+    # tensor, the norms whole); each data-parallel rank holds the whole model and pulls all of it.
+    total = server.manifest.total_bytes
+    if shape == "tp2":
+        assert server.bytes_sent <= 1.05 * total, (server.bytes_sent, total)
+    else:
+        assert server.bytes_sent >= 2 * total, (server.bytes_sent, total)
     for headers in ranks(shape):
         assert greedy(engine, headers) == references["B"], headers
     assert state(engine)["weight_version"] == "b-1"
