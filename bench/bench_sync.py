@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -457,8 +458,11 @@ def receiver(address: str) -> None:
         STAGE_RELAY_PATH,
         WEIGHTS_MANIFEST_PATH,
         EngineState,
+        StageState,
+        StageStatus,
         WeightUpdateInfo,
     )
+    from rollfleet_engine.rank_staging import RANK_STAGED_SCHEME, STATUS_POLL_S, RankStage, merge_rank_status
     from rollfleet_engine.runtime import default_stager
     from rollfleet_engine.staging import RelayUnavailable
     from rollfleet_engine.tp_slices import RankShard, rank_plan
@@ -468,26 +472,64 @@ def receiver(address: str) -> None:
     tp_rank = os.environ.get(TP_RANK_ENV)
     peer = os.environ.get(GROUP_PEER_ENV)
 
-    def pull(info: dict[str, Any]) -> list[tuple[str, Any]]:
-        """As the engine's worker: the whole set, or, as one of 2 tensor-parallel ranks, its cuts."""
+    rank_stage = RankStage()  # as the engine's worker: its part staged in its own memory (rank_staging)
+
+    def pull(info: WeightUpdateInfo) -> list[tuple[str, Any]]:
+        """As the engine's worker: the whole set, or, as one of 2 tensor-parallel ranks, its cuts; or the part
+        it staged."""
+        if urlsplit(info.url).scheme == RANK_STAGED_SCHEME:
+            return rank_stage.take(info.url)
         if tp_rank is None:
-            return fetch_weights(info["url"], info.get("manifest_sha256"), 600)
+            return fetch_weights(info.url, info.manifest_sha256, 600)
         shard = RankShard(2, int(tp_rank), SHARD_KV_HEADS, SHARD_VOCAB)
-        return fetch_slices(info["url"], info.get("manifest_sha256"), 600, lambda m: rank_plan(m, shard))
+        return fetch_slices(info.url, info.manifest_sha256, 600, lambda m: rank_plan(m, shard))
 
     state = {"version": "initial", "paused": False, "staged": []}
     dies_after = int(os.environ.get(RELAY_DIES_AFTER_ENV, "0")) or None
     stager = default_stager()  # the engine's own, in memory (/dev/shm) where the host has it
 
+    peer_client: list[httpx.AsyncClient] = []  # one, kept (as vLLM's channel to its workers is)
+
+    def http() -> httpx.AsyncClient:
+        if not peer_client:
+            peer_client.append(httpx.AsyncClient(timeout=600))
+        return peer_client[0]
+
+    async def group_status() -> StageStatus:
+        """As a group's leader (GroupStager): its own rank's staging and its peer's, as one."""
+        theirs = StageStatus.model_validate((await http().get(f"{peer}/standin/stage")).raise_for_status().json())
+        return merge_rank_status([rank_stage.status(), theirs])
+
     async def stage(request: web.Request) -> web.Response:
-        if peer is not None:  # as a group's leader: its ranks span pods, they pull in the pause
-            return web.json_response({"detail": "this engine's ranks span pods"}, status=404)
-        started = stager.start(WeightUpdateInfo.model_validate(await request.json()))
+        info = WeightUpdateInfo.model_validate(await request.json())
+        if peer is None:
+            started = stager.start(info)
+        else:  # as a group's leader: every rank stages its part in its own pod, all at once
+            theirs = asyncio.create_task(http().post(f"{peer}/standin/stage", json=info.model_dump(mode="json")))
+            rank_stage.start(info, pull)
+            (await theirs).raise_for_status()
+            started = await group_status()
         return web.json_response(started.model_dump(mode="json"), status=202)
 
     async def stage_status(request: web.Request) -> web.Response:
-        status = await asyncio.to_thread(stager.status, float(request.query.get("wait", 0)))
+        wait = float(request.query.get("wait", 0))
+        if peer is None:
+            status = await asyncio.to_thread(stager.status, wait)
+        else:
+            deadline = time.monotonic() + wait
+            while True:
+                status = await group_status()
+                if status.state is not StageState.STAGING or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(STATUS_POLL_S)  # as GroupStager: the ranks are other processes, asked again
         return web.json_response(status.model_dump(mode="json"))
+
+    async def rank_stage_start(request: web.Request) -> web.Response:
+        started = rank_stage.start(WeightUpdateInfo.model_validate(await request.json()), pull)
+        return web.json_response(started.model_dump(mode="json"))
+
+    async def rank_stage_status(_: web.Request) -> web.Response:
+        return web.json_response(rank_stage.status().model_dump(mode="json"))
 
     async def relay_manifest(_: web.Request) -> web.Response:
         try:
@@ -524,18 +566,18 @@ def receiver(address: str) -> None:
         return web.json_response({})
 
     async def update(request: web.Request) -> web.Response:
-        info = (await request.json())["update_info"]
+        info = WeightUpdateInfo.model_validate((await request.json())["update_info"])
         ours = asyncio.to_thread(pull, info)
         if peer is None:
             state["staged"] = await ours
-        else:  # the group's other rank pulls its cuts at the same time, over its own link
-            async with httpx.AsyncClient(timeout=600) as http:
-                state["staged"], answer = await asyncio.gather(ours, http.post(f"{peer}/standin/pull", json=info))
+        else:  # the group's other rank loads its part at the same time
+            body = info.model_dump(mode="json")
+            state["staged"], answer = await asyncio.gather(ours, http().post(f"{peer}/standin/pull", json=body))
             answer.raise_for_status()
         return web.json_response({})
 
     async def rank_pull(request: web.Request) -> web.Response:
-        state["staged"] = await asyncio.to_thread(pull, await request.json())
+        state["staged"] = await asyncio.to_thread(pull, WeightUpdateInfo.model_validate(await request.json()))
         return web.json_response({})
 
     model: dict[str, Any] = {}  # the stand-in's parameters: what load_weights copies into
@@ -568,6 +610,8 @@ def receiver(address: str) -> None:
     app.router.add_post("/start_weight_update", ok)
     app.router.add_post("/update_weights", update)
     app.router.add_post("/standin/pull", rank_pull)
+    app.router.add_post("/standin/stage", rank_stage_start)
+    app.router.add_get("/standin/stage", rank_stage_status)
     app.router.add_post("/finish_weight_update", finish)
     app.router.add_get("/rollfleet/v1/state", engine_state)
     app.router.add_get("/rollfleet/v1/requests", requests)

@@ -22,12 +22,16 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from rollfleet_engine.rank_staging import WORKER_EXTENSION
+
 # The group's rendezvous ports on the leader: torch.distributed's store (tensor/pipeline parallel across
 # nodes) and the data parallel coordinator's RPC port. Fixed, so a NetworkPolicy can name them; the ranks
 # also open ports vLLM picks at run time, which is why group members may reach each other on every port.
 MASTER_PORT = 29500
 DATA_PARALLEL_RPC_PORT = 29550
 # Flags the group sets: given by hand as well, they would disagree with the group's.
+# Every rank's workers answer the leader's staging (rank_staging): each stages its part in its own pod.
+_RANK_STAGING = ("--worker-extension-cls", WORKER_EXTENSION)
 GROUP_FLAGS = (
     "--nnodes",
     "--node-rank",
@@ -37,6 +41,7 @@ GROUP_FLAGS = (
     "--data-parallel-rpc-port",
     "--data-parallel-start-rank",
     "--data-parallel-rank",
+    "--worker-extension-cls",
 )
 
 
@@ -72,7 +77,7 @@ def group_args(vllm_args: Sequence[str], leader: str, pods: int, rank: int) -> l
                 f"data parallel {dp} over {pods} pods needs {dp // pods if dp % pods == 0 else 'a whole number of'} "
                 f"ranks per pod, not --data-parallel-size-local {local}"
             )
-        out = ["--data-parallel-size-local", str(local), "--data-parallel-address", leader]
+        out = [*_RANK_STAGING, "--data-parallel-size-local", str(local), "--data-parallel-address", leader]
         out += ["--data-parallel-rpc-port", str(DATA_PARALLEL_RPC_PORT)]
         return out + (["--data-parallel-start-rank", str(rank * local)] if rank else [])
     ranks = last_int(vllm_args, ("--tensor-parallel-size", "-tp"), 1) * last_int(
@@ -83,6 +88,7 @@ def group_args(vllm_args: Sequence[str], leader: str, pods: int, rank: int) -> l
             f"tensor x pipeline parallel {ranks} ranks do not divide among {pods} pods: each pod runs the same number"
         )
     return [
+        *_RANK_STAGING,
         "--nnodes",
         str(pods),
         "--node-rank",

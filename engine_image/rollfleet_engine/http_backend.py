@@ -10,7 +10,9 @@ before it touches the model, then loads them; ``finish_weight_update`` finalizes
 labels. A failed transfer raises, vLLM ends the update session, the following finish is
 refused, and the old weights (and version) keep serving. A tensor-parallel rank pulling over HTTP
 takes only its part of each tensor (``tp_slices``), each cut confirmed against this model's own
-layers first (a tensor whose layer does not confirm it is pulled whole). Weights that do not fit the
+layers first (a tensor whose layer does not confirm it is pulled whole); a rank of an engine whose
+ranks span pods stages that part while it serves (``stage``, ``rank_staging``) and loads it in the
+pause (``rank-staged://`` URL). Weights that do not fit the
 model fail in the load, after some layers took them: the error carries
 ``MIXED_WEIGHTS_MARK``, the engine then says it is not intact (``middleware``), and the
 sidecar brings it back to one version.
@@ -30,7 +32,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from rollfleet_engine.protocol import MIXED_WEIGHTS_MARK, TensorCut, WeightManifest
+from rollfleet_engine.protocol import MIXED_WEIGHTS_MARK, StageStatus, TensorCut, WeightManifest, WeightUpdateInfo
+from rollfleet_engine.rank_staging import RANK_STAGED_SCHEME, RankStage
 from rollfleet_engine.reload import abandon_layerwise_reload
 from rollfleet_engine.tp_slices import RankShard, rank_plan
 from rollfleet_engine.weights_client import fetch_slices, fetch_weights
@@ -58,6 +61,7 @@ class HTTPWeightTransferEngine(WeightTransferEngine[HTTPInitInfo, HTTPUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._loaded = False  # this session loaded verified weights: finish may label them
+        self._stage = RankStage()  # this rank's part of the next weights, for an engine whose ranks span pods
 
     def init_transfer_engine(self, init_info: HTTPInitInfo) -> None:
         """Nothing to set up; accepted so that the standard handshake works unchanged."""
@@ -70,19 +74,33 @@ class HTTPWeightTransferEngine(WeightTransferEngine[HTTPInitInfo, HTTPUpdateInfo
         # host without an accelerator; nothing here runs on a device anyway.
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, update_info: HTTPUpdateInfo) -> None:
-        """Download and verify every tensor, then load them. A failure here, unlike one in finish, ends vLLM's
-        update session, so the engine can take the next update."""
+    def stage(self, info: WeightUpdateInfo) -> StageStatus:
+        """Pull this rank's part of the weights at `info.url` into memory while the engine serves
+        (``rank_staging``); the load then takes it (``rank-staged://`` URL)."""
+        return self._stage.start(info, lambda i: self._pull(i.url, i.manifest_sha256, i.timeout_s))
+
+    def stage_status(self) -> StageStatus:
+        return self._stage.status()
+
+    def _pull(self, url: str, manifest_sha256: str | None, timeout_s: float) -> list[tuple[str, Any]]:
+        """Every tensor at `url`, verified; a tensor-parallel rank pulling over HTTP takes only its cuts."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-        info, tp_size = update_info, get_tensor_model_parallel_world_size()
-        if tp_size > 1 and urlsplit(info.url).scheme == "http":
+        tp_size = get_tensor_model_parallel_world_size()
+        if tp_size > 1 and urlsplit(url).scheme == "http":
             text = self.model_config.hf_text_config
             rank = RankShard(tp_size, get_tensor_model_parallel_rank(), text.num_key_value_heads, text.vocab_size)
-            planner = functools.partial(confirmed_plan, self.model, rank)
-            weights = fetch_slices(info.url, info.manifest_sha256, info.timeout_s, planner)
+            return fetch_slices(url, manifest_sha256, timeout_s, functools.partial(confirmed_plan, self.model, rank))
+        return fetch_weights(url, manifest_sha256, timeout_s)
+
+    def receive_weights(self, update_info: HTTPUpdateInfo) -> None:
+        """Download and verify every tensor (or take the ones this rank staged), then load them. A failure here,
+        unlike one in finish, ends vLLM's update session, so the engine can take the next update."""
+        info = update_info
+        if urlsplit(info.url).scheme == RANK_STAGED_SCHEME:
+            weights = self._stage.take(info.url)
         else:
-            weights = fetch_weights(info.url, info.manifest_sha256, info.timeout_s)
+            weights = self._pull(info.url, info.manifest_sha256, info.timeout_s)
         logger.info("Received %d verified tensors from %s", len(weights), info.url)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

@@ -30,6 +30,7 @@ from rollfleet_engine.protocol import (
     TrackedRequest,
     WeightUpdateInfo,
 )
+from rollfleet_engine.rank_staging import GroupStager
 from rollfleet_engine.runtime import Runtime
 from rollfleet_engine.staging import RelayUnavailable, Stager
 
@@ -96,8 +97,11 @@ async def stage(request: Request, body: WeightUpdateInfo) -> StageStatus:
 
     The caller's own Authorization goes with the download: from another engine's relay (a control
     route, the same fleet token), and harmlessly to the sidecar's weights server."""
+    stager = _stager(request)
     try:
-        return _stager(request).start(body, request.headers.get("authorization"))
+        if isinstance(stager, GroupStager):  # every rank in its own pod (rank_staging)
+            return await stager.start(body)
+        return stager.start(body, request.headers.get("authorization"))
     except ValueError as err:
         raise HTTPException(status_code=400, detail=str(err)) from err
 
@@ -116,8 +120,11 @@ async def relay_manifest(request: Request) -> Response:
 @router.get(STAGE_RELAY_PATH + "/{path:path}")
 async def relay_shard(request: Request, path: str) -> StreamingResponse:
     """A shard of the set this engine stages, its bytes as they arrive (the stream breaks if staging fails)."""
+    stager = _stager(request)
     try:
-        shard, chunks = _stager(request).relay_shard("/" + path)
+        if isinstance(stager, GroupStager):
+            raise RelayUnavailable("a group's ranks stage their parts in their own pods: nothing here to relay")
+        shard, chunks = stager.relay_shard("/" + path)
     except RelayUnavailable as err:
         raise HTTPException(status_code=409, detail=str(err)) from err
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(shard.size)})
@@ -126,15 +133,15 @@ async def relay_shard(request: Request, path: str) -> StreamingResponse:
 @router.get(STAGE_PATH, response_model=StageStatus)
 async def stage_status(request: Request, wait: Annotated[float, Query(ge=0, le=STAGE_WAIT_MAX_S)] = 0) -> StageStatus:
     """The staging's status; with `wait`, once it has ended (or after `wait` seconds): no polling loop."""
-    return await run_in_threadpool(_stager(request).status, wait)
+    stager = _stager(request)
+    if isinstance(stager, GroupStager):
+        return await stager.status(wait)
+    return await run_in_threadpool(stager.status, wait)
 
 
-def _stager(request: Request) -> Stager:
+def _stager(request: Request) -> Stager | GroupStager:
     """The engine's staging area; 404 where it has none (the sync sidecar then has it pull in the pause)."""
     stager = _runtime(request).stager
     if stager is None:
-        raise HTTPException(
-            status_code=404,
-            detail="this engine's ranks span pods: it does not prefetch, its ranks pull each update in the pause",
-        )
+        raise HTTPException(status_code=404, detail="this engine does not prefetch: it pulls each update in the pause")
     return stager

@@ -15,6 +15,7 @@ from typing import Any
 
 from rollfleet_engine.access import AccessPolicy
 from rollfleet_engine.protocol import COLLECTIVE_BACKENDS, STAGING_MAX_BYTES_ENV, PauseMode
+from rollfleet_engine.rank_staging import GroupStager
 from rollfleet_engine.staging import Stager
 from rollfleet_engine.tracker import RequestTracker
 from rollfleet_engine.weights_client import staging_root
@@ -34,9 +35,9 @@ class Runtime:
     model_name: str
     weight_backend: str | None
     tracker: RequestTracker = field(default_factory=RequestTracker)
-    # None: no prefetch. An engine whose ranks run in other pods loads from a staged copy only its own pod
-    # holds (a file:// URL); there its ranks pull each update in the pause, straight from the weights server.
-    stager: Stager | None = field(default_factory=default_stager)
+    # None: no prefetch. An engine whose ranks run in other pods has each rank stage its own part in its own
+    # pod (rank_staging.GroupStager): a staged copy in the leader's pod would serve that pod only.
+    stager: Stager | GroupStager | None = field(default_factory=default_stager)
     weight_version: str = "default"
     pause_mode: PauseMode | None = None
     weights_intact: bool = True  # see EngineState.weights_intact

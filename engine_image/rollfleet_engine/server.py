@@ -265,6 +265,7 @@ async def _build_and_serve(
 
     from rollfleet_engine.engine_hooks import install_generate_hook
     from rollfleet_engine.middleware import RollfleetMiddleware
+    from rollfleet_engine.rank_staging import GroupStager
     from rollfleet_engine.routes import router
     from rollfleet_engine.runtime import Runtime
 
@@ -272,7 +273,7 @@ async def _build_and_serve(
         engine=engine, policy=policy, model_name=opts.served_model_name, weight_backend=opts.weight_backend
     )
     if opts.group_leader is not None:
-        runtime.stager = None  # a staged copy would be this pod's only (Runtime.stager)
+        runtime.stager = GroupStager(engine)  # a staged copy would be this pod's only: each rank stages its own
     install_generate_hook(engine, runtime.tracker)
     if opts.weight_version is not None:
         await engine.update_weight_version(opts.weight_version)

@@ -109,29 +109,58 @@ def test_every_rank_serves_transformers_tokens_and_loads_a_weight_update(
     assert references["A"] != references["B"]
     for headers in ranks(shape):
         assert greedy(engine, headers) == references["A"], headers
-    server = WeightsServer(engine.model_dir / WEIGHTS_B_DIR, host=engine.url.split("//")[1].split(":")[0])
-    server.start()
-    try:
-        # No prefetch on an engine whose ranks span pods: a staged copy would be the leader's pod's only.
-        staged = control(engine, STAGE_PATH, json=server.update_info())
-        assert staged.status_code == 404 and "span pods" in staged.text, staged.text
-        assert control(engine, "/init_weight_transfer_engine", json={"init_info": {}}).status_code == 200
-        assert control(engine, "/start_weight_update").status_code == 200
-        r = control(engine, "/update_weights", json={"update_info": server.update_info()})
-        assert r.status_code == 200, r.text
-        assert control(engine, "/finish_weight_update", json={"weight_version": "b-1"}).status_code == 200
-    finally:
-        server.stop()
-    # Shard-aware pull: tensor-parallel ranks move the model once between them (each its cut of every
-    # tensor, the norms whole); each data-parallel rank holds the whole model and pulls all of it.
-    total = server.manifest.total_bytes
-    if shape == "tp2":
-        assert server.bytes_sent <= 1.05 * total, (server.bytes_sent, total)
-    else:
-        assert server.bytes_sent >= 2 * total, (server.bytes_sent, total)
+    host = engine.url.split("//")[1].split(":")[0]
+    # Prefetch: every rank stages its part in its own process (its own pod) while the engine serves; the
+    # load takes the staged parts. Tensor-parallel ranks move the model's bytes once between them (each its
+    # cut of every tensor, the norms whole); each data-parallel rank holds the whole model and pulls it all.
+    b_bytes = update_through_the_ranks_staging(
+        engine, WeightsServer(engine.model_dir / WEIGHTS_B_DIR, host=host), "b-1"
+    )
     for headers in ranks(shape):
         assert greedy(engine, headers) == references["B"], headers
     assert state(engine)["weight_version"] == "b-1"
+    # Without prefetch (a sidecar's --no-prefetch), each rank pulls its part in the pause: the same bytes.
+    a_bytes = update_pulled_in_the_pause(engine, WeightsServer(engine.model_dir, host=host), "a-2")
+    for headers in ranks(shape):
+        assert greedy(engine, headers) == references["A"], headers
+    assert state(engine)["weight_version"] == "a-2"
+    for sent, total in (b_bytes, a_bytes):
+        assert (sent <= 1.05 * total) if shape == "tp2" else (sent >= 2 * total), (shape, sent, total)
+
+
+def update_through_the_ranks_staging(engine: Engine, server: WeightsServer, version: str) -> tuple[int, int]:
+    """Stage on every rank, then load what they staged; the bytes the weights server sent, and the model's."""
+    server.start()
+    try:
+        r = control(engine, STAGE_PATH, json=server.update_info())
+        assert r.status_code == 202, r.text
+        deadline = time.monotonic() + 120
+        while (staged := control(engine, STAGE_PATH + "?wait=10", method="GET").json())["state"] == "staging":
+            assert time.monotonic() < deadline, staged
+        assert staged["state"] == "staged" and staged["staged_url"].startswith("rank-staged://"), staged
+        sent = server.bytes_sent  # all of it, before the pause
+        load(engine, {"url": staged["staged_url"], "manifest_sha256": server.update_info()["manifest_sha256"]}, version)
+        assert server.bytes_sent == sent  # the load read the staged parts only
+    finally:
+        server.stop()
+    return sent, server.manifest.total_bytes
+
+
+def update_pulled_in_the_pause(engine: Engine, server: WeightsServer, version: str) -> tuple[int, int]:
+    server.start()
+    try:
+        load(engine, server.update_info(), version)
+    finally:
+        server.stop()
+    return server.bytes_sent, server.manifest.total_bytes
+
+
+def load(engine: Engine, info: dict[str, object], version: str) -> None:
+    assert control(engine, "/init_weight_transfer_engine", json={"init_info": {}}).status_code == 200
+    assert control(engine, "/start_weight_update").status_code == 200
+    r = control(engine, "/update_weights", json={"update_info": info})
+    assert r.status_code == 200, r.text
+    assert control(engine, "/finish_weight_update", json={"weight_version": version}).status_code == 200
 
 
 def test_abort_by_id_ends_the_request_on_whichever_rank_runs_it(group: tuple[str, Engine]) -> None:

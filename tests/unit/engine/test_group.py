@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollfleet_engine.group import DATA_PARALLEL_RPC_PORT, MASTER_PORT, group_args, wait_for_address
+from rollfleet_engine.rank_staging import WORKER_EXTENSION
 from rollfleet_engine.server import parse_serve_argv
 
 LEADER = "tiny-engine-0-0.tiny-engine-0.ns"
@@ -15,15 +16,17 @@ def test_tensor_parallel_over_pods_runs_vllms_multiproc_executor_across_nodes() 
     for rank in (0, 1):
         args = group_args(["--tensor-parallel-size", "2"], LEADER, pods=2, rank=rank)
         assert args == [
+            "--worker-extension-cls", WORKER_EXTENSION,
             "--nnodes", "2", "--node-rank", str(rank), "--master-addr", LEADER,
             "--master-port", str(MASTER_PORT), "--distributed-executor-backend", "mp",
         ]  # fmt: skip
-    assert group_args(["-tp", "2", "-pp", "2"], LEADER, pods=4, rank=3)[:4] == ["--nnodes", "4", "--node-rank", "3"]
+    assert group_args(["-tp", "2", "-pp", "2"], LEADER, pods=4, rank=3)[2:6] == ["--nnodes", "4", "--node-rank", "3"]
 
 
 def test_data_parallel_over_pods_gives_each_pod_its_engine_cores() -> None:
     leader = group_args(["--data-parallel-size", "4"], LEADER, pods=2, rank=0)
     assert leader == [
+        "--worker-extension-cls", WORKER_EXTENSION,
         "--data-parallel-size-local", "2", "--data-parallel-address", LEADER,
         "--data-parallel-rpc-port", str(DATA_PARALLEL_RPC_PORT),
     ]  # fmt: skip
@@ -39,6 +42,7 @@ def test_data_parallel_over_pods_gives_each_pod_its_engine_cores() -> None:
         (["-tp", "2"], 2, 2, "--pod-rank 2 is not a rank of a group of 2 pods"),
         (["-tp", "2"], 1, 0, "at least 2 pods"),
         (["-tp", "2", "--node-rank", "1"], 2, 1, "--node-rank: set from the group"),
+        (["-tp", "2", "--worker-extension-cls", "x.Y"], 2, 0, "--worker-extension-cls: set from the group"),
         (["-tp", "two"], 2, 0, "takes a whole number"),
     ],
 )
