@@ -96,11 +96,19 @@ class HTTPWeightTransferEngine(WeightTransferEngine[HTTPInitInfo, HTTPUpdateInfo
     def receive_weights(self, update_info: HTTPUpdateInfo) -> None:
         """Download and verify every tensor (or take the ones this rank staged), then load them. A failure here,
         unlike one in finish, ends vLLM's update session, so the engine can take the next update."""
-        info = update_info
-        if urlsplit(info.url).scheme == RANK_STAGED_SCHEME:
-            weights = self._stage.take(info.url)
-        else:
-            weights = self._pull(info.url, info.manifest_sha256, info.timeout_s)
+        info, parallel = update_info, self.vllm_config.parallel_config
+        try:
+            if urlsplit(info.url).scheme == RANK_STAGED_SCHEME:
+                weights = self._stage.take(info.url)
+            else:
+                weights = self._pull(info.url, info.manifest_sha256, info.timeout_s)
+        except Exception as err:
+            if parallel.world_size * parallel.data_parallel_size > 1:
+                # The engine's other ranks may have got their parts and loaded them: it is one version no more.
+                raise RuntimeError(
+                    f"{MIXED_WEIGHTS_MARK} this rank did not get its part of the weights: {err}"
+                ) from err
+            raise
         logger.info("Received %d verified tensors from %s", len(weights), info.url)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

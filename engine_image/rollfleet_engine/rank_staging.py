@@ -95,10 +95,12 @@ class RankStaging:
     """vLLM worker extension: what the group's leader calls on every worker (``collective_rpc``)."""
 
     def rollfleet_stage(self, info: dict[str, Any]) -> dict[str, Any]:
-        return self._http_backend().stage(WeightUpdateInfo.model_validate(info)).model_dump(mode="json")
+        started: StageStatus = self._http_backend().stage(WeightUpdateInfo.model_validate(info))
+        return started.model_dump(mode="json")
 
     def rollfleet_stage_status(self) -> dict[str, Any]:
-        return self._http_backend().stage_status().model_dump(mode="json")
+        status: StageStatus = self._http_backend().stage_status()
+        return status.model_dump(mode="json")
 
     def _http_backend(self) -> Any:
         backend = getattr(self, "weight_transfer_engine", None)

@@ -204,9 +204,12 @@ def _check_sums(received: list[tuple[TensorEntry, Future[str]]]) -> None:
             raise TransferError(f"{entry.name}: checksum mismatch (corrupt transfer)")
 
 
-def read_shard(read_into: ReadInto, shard: Shard) -> list[tuple[str, Any]]:
-    """``(name, tensor)`` for every tensor of a shard stream, each in a buffer of its own and checked against
-    the manifest (pulled in the pause: the load copies each tensor into the model and frees it).
+def read_shard(
+    read_into: ReadInto, shard: Shard, into: Callable[[TensorEntry], memoryview | None] | None = None
+) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` for every tensor of a shard stream, each in a buffer of its own (or the one `into`
+    gives for it: its bytes land there, and the tensor is a view of it) and checked against the manifest
+    (pulled in the pause: the load copies each tensor into the model and frees it).
 
     Checksums run on a second thread while the next tensor is received (xxhash releases
     the GIL), so verification costs little wall time. Nothing is returned unless every
@@ -228,7 +231,12 @@ def read_shard(read_into: ReadInto, shard: Shard) -> list[tuple[str, Any]]:
             begin, end = entry.data_offsets
             if begin > position:
                 take(begin - position, "padding")
-            data = take(end - begin, entry.name)
+            target = into(entry) if into is not None else None
+            if target is None:
+                data: bytearray | memoryview = take(end - begin, entry.name)
+            else:
+                data = target
+                _read_exact(read_into, data, entry.name)
             received.append((entry, hasher.submit(tensor_checksum, data)))
             tensors.append((entry.name, _tensor(torch, data, entry)))
             position = end
@@ -286,8 +294,13 @@ def tensors_from_buffer(data: bytearray | memoryview, shard: Shard) -> list[tupl
     ]
 
 
+def torch_dtype(safetensors_dtype: str) -> Any:
+    """The torch dtype of a safetensors dtype name."""
+    return getattr(_torch(), _ST_TO_TORCH[safetensors_dtype])
+
+
 def _tensor(torch: Any, data: bytearray | memoryview, entry: TensorEntry) -> Any:
-    dtype = getattr(torch, _ST_TO_TORCH[entry.dtype])
+    dtype = torch_dtype(entry.dtype)
     tensor = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
     return tensor.reshape(entry.shape)
 

@@ -68,7 +68,8 @@ def cut_for(name: str, shape: list[int], rank: RankShard) -> TensorCut:
         return whole
     if name.endswith(_VOCAB) and len(shape) == 2 and shape[0] == rank.vocab_size:
         begin, end = vocab_range(rank.vocab_size, rank.tp_size, rank.tp_rank)
-        return TensorCut(name=name, dim=0, begin=begin, end=end)
+        # A rank past the end of a small vocabulary holds none of it (its loader narrows to nothing).
+        return TensorCut(name=name, dim=0, begin=begin, end=end) if begin < end else whole
     column = any(part in name for part in _COLUMN) or (
         any(part in name for part in _KV) and rank.num_kv_heads % rank.tp_size == 0
     )

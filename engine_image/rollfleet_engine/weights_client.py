@@ -35,7 +35,7 @@ from rollfleet_engine.protocol import (
     TensorCut,
     WeightManifest,
 )
-from rollfleet_engine.safetensors_stream import TransferError, read_shard, sha256_hex, tensors_from_buffer
+from rollfleet_engine.safetensors_stream import TransferError, read_shard, sha256_hex, tensors_from_buffer, torch_dtype
 from rollfleet_engine.tp_slices import cut_shape
 
 MANIFEST_FILE = "manifest.json"
@@ -120,23 +120,38 @@ def fetch_slices(url: str, manifest_sha256: str | None, timeout_s: float, plan: 
     planned = [(c.name, entries[c.name].dtype, cut_shape(entries[c.name], c)) for c in cuts]
     if [(t.name, t.dtype, t.shape) for t in shard.tensors] != planned:
         raise TransferError(f"{url}: the slices offered are not the ones planned")
-    with http_get(url, shard.path, timeout_s) as resp:
-        check_length(resp, shard)
-        received = read_shard(resp.readinto, shard)
-    by_name = {c.name: c for c in cuts}
-    return [(name, _at_full_shape(entries[name].shape, by_name[name], part)) for name, part in received]
-
-
-def _at_full_shape(shape: list[int], cut: TensorCut, part: Any) -> Any:
-    """`part` placed at its rows of an otherwise unwritten tensor of `shape` (whose pages, never touched,
-    cost no memory): what a tensor-parallel loader narrows to this rank's rows."""
-    if cut.dim is None:
-        return part
+    # Each cut goes to its rows of an otherwise unwritten tensor of the full shape (whose pages, never touched,
+    # cost no memory): what a tensor-parallel loader narrows to this rank's rows. Rows of dimension 0 are
+    # contiguous: received there directly; a cut of columns is received, then placed.
     import torch
 
-    full = torch.empty(shape, dtype=part.dtype)
-    full.narrow(cut.dim, cut.begin, cut.end - cut.begin).copy_(part)
-    return full
+    by_name = {c.name: c for c in cuts}
+    full = {
+        c.name: torch.empty(entries[c.name].shape, dtype=torch_dtype(entries[c.name].dtype))
+        for c in cuts
+        if c.dim is not None
+    }
+
+    def rows_of(entry: Any) -> memoryview | None:  # a TensorEntry of the slices' shard
+        cut = by_name[entry.name]
+        if cut.dim != 0:
+            return None
+        rows = full[entry.name].narrow(0, cut.begin, cut.end - cut.begin)
+        return memoryview(rows.reshape(-1).view(torch.uint8).numpy())
+
+    with http_get(url, shard.path, timeout_s) as resp:
+        check_length(resp, shard)
+        received = read_shard(resp.readinto, shard, rows_of)
+    out = []
+    for name, part in received:
+        cut = by_name[name]
+        if cut.dim is None:
+            out.append((name, part))
+            continue
+        if cut.dim != 0:
+            full[name].narrow(cut.dim, cut.begin, cut.end - cut.begin).copy_(part)
+        out.append((name, full[name]))
+    return out
 
 
 def staging_root() -> Path:
