@@ -368,7 +368,7 @@ def shard_part(mib: int, repeats: int, tmp: Path) -> tuple[list[Row], dict[str, 
                 phases = json.loads(done.stdout.strip().splitlines()[-1])
                 figures[f"shards{tag} {pods}-pod s"] = phases["push_s"]
                 figures[f"shards{tag} {pods}-pod bytes"] = phases["rx_bytes"]
-                how = "TP=2 ranks pull their cuts in the pause" if pods > 1 else "prefetch"
+                how = "TP=2 ranks each stage their cuts in their own pod" if pods > 1 else "prefetch"
                 note = (
                     f"{phases['bytes'] / MIB:,.1f} MiB Llama-shaped push_dir, {how}; "
                     f"{phases['rx_bytes'] / MIB:,.1f} MiB in, pause {phases['pause_window_s']:.2f} s"
