@@ -22,11 +22,17 @@ from urllib.parse import urlsplit
 
 from rollfleet_engine.protocol import STAGE_RELAY_PATH, StageState, StageStatus, WeightUpdateInfo
 from rollfleet_engine.safetensors_stream import TransferError
-from rollfleet_engine.staging import RelayUnavailable
+from rollfleet_engine.staging import RelayUnavailable, stages_already
 
 RANK_STAGED_SCHEME = "rank-staged"  # rank-staged://<manifest sha256>: each rank's own staged part
 WORKER_EXTENSION = "rollfleet_engine.rank_staging.RankStaging"
 STATUS_POLL_S = 0.05  # between asking the ranks (a utility call each), while a caller waits for the end
+
+
+def rank_staged_url(manifest_sha256: str | None) -> str:
+    """What the load is given for the parts the ranks staged of these weights."""
+    return f"{RANK_STAGED_SCHEME}://{manifest_sha256}"
+
 
 Pull = Callable[[WeightUpdateInfo], list[tuple[str, Any]]]
 
@@ -43,10 +49,7 @@ class RankStage:
         if info.manifest_sha256 is None:
             raise ValueError("staging needs manifest_sha256: it names the staged set")
         with self._lock:
-            if self._status.manifest_sha256 == info.manifest_sha256 and self._status.state in (
-                StageState.STAGING,
-                StageState.STAGED,
-            ):
+            if stages_already(self._status, info.manifest_sha256):
                 return self._status.model_copy()
             self._status = StageStatus(state=StageState.STAGING, manifest_sha256=info.manifest_sha256)
             self._weights = None
@@ -66,7 +69,7 @@ class RankStage:
             state=StageState.STAGED,
             manifest_sha256=info.manifest_sha256,
             bytes=size,
-            staged_url=f"{RANK_STAGED_SCHEME}://{info.manifest_sha256}",
+            staged_url=rank_staged_url(info.manifest_sha256),
             seconds=round(time.monotonic() - t0, 3),
         )
         self._end(info, weights, staged)
@@ -125,7 +128,7 @@ def merge_rank_status(ranks: Sequence[StageStatus]) -> StageStatus:
         state=StageState.STAGED,
         manifest_sha256=sha,
         bytes=sum(r.bytes for r in ranks),
-        staged_url=f"{RANK_STAGED_SCHEME}://{sha}",
+        staged_url=rank_staged_url(sha),
         seconds=max(r.seconds or 0.0 for r in ranks),
     )
 

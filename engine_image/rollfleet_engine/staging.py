@@ -95,6 +95,11 @@ class _Job:
         return self.status.state is not StageState.STAGING
 
 
+def stages_already(current: StageStatus, manifest_sha256: str) -> bool:
+    """Whether a staging asked for `manifest_sha256` is the one under way or done: it is not begun again."""
+    return current.manifest_sha256 == manifest_sha256 and current.state in (StageState.STAGING, StageState.STAGED)
+
+
 class Stager:
     def __init__(self, root: Path, max_bytes: int | None) -> None:
         self.root, self.max_bytes = root, max_bytes
@@ -131,10 +136,7 @@ class Stager:
             raise ValueError("staging needs manifest_sha256: it names the staged set")
         with self._lock:
             current = self._job.status
-            if current.manifest_sha256 == info.manifest_sha256 and current.state in (
-                StageState.STAGING,
-                StageState.STAGED,
-            ):
+            if stages_already(current, info.manifest_sha256):
                 return current.model_copy()
             job = _Job(StageStatus(state=StageState.STAGING, manifest_sha256=info.manifest_sha256))
             job.thread = threading.Thread(
