@@ -216,6 +216,19 @@ class Fleet:
         )
         return list(json.loads(out.stdout)["items"])
 
+    def pod(self, name: str) -> dict[str, Any]:
+        return next(p for p in self.pods() if p["metadata"]["name"] == name)
+
+    def replaced(self, name: str, old_uid: str, ready: bool = False) -> bool:
+        """Whether a pod named `name` other than the one of `old_uid` exists (and, with `ready`, is Ready as its
+        kubelet sees it: the fleet's status may still show the old pod's last state for a moment)."""
+        return any(
+            p["metadata"]["name"] == name
+            and p["metadata"]["uid"] != old_uid
+            and (not ready or _condition(p, "Ready") == "True")
+            for p in self.pods()
+        )
+
     def engine(self, name: str) -> dict[str, Any]:
         return next((e for e in self.status().get("engines", []) if e["name"] == name), {})
 
@@ -252,6 +265,10 @@ class Fleet:
         with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
             r = httpx.post(url + path, headers={"Authorization": f"Bearer {self.admin_token()}"}, timeout=60)
             assert r.status_code == 200, (path, r.status_code, r.text)
+
+
+def _condition(pod: dict[str, Any], type_: str) -> str | None:
+    return next((c["status"] for c in (pod.get("status") or {}).get("conditions", []) if c["type"] == type_), None)
 
 
 def gateway_routes() -> list[tuple[str, str]]:

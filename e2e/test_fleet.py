@@ -497,16 +497,8 @@ def test_scale_up_then_down_drains_in_flight_requests(cluster: Cluster, fleet: F
     assert drained and "drained" in drained[-1], drained
 
 
-def _replaced(fleet: Fleet, name: str, old_uid: str) -> bool:
-    return any(p["metadata"]["name"] == name and p["metadata"]["uid"] != old_uid for p in fleet.pods())
-
-
-def _pod(fleet: Fleet, name: str) -> dict[str, Any]:
-    return next(p for p in fleet.pods() if p["metadata"]["name"] == name)
-
-
 def test_killed_engine_process_is_replaced_and_degraded_meanwhile(cluster: Cluster, fleet: Fleet) -> None:
-    old = _pod(fleet, "e2e-engine-0")
+    old = fleet.pod("e2e-engine-0")
     kill_engine_process(cluster, NS, "e2e-engine-0")
     degraded = fleet.wait(
         lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
@@ -515,25 +507,21 @@ def test_killed_engine_process_is_replaced_and_degraded_meanwhile(cluster: Clust
     )
     assert degraded["readyReplicas"] == REPLICAS - 1
     assert next(c for c in degraded["conditions"] if c["type"] == "Ready")["status"] == "False"
-    wait_for(
-        lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=120, what="a new e2e-engine-0 pod"
-    )
+    wait_for(lambda: fleet.replaced("e2e-engine-0", old["metadata"]["uid"]), timeout=120, what="a new e2e-engine-0 pod")
     fleet.wait_ready(REPLICAS)
     assert fleet.condition("Degraded")["status"] == "False"
     assert any(e["reason"] in ("EngineReplaced", "EngineFailed") for e in fleet.events())
 
 
 def test_deleted_engine_pod_is_replaced_and_degraded_meanwhile(cluster: Cluster, fleet: Fleet) -> None:
-    old = _pod(fleet, "e2e-engine-0")
+    old = fleet.pod("e2e-engine-0")
     cluster.kubectl("-n", NS, "delete", "pod", "e2e-engine-0", "--wait=false")
     fleet.wait(
         lambda s: any(c["type"] == "Degraded" and c["status"] == "True" for c in s.get("conditions", [])),
         "Degraded",
         120,
     )
-    wait_for(
-        lambda: _replaced(fleet, "e2e-engine-0", old["metadata"]["uid"]), timeout=180, what="a new e2e-engine-0 pod"
-    )
+    wait_for(lambda: fleet.replaced("e2e-engine-0", old["metadata"]["uid"]), timeout=180, what="a new e2e-engine-0 pod")
     fleet.wait_ready(REPLICAS)
     assert fleet.condition("Degraded")["status"] == "False"
 
@@ -557,18 +545,18 @@ def test_evictions_take_one_engine_at_a_time_and_the_evicted_one_is_replaced(
 
     pdb = wait_for(counted, 60, what="the disruption controller to count every engine healthy")
     assert pdb["spec"]["maxUnavailable"] == 1
-    first, second = (_pod(fleet, engine_pod_name(NAME, i)) for i in range(REPLICAS))
+    first, second = (fleet.pod(engine_pod_name(NAME, i)) for i in range(REPLICAS))
     _evict(core, first["metadata"]["name"])
     with pytest.raises(kubernetes.client.ApiException) as refused:
         _evict(core, second["metadata"]["name"])
     assert refused.value.status == 429 and "disruption budget" in str(refused.value.body), refused.value.body
     wait_for(
-        lambda: _replaced(fleet, first["metadata"]["name"], first["metadata"]["uid"]),
+        lambda: fleet.replaced(first["metadata"]["name"], first["metadata"]["uid"]),
         timeout=120,
         what="the evicted engine replaced",
     )
     fleet.wait_ready(REPLICAS)
-    assert _pod(fleet, second["metadata"]["name"])["metadata"]["uid"] == second["metadata"]["uid"]
+    assert fleet.pod(second["metadata"]["name"])["metadata"]["uid"] == second["metadata"]["uid"]
 
 
 def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluster, fleet: Fleet) -> None:

@@ -214,8 +214,9 @@ def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the
     cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
     auth = fleet.inference()  # generation at the engines asks for the fleet's inference token
+    killed = fleet.pod(ENGINES[1])["metadata"]["uid"]
     started = sync.push_dir(SIDECAR_MODELS, "a-2", wait=False)
-    kill_engine_process(cluster, live_ns, ENGINES[1])  # its container restarts on the image's weights (A, label "A")
+    kill_engine_process(cluster, live_ns, ENGINES[1])  # a new pod replaces it, on the image's weights (A, label "A")
     status = sync.wait(started.generation, timeout_s=120)
     assert status.state is PushState.DONE
 
@@ -229,7 +230,9 @@ def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the
         assert not stale, f"routable on old weights: {stale} ({st})"
         return all_ready_on("a-2")(st)
 
-    fleet.wait(consistent, "the restarted engine caught up to a-2", timeout=600)
+    # The push may end before the kill shows in the fleet's status: what is awaited is the new pod, up.
+    wait_for(lambda: fleet.replaced(ENGINES[1], killed, ready=True), timeout=600, what=f"a new {ENGINES[1]}, Ready")
+    fleet.wait(consistent, "the new engine caught up to a-2", timeout=600)
     with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
         assert greedy(e0, auth) == greedy(e1, auth) == references[A]
     version = sync.fleet_version()

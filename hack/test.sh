@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# `make test`: the local control plane's build and lint, then every tier (docs/testing.md): unit,
-# then engine, then the control-plane tier (the local cluster) and the acceptance tier (kind) side by
-# side; at the end, each phase's time against its budget.
+# `make test`: the local control plane's build and lint, then every tier (docs/testing.md): unit, then
+# two lanes side by side: the local lane (engine, then control-plane, then multipod tiers) and the kind
+# lane (kind up, then the acceptance tier); at the end, each phase's time against its budget.
 #
 # Why side by side: the control-plane tier mostly waits (on simulated engines' pace, backoffs,
-# watches: two thirds of the machine idle), and the acceptance tier mostly decodes on real engines.
-# Bringing kind up (Docker, the images, the node image, the cluster) runs in the background at low
-# CPU priority, its output in a log: on a machine without a kind cluster it starts first, since its
+# watches), and the acceptance tier, the longest, is the run's critical path: it starts as soon as kind
+# is up. Bringing kind up (Docker, the images, the node image, the cluster) runs in the background at
+# low CPU priority, its output in a log: on a machine without a kind cluster it starts first, since its
 # image builds (mostly I/O) overlap the CPU-bound build of the local control plane and its Go builds
-# take long; warm, it is mostly image loads and starts after the unit tier, beside the engine tier. A cluster kept from an earlier run loses what that run left
-# in it (`--clean`: a fleet of engines, an operator), or it would run beside this one; and the
-# cluster is stopped once up, since an idle cluster costs a share of a core that the tiers need. It
-# is started again for the acceptance tier, which begins as soon as both the engine tier and kind
-# are done. Without Docker (and no root to install it) use `make test-local`.
+# take long; warm, it is image builds and the loads of their new layers (`imageload`), after the unit
+# tier. A cluster kept from an earlier run loses what that run left in it (`--clean`: a fleet of
+# engines, an operator), or it would run beside this one. Without Docker (and no root to install it)
+# use `make test-local`. Each tier's line says how busy the machine's CPUs were meanwhile (both lanes),
+# and vmstat's log ($LOGS/vmstat.log) what memory was left, for a run that ran out of either.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,20 +28,25 @@ mkdir -p "$LOGS"
 rm -f "$KIND_LOG.status" "$SUMMARY" "$LOGS/acceptance.status"
 start=$SECONDS
 
+# The machine's CPU time so far, busy and all (jiffies of /proc/stat's first line: idle and iowait are not busy).
+cpu_ticks() { awk '/^cpu / {print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+
 # tier NAME BUDGET_S COMMAND...: run it, its output in $LOGS/NAME.log (and here, unless QUIET=1); its
 # line of the summary; exits with the command's status.
 tier() {
-  local name=$1 budget=$2 t0=$SECONDS status
+  local name=$1 budget=$2 t0=$SECONDS status busy0 all0 busy1 all1
   shift 2
+  read -r busy0 all0 < <(cpu_ticks)
   say "== tier $name (budget ${budget} s)"
   if [ "${QUIET:-0}" = 1 ]; then "$@" >"$LOGS/$name.log" 2>&1; else "$@" 2>&1 | tee "$LOGS/$name.log"; fi
   status=${PIPESTATUS[0]}
   # pytest exits 5 when a tier selects no test (-k, -m from PYTEST_ARGS): nothing failed.
   [ "$status" = 5 ] && status=0
-  local took=$((SECONDS - t0)) verdict=ok
+  read -r busy1 all1 < <(cpu_ticks)
+  local took=$((SECONDS - t0)) verdict=ok cpu=$(( 100 * (busy1 - busy0) / (all1 - all0 > 0 ? all1 - all0 : 1) ))
   [ "$took" -gt "$budget" ] && verdict="OVER BUDGET"
   [ "$status" != 0 ] && verdict="FAILED (exit $status)"
-  printf '%-22s %6s s  budget %5s s  %s\n' "$name" "$took" "$budget" "$verdict" >>"$SUMMARY"
+  printf '%-22s %6s s  budget %5s s  cpu %3s%%  %s\n' "$name" "$took" "$budget" "$cpu" "$verdict" >>"$SUMMARY"
   say "== tier $name: $verdict after $took s"
   return "$status"
 }
@@ -53,30 +58,31 @@ run_tier() {
 
 failed=0
 kind_pid=""
+vmstat -t 10 >"$LOGS/vmstat.log" 2>&1 &
+vmstat_pid=$!
+trap 'kill "$vmstat_pid" 2>/dev/null' EXIT
 start_kind() {
-  say "bringing the kind cluster up beside the $1, at low priority, stopped until the acceptance tier (log: $KIND_LOG)"
+  say "bringing the kind cluster up beside the $1, at low priority (log: $KIND_LOG)"
   # A process group of its own (setsid), so that a failed build or lint can stop it whole.
   # shellcheck disable=SC2016  # expanded by the inner shell
-  setsid nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean && rollfleet kind stop
+  setsid nice -n 10 bash -c 'make --no-print-directory kind-up KIND_UP_ARGS=--clean
     echo $? >"$1.status"' _ "$KIND_LOG" >"$KIND_LOG" 2>&1 &
-  kind_pid=$!
+  kind_pid=$! kind_t0=$SECONDS
 }
 stop_kind() { [ -n "$kind_pid" ] && kill -- -"$kind_pid" 2>/dev/null; say "stopped (and kind's bring-up)"; exit 1; }
 # Cold (no kind node on this machine yet), bringing kind up takes half an hour of image and Go builds:
-# it starts first. Warm it is a few minutes of image loads, which would push the unit tier past its
-# 2 minutes: it starts after that tier.
+# it starts first. Warm it is image builds and loads, which would push the unit tier past its 2
+# minutes: it starts after that tier.
 if [ -z "$(docker ps -aq --filter 'name=^rollfleet-control-plane$')" ]; then
-  start_kind "build, lint, unit and engine tiers"
+  start_kind "build, lint and unit tiers"
 fi
 # The local control plane from Go modules (seconds once cached), and lint: phases of their own, before any tier.
 tier build 900 make --no-print-directory build || stop_kind
 tier lint 180 make --no-print-directory lint || stop_kind
 run_tier unit || failed=1
 [ -n "$kind_pid" ] || start_kind "engine tier"
-run_tier engine || failed=1
 
-# The acceptance tier, in the background once kind is ready: its output goes to its log, printed
-# whole once the control-plane tier is done.
+# The kind lane, in the background: its output goes to its log, printed whole once the local lane is done.
 (
   while [ ! -s "$KIND_LOG.status" ]; do sleep 2; done  # kind-up's status file: not a child of this shell
   kind_status=$(cat "$KIND_LOG.status")
@@ -86,36 +92,35 @@ run_tier engine || failed=1
     echo 1 >"$LOGS/acceptance.status"
     exit 1
   fi
-  say "kind cluster ready after $((SECONDS - start)) s; starting it, then the acceptance tier (log: $LOGS/acceptance.log)"
-  # The cluster and its images are ready; `kind up` only starts the stopped nodes.
-  QUIET=1 tier "kind start" 120 rollfleet kind up && QUIET=1 run_tier acceptance
+  say "kind cluster up after $((SECONDS - start)) s; the acceptance tier starts (log: $LOGS/acceptance.log)"
+  printf '%-22s %6s s  (beside the tiers before it)\n' "kind up" "$((SECONDS - kind_t0))" >>"$SUMMARY"
+  QUIET=1 run_tier acceptance
   echo $? >"$LOGS/acceptance.status"
 ) &
 acceptance_pid=$!
 
+run_tier engine || failed=1
 # The local cluster serves the control-plane tier (its start is a line of its own); one that was up
 # before stays up after.
 was_up=$(python -c 'from rollfleet_dev.localcluster import controlplane as c; print(int(c.is_up()))')
 tier "local cluster up" 180 rollfleet cluster up || failed=1
 run_tier controlplane || failed=1
 [ "$was_up" = 1 ] || rollfleet cluster down >"$LOGS/cluster-down.log" 2>&1
-# Engines across processes: seven vLLM processes per engine at their start, too many beside kind's image
-# loads; the control-plane lane ends minutes before the acceptance tier and has the room.
+# Engines across processes: seven vLLM processes per engine at their start, last in the local lane, once
+# the engine and control-plane tiers' processes are gone.
 run_tier multipod || failed=1
 local_s=$((SECONDS - start))
 
-say "control-plane tier done at $local_s s; waiting for the acceptance tier"
+say "local lane done at $local_s s; waiting for the acceptance tier"
 wait "$kind_pid" "$acceptance_pid"
 [ "$(cat "$LOGS/acceptance.status" 2>/dev/null || echo 1)" = 0 ] || failed=1
-for name in "kind start" acceptance; do
-  [ -f "$LOGS/$name.log" ] && sed "s/^/[$name] /" "$LOGS/$name.log"
-done
+[ -f "$LOGS/acceptance.log" ] && sed "s/^/[acceptance] /" "$LOGS/acceptance.log"
 
 # The end of a run is what a CI page shows: where each tier's time went, what failed, the tiers' times.
 for t in unit engine controlplane multipod acceptance; do
   { sed -n "/slowest $SLOWEST durations/,/^=/p" "$LOGS/$t.log"; grep -E '^(FAILED|ERROR) ' "$LOGS/$t.log"; } | sed "s/^/[$t] /"
 done
-say "control-plane tier done at $local_s s; the whole run took $((SECONDS - start)) s"
-say "tier times against their budgets (docs/testing.md; control plane and acceptance side by side):"
+say "local lane done at $local_s s; the whole run took $((SECONDS - start)) s"
+say "tier times against their budgets (docs/testing.md; the local and kind lanes side by side):"
 sed 's/^/[test]   /' "$SUMMARY"
 exit "$failed"

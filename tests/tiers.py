@@ -1,10 +1,10 @@
 """The test tiers (docs/testing.md): what each runs and its time budget, in one place.
 
 A test's markers place it: `cluster` (it needs a Kubernetes cluster) and `engine` (it needs real
-vLLM), and a tier's own marker where it has one (`multipod`: engines across processes, run beside
-the acceptance tier once the control-plane tier is done, where the machine has room). Each tier runs
-its paths with its marker expression, so every test is in exactly one tier as long as it lives
-under its tier's paths; `check` makes sure of that.
+vLLM), and a tier's own marker where it has one (`multipod`: engines across processes, run last in
+the local lane, beside the acceptance tier). Each tier runs its paths with its marker expression, so
+every test is in exactly one tier as long as it lives under its tier's paths; `check` makes sure of
+that.
 
     python -m tests.tiers run TIER [pytest args]    run one tier (make test-unit, test-engine, ...)
     python -m tests.tiers budget TIER               its budget in seconds (hack/test.sh prints against it)
@@ -68,7 +68,7 @@ TIERS = (
         ("tests/engine", "tests/sync", "tests/collective"),
         cluster=False,
         engine=True,
-        budget_s=420,  # beside kind coming up
+        budget_s=420,  # in the local lane, beside kind coming up, then the acceptance tier
     ),
     Tier(
         "multipod",
@@ -76,7 +76,7 @@ TIERS = (
         ("tests/engine",),
         cluster=False,
         engine=True,
-        budget_s=420,  # after the control-plane tier, beside the acceptance tier
+        budget_s=420,  # last in the local lane, beside the acceptance tier
         marker="multipod",
     ),
     Tier(
@@ -85,7 +85,7 @@ TIERS = (
         ("e2e",),
         cluster=True,
         engine=False,
-        budget_s=1020,  # beside the acceptance tier
+        budget_s=1020,  # in the local lane, beside the acceptance tier
     ),
     Tier(
         "acceptance",
@@ -93,7 +93,7 @@ TIERS = (
         ("e2e",),
         cluster=True,
         engine=True,
-        budget_s=1200,  # beside the control-plane tier
+        budget_s=1200,  # the kind lane, beside the local lane
         on_kind=True,
     ),
 )

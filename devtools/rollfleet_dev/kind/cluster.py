@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from rollfleet.api.common import DEFAULT_ENGINE_IMAGE, DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.errors import RollfleetError
 from rollfleet.kubectl import Kubectl
 from rollfleet_dev.gobuild import ensure_tool, log
-from rollfleet_dev.kind import nodeimage, tools
+from rollfleet_dev.kind import imageload, nodeimage, tools
 from rollfleet_dev.localcluster.paths import state_dir
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, default_model_dir, ensure_tiny_model
 
@@ -212,7 +213,7 @@ def advertise_gpus(kubectl: Kubectl, count: int = GPUS_PER_NODE) -> list[str]:
 
 
 def load_images(kubectl: Kubectl) -> None:
-    """Rollfleet's images into the nodes (kind skips nodes that already hold the same image)."""
+    """Rollfleet's images into the nodes, each sent only what it lacks (`imageload`)."""
     for image in (DEFAULT_ROLLFLEET_IMAGE, DEFAULT_ENGINE_IMAGE):
         if not nodeimage.image_exists(image):
             raise KindError(f"{image} is not built: run `make images` first")
@@ -220,16 +221,22 @@ def load_images(kubectl: Kubectl) -> None:
         n.removeprefix("node/")
         for n in kubectl.run("get", "nodes", "-l", GPU_POOL_SELECTOR, "-o", "name").stdout.split()
     ]
+    every_node = _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split()
+
+    def kind_load(image: str) -> Callable[[list[str]], None]:
+        def run(nodes: list[str]) -> None:
+            argv = [_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(nodes), image]
+            _run(argv, "kind load")
+
+        return run
+
     log(f"kind: loading {DEFAULT_ROLLFLEET_IMAGE} into every node")
-    _run([_kind(), "load", "docker-image", "--name", CLUSTER_NAME, DEFAULT_ROLLFLEET_IMAGE], "kind load")
+    imageload.load(DEFAULT_ROLLFLEET_IMAGE, every_node, kind_load(DEFAULT_ROLLFLEET_IMAGE), log)
     log(f"kind: loading {DEFAULT_ENGINE_IMAGE} into the GPU pool ({', '.join(gpu_nodes)})")
-    _run(
-        [_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(gpu_nodes), DEFAULT_ENGINE_IMAGE],
-        "kind load",
-    )
+    imageload.load(DEFAULT_ENGINE_IMAGE, gpu_nodes, kind_load(DEFAULT_ENGINE_IMAGE), log)
     # `kind load` also names each import `import-<date>@<digest>`: after a rebuild those names keep
     # the previous image (GBs for the engine) alive on every node. The tags stay; those go.
-    for node in _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split():
+    for node in every_node:
         _run(
             [
                 "docker",
