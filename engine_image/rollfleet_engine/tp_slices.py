@@ -97,15 +97,25 @@ def cut_shape(entry: TensorEntry, cut: TensorCut) -> list[int]:
     return [*entry.shape[: cut.dim], cut.end - cut.begin, *entry.shape[cut.dim + 1 :]]
 
 
-def cut_bytes(data: memoryview, entry: TensorEntry, cut: TensorCut) -> memoryview | bytes:
-    """The bytes of `cut` of a tensor whose bytes are `data` (row-major): a view where they are contiguous
-    (dimension 0, or every dimension before it of size 1), else gathered, one block per outer row."""
+def cut_run(entry: TensorEntry, cut: TensorCut) -> tuple[int, int] | None:
+    """Where `cut` lies in the tensor's bytes (row-major) when it is one run of them (the whole tensor,
+    dimension 0, or every dimension before it of size 1): its first and last byte offsets; else None."""
+    size = math.prod(entry.shape) * ITEMSIZE[entry.dtype]
     if cut.dim is None:
-        return data
+        return 0, size
+    if math.prod(entry.shape[: cut.dim]) != 1:
+        return None
+    inner = math.prod(entry.shape[cut.dim + 1 :]) * ITEMSIZE[entry.dtype]
+    return cut.begin * inner, cut.end * inner
+
+
+def cut_bytes(data: memoryview, entry: TensorEntry, cut: TensorCut) -> memoryview | bytes:
+    """The bytes of `cut` of a tensor whose bytes are `data` (row-major): a view where they are one run,
+    else gathered, one block per outer row."""
+    if (run := cut_run(entry, cut)) is not None:
+        return data[run[0] : run[1]]
+    assert cut.dim is not None  # a whole tensor is one run
     shape = entry.shape
-    outer = math.prod(shape[: cut.dim])
     inner = math.prod(shape[cut.dim + 1 :]) * ITEMSIZE[entry.dtype]
     row, first, last = shape[cut.dim] * inner, cut.begin * inner, cut.end * inner
-    if outer == 1:
-        return data[first:last]
-    return b"".join(data[o * row + first : o * row + last] for o in range(outer))
+    return b"".join(data[o * row + first : o * row + last] for o in range(math.prod(shape[: cut.dim])))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.client
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -120,38 +121,39 @@ def fetch_slices(url: str, manifest_sha256: str | None, timeout_s: float, plan: 
     planned = [(c.name, entries[c.name].dtype, cut_shape(entries[c.name], c)) for c in cuts]
     if [(t.name, t.dtype, t.shape) for t in shard.tensors] != planned:
         raise TransferError(f"{url}: the slices offered are not the ones planned")
-    # Each cut goes to its rows of an otherwise unwritten tensor of the full shape (whose pages, never touched,
-    # cost no memory): what a tensor-parallel loader narrows to this rank's rows. Rows of dimension 0 are
-    # contiguous: received there directly; a cut of columns is received, then placed.
+    # Each cut is received straight into a tensor of the full shape, at the rows a tensor-parallel loader
+    # narrows to (`_cut_target`); whole tensors as they come.
     import torch
 
-    by_name = {c.name: c for c in cuts}
-    full = {
-        c.name: torch.empty(entries[c.name].shape, dtype=torch_dtype(entries[c.name].dtype))
-        for c in cuts
-        if c.dim is not None
-    }
+    targets = {c.name: _cut_target(entries[c.name], c) for c in cuts if c.dim is not None}
 
     def rows_of(entry: Any) -> memoryview | None:  # a TensorEntry of the slices' shard
-        cut = by_name[entry.name]
-        if cut.dim != 0:
-            return None
-        rows = full[entry.name].narrow(0, cut.begin, cut.end - cut.begin)
-        return memoryview(rows.reshape(-1).view(torch.uint8).numpy())
+        target = targets.get(entry.name)
+        return None if target is None else memoryview(target[1].view(torch.uint8).numpy())
 
     with http_get(url, shard.path, timeout_s) as resp:
         check_length(resp, shard)
         received = read_shard(resp.readinto, shard, rows_of)
-    out = []
-    for name, part in received:
-        cut = by_name[name]
-        if cut.dim is None:
-            out.append((name, part))
-            continue
-        if cut.dim != 0:
-            full[name].narrow(cut.dim, cut.begin, cut.end - cut.begin).copy_(part)
-        out.append((name, full[name]))
-    return out
+    return [(name, targets[name][0] if name in targets else part) for name, part in received]
+
+
+def _cut_target(entry: Any, cut: Any) -> tuple[Any, Any]:
+    """A tensor of `entry`'s full shape whose `cut` is one contiguous run of memory, and that run (1-D).
+
+    Its strides are the cut's own, contiguous, over a buffer of the cut with room before and after it, so
+    ``full.narrow(cut.dim, cut.begin, width)`` is the run: what a loader narrows to is received in place,
+    without a copy, and only the cut's memory is touched. Outside the cut the tensor is never written (for
+    dimension 0, untouched pages of a tensor of the full size) or aliases the cut's own memory (other
+    dimensions): neither is read by the loader that asked for the cut."""
+    import torch
+
+    shape, dim = list(entry.shape), cut.dim
+    inner = math.prod(shape[dim + 1 :])
+    part_shape = cut_shape(entry, cut)
+    strides = [math.prod(part_shape[i + 1 :]) for i in range(len(part_shape))]
+    before, size, after = cut.begin * inner, math.prod(part_shape), (shape[dim] - cut.end) * inner
+    buffer = torch.empty(before + size + after, dtype=torch_dtype(entry.dtype))
+    return buffer.as_strided(shape, strides), buffer.narrow(0, before, size)
 
 
 def staging_root() -> Path:

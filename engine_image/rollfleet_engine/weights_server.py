@@ -24,6 +24,7 @@ import json
 import math
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
@@ -53,11 +54,14 @@ from rollfleet_engine.safetensors_stream import (
     shard_from_tensors,
     tensor_checksum,
 )
-from rollfleet_engine.tp_slices import ITEMSIZE, cut_bytes, cut_shape
+from rollfleet_engine.tp_slices import ITEMSIZE, cut_bytes, cut_run, cut_shape
 
 _SEND_CHUNK = 16 << 20
 _MAX_PLAN_BYTES = 16 << 20  # a plan names every tensor once: far below this for any model
 _KEPT_SLICE_SETS = 64  # per snapshot: a group's ranks each ask once per push
+# A stamp taken when no file had been written for this long vouches for the bytes hashed after it: a
+# later write moves a file's times past it, even where the filesystem's clock is coarse (a kernel tick).
+_SETTLED_NS = 1_000_000_000
 
 
 class PlanRefused(ValueError):
@@ -90,12 +94,15 @@ class _Snapshot:
         self.files: dict[str, Path] = {}
         self.directory: Path | None = None
         self.stamp: FileStamp = ()
+        self.settled = False  # whether the stamp vouches for the files' bytes (`unchanged`)
         if isinstance(source, str | Path):
             files = _weight_files(Path(source))
             if not files:
                 raise FileNotFoundError(f"no .safetensors files in {source}")
             # Taken before hashing: a write while hashing shows as a change at the next look.
             self.directory, self.stamp = Path(source), _stamp(files)
+            settled = time.time_ns() - _SETTLED_NS
+            self.settled = all(mtime < settled and ctime < settled for *_, mtime, ctime in self.stamp)
             shards = []
             for i, file in enumerate(files):
                 path = f"/shards/{i}"
@@ -113,15 +120,32 @@ class _Snapshot:
         self.slice_sets: dict[str, tuple[Shard, list[tuple[TensorEntry, TensorCut]]]] = {}
         self._lock = threading.Lock()
 
-    def tensor_bytes(self, name: str) -> memoryview | bytes:
-        """The bytes of tensor `name`, as served now (a file is read again: it may have been written over)."""
+    def tensor_bytes(self, name: str, run: tuple[int, int] | None = None) -> memoryview | bytes:
+        """The bytes of tensor `name` (or of the `run` of them: first and last offset), as served now (a file
+        is read again: it may have been written over)."""
         path, index, entry = self.entries[name]
         begin, end = entry.data_offsets
+        first, last = run or (0, end - begin)
         if path in self.memory:
-            return self.memory[path].buffers[index]
+            return memoryview(self.memory[path].buffers[index])[first:last]
         with self.files[path].open("rb") as f:
             (n,) = HEADER_LEN.unpack(f.read(8))
-            return os.pread(f.fileno(), end - begin, 8 + n + begin)
+            return os.pread(f.fileno(), last - first, 8 + n + begin + first)
+
+    def cut_data(self, entry: TensorEntry, cut: TensorCut) -> memoryview | bytes:
+        """The bytes of `cut` as served now: only those read where they are one run of the tensor's."""
+        run = cut_run(entry, cut)
+        return (
+            self.tensor_bytes(entry.name, run)
+            if run
+            else cut_bytes(memoryview(self.tensor_bytes(entry.name)), entry, cut)
+        )
+
+    def unchanged(self) -> bool:
+        """Whether the files still hold the bytes this snapshot hashed, as their stamp tells (settled files
+        only: a write in the same clock tick as the stamp would not show). Tensors in memory are the
+        trainer's: never vouched for."""
+        return self.settled and _stamp(list(self.files.values())) == self.stamp
 
     def plan_slices(self, plan: SlicePlan) -> Shard:
         """The shard of `plan`'s cuts, each checksummed from bytes that first matched this snapshot's
@@ -144,7 +168,13 @@ class _Snapshot:
         if len({cut.name for cut in plan.cuts}) != len(plan.cuts):
             raise PlanRefused(HTTPStatus.BAD_REQUEST, "the plan names a tensor more than once")
 
+        # Files whose stamp held from before the manifest's hashing until after the cuts' are the bytes
+        # hashed; any others are checked whole before they are cut (each rank's plan would hash the model).
+        vouched = self.unchanged()
+
         def checksum(entry: TensorEntry, cut: TensorCut) -> str:
+            if vouched:
+                return tensor_checksum(self.cut_data(entry, cut))
             data = memoryview(self.tensor_bytes(entry.name))
             if tensor_checksum(data) != entry.xxh3_128:
                 raise PlanRefused(HTTPStatus.CONFLICT, f"{entry.name} changed since it was hashed; push again")
@@ -152,6 +182,8 @@ class _Snapshot:
 
         with ThreadPoolExecutor(max_workers=os.cpu_count(), thread_name_prefix="xxh3") as pool:
             sums = list(pool.map(lambda c: checksum(c[0], c[1]), cuts))
+        if vouched and not self.unchanged():
+            raise PlanRefused(HTTPStatus.CONFLICT, "the weights' files were written while being cut; push again")
         entries, offset = [], 0
         for (entry, _, shape), sum_ in zip(cuts, sums, strict=True):
             size = math.prod(shape) * ITEMSIZE[entry.dtype]
@@ -180,7 +212,7 @@ class _Snapshot:
         def chunks() -> Iterator[memoryview | bytes]:
             yield safetensors_header(shard.tensors)
             for entry, cut in cuts:
-                yield cut_bytes(memoryview(self.tensor_bytes(entry.name)), entry, cut)
+                yield self.cut_data(entry, cut)
 
         return shard, chunks()
 

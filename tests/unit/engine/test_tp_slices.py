@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rollfleet_engine import weights_server
 from rollfleet_engine.protocol import WEIGHTS_SLICES_PATH, SlicePlan, TensorCut, WeightManifest
 from rollfleet_engine.safetensors_stream import TransferError
 from rollfleet_engine.tp_slices import RankShard, cut_for, rank_plan, vocab_range
@@ -151,6 +152,31 @@ def test_weights_written_over_after_hashing_are_refused_not_sliced(
     save_file({n: t * 2 for n, t in tensors.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(TransferError, match="changed since it was hashed"):
         fetch_slices(info["url"], info["manifest_sha256"], 30, lambda m: rank_plan(m, rank(0)))
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_plan_hashes_whole_tensors_again_unless_the_files_stamp_vouches_for_them(
+    settled: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Files untouched for _SETTLED_NS before the stamp taken for the manifest: their stamp vouches for the
+    # bytes, and a plan hashes only its cuts (each rank's plan would otherwise hash the whole model again).
+    monkeypatch.setattr(weights_server, "_SETTLED_NS", 0 if settled else 10**18)
+    tensors = llama(1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    server = WeightsServer(tmp_path)
+    server.start()
+    hashed: list[int] = []
+    real = weights_server.tensor_checksum
+    monkeypatch.setattr(weights_server, "tensor_checksum", lambda data: hashed.append(len(data)) or real(data))
+    try:
+        info = server.update_info()
+        got = dict(fetch_slices(info["url"], info["manifest_sha256"], 30, lambda m: rank_plan(m, rank(1))))
+    finally:
+        server.stop()
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    # Vouched for: the rank's cuts alone (about half the model); otherwise every whole tensor too.
+    assert (sum(hashed) < model_bytes) is settled, (sum(hashed), model_bytes)
+    assert torch.equal(got["model.layers.0.input_layernorm.weight"], tensors["model.layers.0.input_layernorm.weight"])
 
 
 def test_a_server_that_offers_other_slices_than_planned_is_refused(
