@@ -514,8 +514,9 @@ class SimEngine:
             if reason is not None:
                 break
         self._finish(rid, reason or "length")
-        if path != "/inference/v1/generate" and (body.get("stream_options") or {}).get("include_usage"):
+        if (body.get("stream_options") or {}).get("include_usage"):
             # The usage chunk vLLM ends a stream with when asked (`stream_options.include_usage`).
+            usage = self.usage(prompt, produced)
             chat = path == "/v1/chat/completions"
             last: Json = {
                 "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
@@ -523,8 +524,10 @@ class SimEngine:
                 "created": created,
                 "model": self.name,
                 "choices": [],
-                "usage": self.usage(prompt, produced),
+                "usage": usage,
             }
+            if path == "/inference/v1/generate":
+                last = {"request_id": rid, "choices": [], "usage": usage}
             await resp.write(b"data: " + orjson.dumps(last) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -203,6 +203,9 @@ def continuation_body(route: Route, body: Json, prompt_ids: list[int], generated
         "stream": True,
         "output_mode": output_mode,
     }
+    if body.get("stream") and (body.get("stream_options") or {}).get("include_usage"):
+        # The stream the client asked for ends with its usage: the continuation's, counted as the client's.
+        out["stream_options"] = {"include_usage": True}
     if body.get("model") is not None:
         out["model"] = body["model"]
     return out
@@ -249,6 +252,14 @@ class ContinuationState:
 
     tokens_before: int
     text_offset: int = 0
+    prompt_tokens: int = 0  # the client's prompt: the continuation's own counts it with the tokens before
+
+
+def continued_usage(usage: Json, state: ContinuationState) -> Json:
+    """A continuation's usage as the client's request's: its prompt, and every token generated for it."""
+    completion = state.tokens_before + int(usage.get("completion_tokens") or 0)
+    return {"prompt_tokens": state.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": state.prompt_tokens + completion}  # fmt: skip
 
 
 def continuation_chunk(route: Route, chunk: Json, tpl: Template, state: ContinuationState) -> Json:
@@ -281,11 +292,11 @@ def continuation_chunk(route: Route, chunk: Json, tpl: Template, state: Continua
         out = dict(chunk)
         out["request_id"] = tpl.id
         out["choices"] = choices
-        return out
-    obj = "chat.completion.chunk" if route is Route.CHAT else "text_completion"
-    out = {"id": tpl.id, "object": obj, "created": tpl.created, "model": tpl.model, "choices": choices}
+    else:
+        obj = "chat.completion.chunk" if route is Route.CHAT else "text_completion"
+        out = {"id": tpl.id, "object": obj, "created": tpl.created, "model": tpl.model, "choices": choices}
     if chunk.get("usage") is not None:
-        out["usage"] = chunk["usage"]
+        out["usage"] = continued_usage(chunk["usage"], state)
     return out
 
 

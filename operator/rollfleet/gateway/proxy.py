@@ -408,7 +408,7 @@ class _Exchange:
         if self.n == 1 and entry.prompt_token_ids is not None and not self.continuation_refused:
             choice = entry.choice(0)
             body = continuation_body(req.route, req.body, entry.prompt_token_ids, choice.token_ids)
-            state = ContinuationState(tokens_before=len(choice.token_ids), text_offset=choice.text_chars)
+            state = ContinuationState(len(choice.token_ids), choice.text_chars, len(entry.prompt_token_ids))
             return Route.GENERATE.value, body, state
         if isinstance(self.writer, JsonWriter):
             # Nothing was sent yet: start over (several sequences are not stitched, and an

@@ -129,6 +129,17 @@ def test_chat_continuation_carries_sampling_and_the_remaining_budget() -> None:
     }
 
 
+def test_a_continuation_asks_for_usage_where_the_client_did_and_counts_it_as_the_clients() -> None:
+    asked = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    assert continuation_body(Route.COMPLETIONS, asked, [1], [5, 6])["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in continuation_body(Route.COMPLETIONS, {"prompt": "x", "stream": True}, [1], [5])
+    chunk = {"request_id": "generate-x", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}
+    state = ContinuationState(tokens_before=6, prompt_tokens=3)
+    usage = {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    assert continuation_chunk(Route.CHAT, chunk, TPL, state)["usage"] == usage
+    assert continuation_chunk(Route.GENERATE, chunk, TPL, state)["usage"] == usage
+
+
 def test_completions_continuation_uses_vllms_default_budget_when_none_is_set() -> None:
     out = continuation_body(Route.COMPLETIONS, {"prompt": "x"}, [1], [5, 6])
     assert out["sampling_params"]["max_tokens"] == 14

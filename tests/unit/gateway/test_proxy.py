@@ -84,6 +84,29 @@ def test_an_engine_dying_mid_stream_is_continued_on_the_other_from_its_tokens(gw
     assert finish == "length" and report["attempts"] == 2 and len(set(report["engines"])) == 2
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_continued_stream_ends_with_the_usage_of_the_whole_request(gw: Stack, path: str) -> None:
+    for sim in gw.sims:
+        sim.die_after = {path: 4}  # first attempts die; continuations (generate route) do not
+    body = {"model": "m", "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
+    body |= {"prompt": "abc"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(gw.url + path, json=body, headers={"X-Request-Id": f"usage-{path[-5:]}"})
+    assert r.status_code == 200, r.text
+    chunks = sse_chunks(r.text)
+    assert chunks[-1]["choices"] == [] and all("usage" not in c for c in chunks[:-1])
+    prompt = next(
+        c for c in chunks if c.get("prompt_token_ids") or (c["choices"] and c["choices"][0].get("prompt_token_ids"))
+    )
+    prompt_ids = prompt.get("prompt_token_ids") or prompt["choices"][0]["prompt_token_ids"]
+    # As one engine would have counted it: the client's prompt, and all 10 tokens (4, then 6 continued).
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 10,
+        "total_tokens": len(prompt_ids) + 10,
+    }
+    assert [c["rollfleet"]["attempts"] for c in chunks if "rollfleet" in c] == [2]
+
+
 def test_without_the_generate_route_a_non_streaming_request_starts_over_on_the_other_engine(gw: Stack) -> None:
     probe = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
     # Sequential requests alternate between idle engines: the next one goes to the other.
