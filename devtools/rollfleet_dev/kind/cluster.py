@@ -252,7 +252,7 @@ def load_images(kubectl: Kubectl) -> None:
     for node in gpu_nodes:
         freed = _discard_unpacked_layers(node, DEFAULT_ENGINE_IMAGE)
         if freed:
-            log(f"kind: {node}: dropped {freed / 2**30:.1f} GiB of {DEFAULT_ENGINE_IMAGE}'s unpacked layer blobs")
+            log(f"kind: {node}: dropped {freed / 2**20:,.0f} MiB of {DEFAULT_ENGINE_IMAGE}'s unpacked layer blobs")
 
 
 def layer_blobs(manifest: dict[str, Any]) -> dict[str, int]:
