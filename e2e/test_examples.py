@@ -181,14 +181,38 @@ def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
         engine_urls = [reach.enter_context(cluster.reach(NS, e, ENGINE_PORT)) for e in engines]
         state = fleet_state(url, fleet.admin_token())
         assert state["weight_generation"] is not None, state  # the examples before pushed weights
-        proc = subprocess.Popen(
-            [*command, "--gateway-url", url],
-            cwd=VERL_EXAMPLE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # On a loaded machine det-0 may finish before the abort reaches it (the gateway then answers
+        # "finished", truthfully): that batch is checked as a plain one, and another is run.
+        outcomes = []
+        for _ in range(VERL_BATCHES):
+            outcome, batch = _verl_batch_aborting_det_0(command, url, engine_urls, fleet.admin_token())
+            outcomes.append(outcome)
+            assert sorted(batch) == ["det-0", "det-1"], batch
+            for s in batch.values():
+                assert s["response_tokens"] == VERL_LONG and s["logprobs"] == VERL_LONG, s
+                # verl's weight step is the fleet's generation; the versions behind the tokens, the fleet's.
+                assert s["global_steps"] == state["weight_generation"], (s, state)
+                assert s["weight_versions"] == [state["weight_version"]], s
+            resubmitted = 2 if outcome == "aborted" else 1
+            assert batch["det-0"]["submissions"] == resubmitted and batch["det-1"]["submissions"] == 1, batch
+            if outcome == "aborted":
+                break
+    assert outcomes[-1] == "aborted", f"det-0 finished before its abort reached it in each batch: {outcomes}"
+    nothing_running(fleet)
 
+
+VERL_BATCHES = 3
+
+
+def _verl_batch_aborting_det_0(
+    command: list[str], url: str, engine_urls: list[str], admin_token: str
+) -> tuple[str, dict[str, Any]]:
+    """Run verl's batch through the gateway at `url`, aborting det-0 once an engine runs it: what the abort
+    answered (aborted, or finished when it came too late), and each sample of the batch by id."""
+    proc = subprocess.Popen(
+        [*command, "--gateway-url", url], cwd=VERL_EXAMPLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
         wait_for(
             lambda: any("det-0" in in_flight(e) for e in engine_urls),
             timeout=180,
@@ -198,21 +222,18 @@ def test_verl_agent_loop_generates_a_batch_and_completes_an_aborted_sample(
         r = httpx.post(
             url + ABORT_PATH,
             json={"request_ids": ["det-0"]},
-            headers={"Authorization": f"Bearer {fleet.admin_token()}"},
+            headers={"Authorization": f"Bearer {admin_token}"},
             timeout=60,
         )
-        assert r.status_code == 200 and r.json()["results"]["det-0"] == "aborted", r.text
+        assert r.status_code == 200 and r.json()["results"]["det-0"] in ("aborted", "finished"), r.text
         out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, (out + err)[-4000:]
     batch = {s["request_id"]: s for s in (json.loads(x) for x in out.splitlines() if x.startswith("{"))}
-    assert sorted(batch) == ["det-0", "det-1"], batch
-    for s in batch.values():
-        assert s["response_tokens"] == VERL_LONG and s["logprobs"] == VERL_LONG, s
-        # verl's weight step is the fleet's generation; the versions behind the tokens, the fleet's.
-        assert s["global_steps"] == state["weight_generation"], (s, state)
-        assert s["weight_versions"] == [state["weight_version"]], s
-    assert batch["det-0"]["submissions"] == 2 and batch["det-1"]["submissions"] == 1, batch
-    nothing_running(fleet)
+    return str(r.json()["results"]["det-0"]), batch
 
 
 VERL_STEPS = 2
