@@ -268,7 +268,7 @@ class Fleet:
 
 
 def _condition(pod: dict[str, Any], type_: str) -> str | None:
-    return next((c["status"] for c in (pod.get("status") or {}).get("conditions", []) if c["type"] == type_), None)
+    return next((c["status"] for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == type_), None)
 
 
 def gateway_routes() -> list[tuple[str, str]]:
@@ -330,9 +330,7 @@ class SharedFleet:
             unpause = {"metadata": {"annotations": {ANNOTATION_PAUSE: None, ANNOTATION_RESUME: None}}}
             f.cluster.kubectl("-n", f.namespace, "patch", "rf", f.name, "--type=merge", "-p", json.dumps(unpause))
             for pod in f.pods():
-                conditions = (pod.get("status") or {}).get("conditions") or []
-                serving = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-                if serving and f.engine_state(pod["metadata"]["name"])["paused"]:
+                if _condition(pod, "Ready") == "True" and f.engine_state(pod["metadata"]["name"])["paused"]:
                     f.engine_control(pod["metadata"]["name"], "/resume")
             f.cluster.kubectl("-n", f.namespace, "scale", "rf", f.name, f"--replicas={self.replicas}")
             f.wait_ready(self.replicas)

@@ -518,16 +518,18 @@ class SimEngine:
             # The usage chunk vLLM ends a stream with when asked (`stream_options.include_usage`).
             usage = self.usage(prompt, produced)
             chat = path == "/v1/chat/completions"
-            last: Json = {
-                "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created,
-                "model": self.name,
-                "choices": [],
-                "usage": usage,
-            }
-            if path == "/inference/v1/generate":
-                last = {"request_id": rid, "choices": [], "usage": usage}
+            last: Json = (
+                {"request_id": rid, "choices": [], "usage": usage}
+                if path == "/inference/v1/generate"
+                else {
+                    "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created,
+                    "model": self.name,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
             await resp.write(b"data: " + orjson.dumps(last) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -272,7 +272,7 @@ def _discard_unpacked_layers(node: str, image: str) -> int:
     def ctr(*args: str) -> str:
         return _run(["docker", "exec", node, "ctr", "-n", "k8s.io", *args], f"ctr {args[0]} on {node}")
 
-    ref = image if "." in image.split("/", 1)[0] else f"docker.io/{image}"
+    ref = imageload.full_ref(image)
     # Columns: REF TYPE DIGEST STATUS SIZE UNPACKED; discard only what the snapshotter holds.
     checked = [line.split() for line in ctr("images", "check", f"name=={ref}").splitlines()[1:] if line.strip()]
     if not checked or checked[0][-1] != "true":
