@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -37,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.processes import stop
-from rollfleet_dev.engine_metrics import engine_metric
+from rollfleet_dev.engine_metrics import engine_metric_by
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 from rollfleet_engine.weights_client import fetch_weights
 from rollfleet_engine.weights_server import WeightsServer
@@ -109,10 +110,22 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise RuntimeError(f"engine did not start; log in {log}")
 
 
+def pod_cpus(rank: int, pods: int) -> list[str]:
+    """A group's pods run on nodes of their own: on one host, each rank's processes get their own share of its
+    CPUs (as a node's), else every rank's engine core, worker and OpenMP threads contend for all of them (on two
+    cores, a DP 2 engine decoded at a fifth of its pinned speed, and its API server starved)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if pods < 2 or len(cpus) < pods:
+        return []
+    share = cpus[rank * len(cpus) // pods : (rank + 1) * len(cpus) // pods]
+    return ["taskset", "--cpu-list", ",".join(map(str, share))]
+
+
 @contextmanager
 def engine_process(*vllm_args: str, group_pods: int = 1) -> Iterator[str]:
     """An engine (its URL), of one process or of `group_pods` processes as the pods of a group: the leader
-    serves, the other ranks run `serve --headless` with the flags the operator gives a group's pods."""
+    serves, the other ranks run `serve --headless` with the flags the operator gives a group's pods, each on its
+    own share of the host's CPUs (`pod_cpus`)."""
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         token = Path(tmp) / "token"
         token.write_text("bench-token\n")
@@ -130,7 +143,7 @@ def engine_process(*vllm_args: str, group_pods: int = 1) -> Iterator[str]:
                 at = ours.index("--token-file")
                 ours = [*ours[:at], *ours[at + 2 :], "--headless"]
             log = stack.enter_context((Path(tmp) / f"engine-{rank}.log").open("wb"))
-            cmd = ours + base[split:]
+            cmd = pod_cpus(rank, group_pods) + ours + base[split:]
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             stack.callback(stop, procs[-1])
         url = f"http://127.0.0.1:{port}"
@@ -171,18 +184,21 @@ def abort_idle_s(url: str, ranks: int, repeats: int) -> float:
         ]
         for t in threads:
             t.start()
-        wait_until(lambda: all(running(url, rank) == 1 for rank in range(ranks)), "every rank decoding")
+        wait_until(lambda: running(url, ranks) == [1] * ranks, "every rank decoding")
         start = time.perf_counter()
         httpx.post(url + "/rollfleet/v1/abort", json={"request_ids": ids}, headers=AUTH, timeout=60).raise_for_status()
-        wait_until(lambda: all(running(url, rank) == 0 for rank in range(ranks)), "every rank idle")
+        wait_until(lambda: running(url, ranks) == [0] * ranks, "every rank idle")
         runs.append(time.perf_counter() - start)
         for t in threads:
             t.join(60)
     return statistics.median(runs)
 
 
-def running(url: str, rank: int) -> float:
-    return engine_metric(url, "vllm:num_requests_running", engine=str(rank))
+def running(url: str, ranks: int) -> list[float | None]:
+    """Each rank's running count, from one scrape: read one rank after another, the second reading would come
+    a scrape later than the first (about 0.1 s on two loaded cores), and the idle time with it."""
+    per = engine_metric_by(url, "vllm:num_requests_running", "engine")
+    return [per.get(str(rank)) for rank in range(ranks)]
 
 
 def wait_until(done: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
