@@ -25,6 +25,8 @@ Not a test: prints a table and the ratios, all measured in the same run. Parts:
    parallel ranks span 2 pods (2 stand-ins on 2 nodes, each pulling only its cut of every tensor in
    the pause, as a group's ranks do: ``tp_slices``), against the same push to a 1-pod engine (one
    stand-in, prefetch then load). Bytes are counted on the nodes' links. Needs root, as part 4.
+6. abort by id on a real engine of data parallel 2 over 2 processes started as a group's pods
+   (``bench_engine.abort_idle_s``): with part 5, the figures of engines that span pods.
 
 Usage: python -m bench.bench_sync [--gib 1.0] [--repeats 3] [--no-engine] [--no-fanout | --only-fanout]
                                   [--fanout-mib 128] [--no-shards | --only-shards] [--json PATH]
@@ -56,7 +58,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench import netsim
-from bench.bench_engine import engine_process, raw_tcp_seconds, stream_forever, synthetic_state_dict
+from bench.bench_engine import abort_idle_s, engine_process, raw_tcp_seconds, stream_forever, synthetic_state_dict
 from bench.processes import stop
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import PushStatus
@@ -338,6 +340,15 @@ def llama_state_dict(nbytes: int) -> dict[str, torch.Tensor]:
                   "input_layernorm": (h,)}  # fmt: skip
         out |= {f"model.layers.{i}.{name}.weight": torch.randn(*shape) for name, shape in shapes.items()}
     return out
+
+
+def group_abort_part() -> tuple[list[Row], dict[str, float]]:
+    """Abort by id on a real engine of data parallel 2 over 2 processes started as a group's pods: one request
+    decoding on each rank, one call, until both ranks' running counts are 0 (median of 5, as the floor says)."""
+    with engine_process("--data-parallel-size", "2", group_pods=2) as url:
+        idle_s = abort_idle_s(url, 2, 5)
+    row = ("abort by id to idle, DP 2 over 2 pods", f"{idle_s * 1e3:,.0f} ms", "both ranks' running counts 0")
+    return [row], {"dp2 abort idle s": idle_s}
 
 
 def shard_part(mib: int, repeats: int, tmp: Path) -> tuple[list[Row], dict[str, float]]:
@@ -630,8 +641,8 @@ def main() -> None:
     parser.add_argument("--no-fanout", action="store_true", help="skip the fan-out part (simulated network)")
     parser.add_argument("--only-fanout", action="store_true", help="run the fan-out part alone")
     parser.add_argument("--fanout-mib", type=int, default=128, help="size pushed in the fan-out and shard parts")
-    parser.add_argument("--no-shards", action="store_true", help="skip the shard-aware pull part (simulated network)")
-    parser.add_argument("--only-shards", action="store_true", help="run the shard-aware pull part alone")
+    parser.add_argument("--no-shards", action="store_true", help="skip parts 5 and 6 (engines across pods)")
+    parser.add_argument("--only-shards", action="store_true", help="run parts 5 and 6 alone")
     parser.add_argument("--receiver", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fanout-trainer", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the figures here, with stable names")
@@ -653,6 +664,7 @@ def main() -> None:
             parts.append(lambda: fanout_part(args.fanout_mib, args.repeats, Path(tmp, "fanout")))
         if not (args.no_shards or args.only_fanout):
             parts.append(lambda: shard_part(args.fanout_mib, args.repeats, Path(tmp, "shards")))
+            parts += [] if args.no_engine else [group_abort_part]
         for part in parts:
             r, t = part()
             rows, rates = rows + r, rates | t
@@ -688,6 +700,7 @@ REPORTED_GOALS = {
     "fanout_8_over_1_star_baseline": "about 8",
     "shard_pull_bytes_ratio": "<= 1.05",
     "shard_push_time_ratio": "<= 0.65",
+    "dp2_abort_idle_s": "<= 0.5",
 }
 
 
@@ -718,6 +731,7 @@ def _report(rates: dict[str, float], gib: float) -> dict[str, float | None]:
         # Into one engine of 2 tensor-parallel pods, over into a 1-pod engine: bytes on the links, push time.
         "shard_pull_bytes_ratio": ratio("shards 2-pod bytes", "shards 1-pod bytes"),
         "shard_push_time_ratio": ratio("shards 2-pod s", "shards 1-pod s"),
+        "dp2_abort_idle_s": rates.get("dp2 abort idle s"),
         "shard_push_1pod_s": rates.get("shards 1-pod s"),
         "shard_push_2pod_s": rates.get("shards 2-pod s"),
         # The same with the trainer's link as slow as one pod's: there it is the limit for both.
