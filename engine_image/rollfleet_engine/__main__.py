@@ -15,6 +15,8 @@ commands:
               serve --model DIR --headless [...] -- vLLM args: a rank of a multi-pod engine
   tiny-model  build (once) the deterministic tiny test model and print its directory
               tiny-model [--out DIR]
+  wait-idle   wait until the engine on this host holds no request (an engine pod's preStop hook)
+              wait-idle [--port P] [--timeout-s S]
 """
 
 
@@ -35,6 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="python -m rollfleet_engine tiny-model")
         parser.add_argument("--out", type=Path, default=None, help="default: $ROLLFLEET_CACHE/models/tiny-v2")
         print(ensure_tiny_model(parser.parse_args(rest).out))
+        return 0
+    if command == "wait-idle":
+        from rollfleet_engine.drain import wait_idle
+        from rollfleet_engine.protocol import ENGINE_PORT
+
+        parser = argparse.ArgumentParser(prog="python -m rollfleet_engine wait-idle")
+        parser.add_argument("--port", type=int, default=ENGINE_PORT)
+        parser.add_argument(
+            "--timeout-s", type=float, default=25.0, help="give up after this (within the grace period)"
+        )
+        opts = parser.parse_args(rest)
+        print(wait_idle(f"http://127.0.0.1:{opts.port}", opts.timeout_s))
         return 0
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

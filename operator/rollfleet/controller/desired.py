@@ -219,6 +219,11 @@ def _engine_volumes(fleet: str, spec: RolloutFleetSpec, tokens: bool = True) -> 
     return volumes, mounts
 
 
+# An engine pod's grace period, and how much of it the preStop hook may wait for the engine's requests to move.
+ENGINE_GRACE_S = 30
+PRESTOP_WAIT_S = ENGINE_GRACE_S - 5
+
+
 def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest], rank: bool = False) -> Manifest:
     """The engine's container; of a group's other ranks (`rank`): headless, no port, no probes (the leader's
     readiness is the group's: vLLM's leader serves only once every rank has joined)."""
@@ -250,6 +255,11 @@ def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest], rank: bool
         }
     if engine.command:
         container["command"] = list(engine.command)
+    elif not rank:
+        # Deleted (an eviction, a drain), the engine serves on while the gateway moves its requests elsewhere:
+        # the kubelet signals it once it holds none (rollfleet_engine.drain), within the grace period.
+        wait = ["python", "-m", "rollfleet_engine", "wait-idle", "--port", str(ENGINE_PORT)]
+        container["lifecycle"] = {"preStop": {"exec": {"command": [*wait, "--timeout-s", str(PRESTOP_WAIT_S)]}}}
     return container
 
 
@@ -316,7 +326,7 @@ def _engine_pod_spec(ref: FleetRef, spec: RolloutFleetSpec, index: int, rank: bo
         "serviceAccountName": engine_sa_name(ref.name),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": ENGINE_GRACE_S,
         "containers": [_engine_container(spec, mounts, rank=rank)],
         "volumes": volumes,
         "tolerations": _engine_tolerations(spec),

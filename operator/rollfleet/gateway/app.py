@@ -158,6 +158,7 @@ class _Gateway:
         registry.on_removed.append(router.forget_engine)
         inflight = InFlightTable()
         proxy = Proxy(registry, router, inflight, config.token, config.proxy, metrics, config.api_key)
+        registry.on_leaving.append(proxy.move_off)
         return cls(config, metrics, registry, router, inflight, proxy)
 
     def refuse(self, refused: Refused) -> Response:
@@ -424,15 +425,15 @@ class _CredentialGate:
 
 
 def _app(gateway: _Gateway, **kwargs: Any) -> Starlette:
-    return Starlette(routes=gateway.routes(), middleware=[Middleware(_CredentialGate, gateway=gateway)], **kwargs)
+    app = Starlette(routes=gateway.routes(), middleware=[Middleware(_CredentialGate, gateway=gateway)], **kwargs)
+    app.state.proxy = gateway.proxy  # for in-process callers: the engine table and the requests in flight
+    return app
 
 
 def build_app(config: GatewayConfig) -> Starlette:
     """Every route as one ASGI app, for in-process clients (Starlette's TestClient)."""
     gateway = _Gateway.build(config)
-    app = _app(gateway, lifespan=gateway.lifespan)
-    app.state.proxy = gateway.proxy
-    return app
+    return _app(gateway, lifespan=gateway.lifespan)
 
 
 @asynccontextmanager

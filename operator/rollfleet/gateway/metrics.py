@@ -73,6 +73,11 @@ class Metrics:
         self.failovers = Counter(
             "rollfleet_gateway_failovers", "Requests continued on another engine after a failure", registry=r
         )
+        self.moves = Counter(
+            "rollfleet_gateway_moves",
+            "Requests moved off an engine whose pod was being deleted (eviction, drain, scale down)",
+            registry=r,
+        )
         self.stops = Counter(
             "rollfleet_gateway_stops", "Requests stopped before their end, by reason", ["reason"], registry=r
         )

@@ -233,6 +233,17 @@ class Proxy:
         inference = bearer_header(inference_token).items() if inference_token else ()
         self.upstream_headers = [("Content-Type", "application/json"), *inference]
         self._background: set[asyncio.Task[Any]] = set()
+        self._attempts: dict[str, set[_StopWatch]] = {}  # engine key -> the attempts running there
+
+    def move_off(self, engine_key: str) -> None:
+        """The engine is leaving (its pod is being deleted): end every attempt running there as a failure, so that
+        each request continues on another engine from the tokens its client has, while this one still serves."""
+        watches = self._attempts.get(engine_key, ())
+        if watches:
+            log.info("engine %s is leaving: moving %d request(s) to other engines", engine_key, len(watches))
+        for watch in list(watches):
+            if watch.move():
+                self.metrics.moves.inc()
 
     def background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -457,15 +468,22 @@ class _Exchange:
         # the watch, which aborts the id on the engine and, past the grace period, cancels this task.
         watch = _StopWatch(self, engine)
         entry.stopping.add_done_callback(watch.stop)
+        running = p._attempts.setdefault(engine.key, set())
+        running.add(watch)
         try:
             result = await self._exchange(engine, path, body, cont)
         except asyncio.CancelledError:
-            if watch.cut and watch.task.uncancel() == 0:  # cut by the watch alone, not by anyone else
-                return AttemptResult(Outcome.STOPPED, "stopped")
+            if (watch.cut or watch.moved) and watch.task.uncancel() == 0:  # cut by the watch alone, not by anyone else
+                if watch.cut:
+                    return AttemptResult(Outcome.STOPPED, "stopped")
+                return AttemptResult(Outcome.FAILED, f"engine {engine.key} is leaving (its pod is being deleted)")
             raise
         finally:
             watch.attempt_ended()
             entry.stopping.remove_done_callback(watch.stop)
+            running.discard(watch)
+            if not running:
+                p._attempts.pop(engine.key, None)
             p.router.finish(decision, self.loop.time(), end_session=self.req.end_session)
         return result
 
@@ -708,6 +726,16 @@ class _StopWatch:
         self.over = False
         self.ended: asyncio.Future[None] | None = None  # made by a stop: most attempts are never stopped
         self.cut = False
+        self.moved = False
+
+    def move(self) -> bool:
+        """End the attempt now, as a failure of its engine (the request continues elsewhere): the bytes given to
+        the client so far are what the gateway tracked, so the continuation starts where the client is."""
+        if self.over or self.cut or self.moved:
+            return False
+        self.moved = True
+        self.task.cancel()
+        return True
 
     def stop(self, _: asyncio.Future[None]) -> None:
         if not self.over:

@@ -6,7 +6,9 @@ Owns the engine table. Fed either by a Kubernetes watch of the fleet's engine po
 routes only to pods that are Ready (pod condition) and whose `rollfleet.dev/phase`
 annotation is `Ready` or `Paused` (a paused engine holds requests; it does not fail
 them). Connection failures eject an engine for a few seconds (passive health), so a
-dead engine stops receiving traffic before its pod's readiness flips.
+dead engine stops receiving traffic before its pod's readiness flips. An engine whose pod
+starts to go (deletionTimestamp: an eviction, `kubectl drain`, a scale down) is announced
+once to `on_leaving`: the proxy moves what runs there to other engines while it still serves.
 
 Talks to kube-apiserver only (through `rollfleet.kube`).
 """
@@ -43,6 +45,8 @@ class Engine:
     # One life of the engine (pod uid): a replacement pod keeps the name but not this,
     # so "never send an id twice to one engine" does not exclude the replacement.
     instance: str = ""
+    # Its pod is being deleted (an eviction, a drain, a scale down): what runs there moves to other engines.
+    leaving: bool = False
 
 
 def engine_from_pod(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> Engine:
@@ -55,7 +59,8 @@ def engine_from_pod(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> Engine:
     terminating = meta.get("deletionTimestamp") is not None
     url = engine_url(ip, port) if ip else None
     routable = bool(url) and ready and not terminating and phase in ROUTABLE_PHASES
-    return Engine(key=meta["name"], url=url, routable=routable, phase=phase, instance=meta.get("uid") or meta["name"])
+    instance = meta.get("uid") or meta["name"]
+    return Engine(meta["name"], url, routable, phase, instance, leaving=terminating)
 
 
 class Registry:
@@ -68,6 +73,7 @@ class Registry:
         self._changed = asyncio.Event()
         self.synced = False
         self.on_removed: list[Callable[[str], None]] = []
+        self.on_leaving: list[Callable[[str], None]] = []  # called once when an engine's pod starts to go
         # Weight version each engine last stated (response headers) and how often it changed.
         self._versions: dict[str, str] = {}
         self._version_epochs: dict[str, int] = {}
@@ -80,13 +86,17 @@ class Registry:
         fresh = {e.key: e for e in engines}
         for key in set(self._engines) - set(fresh):
             self._removed(key)
-        self._engines = fresh
+        old, self._engines = self._engines, fresh
         self.synced = True
         self._notify()
+        for engine in fresh.values():
+            self._check_leaving(old.get(engine.key), engine)
 
     def upsert(self, engine: Engine) -> None:
+        old = self._engines.get(engine.key)
         self._engines[engine.key] = engine
         self._notify()
+        self._check_leaving(old, engine)
 
     def remove(self, key: str) -> None:
         if self._engines.pop(key, None) is not None:
@@ -140,6 +150,11 @@ class Registry:
         self._version_epochs.pop(key, None)
         for callback in self.on_removed:
             callback(key)
+
+    def _check_leaving(self, old: Engine | None, new: Engine) -> None:
+        if new.leaving and not (old is not None and old.leaving and old.instance == new.instance):
+            for callback in self.on_leaving:
+                callback(new.key)
 
     def _notify(self) -> None:
         self._routable = None

@@ -320,3 +320,14 @@ def test_admin_secret_holds_the_token() -> None:
     secret = desired.admin_secret(REF, "s3cret")
     assert secret["metadata"]["name"] == "tiny-admin-token"
     assert secret["data"] == {"token": "czNjcmV0"}
+
+
+def test_a_deleted_engine_serves_until_its_requests_have_moved_within_its_grace_period() -> None:
+    pod_spec = desired.engine_pod(REF, spec(), 0)["spec"]
+    hook = pod_spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:4] == ["python", "-m", "rollfleet_engine", "wait-idle"]
+    wait_s = float(hook[hook.index("--timeout-s") + 1])
+    assert 0 < wait_s < pod_spec["terminationGracePeriodSeconds"]  # SIGTERM still comes within the grace period
+    # An engine of its own command (not the engine image's entrypoint) gets no hook it may not have.
+    custom = desired.engine_pod(REF, spec(engine={"command": ["my-server"]}), 0)["spec"]["containers"][0]
+    assert "lifecycle" not in custom

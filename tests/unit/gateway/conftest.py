@@ -12,7 +12,7 @@ import contextlib
 import json
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,8 @@ import uvloop
 from aiohttp import web
 
 from rollfleet.gateway.app import GatewayConfig, serving
-from rollfleet.gateway.proxy import ProxyConfig
+from rollfleet.gateway.httpserver import HttpServer
+from rollfleet.gateway.proxy import Proxy, ProxyConfig
 from rollfleet_dev.sim_engine import SimEngine
 
 TOKEN = "unit-admin-token"
@@ -40,11 +41,25 @@ def sse_chunks(text: str) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in lines[:-1]]
 
 
+# The gateway served at each URL, and its event loop: a test that plays the Kubernetes watch (an engine's pod
+# starts to go) changes the gateway's engine table there, on its loop.
+SERVED: dict[str, tuple[HttpServer, asyncio.AbstractEventLoop]] = {}
+
+
 @dataclass
 class Stack:
     url: str
     sims: list[SimEngine]
     sim_urls: list[str]
+
+    def on_gateway_loop(self, call: Callable[[Proxy], Any]) -> Any:
+        """Run `call(proxy)` on the gateway's event loop and return its result."""
+        server, loop = SERVED[self.url]
+
+        async def run() -> Any:
+            return call(server.app.state.proxy)
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(10)
 
     def reset(self) -> None:
         for sim in self.sims:
@@ -78,7 +93,8 @@ def serve_gateway(
             runners.append(runner)
         engines = [f"http://127.0.0.1:{p}" for p in ports] + list(engine_urls)
         gateway = GatewayConfig(**{"token": TOKEN, **config}, engines=engines, proxy=proxy)
-        async with serving(gateway, "127.0.0.1", gw_port):
+        async with serving(gateway, "127.0.0.1", gw_port) as server:
+            SERVED[f"http://127.0.0.1:{gw_port}"] = (server, loop)
             ready.set()
             await stop.wait()
         for runner in runners:

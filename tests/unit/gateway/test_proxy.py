@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -368,3 +369,43 @@ def test_a_session_key_longer_than_the_limit_is_refused(gw: Stack) -> None:
     assert r.status_code == 400 and f"longer than {MAX_SESSION_KEY} characters" in r.json()["error"]["message"]
     r = httpx.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * MAX_SESSION_KEY})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_on_an_engine_whose_pod_goes_move_to_the_other_from_their_tokens(gw: Stack, stream: bool) -> None:
+    """An eviction or a drain: the engine still serves, the gateway moves what runs there (aborts it there, goes on
+    elsewhere from the tokens its client has); the client sees one whole answer."""
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+    rid, out = f"move-{stream}", {}
+
+    def run() -> None:
+        body = {"prompt": "abc", "max_tokens": 300, "stream": stream}
+        out["r"] = httpx.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=30)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: any(rid in s.running and s.tracker.get(rid).output_tokens >= 20 for s in gw.sims))  # type: ignore[union-attr]
+    leaving = next(i for i, s in enumerate(gw.sims) if rid in s.running)
+    key = gw.sim_urls[leaving]
+    engine = gw.on_gateway_loop(lambda proxy: proxy.registry.get(key))
+    try:
+        gw.on_gateway_loop(lambda proxy: proxy.registry.upsert(replace(engine, routable=False, leaving=True)))
+        thread.join(30)
+    finally:
+        gw.on_gateway_loop(lambda proxy: proxy.registry.upsert(engine))
+    r = out["r"]
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = sse_chunks(r.text)
+        ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        report, finish = chunks[-1]["rollfleet"], chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = r.json()["choices"][0]
+        ids, report, finish = choice["token_ids"], r.json()["rollfleet"], choice["finish_reason"]
+    # Exactly the sequence one engine would have produced, from the two engines in turn.
+    assert ids == [(3 + i) % 97 + 3 for i in range(300)]
+    assert finish == "length" and report["engines"] == [key, gw.sim_urls[1 - leaving]]
+    assert gw.sims[leaving].finished[rid] == "abort"  # freed where it left, not run to its end there
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert "rollfleet_gateway_moves_total" in metrics

@@ -70,3 +70,21 @@ def test_table_follows_events_and_ejection_is_temporary() -> None:
         assert removed == ["a", "b"] and [e.key for e in registry.engines()] == ["c"]
 
     asyncio.run(scenario())
+
+
+def test_an_engine_whose_pod_starts_to_go_is_announced_once() -> None:
+    async def scenario() -> None:
+        registry = Registry()
+        leaving: list[str] = []
+        registry.on_leaving.append(leaving.append)
+        registry.replace_all([engine_from_pod(pod("a")), engine_from_pod(pod("b"))])
+        registry.upsert(engine_from_pod(pod("a")))
+        assert leaving == []
+        registry.upsert(engine_from_pod(pod("a", deleting=True)))
+        registry.upsert(engine_from_pod(pod("a", deleting=True, ready=False)))  # the same pod, still going
+        assert leaving == ["a"] and not registry.get("a").routable  # type: ignore[union-attr]
+        # A relist after the watch broke: b was deleted meanwhile, a is still going.
+        registry.replace_all([engine_from_pod(pod("a", deleting=True)), engine_from_pod(pod("b", deleting=True))])
+        assert leaving == ["a", "b"]
+
+    asyncio.run(scenario())
