@@ -238,6 +238,14 @@ class EngineSpec(ApiModel):
         le=86400,
         description="How long an engine may take to load its model before it counts as failed and is replaced.",
     )
+    termination_grace_period_seconds: int = Field(
+        default=30,
+        ge=10,
+        le=3600,
+        description="How long a deleted engine pod (an eviction, kubectl drain, a preemption notice) keeps serving "
+        "while the gateway moves its requests to other engines: its preStop hook waits until it holds none, at most "
+        "this less 5 s, then the engine is stopped. Keep it within a spot provider's notice.",
+    )
 
 
 class Toleration(ApiModel):

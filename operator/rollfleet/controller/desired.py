@@ -219,9 +219,8 @@ def _engine_volumes(fleet: str, spec: RolloutFleetSpec, tokens: bool = True) -> 
     return volumes, mounts
 
 
-# An engine pod's grace period, and how much of it the preStop hook may wait for the engine's requests to move.
-ENGINE_GRACE_S = 30
-PRESTOP_WAIT_S = ENGINE_GRACE_S - 5
+# What an engine pod's preStop hook leaves of its grace period for the engine's own shutdown.
+SHUTDOWN_S = 5
 
 
 def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest], rank: bool = False) -> Manifest:
@@ -259,7 +258,8 @@ def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest], rank: bool
         # Deleted (an eviction, a drain), the engine serves on while the gateway moves its requests elsewhere:
         # the kubelet signals it once it holds none (rollfleet_engine.drain), within the grace period.
         wait = ["python", "-m", "rollfleet_engine", "wait-idle", "--port", str(ENGINE_PORT)]
-        container["lifecycle"] = {"preStop": {"exec": {"command": [*wait, "--timeout-s", str(PRESTOP_WAIT_S)]}}}
+        wait += ["--timeout-s", str(engine.termination_grace_period_seconds - SHUTDOWN_S)]
+        container["lifecycle"] = {"preStop": {"exec": {"command": wait}}}
     return container
 
 
@@ -326,7 +326,7 @@ def _engine_pod_spec(ref: FleetRef, spec: RolloutFleetSpec, index: int, rank: bo
         "serviceAccountName": engine_sa_name(ref.name),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": ENGINE_GRACE_S,
+        "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
         "containers": [_engine_container(spec, mounts, rank=rank)],
         "volumes": volumes,
         "tolerations": _engine_tolerations(spec),

@@ -327,7 +327,11 @@ def test_a_deleted_engine_serves_until_its_requests_have_moved_within_its_grace_
     hook = pod_spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert hook[:4] == ["python", "-m", "rollfleet_engine", "wait-idle"]
     wait_s = float(hook[hook.index("--timeout-s") + 1])
-    assert 0 < wait_s < pod_spec["terminationGracePeriodSeconds"]  # SIGTERM still comes within the grace period
+    assert 0 < wait_s < pod_spec["terminationGracePeriodSeconds"] == 30  # SIGTERM still comes within the grace period
+    # A spot provider's notice is longer (AWS: 2 minutes): the engine may use it to move its requests.
+    longer = desired.engine_pod(REF, spec(engine={"terminationGracePeriodSeconds": 120}), 0)["spec"]
+    hook = longer["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert longer["terminationGracePeriodSeconds"] == 120 and hook[hook.index("--timeout-s") + 1] == "115"
     # An engine of its own command (not the engine image's entrypoint) gets no hook it may not have.
     custom = desired.engine_pod(REF, spec(engine={"command": ["my-server"]}), 0)["spec"]["containers"][0]
     assert "lifecycle" not in custom
