@@ -24,13 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import kubernetes
 import pytest
 
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods, sse, tokens_of
 from e2e.live_fleet import ON_BOTH, LiveFleet, create, results, running, shared, status, wait_phase
 from e2e.provider import wait_for
-from rollfleet.contract import ANNOTATION_PAUSE
+from rollfleet.contract import ANNOTATION_PAUSE, COMPONENT_ENGINE, LABEL_COMPONENT, LABEL_FLEET
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
@@ -129,31 +128,31 @@ def _moves(fleet: LiveFleet) -> float:
     return sum(engine_metric(g.url, "rollfleet_gateway_moves_total") for g in fleet.gateways)
 
 
-def _evict(fleet: LiveFleet, pod: str) -> None:
-    """What `kubectl drain` does to each pod: the Eviction API, within the fleet's PodDisruptionBudget; like drain,
-    asked again while the budget's status has not yet counted a healed engine (429)."""
-    core = kubernetes.client.CoreV1Api(fleet.cluster.api_client())
-    body = kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=pod, namespace=fleet.namespace))
-
-    def evicted() -> bool:
-        try:
-            core.create_namespaced_pod_eviction(pod, fleet.namespace, body)
-        except kubernetes.client.ApiException as err:
-            if err.status == 429:
-                return False
-            raise
-        return True
-
-    wait_for(evicted, 60, interval=1, what=f"{pod} evicted")
-
-
 @ON_BOTH
-def test_an_engine_evicted_mid_rollout(fleet: LiveFleet) -> None:
-    """An eviction (`kubectl drain`): the gateway moves the engine's samples to the other engine from their tokens
-    while the evicted one still serves (a real engine's preStop hook holds it until it holds none), and the
-    operator replaces it."""
+def test_the_node_of_an_engine_drained_mid_rollout(fleet: LiveFleet) -> None:
+    """`kubectl drain` of an engine's node (its engine pods only): evicted within the fleet's PodDisruptionBudget,
+    the engine serves on while the gateway moves its samples to the other engine from their tokens (a real
+    engine's preStop hook holds it until it holds none), and its replacement starts on another node."""
+    key = fleet.engines[0].key
+    old = fleet.fleet.pod(key)
+    node = old["spec"]["nodeName"]
     before = _moves(fleet)
-    run_with_fault(fleet, "evict an engine (kubectl drain)", lambda: _evict(fleet, fleet.engines[0].key))
+    engines = f"{LABEL_FLEET}={fleet.fleet.name},{LABEL_COMPONENT}={COMPONENT_ENGINE}"
+
+    def drain() -> None:
+        fleet.cluster.kubectl(
+            "drain", node, "--pod-selector", engines, "--ignore-daemonsets", "--timeout=300s", timeout=320
+        )
+
+    def replaced_elsewhere() -> None:
+        try:
+            wait_for(lambda: fleet.fleet.replaced(key, old["metadata"]["uid"]), 120, what=f"a new {key} pod")
+            wait_for(lambda: fleet.fleet.pod(key)["spec"].get("nodeName"), 120, what=f"the new {key} scheduled")
+            assert fleet.fleet.pod(key)["spec"]["nodeName"] != node
+        finally:
+            fleet.cluster.kubectl("uncordon", node)
+
+    run_with_fault(fleet, "drain the node of an engine (kubectl drain)", drain, after=replaced_elsewhere)
     if fleet.real:  # a simulated engine stops at once: its streams may break before the gateway moves them
         assert _moves(fleet) > before
 
