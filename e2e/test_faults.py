@@ -139,20 +139,24 @@ def test_the_node_of_an_engine_drained_mid_rollout(fleet: LiveFleet) -> None:
     before = _moves(fleet)
     engines = f"{LABEL_FLEET}={fleet.fleet.name},{LABEL_COMPONENT}={COMPONENT_ENGINE}"
 
-    def drain() -> None:
-        fleet.cluster.kubectl(
-            "drain", node, "--pod-selector", engines, "--ignore-daemonsets", "--timeout=300s", timeout=320
-        )
+    # An engine's /dev/shm is an emptyDir: drain must be told that its data may go.
+    drain = ("drain", node, "--pod-selector", engines, "--ignore-daemonsets", "--delete-emptydir-data")
 
     def replaced_elsewhere() -> None:
-        try:
-            wait_for(lambda: fleet.fleet.replaced(key, old["metadata"]["uid"]), 120, what=f"a new {key} pod")
-            wait_for(lambda: fleet.fleet.pod(key)["spec"].get("nodeName"), 120, what=f"the new {key} scheduled")
-            assert fleet.fleet.pod(key)["spec"]["nodeName"] != node
-        finally:
-            fleet.cluster.kubectl("uncordon", node)
+        wait_for(lambda: fleet.fleet.replaced(key, old["metadata"]["uid"]), 120, what=f"a new {key} pod")
+        wait_for(lambda: fleet.fleet.pod(key)["spec"].get("nodeName"), 120, what=f"the new {key} scheduled")
+        assert fleet.fleet.pod(key)["spec"]["nodeName"] != node
+        fleet.cluster.kubectl("uncordon", node)
 
-    run_with_fault(fleet, "drain the node of an engine (kubectl drain)", drain, after=replaced_elsewhere)
+    try:
+        run_with_fault(
+            fleet,
+            "drain the node of an engine (kubectl drain)",
+            lambda: fleet.cluster.kubectl(*drain, "--timeout=300s", timeout=320),
+            after=replaced_elsewhere,
+        )
+    finally:
+        fleet.cluster.kubectl("uncordon", node)
     if fleet.real:  # a simulated engine stops at once: its streams may break before the gateway moves them
         assert _moves(fleet) > before
 

@@ -198,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from rollfleet_dev.kind.cluster import kubeconfig_path
 
             os.environ.update(ROLLFLEET_E2E_PROVIDER="existing", KUBECONFIG=str(kubeconfig_path()))
-        argv = [sys.executable, "-m", "pytest", "-m", tier.marks, *tier.pytest_args, *rest, *tier.paths]
+        plugin = ("-p", "tests.failures_now")
+        argv = [sys.executable, "-m", "pytest", *plugin, "-m", tier.marks, *tier.pytest_args, *rest, *tier.paths]
         os.execvp(sys.executable, argv)
     if rest:
         parser.error(f"unexpected arguments: {' '.join(rest)}")
