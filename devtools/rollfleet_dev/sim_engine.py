@@ -88,6 +88,9 @@ class SimEngine:
         self.max_choices: int | None = None
         # A busy engine: seconds a generation request waits before the engine takes it (and sees its id).
         self.accept_delay_s = 0.0
+        # A fault to inject: an aborted request's stream ends ([DONE]) without the chunk that says so (a CI run
+        # saw vLLM do this under load; a gateway that asked for the abort must still end its client's answer).
+        self.silent_abort = False
         self.weight_version = weight_version
         self.tracker = RequestTracker()
         self.flags: dict[str, asyncio.Event] = {}  # caller id (= its engine id here) -> abort flag
@@ -501,6 +504,8 @@ class SimEngine:
                 await asyncio.sleep(delay)
             if flag.is_set():
                 reason = "abort"
+                if self.silent_abort:
+                    break
             elif i == n - 1:
                 reason = "length"
             if reason != "abort":

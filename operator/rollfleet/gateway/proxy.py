@@ -372,6 +372,10 @@ class _Exchange:
             self.proxy.metrics.attempt_done(engine.key, result.outcome)
             if result.outcome is Outcome.FINISHED:
                 return await self._close_finished()
+            if result.outcome is Outcome.UNSERVED and entry.stop is not None:
+                # The engine ended the answer it was told to stop without saying how: stopped all the same.
+                log.warning("request %s: %s after its stop (%s)", self.req.request_id, result.detail, entry.stop)
+                result = AttemptResult(Outcome.STOPPED, result.detail)
             if result.outcome is Outcome.STOPPED:
                 return await self._close_stopped()
             if result.outcome is Outcome.UNSERVED:

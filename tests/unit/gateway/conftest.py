@@ -68,6 +68,7 @@ class Stack:
             sim.refuse = set()
             sim.max_choices = None
             sim.accept_delay_s = 0.0
+            sim.silent_abort = False
             sim.weight_version = "v1"
 
 

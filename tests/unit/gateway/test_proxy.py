@@ -409,3 +409,20 @@ def test_requests_on_an_engine_whose_pod_goes_move_to_the_other_from_their_token
     assert gw.sims[leaving].finished[rid] == "abort"  # freed where it left, not run to its end there
     metrics = httpx.get(gw.url + "/metrics").text
     assert "rollfleet_gateway_moves_total" in metrics
+
+
+def test_a_stopped_request_whose_engine_ends_the_stream_unsaid_ends_with_abort(gw: Stack) -> None:
+    """The engine ended the stream of an aborted request without the chunk that says so: the client still gets
+    its tokens and finish_reason abort, not a 502."""
+    for sim in gw.sims:
+        sim.token_delay_ms = 5
+        sim.silent_abort = True
+    out: dict = {}
+    thread = _start_stream(gw, "silent-1", out)
+    wait_until(lambda: any("silent-1" in s.running for s in gw.sims))
+    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["silent-1"]}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    thread.join(10)
+    chunks = sse_chunks(out["text"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and "error" not in out["text"]
+    assert chunks[-1]["rollfleet"]["attempts"] == 1
