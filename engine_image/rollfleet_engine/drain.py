@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from rollfleet_engine.protocol import STATE_PATH
@@ -33,17 +33,12 @@ def read_state(engine_url: str) -> Mapping[str, Any]:
         return state
 
 
-def wait_idle(
-    engine_url: str,
-    timeout_s: float,
-    poll_s: float = POLL_S,
-    read: Callable[[str], Mapping[str, Any]] = read_state,
-) -> str:
+def wait_idle(engine_url: str, timeout_s: float, poll_s: float = POLL_S) -> str:
     """Wait until the engine holds no request, or `timeout_s`; say how it ended."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            held = in_flight(read(engine_url))
+            held = in_flight(read_state(engine_url))
         except (OSError, ValueError) as err:
             return f"the engine does not answer ({err}): nothing to wait for"
         if held == 0:
