@@ -572,7 +572,17 @@ def run_grpo_example(cluster: Cluster, namespace: str, steps: int, max_staleness
 
     exit_ = wait_for(ended, timeout=1200, interval=2, what="the GRPO trainer to finish")
     logs = cluster.container_log(namespace, GRPO_TRAINER, "trainer")
-    assert exit_["exitCode"] == 0, logs[-3000:]
+    if exit_["exitCode"] != 0:
+        pod_now = json.loads(cluster.kubectl("-n", namespace, "get", "pod", GRPO_TRAINER, "-o", "json").stdout)
+        events = cluster.kubectl(
+            "-n", namespace, "get", "events", f"--field-selector=involvedObject.name={GRPO_TRAINER}", check=False
+        ).stdout
+        sidecar = cluster.container_log(namespace, GRPO_TRAINER, "rollfleet-sync")
+        raise AssertionError(
+            f"the trainer ended {exit_}; pod {pod_now['metadata'].get('deletionTimestamp')=} "
+            f"{pod_now['status'].get('phase')=} {pod_now['status'].get('reason')=}\n"
+            f"events:\n{events}\ntrainer log:\n{logs[-3000:]}\nsidecar log:\n{sidecar[-2000:]}"
+        )
     lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
     print("\n".join(json.dumps(s) for s in lines))
     return lines

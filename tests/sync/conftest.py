@@ -61,13 +61,14 @@ class EngineProcess:
     def signal_server(self, sig: signal.Signals) -> None:
         """Signal the HTTP server process only (SIGSTOP: it stops answering, the engine core lives on)."""
         assert self.proc is not None
-        os.kill(self.proc.pid, sig)
+        self.proc.send_signal(sig)  # not os.kill: Popen never signals a pid it has reaped
 
     def kill(self) -> None:
         """The whole engine (server, engine core, worker) dies at once, as when its pod is killed."""
         if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:  # once reaped, its pid may be another process's (a container's group)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
 

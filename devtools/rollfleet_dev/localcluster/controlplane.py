@@ -42,6 +42,7 @@ PORTS = {
 }
 START_ORDER = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "node-agent")
 DEFAULT_POOLS = Path(__file__).with_name("pools.yaml")
+STATE_ENV = "ROLLFLEET_CLUSTER_STATE"  # in each component's environment: which cluster started it
 
 
 class ClusterError(RollfleetError, RuntimeError):
@@ -188,7 +189,9 @@ def running_pid(layout: Layout, component: str) -> int | None:
         pid = int(layout.pid_file(component).read_text())
     except (OSError, ValueError):
         return None
-    return pid if _pid_alive(pid) else None
+    # A pid file outlives its process, and the host reuses pids (a kind container's first process leads
+    # its own process group: stopping a reused pid would kill it): only a process of this cluster counts.
+    return pid if _pid_alive(pid) and _of_cluster(pid, layout.root) else None
 
 
 def port_in_use(port: int, host: str = HOST) -> bool:
@@ -367,7 +370,7 @@ def restart(component: str, pools: Path = DEFAULT_POOLS, layout: Layout | None =
 
 
 def _spawn(argv: list[str], out: BinaryIO, layout: Layout) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "ROLLFLEET_CLUSTER_STATE": str(layout.root)}
+    env = {**os.environ, STATE_ENV: str(layout.root)}
     return subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
     )
@@ -388,19 +391,24 @@ def stop_process(pid: int, grace: float) -> None:
             return
 
 
+def _of_cluster(pid: int, root: Path) -> bool:
+    """Whether the process was started for the cluster at `root` (`_spawn` marks their environment)."""
+    try:
+        return f"{STATE_ENV}={root}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
 def leftover_processes(root: Path) -> list[int]:
     """Processes started for this cluster (they carry its state dir in their environment)."""
-    marker = f"ROLLFLEET_CLUSTER_STATE={root}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if marker in (proc / "environ").read_bytes().split(b"\0") and _pid_alive(int(proc.name)):
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
+    return [
+        int(proc.name)
+        for proc in Path("/proc").iterdir()
+        if proc.name.isdigit()
+        and int(proc.name) != os.getpid()
+        and _of_cluster(int(proc.name), root)
+        and _pid_alive(int(proc.name))
+    ]
 
 
 def down(layout: Layout | None = None, purge: bool = True) -> None:

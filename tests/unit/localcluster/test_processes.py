@@ -6,6 +6,8 @@ Needs root (CAP_SYS_ADMIN) for mount namespaces, as the node agent does; skipped
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import uuid
@@ -121,3 +123,38 @@ def test_leftovers_of_an_earlier_agent_are_killed(tmp_path: Path) -> None:
         assert (await proc.wait()).signal == signal.SIGTERM
 
     asyncio.run(main())
+
+
+def test_a_namespace_number_the_kernel_gave_to_a_stranger_is_never_signalled(tmp_path: Path) -> None:
+    """The kernel gives a freed namespace's number to the next namespace made on the host (a kind node's
+    container, in CI: its processes were SIGKILLed by the local cluster's agent). Neither an exited
+    container nor an earlier agent's record of one may signal what now holds that number."""
+    pod_dir = tmp_path / "pods" / "ns_p_uid"
+    pod_dir.mkdir(parents=True)
+
+    async def main() -> tuple[int, int | None]:
+        proc = await ContainerProcess.start(
+            _spec(tmp_path, ["true"]), pod_dir / "c.spec.json", pod_dir / "c.log", pod_dir / "c.pid"
+        )
+        assert await proc.started() == ""
+        ident = proc.identity
+        assert (await proc.wait()).code == 0
+        # A stranger's namespace, made after the container's went: on Linux it gets the same number.
+        stranger = await asyncio.create_subprocess_exec("unshare", "-m", "sleep", "300", start_new_session=True)
+        try:
+            ours = os.readlink("/proc/self/ns/mnt")
+            await _until(lambda: os.readlink(f"/proc/{stranger.pid}/ns/mnt") != ours)
+            theirs = os.readlink(f"/proc/{stranger.pid}/ns/mnt")
+            proc.signal(signal.SIGKILL)
+            # An earlier agent's record naming a container whose first process is gone, and that number.
+            (pod_dir / "c.pid").write_text(json.dumps({**ident.__dict__, "mntns": theirs}))
+            killed = await kill_leftovers(tmp_path / "pods", grace_s=1)
+            with contextlib.suppress(TimeoutError):  # a SIGKILL sent would end it well within the second
+                await asyncio.wait_for(asyncio.shield(stranger.wait()), 1)
+            return killed, stranger.returncode
+        finally:
+            if stranger.returncode is None:
+                stranger.kill()
+            await stranger.wait()
+
+    assert asyncio.run(main()) == (0, None)

@@ -3,8 +3,12 @@
 Each container runs in its own session (one process group) and its own mount
 namespace. The namespace doubles as the container's identity: every process whose
 `/proc/PID/ns/mnt` is the container's belongs to it, even one that called setsid, so
-stopping a container leaves nothing behind. A pid file per container (pid, start
-time, namespace) lets a restarted agent find and kill what an earlier run left.
+stopping a container leaves nothing behind. A namespace's number is only its own while
+the namespace lives: the kernel hands a freed number to the next namespace made on the
+host (a kind node's container, say). So the agent holds the namespace open (`_Pin`)
+whenever it signals by namespace, and a restarted agent signals what an earlier run
+left (its pid files: pid, start time, namespace) only while that container's first
+process still runs.
 Talks to: the processes it starts, /proc, and `nsenter` for exec probes.
 """
 
@@ -73,12 +77,42 @@ def members(mntns: str) -> list[int]:
     return found
 
 
+class _Pin:
+    """An open handle on a process's mount namespace: while it is open the namespace, and its
+    number, stay the container's, even once every process in it has exited."""
+
+    def __init__(self, pid: int) -> None:
+        self.fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self.mntns = f"mnt:[{os.fstat(self.fd).st_ino}]"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _pin(ident: Identity) -> _Pin | None:
+    """Pin the namespace of the container's first process, if that process still runs and its namespace
+    is the recorded one; None otherwise (the number may be another namespace's by now)."""
+    if not ident.mntns or not ident.alive():
+        return None
+    try:
+        pin = _Pin(ident.pid)
+    except OSError:
+        return None
+    if pin.mntns != ident.mntns or not ident.alive():  # the pid was reused between the two reads
+        pin.close()
+        return None
+    return pin
+
+
 def kill_all(ident: Identity, sig: int) -> None:
-    """Signal the container's process group and every other process of its namespace."""
+    """Signal the container's process group and every other process of its namespace. The caller holds
+    the namespace pinned (`_Pin`): an unpinned number may name a stranger's namespace."""
     if ident.alive():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(ident.pid, sig)
-    if ident.mntns == _mntns(os.getpid()):
+    if not ident.mntns or ident.mntns == _mntns(os.getpid()):
         return  # never our own namespace: the launcher failed before unshare
     for pid in members(ident.mntns):
         with contextlib.suppress(ProcessLookupError):
@@ -102,6 +136,7 @@ class ContainerProcess:
         self._error_r = error_r
         self.exited = asyncio.Event()
         self.identity = Identity(proc.pid, _start_ticks(proc.pid) or 0, "")
+        self._pin: _Pin | None = None  # held from the exec until every process of the container is signalled
 
     @classmethod
     async def start(cls, spec: dict[str, object], spec_file: Path, log_file: Path, pid_file: Path) -> ContainerProcess:
@@ -134,8 +169,10 @@ class ContainerProcess:
         finally:
             os.close(self._error_r)
         if not data:
-            # The exec happened: the namespace is now the container's; remember it for cleanup.
-            self.identity = Identity(self._proc.pid, self.identity.start_ticks, _mntns(self._proc.pid) or "")
+            # The exec happened: the namespace is now the container's; pin it and remember it for cleanup.
+            ident = Identity(self._proc.pid, self.identity.start_ticks, _mntns(self._proc.pid) or "")
+            self._pin = _pin(ident)
+            self.identity = ident if self._pin else Identity(ident.pid, ident.start_ticks, "")
             self._pid_file.write_text(json.dumps(self.identity.__dict__))
         return data.decode(errors="replace")
 
@@ -143,15 +180,21 @@ class ContainerProcess:
         code = await self._proc.wait()
         self.exited.set()
         # Like a container's PID 1 exiting: whatever it left running in the namespace goes too.
-        if self.identity.mntns:
+        if self._pin is not None:
             kill_all(self.identity, signal.SIGKILL)
+            self._pin.close()
+            self._pin = None
         self._pid_file.unlink(missing_ok=True)
         if code < 0:
             return Exit(128 - code, -code, "")
         return Exit(code, None, "")
 
     def signal(self, sig: int) -> None:
-        kill_all(self.identity, sig)
+        if self._pin is not None:
+            kill_all(self.identity, sig)
+        elif self._proc.returncode is None:  # exec'd without a namespace of its own (it exited at once)
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(sig)
 
 
 async def exec_in(ident: Identity, argv: list[str], env: dict[str, str], cwd: str, limit_s: float) -> int:
@@ -180,8 +223,10 @@ async def exec_in(ident: Identity, argv: list[str], env: dict[str, str], cwd: st
         return -1
 
 
-def _signal_recorded(pods_dir: Path, sig: int) -> list[Identity]:
-    """Signal every container that a pid file names and that still runs; forget the pid files."""
+def _signal_recorded(pods_dir: Path, sig: int) -> list[tuple[Identity, _Pin]]:
+    """Signal every container that a pid file names and whose first process still runs (its namespace
+    pinned); forget the pid files. A container whose first process has exited is left alone: its
+    namespace's number may be a stranger's by now."""
     found = []
     for pid_file in pods_dir.glob("*/*.pid"):
         try:
@@ -189,9 +234,10 @@ def _signal_recorded(pods_dir: Path, sig: int) -> list[Identity]:
         except (OSError, ValueError, TypeError):
             ident = None
         pid_file.unlink(missing_ok=True)
-        if ident and ident.mntns and (ident.alive() or members(ident.mntns)):
+        pin = _pin(ident) if ident else None
+        if ident and pin:
             kill_all(ident, sig)
-            found.append(ident)
+            found.append((ident, pin))
     return found
 
 
@@ -199,11 +245,15 @@ async def kill_leftovers(pods_dir: Path, grace_s: float = 3.0) -> int:
     """Stop the processes that pid files under `pods_dir` name (an earlier agent's containers):
     SIGTERM, then SIGKILL after `grace_s`. Returns how many containers were still running."""
     found = _signal_recorded(pods_dir, signal.SIGTERM)
-    deadline = asyncio.get_running_loop().time() + grace_s
-    while found and asyncio.get_running_loop().time() < deadline:
-        if not any(members(i.mntns) for i in found):
-            break
-        await asyncio.sleep(0.1)
-    for ident in found:
-        kill_all(ident, signal.SIGKILL)
+    try:
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while found and asyncio.get_running_loop().time() < deadline:
+            if not any(members(i.mntns) for i, _ in found):
+                break
+            await asyncio.sleep(0.1)
+        for ident, _ in found:
+            kill_all(ident, signal.SIGKILL)
+    finally:
+        for _, pin in found:
+            pin.close()
     return len(found)
