@@ -24,12 +24,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import kubernetes
 import pytest
 
-from e2e.fleet_helpers import OPERATOR_NS, operator_pods, sse, tokens_of
+from e2e.fleet_helpers import OPERATOR_NS, Stream, operator_pods, sse, tokens_of
 from e2e.live_fleet import ON_BOTH, LiveFleet, create, results, running, shared, status, wait_phase
 from e2e.provider import wait_for
-from rollfleet.contract import ANNOTATION_PAUSE, COMPONENT_ENGINE, LABEL_COMPONENT, LABEL_FLEET
+from rollfleet.contract import (
+    ANNOTATION_PAUSE,
+    COMPONENT_ENGINE,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_FLEET,
+    VERSION,
+    disruption_budget_name,
+)
+from rollfleet.kube import FLEET
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
@@ -40,6 +50,7 @@ PROMPTS, SAMPLES, TOKENS = 16, 4, 120
 # done and others decoding, and the case is not the acceptance tier's longest.
 REAL_PROMPTS = 8
 PARALLELISM = 16
+STREAM_TOKENS = 200  # each client stream beside the request: long enough to outlast the fault's start
 
 
 @pytest.fixture(params=["sim"])
@@ -77,14 +88,75 @@ def wait_status_true(fleet: LiveFleet) -> None:
         raise AssertionError(f"status not true: {status_mismatch(fleet)}") from err
 
 
+class DisruptionWatch:
+    """What a disruption did to the fleet, polled from the API server every half second while it runs: the most
+    engines unavailable at once (as the PodDisruptionBudget counts them: not Ready, or being deleted)."""
+
+    def __init__(self, fleet: LiveFleet) -> None:
+        self.fleet = fleet
+        self.most_unavailable = 0
+        self.polls = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> DisruptionWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        api = self.fleet.cluster.api_client()
+        core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
+        ns, name = self.fleet.namespace, self.fleet.fleet.name
+        selector = f"{LABEL_FLEET}={name},{LABEL_COMPONENT}={COMPONENT_ENGINE}"
+        try:
+            while not self._stop.wait(0.5):
+                replicas = custom.get_namespaced_custom_object(GROUP, VERSION, ns, FLEET.plural, name)["spec"][
+                    "replicas"
+                ]
+                pods = [
+                    api.sanitize_for_serialization(p)
+                    for p in core.list_namespaced_pod(ns, label_selector=selector).items
+                ]
+                healthy = sum(
+                    1
+                    for p in pods
+                    if not p["metadata"].get("deletionTimestamp")
+                    and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+                )
+                self.most_unavailable = max(self.most_unavailable, replicas - healthy)
+                self.polls += 1
+        except BaseException as err:  # the test thread reports it
+            self.error = err
+
+
+def disruption_budget(fleet: LiveFleet) -> int:
+    """The engines the fleet's PodDisruptionBudget lets voluntary disruptions take down at once."""
+    pdb = kubernetes.client.PolicyV1Api(fleet.cluster.api_client()).read_namespaced_pod_disruption_budget(
+        disruption_budget_name(fleet.fleet.name), fleet.namespace
+    )
+    return int(pdb.spec.max_unavailable)
+
+
 def run_with_fault(
-    fleet: LiveFleet, case: str, inject: Callable[[], None], after: Callable[[], None] = lambda: None
+    fleet: LiveFleet,
+    case: str,
+    inject: Callable[[], object],
+    after: Callable[[], object] = lambda: None,
+    prompts: int | None = None,
+    streams: int = 0,
 ) -> None:
-    """The case's request, its fault injected mid-run, and every promise checked; prints its table row."""
+    """The case's request, its fault injected mid-run, and every promise checked; prints its table row. With
+    `streams`, that many clients stream a completion through the gateway across the fault too: each must get
+    every token it asked for, without an error."""
     # In waves (16 of the 64 in flight at once): the fault must land while some samples are done and others
     # decode, and samples that all start together on an engine also end together.
     spec = {"sampling": {"maxTokens": TOKENS, "ignoreEos": True}, "parallelism": PARALLELISM}
-    prompts = REAL_PROMPTS if fleet.real else PROMPTS
+    prompts = prompts or (REAL_PROMPTS if fleet.real else PROMPTS)
     name, uid = create(fleet, prompts, SAMPLES, **spec)
     wait_for(
         lambda: status(fleet, name).get("counts", {}).get("completed", 0) >= 8 and running(fleet, uid),
@@ -92,10 +164,18 @@ def run_with_fault(
         interval=0.2,
         what="samples completed and others decoding",
     )
+    clients = [
+        Stream(fleet.gateways[i % len(fleet.gateways)].url, max_tokens=STREAM_TOKENS, auth=fleet.inference).start()
+        for i in range(streams)
+    ]
     t0 = time.monotonic()
     inject()
     st = wait_phase(fleet, name, "Succeeded", timeout=900)
     finished_s = time.monotonic() - t0
+    for c in clients:
+        c.wait(600)
+        assert c.error is None and c.finish == {0: "length"} and c.tokens() == STREAM_TOKENS, (c.error, c.finish)
+        assert c.completion_tokens == STREAM_TOKENS, c.completion_tokens
     after()
     fleet.ready()
     wait_status_true(fleet)
@@ -149,15 +229,40 @@ def test_the_node_of_an_engine_drained_mid_rollout(fleet: LiveFleet) -> None:
         fleet.cluster.kubectl("uncordon", node)
 
     try:
-        run_with_fault(
-            fleet,
-            "drain the node of an engine (kubectl drain)",
-            lambda: fleet.cluster.kubectl(*drain, "--timeout=300s", timeout=320),
-            after=replaced_elsewhere,
-        )
+        with DisruptionWatch(fleet) as watch:
+            run_with_fault(
+                fleet,
+                "drain the node of an engine (kubectl drain)",
+                lambda: fleet.cluster.kubectl(*drain, "--timeout=300s", timeout=320),
+                after=replaced_elsewhere,
+                prompts=PROMPTS,
+                streams=4,
+            )
     finally:
         fleet.cluster.kubectl("uncordon", node)
+    assert watch.error is None and watch.polls > 0, watch.error
+    # The budget held: never more engines down at once than it allows (the replacement counted until Ready).
+    assert 0 < watch.most_unavailable <= disruption_budget(fleet), (watch.most_unavailable, disruption_budget(fleet))
     if fleet.real:  # a simulated engine stops at once: its streams may break before the gateway moves them
+        assert _moves(fleet) > before
+
+
+@ON_BOTH
+def test_an_engine_preempted_with_a_30_s_notice_mid_rollout(fleet: LiveFleet) -> None:
+    """A preemption notice (a spot node's handler deletes the pod with the provider's grace period): within its
+    30 s the gateway moves the engine's samples elsewhere from their tokens, and the engine is replaced."""
+    key = fleet.engines[0].key
+    old_uid = fleet.fleet.pod(key)["metadata"]["uid"]
+    before = _moves(fleet)
+    delete = ("-n", fleet.namespace, "delete", "pod", key, "--grace-period=30", "--wait=false")
+    run_with_fault(
+        fleet,
+        "preempt an engine (pod deleted, 30 s grace)",
+        lambda: fleet.cluster.kubectl(*delete),
+        after=lambda: wait_for(lambda: fleet.fleet.replaced(key, old_uid, ready=True), 600, what=f"a new {key} Ready"),
+        streams=4,
+    )
+    if fleet.real:
         assert _moves(fleet) > before
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import SPOOL_INCOMING_DIR, EngineStep, PushState, PushStatus
+from rollfleet_dev.engine_metrics import engine_metric
 from tests.engine.calls import GREEDY_PROMPTS, Stream, complete
 from tests.engine.conftest import Engine
 from tests.engine.test_engine_live import _reference_greedy
@@ -254,3 +255,43 @@ def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
         assert greedy(e.engine) == references[new]
     fv = client.fleet_version()
     assert fv.pending_sync == [] and len(fv.routable) == 2
+
+
+# Longer than several KV blocks: vLLM's prefix cache keeps whole blocks only. Within the CPU defaults' 512.
+CACHED_PROMPT = [(7 * i + 3) % 250 + 1 for i in range(400)]
+
+
+def test_a_prompt_cached_before_a_push_is_computed_again_on_the_new_weights(
+    engines: list[EngineProcess],
+    sidecar: Sidecar,
+    weights_dirs: dict[str, Path],
+    references: dict[str, list[list[int]]],
+) -> None:
+    """vLLM's prefix-cache counters (in tokens): a prompt asked twice before a push hits the cache, the same
+    prompt after it hits nothing (the blocks computed by the old weights went with the swap), and hits again
+    on the new weights' blocks."""
+    client = sidecar.client()
+    wait_until("the sidecar adopts the engines' version", lambda: client.fleet_version().version is not None)
+    engine = engines[0].engine
+    new = other(serving(engine, references))
+
+    def ask() -> tuple[list[int], float]:
+        """The prompt's greedy answer, and how many of its tokens the prefix cache served."""
+        hits, queries = (engine_metric(engine.url, f"vllm:prefix_cache_{c}_total") for c in ("hits", "queries"))
+        r = complete(engine, CACHED_PROMPT, GREEDY_TOKENS, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        # vLLM counts a request's lookups with its outputs, at most a step after the answer.
+        wait_until("the lookup counted", lambda: engine_metric(engine.url, "vllm:prefix_cache_queries_total") > queries)
+        return r.json()["choices"][0]["token_ids"], engine_metric(engine.url, "vllm:prefix_cache_hits_total") - hits
+
+    before, _ = ask()
+    again, hit = ask()
+    assert again == before and hit >= len(CACHED_PROMPT) // 2, hit  # cached: the counters do show hits
+
+    assert client.push_dir(weights_dirs[new], fresh_version(new)).state is PushState.DONE
+
+    after, hit = ask()
+    assert hit == 0, f"{hit} tokens of the prompt were served from blocks the old weights computed"
+    assert after != before
+    again, hit = ask()
+    assert again == after and hit >= len(CACHED_PROMPT) // 2, hit
