@@ -30,6 +30,7 @@ from rollfleet.errors import RollfleetError
 from rollfleet_dev.localcluster import build, pki
 from rollfleet_dev.localcluster.nodeagent import podnet
 from rollfleet_dev.localcluster.nodeagent.ipam import FIRST_SERVICE_IP, SERVICE_CIDR
+from rollfleet_dev.localcluster.nodeagent.processes import start_ticks
 from rollfleet_dev.localcluster.paths import cache_dir, state_dir
 
 HOST = "127.0.0.1"
@@ -185,13 +186,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 def running_pid(layout: Layout, component: str) -> int | None:
+    """The component's process, if the one its pid file names still runs. The file names it by pid and start
+    time: it outlives its process, and the host reuses pids (a kind container's first process leads its own
+    process group: stopping a reused pid would kill that container)."""
     try:
-        pid = int(layout.pid_file(component).read_text())
+        pid, ticks = (int(v) for v in layout.pid_file(component).read_text().split())
     except (OSError, ValueError):
         return None
-    # A pid file outlives its process, and the host reuses pids (a kind container's first process leads
-    # its own process group: stopping a reused pid would kill it): only a process of this cluster counts.
-    return pid if _pid_alive(pid) and _of_cluster(pid, layout.root) else None
+    return pid if start_ticks(pid) == ticks else None
 
 
 def port_in_use(port: int, host: str = HOST) -> bool:
@@ -347,7 +349,7 @@ def start_component(layout: Layout, component: str, argv: list[str], healthy: Ca
     log = layout.log_file(component)
     with open(log, "ab") as out:
         proc = _spawn(argv, out, layout)
-    layout.pid_file(component).write_text(str(proc.pid))
+    layout.pid_file(component).write_text(f"{proc.pid} {start_ticks(proc.pid)}")
     _wait(component, healthy, 120, functools.partial(running_pid, layout, component), log)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from rollfleet_dev.localcluster import build, controlplane
+from rollfleet_dev.localcluster.nodeagent.processes import start_ticks
 
 UPSTREAM_GOMOD = """module k8s.io/kubernetes
 
@@ -68,3 +70,26 @@ def test_component_flags_enable_tls_rbac_and_serviceaccounts(tmp_path: Path) -> 
     assert any(a.startswith("--service-account-private-key-file=") for a in cm)
     assert all(a.endswith("127.0.0.1") for a in (*api, *cm) if a.startswith("--bind-address="))
     assert args["node-agent"][1:3] == ["-m", "rollfleet_dev.localcluster.nodeagent"]
+
+
+def test_a_pid_file_names_its_process_from_the_fork_on_and_never_a_later_process_with_its_pid(tmp_path: Path) -> None:
+    """The host reuses pids: a pid file names a process by pid and start time. It holds from the fork (before
+    the exec gives the process its own environment) until the process exits."""
+    layout = controlplane.Layout(tmp_path)
+    layout.pid_file("etcd").parent.mkdir(parents=True)
+    with open(os.devnull, "wb") as out:
+        proc = controlplane._spawn(["sleep", "30"], out, layout)  # start_component's two steps
+    try:
+        layout.pid_file("etcd").write_text(f"{proc.pid} {start_ticks(proc.pid)}")
+        assert controlplane.running_pid(layout, "etcd") == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+    assert controlplane.running_pid(layout, "etcd") is None
+    # Another process now (this one) under the recorded pid, or a file of the old format: not ours.
+    layout.pid_file("etcd").write_text(f"{os.getpid()} {start_ticks(os.getpid())}")
+    assert controlplane.running_pid(layout, "etcd") == os.getpid()
+    layout.pid_file("etcd").write_text(f"{os.getpid()} {(start_ticks(os.getpid()) or 0) + 1}")
+    assert controlplane.running_pid(layout, "etcd") is None
+    layout.pid_file("etcd").write_text(str(os.getpid()))
+    assert controlplane.running_pid(layout, "etcd") is None

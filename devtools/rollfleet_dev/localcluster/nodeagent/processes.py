@@ -40,7 +40,7 @@ class Identity:
     mntns: str
 
     def alive(self) -> bool:
-        return _start_ticks(self.pid) == self.start_ticks
+        return start_ticks(self.pid) == self.start_ticks
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ class Exit:
     start_error: str
 
 
-def _start_ticks(pid: int) -> int | None:
+def start_ticks(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): with its pid, what names one process for good. None
+    once it has exited (a zombie included)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -72,7 +74,7 @@ def members(mntns: str) -> list[int]:
     """Every live (not zombie) process in that mount namespace."""
     found = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and _mntns(int(entry.name)) == mntns and _start_ticks(int(entry.name)) is not None:
+        if entry.name.isdigit() and _mntns(int(entry.name)) == mntns and start_ticks(int(entry.name)) is not None:
             found.append(int(entry.name))
     return found
 
@@ -135,7 +137,7 @@ class ContainerProcess:
         self._pid_file = pid_file
         self._error_r = error_r
         self.exited = asyncio.Event()
-        self.identity = Identity(proc.pid, _start_ticks(proc.pid) or 0, "")
+        self.identity = Identity(proc.pid, start_ticks(proc.pid) or 0, "")
         self._pin: _Pin | None = None  # held from the exec until every process of the container is signalled
 
     @classmethod
