@@ -36,6 +36,7 @@ from rollfleet.contract import (
     GROUP,
     LABEL_COMPONENT,
     LABEL_FLEET,
+    LABEL_INDEX,
     VERSION,
     disruption_budget_name,
 )
@@ -217,10 +218,12 @@ def test_the_node_of_an_engine_drained_mid_rollout(fleet: LiveFleet) -> None:
     old = fleet.fleet.pod(key)
     node = old["spec"]["nodeName"]
     before = _moves(fleet)
-    engines = f"{LABEL_FLEET}={fleet.fleet.name},{LABEL_COMPONENT}={COMPONENT_ENGINE}"
+    # That engine's pods only: an earlier case's replacement may share its node, and this case drains one engine.
+    index = old["metadata"]["labels"][LABEL_INDEX]
+    engine = f"{LABEL_FLEET}={fleet.fleet.name},{LABEL_COMPONENT}={COMPONENT_ENGINE},{LABEL_INDEX}={index}"
 
     # An engine's /dev/shm is an emptyDir: drain must be told that its data may go.
-    drain = ("drain", node, "--pod-selector", engines, "--ignore-daemonsets", "--delete-emptydir-data")
+    drain = ("drain", node, "--pod-selector", engine, "--ignore-daemonsets", "--delete-emptydir-data")
 
     def replaced_elsewhere() -> None:
         wait_for(lambda: fleet.fleet.replaced(key, old["metadata"]["uid"]), 120, what=f"a new {key} pod")
