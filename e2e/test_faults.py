@@ -175,7 +175,8 @@ def run_with_fault(
     finished_s = time.monotonic() - t0
     for c in clients:
         c.wait(600)
-        assert c.error is None and c.finish == {0: "length"} and c.tokens() == STREAM_TOKENS, (c.error, c.finish)
+        # Counted by the usage, not by chunks: a loaded engine may send two tokens in one chunk.
+        assert c.error is None and c.finish == {0: "length"} and c.tokens() > 0, (c.error, c.finish)
         assert c.completion_tokens == STREAM_TOKENS, c.completion_tokens
     after()
     fleet.ready()
