@@ -21,29 +21,33 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kubernetes
 import pytest
 import yaml
 from starlette.routing import Route
 
-from e2e.provider import Cluster, wait_for
+from e2e.provider import Cluster, unanswered, wait_for
 from rollfleet import jsonl
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import (
     ANNOTATION_PAUSE,
     ANNOTATION_RESUME,
     ENGINE_PORT,
+    GROUP,
+    LABEL_FLEET,
     REQUEST_ID_HEADER,
     REQUESTS_PATH,
     STATE_PATH,
     SYNC_API_PORT,
     SYNC_HEALTH_PORT,
+    VERSION,
     inference_secret_name,
     secret_name,
     secret_token,
     trainer_name,
 )
 from rollfleet.gateway.app import GatewayConfig, build_app
-from rollfleet.kubectl import KubectlError
+from rollfleet.kube import FLEET
 from rollfleet_client.protocol import TRL_PREFIX
 from rollfleet_client.sync import SyncClient
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
@@ -157,10 +161,6 @@ def sim_engine(cluster: Cluster, token_delay_ms: float) -> dict[str, Any]:
     }
 
 
-# kubectl's words when the API server did not answer a call (a timeout or refusal, not a refusal of the request).
-UNREACHABLE = "Unable to connect to the server"
-
-
 @dataclass
 class Fleet:
     cluster: Cluster
@@ -168,7 +168,8 @@ class Fleet:
     namespace: str
 
     def get(self) -> dict[str, Any]:
-        return dict(json.loads(self.cluster.kubectl("-n", self.namespace, "get", "rf", self.name, "-o", "json").stdout))
+        read = kubernetes.client.CustomObjectsApi(self.cluster.api_client()).get_namespaced_custom_object
+        return self.cluster.read(read, GROUP, VERSION, self.namespace, FLEET.plural, self.name)
 
     def status(self) -> dict[str, Any]:
         return dict(self.get().get("status") or {})
@@ -178,43 +179,38 @@ class Fleet:
 
     def wait(self, predicate: Any, what: str, timeout: float = ENGINE_START_S) -> dict[str, Any]:
         """Wait until `predicate(status)` holds; returns that status."""
+        return self._wait(lambda obj: predicate(obj.get("status") or {}), what, timeout)
 
+    def _wait(self, predicate: Callable[[dict[str, Any]], bool], what: str, timeout: float) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
             try:
-                st = self.status()
-            except KubectlError as err:
-                if UNREACHABLE not in str(err):
+                obj = self.get()
+            except Exception as err:
+                if not unanswered(err):
                     raise
                 return None  # the API server did not answer this poll (a loaded host): the deadline still holds
-            return st if predicate(st) else None
+            return dict(obj.get("status") or {}) if predicate(obj) else None
 
         return dict(wait_for(check, timeout=timeout, interval=0.5, what=f"{self.name}: {what}"))
 
     def wait_ready(self, replicas: int, timeout: float = ENGINE_START_S) -> dict[str, Any]:
-        def ready(st: dict[str, Any]) -> bool:
+        def ready(obj: dict[str, Any]) -> bool:
+            st = obj.get("status") or {}
             conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
             return (
                 st.get("readyReplicas") == replicas
                 and st.get("replicas") == replicas
-                and st.get("observedGeneration") == self.get()["metadata"]["generation"]
+                and st.get("observedGeneration") == obj["metadata"]["generation"]
                 and conds.get("Ready") == "True"
                 and conds.get("Progressing") == "False"
             )
 
-        return self.wait(ready, f"Ready with {replicas} engines", timeout)
+        return self._wait(ready, f"Ready with {replicas} engines", timeout)
 
     def pods(self, component: str = "engine") -> list[dict[str, Any]]:
-        out = self.cluster.kubectl(
-            "-n",
-            self.namespace,
-            "get",
-            "pods",
-            "-l",
-            f"rollfleet.dev/fleet={self.name},app.kubernetes.io/component={component}",
-            "-o",
-            "json",
-        )
-        return list(json.loads(out.stdout)["items"])
+        core = kubernetes.client.CoreV1Api(self.cluster.api_client())
+        selector = f"{LABEL_FLEET}={self.name},app.kubernetes.io/component={component}"
+        return list(self.cluster.read(core.list_namespaced_pod, self.namespace, label_selector=selector)["items"])
 
     def pod(self, name: str) -> dict[str, Any]:
         return next(p for p in self.pods() if p["metadata"]["name"] == name)
@@ -233,17 +229,9 @@ class Fleet:
         return next((e for e in self.status().get("engines", []) if e["name"] == name), {})
 
     def events(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl(
-            "-n",
-            self.namespace,
-            "get",
-            "events",
-            "--field-selector",
-            f"involvedObject.kind=RolloutFleet,involvedObject.name={self.name}",
-            "-o",
-            "json",
-        )
-        return list(json.loads(out.stdout)["items"])
+        core = kubernetes.client.CoreV1Api(self.cluster.api_client())
+        about = f"involvedObject.kind=RolloutFleet,involvedObject.name={self.name}"
+        return list(self.cluster.read(core.list_namespaced_event, self.namespace, field_selector=about)["items"])
 
     def engine_state(self, pod: str) -> dict[str, Any]:
         with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
@@ -436,8 +424,6 @@ def signal_container(
     signalled from its node (a Docker container named after the node), by the pid crictl reports:
     inside the container it is PID 1, which ignores signals it has no handler for, even SIGKILL.
     """
-    import kubernetes
-
     found = kubernetes.client.CoreV1Api(cluster.api_client()).read_namespaced_pod(pod, namespace)
     if cluster.provider != "local":
         _signal_on_kind_node(found, container, sig)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kubernetes
 import pytest
 
 from e2e.fleet_helpers import (
@@ -37,11 +38,14 @@ from rollfleet.contract import (
     COMPONENT_RUNNER,
     ENGINE_PORT,
     GATEWAY_PORT,
+    GROUP,
     LABEL_COMPONENT,
     LABEL_REQUEST_UID,
+    VERSION,
     inference_secret_name,
     secret_name,
 )
+from rollfleet.kube import REQUEST
 from rollfleet_dev.localcluster import claims
 
 NAME = "live"
@@ -172,7 +176,8 @@ def create(on: LiveFleet | Fleet, prompts: int | list[dict[str, Any]], samples: 
 
 def get(on: LiveFleet | Fleet, name: str) -> dict[str, Any]:
     fleet = _fleet(on)
-    return dict(json.loads(fleet.cluster.kubectl("-n", fleet.namespace, "get", "rr", name, "-o", "json").stdout))
+    read = kubernetes.client.CustomObjectsApi(fleet.cluster.api_client()).get_namespaced_custom_object
+    return fleet.cluster.read(read, GROUP, VERSION, fleet.namespace, REQUEST.plural, name)
 
 
 def status(fleet: LiveFleet | Fleet, name: str) -> dict[str, Any]:
@@ -211,8 +216,9 @@ def _fleet(on: LiveFleet | Fleet) -> Fleet:
 def runner_pods(fleet: LiveFleet, uid: str) -> list[dict[str, Any]]:
     """The request's runner pods (its Job's) that are not being deleted."""
     selector = f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={uid}"
-    out = fleet.cluster.kubectl("-n", fleet.namespace, "get", "pods", "-l", selector, "-o", "json").stdout
-    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+    list_pods = kubernetes.client.CoreV1Api(fleet.cluster.api_client()).list_namespaced_pod
+    pods = fleet.cluster.read(list_pods, fleet.namespace, label_selector=selector)
+    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
 def running(fleet: LiveFleet, uid: str) -> list[str]:
