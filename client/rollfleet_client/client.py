@@ -51,6 +51,7 @@ from rollfleet_client.protocol import (
     FLEET_RESUME_PATH,
     GROUP_HEADER,
     INFERENCE_TOKEN_FILE,
+    MAX_WEIGHT_LAG_HEADER,
     REQUEST_ID_HEADER,
     SESSION_HEADER,
     TIMEOUT_HEADER,
@@ -215,6 +216,7 @@ class AsyncRolloutClient:
         session_id: str | None = None,
         group_id: str | None = None,
         timeout_s: float | None = None,
+        max_weight_lag: int | None = None,
         **sampling: Any,
     ) -> Generation:
         """Text or token ids in; token ids, logprobs (with ``logprobs=0`` or more), finish reason and weight
@@ -224,6 +226,10 @@ class AsyncRolloutClient:
         Cancelling the awaiting task (``asyncio.wait_for`` included) aborts it at the engine. With
         ``timeout_s`` the gateway stops it at the engine at that deadline and answers with what was made
         (``finish_reason`` "abort": a partial rollout to resubmit); ``GenerateTimeout`` only when no answer came.
+
+        ``max_weight_lag``: how many generations the tokens may lag the fleet's newest weights. The gateway routes
+        it only to engines within that; a push that would leave it further behind aborts it (``finish_reason``
+        "abort"); one with no tokens yet runs on the new weights. 0 is strictly on-policy.
         """
         rid = request_id or f"rf-{uuid.uuid4().hex}"
         model = sampling.pop("model", self.model)
@@ -235,6 +241,8 @@ class AsyncRolloutClient:
             headers[SESSION_HEADER] = session_id
         if group_id is not None:
             headers[GROUP_HEADER] = group_id
+        if max_weight_lag is not None:
+            headers[MAX_WEIGHT_LAG_HEADER] = str(max_weight_lag)
         timeout = None
         if timeout_s is not None:
             headers[TIMEOUT_HEADER] = f"{timeout_s:.3f}"  # the gateway stops it at the engine by itself too

@@ -3,7 +3,7 @@
 The one place these are spelled: the gateway (`rollfleet.gateway`), the operator's
 RolloutRequest runner and this client import them (through `rollfleet.contract` on the
 operator's side). The engine package spells the headers it shares with the gateway
-(`X-Request-Id`, `X-Rollfleet-Weight-Version`) in `rollfleet_engine.protocol`; a unit
+(`X-Request-Id`, `X-Rollfleet-Weight-Version`, `X-Rollfleet-Max-Weight-Lag`) in `rollfleet_engine.protocol`; a unit
 test holds the two equal, since this distribution depends on nothing of Rollfleet's.
 """
 
@@ -58,6 +58,8 @@ SESSION_HEADER = "X-Session-Id"  # a multi-turn session stays on one engine
 GROUP_HEADER = "X-Group-Id"  # GRPO: the n samples of one prompt share one engine (and its prefix cache)
 SESSION_END_HEADER = "X-Session-End"
 TIMEOUT_HEADER = "X-Rollfleet-Timeout"  # seconds: the gateway stops the request at the engine after this
+# Generations the request's tokens may lag the fleet's newest weights: routed within it, aborted at a push past it.
+MAX_WEIGHT_LAG_HEADER = "X-Rollfleet-Max-Weight-Lag"
 
 # Where a pod that mounts the fleet's admin-token Secret finds the token.
 TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet"

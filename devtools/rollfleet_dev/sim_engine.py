@@ -43,6 +43,7 @@ from rollfleet_engine.access import AccessPolicy, read_token
 from rollfleet_engine.protocol import (
     ABORT_PATH,
     ATTEMPT_HEADER,
+    MAX_WEIGHT_LAG_HEADER,
     PAUSE_PATH,
     READY_PATH,
     REQUEST_ID_HEADER,
@@ -53,6 +54,7 @@ from rollfleet_engine.protocol import (
     AbortRequest,
     EngineState,
     PauseMode,
+    parse_max_weight_lag,
     parse_pause_mode,
 )
 from rollfleet_engine.tracker import RequestTracker
@@ -270,7 +272,11 @@ class SimEngine:
         rid = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"sim-{self.served}"
         if self.accept_delay_s:
             await asyncio.sleep(self.accept_delay_s)
-        if not self.tracker.open(rid, request.headers.get(ATTEMPT_HEADER)):
+        try:
+            max_lag = parse_max_weight_lag(request.headers.get(MAX_WEIGHT_LAG_HEADER))
+        except ValueError as err:
+            return web.json_response({"error": str(err)}, status=400)
+        if not self.tracker.open(rid, request.headers.get(ATTEMPT_HEADER), max_lag):
             return web.json_response(
                 {"error": f"request id {rid!r} is still in flight; ids must not be reused"}, status=409
             )

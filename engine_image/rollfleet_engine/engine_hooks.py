@@ -11,7 +11,7 @@ variable set by the HTTP middleware for the duration of the request.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from rollfleet_engine.tracker import ABORT, RequestTracker
@@ -19,8 +19,9 @@ from rollfleet_engine.tracker import ABORT, RequestTracker
 current_caller_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollfleet_caller_id", default=None)
 
 
-def install_generate_hook(engine: Any, tracker: RequestTracker) -> None:
-    """Replace ``engine.generate`` on this instance with a recording wrapper."""
+def install_generate_hook(engine: Any, tracker: RequestTracker, weight_version: Callable[[], str]) -> None:
+    """Replace ``engine.generate`` on this instance with a recording wrapper. ``weight_version``: the version the
+    engine serves now (the launcher's cached one)."""
     original = engine.generate
 
     def generate(prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
@@ -29,7 +30,7 @@ def install_generate_hook(engine: Any, tracker: RequestTracker) -> None:
         if caller is None:
             return stream
         tracker.attach(caller, request_id)
-        return _observe(tracker, caller, request_id, _is_cumulative(sampling_params), stream)
+        return _observe(tracker, caller, request_id, _is_cumulative(sampling_params), stream, weight_version)
 
     engine.generate = generate
 
@@ -41,14 +42,24 @@ def _is_cumulative(sampling_params: Any) -> bool:
 
 
 async def _observe(
-    tracker: RequestTracker, caller: str, engine_id: str, cumulative: bool, stream: AsyncGenerator[Any, None]
+    tracker: RequestTracker,
+    caller: str,
+    engine_id: str,
+    cumulative: bool,
+    stream: AsyncGenerator[Any, None],
+    weight_version: Callable[[], str],
 ) -> AsyncGenerator[Any, None]:
     try:
         async for out in stream:
             outputs = getattr(out, "outputs", None) or []
             reasons = [o.finish_reason for o in outputs if o.finish_reason is not None]
             finished = bool(getattr(out, "finished", False))
-            versions = [span.version for o in outputs for span in (o.weight_versions or [])]
+            # vLLM gives the spans of versions only with the final output: until then, tokens out now came from the
+            # weights served now (a swap happens in a pause, and the output of a step reaches here before it). The
+            # sync sidecar reads these in flight to abort requests past a staleness bound.
+            versions = [span.version for o in outputs for span in (o.weight_versions or [])] or (
+                [weight_version()] if any(o.token_ids for o in outputs) else []
+            )
             tracker.on_output(
                 caller,
                 engine_id,

@@ -18,6 +18,7 @@ from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.protocol import (
     ATTEMPT_HEADER,
     FINISH_WEIGHT_UPDATE_PATH,
+    MAX_WEIGHT_LAG_HEADER,
     MIXED_WEIGHTS_MARK,
     PAUSE_PATH,
     REQUEST_ID_HEADER,
@@ -25,6 +26,7 @@ from rollfleet_engine.protocol import (
     START_WEIGHT_UPDATE_PATH,
     UPDATE_WEIGHTS_PATH,
     WEIGHT_VERSION_HEADER,
+    parse_max_weight_lag,
     parse_pause_mode,
 )
 from rollfleet_engine.runtime import Runtime
@@ -96,7 +98,12 @@ class RollfleetMiddleware:
         body = await _read_body(receive)
         caller = headers.get(REQUEST_ID_HEADER.lower()) or _body_request_id(body) or f"rf-{uuid.uuid4().hex}"
         tracker = self.runtime.tracker
-        if not tracker.open(caller, headers.get(ATTEMPT_HEADER.lower())):
+        try:
+            max_lag = parse_max_weight_lag(headers.get(MAX_WEIGHT_LAG_HEADER.lower()))
+        except ValueError as err:
+            await _json(send, 400, {"error": str(err)})
+            return
+        if not tracker.open(caller, headers.get(ATTEMPT_HEADER.lower()), max_lag):
             await _json(send, 409, {"error": f"request id {caller!r} is still in flight; ids must not be reused"})
             return
         scope = dict(scope)

@@ -56,6 +56,21 @@ REQUEST_ID_HEADER = "X-Request-Id"
 ATTEMPT_HEADER = "X-Rollfleet-Attempt"
 MAX_ATTEMPT_CHARS = 200
 WEIGHT_VERSION_HEADER = "X-Rollfleet-Weight-Version"
+# A request's own staleness bound, in weight generations (an integer >= 0): at a push to generation T, the
+# sync sidecar aborts it in the pause if its oldest tokens came from a generation below T - N. The gateway
+# also routes it only to engines within N of the fleet (docs/weight-sync.md, Staleness).
+MAX_WEIGHT_LAG_HEADER = "X-Rollfleet-Max-Weight-Lag"
+MAX_WEIGHT_LAG = 1_000_000
+
+
+def parse_max_weight_lag(value: str | None) -> int | None:
+    """A request's staleness bound from its header (None: unbounded); ValueError naming the rule otherwise."""
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) > MAX_WEIGHT_LAG:
+        raise ValueError(f"{MAX_WEIGHT_LAG_HEADER} must be a whole number of generations, 0 to {MAX_WEIGHT_LAG}")
+    return int(value)
+
 
 # How vLLM's `POST /pause?mode=` treats in-flight requests; also the values of a fleet's
 # `rollfleet.dev/pause` annotation (in this order in the RolloutFleet CRD).
@@ -121,6 +136,7 @@ class TrackedRequest(BaseModel):
     engine_request_ids: list[str] = Field(default_factory=list, description="vLLM's own ids for this request.")
     output_tokens: int = Field(default=0, description="Tokens produced so far (streaming) or in total (at the end).")
     weight_versions: list[str] = Field(default_factory=list, description="Versions that produced its tokens.")
+    max_weight_lag: int | None = Field(default=None, description=f"Its {MAX_WEIGHT_LAG_HEADER}, if sent.")
 
 
 class RequestsView(BaseModel):

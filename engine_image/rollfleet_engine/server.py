@@ -285,7 +285,7 @@ async def _build_and_serve(
     )
     if opts.group_leader is not None:
         runtime.stager = GroupStager(engine)  # a staged copy would be this pod's only: each rank stages its own
-    install_generate_hook(engine, runtime.tracker)
+    install_generate_hook(engine, runtime.tracker, lambda: runtime.weight_version)
     if opts.weight_version is not None:
         await engine.update_weight_version(opts.weight_version)
     await runtime.refresh_weight_version()

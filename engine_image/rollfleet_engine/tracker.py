@@ -36,6 +36,7 @@ class _Entry:
     request_id: str
     opened_at: float
     attempt: str | None = None  # the sender's X-Rollfleet-Attempt, if it sent one
+    max_weight_lag: int | None = None  # the sender's X-Rollfleet-Max-Weight-Lag, if it sent one
     engine: dict[str, _EngineRequest] = field(default_factory=dict)
     closed: bool = False
 
@@ -75,6 +76,7 @@ class _Entry:
             engine_request_ids=list(self.engine),
             output_tokens=tokens,
             weight_versions=versions,
+            max_weight_lag=self.max_weight_lag,
         )
 
 
@@ -89,12 +91,12 @@ class RequestTracker:
         self._changed = asyncio.Event()
 
     # --- fed by the HTTP middleware -------------------------------------------------
-    def open(self, request_id: str, attempt: str | None = None) -> bool:
+    def open(self, request_id: str, attempt: str | None = None, max_weight_lag: int | None = None) -> bool:
         """Start tracking; False if a request with this id is still in flight (ids must not be reused)."""
         if request_id in self._active:
             return False
         self._finished.pop(request_id, None)
-        self._active[request_id] = _Entry(request_id, time.monotonic(), attempt)
+        self._active[request_id] = _Entry(request_id, time.monotonic(), attempt, max_weight_lag)
         self._notify()
         return True
 

@@ -93,6 +93,9 @@ COMPONENT_WEIGHTS = "weights"
 ANNOTATION_PHASE = f"{GROUP}/phase"
 ANNOTATION_DRAINING_SINCE = f"{GROUP}/draining-since"
 ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
+# The generation of the weights the engine serves (as it last reported them): the gateway routes a request
+# with a staleness bound (X-Rollfleet-Max-Weight-Lag) only to engines within it of the newest.
+ANNOTATION_WEIGHT_GENERATION = f"{GROUP}/weight-generation"
 # How many engines of this index (and template) crashed in a row before this one: its backoff.
 ANNOTATION_CRASHES = f"{GROUP}/crashes"
 # ... on the RolloutFleet (written by people) ...

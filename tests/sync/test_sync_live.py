@@ -21,6 +21,7 @@ from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import SPOOL_INCOMING_DIR, EngineStep, PushState, PushStatus
 from rollfleet_dev.engine_metrics import engine_metric
+from rollfleet_engine.protocol import MAX_WEIGHT_LAG_HEADER
 from tests.engine.calls import GREEDY_PROMPTS, Stream, complete
 from tests.engine.conftest import Engine
 from tests.engine.test_engine_live import _reference_greedy
@@ -147,6 +148,48 @@ def test_push_during_streaming_rollouts_keeps_them_and_moves_every_engine(
     fv = client.fleet_version()
     assert (fv.version, fv.pending_sync) == (version, [])
     assert sorted(fv.routable) == sorted(e.engine.url for e in engines)
+
+
+def test_a_request_past_its_own_weight_lag_bound_is_aborted_at_a_push_and_one_within_it_spans_the_swap(
+    engines: list[EngineProcess],
+    sidecar: Sidecar,
+    weights_dirs: dict[str, Path],
+    references: dict[str, list[list[int]]],
+) -> None:
+    """X-Rollfleet-Max-Weight-Lag (what the gateway passes on): on real vLLM the tokens in flight are known by
+    version (vLLM tells its spans only at the end), so the push aborts exactly the requests its bound excludes."""
+    client = sidecar.client()
+    wait_until("the sidecar adopts the engines' version", lambda: client.fleet_version().version is not None)
+    old = serving(engines[0].engine, references)
+    assert serving(engines[1].engine, references) == old
+    new, version = other(old), fresh_version(other(old))
+    old_label = str(state(engines[0].engine)["weight_version"])
+    tag = uuid.uuid4().hex[:6]
+    strict = [
+        Stream(e.engine, f"lag0-{i}-{tag}", ROLLOUT_TOKENS, headers={MAX_WEIGHT_LAG_HEADER: "0"})
+        for i, e in enumerate(engines)
+    ]
+    loose = [
+        Stream(e.engine, f"lag1-{i}-{tag}", ROLLOUT_TOKENS, headers={MAX_WEIGHT_LAG_HEADER: "1"})
+        for i, e in enumerate(engines)
+    ]
+    for r in strict + loose:
+        r.wait_tokens(5)
+
+    status = client.push_dir(weights_dirs[new], version)
+
+    assert status.state is PushState.DONE and status.aborted_stale == 2, status
+    for r, e in zip(strict + loose, engines * 2, strict=True):
+        r.join(timeout=300)
+        assert tracked_versions(e.engine, r.request_id)[0] == old_label
+    # Bound 0: the old weights made some of its tokens, so the push ended it (to run again on the new ones).
+    assert [r.finish_reason for r in strict] == ["abort", "abort"]
+    assert all(len(r.tokens) < ROLLOUT_TOKENS for r in strict)
+    # Bound 1: one generation behind is allowed; it went on through the swap, and its versions say which.
+    assert [r.finish_reason for r in loose] == ["length", "length"]
+    assert [tracked_versions(e.engine, r.request_id) for r, e in zip(loose, engines, strict=True)] == [
+        [old_label, version]
+    ] * 2
 
 
 def test_engine_killed_during_a_push_is_left_out_then_joins_on_the_new_version(

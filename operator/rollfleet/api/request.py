@@ -249,7 +249,8 @@ class RolloutRequestSpec(ApiModel):
         ge=0,
         le=1_000_000,
         description="Fleet weight updates a sample may lag: a sample produced by weights more than this many "
-        "updates older than the fleet's current version is discarded and run again.",
+        "updates older than the fleet's current version is discarded and run again. Samples are sent with it "
+        "(X-Rollfleet-Max-Weight-Lag): routed to engines within it, and aborted at a push past it.",
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None,

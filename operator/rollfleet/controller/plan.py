@@ -271,3 +271,18 @@ def phase_updates(engines: Sequence[Engine], actions: Sequence[PodAction]) -> di
         and not e.obs.terminating
         and e.phase != EnginePhase.FAILED
     }
+
+
+def generation_updates(engines: Sequence[Engine], generations: Mapping[str, int | None]) -> dict[str, str | None]:
+    """Engines whose `rollfleet.dev/weight-generation` annotation must change: the generation of the weights
+    each reports (removed when the record does not know them). `generations` has the engines whose state was
+    read this time; the others keep theirs until it is."""
+    updates: dict[str, str | None] = {}
+    for e in engines:
+        if e.obs.terminating or e.obs.name not in generations:
+            continue
+        generation = generations[e.obs.name]
+        value = None if generation is None else str(generation)
+        if value != e.obs.annotated_generation:
+            updates[e.obs.name] = value
+    return updates

@@ -30,6 +30,7 @@ from rollfleet.contract import (
     ANNOTATION_DRAINING_SINCE,
     ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
+    ANNOTATION_WEIGHT_GENERATION,
     RECORD_MODEL,
     RECORD_SYNC_STATE,
     EnginePhase,
@@ -283,6 +284,21 @@ class FleetLoop:
         states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else IDLE_RESYNC_S)
         return [dataclasses.replace(o, state=states.get(o.name)) for o in observed], busy
 
+    async def _annotate_engines(
+        self, engines: Sequence[Engine], actions: Sequence[plan.PodAction], generations: Mapping[str, int | None]
+    ) -> bool:
+        """Write the engine pods' annotations the gateway routes on (phase, weight generation); whether any
+        phase changed."""
+        changes: dict[str, dict[str, str | None]] = {}
+        phases = plan.phase_updates(engines, actions)
+        for name, phase in phases.items():
+            changes.setdefault(name, {})[ANNOTATION_PHASE] = phase
+        for name, generation in plan.generation_updates(engines, generations).items():
+            changes.setdefault(name, {})[ANNOTATION_WEIGHT_GENERATION] = generation
+        kube, ns = self.shared.kube, self.ref.namespace
+        await asyncio.gather(*(annotate_pod(kube, ns, name, a) for name, a in changes.items()))
+        return bool(phases)
+
     async def reconcile(self) -> float:
         """One pass; returns how long to sleep unless woken by a watch event."""
         body = self.body
@@ -297,7 +313,6 @@ class FleetLoop:
         # The status this operator last wrote is the reference; after a restart, the stored one.
         previous = self._written or _parse_status(body.get("status"))
         now = now_utc()
-        kube = self.shared.kube
 
         token = await self._ensure_token()
         await self._ensure_owned(spec)
@@ -338,13 +353,7 @@ class FleetLoop:
         )
         by_name = {e.obs.name: e for e in engines}
         await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
-        phase_changes = plan.phase_updates(engines, actions)
-        await asyncio.gather(
-            *(
-                annotate_pod(kube, self.ref.namespace, name, {ANNOTATION_PHASE: phase})
-                for name, phase in phase_changes.items()
-            )
-        )
+        phase_changes = await self._annotate_engines(engines, actions, fv.engine_generations)
         for call in plan.engine_pause_calls(request.mode, record, engines):
             ip = by_name[call.name].obs.pod_ip
             if call.name not in self._calls and ip is not None:

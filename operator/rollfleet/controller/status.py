@@ -28,6 +28,7 @@ from rollfleet.contract import (
     ANNOTATION_PAUSE,
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
+    ANNOTATION_WEIGHT_GENERATION,
     LWS_LABEL_NAME,
     ROUTABLE_PHASES,
     EnginePhase,
@@ -85,6 +86,7 @@ class EngineObs:
     crashes: int = 0  # engines of this index that crashed in a row before this one
     exited: Exited | None = None  # when its engine container ended, if it did
     group: str | None = None  # the LeaderWorkerSet of a multi-pod engine, whose leader this pod is
+    annotated_generation: str | None = None  # rollfleet.dev/weight-generation as last written
 
     @property
     def failed(self) -> bool:
@@ -132,6 +134,7 @@ def observe_pod(pod: Mapping[str, Any], fleet: str, node_lost: bool, state: Engi
         ready=conditions.get("Ready", {}).get("status") == "True",
         terminating=meta.get("deletionTimestamp") is not None,
         annotated_phase=annotations.get(ANNOTATION_PHASE),
+        annotated_generation=annotations.get(ANNOTATION_WEIGHT_GENERATION),
         draining_since=parse_time(annotations.get(ANNOTATION_DRAINING_SINCE)),
         node=(pod.get("spec") or {}).get("nodeName"),
         node_lost=node_lost,

@@ -60,13 +60,13 @@ from rollfleet_client.protocol import (
     TRL_HEALTH_PATH,
     TRL_PREFIX,
 )
-from rollfleet_engine.protocol import REQUEST_ID_HEADER
+from rollfleet_engine.protocol import MAX_WEIGHT_LAG_HEADER, REQUEST_ID_HEADER, parse_max_weight_lag
 
 log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
 # Header names as looked up: lowercase (the HTTP server's are; Starlette's lookups ignore case).
-_REQUEST_ID, _TIMEOUT = REQUEST_ID_HEADER.lower(), TIMEOUT_HEADER.lower()
+_REQUEST_ID, _TIMEOUT, _MAX_LAG = REQUEST_ID_HEADER.lower(), TIMEOUT_HEADER.lower(), MAX_WEIGHT_LAG_HEADER.lower()
 _GROUP, _SESSION, _SESSION_END = GROUP_HEADER.lower(), SESSION_HEADER.lower(), SESSION_END_HEADER.lower()
 MAX_SESSION_KEY = 256  # characters; the session table keeps every key for its TTL
 MAX_CONTROL_WAIT_S = 600  # a pause or resume waits at most this long for the status to show it done
@@ -195,6 +195,10 @@ class _Gateway:
             raise Refused(400, f"{GROUP_HEADER} or {SESSION_HEADER} is longer than {MAX_SESSION_KEY} characters")
         request_id = _request_id(headers, body)
         timeout = _timeout_s(headers, config.request_timeout_s, config.max_timeout_s)
+        try:
+            max_lag = parse_max_weight_lag(headers.get(_MAX_LAG))
+        except ValueError as err:
+            raise Refused(400, str(err)) from None
         loop = asyncio.get_running_loop()
         try:
             entry = self.inflight.open(request_id, loop)
@@ -207,6 +211,7 @@ class _Gateway:
             session=session,
             end_session=headers.get(_SESSION_END, "").lower() in ("1", "true", "yes"),
             deadline=loop.time() + timeout,
+            max_weight_lag=max_lag,
         )
         return req, entry
 

@@ -54,10 +54,16 @@ from rollfleet.gateway.dialects import (
 )
 from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason
 from rollfleet.gateway.metrics import Metrics
-from rollfleet.gateway.registry import Engine, Registry
+from rollfleet.gateway.registry import Engine, Registry, lag_summary, within_weight_lag
 from rollfleet.gateway.routing import Decision, NoEngine, Router
 from rollfleet.gateway.upstream import GatewayResourceError, Response, Upstream, UpstreamError
-from rollfleet_engine.protocol import ATTEMPT_HEADER, REQUEST_ID_HEADER, WEIGHT_VERSION_HEADER, AbortStatus
+from rollfleet_engine.protocol import (
+    ATTEMPT_HEADER,
+    MAX_WEIGHT_LAG_HEADER,
+    REQUEST_ID_HEADER,
+    WEIGHT_VERSION_HEADER,
+    AbortStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +99,7 @@ class ClientRequest:
     session: str | None
     end_session: bool
     deadline: float  # event-loop time
+    max_weight_lag: int | None = None  # its X-Rollfleet-Max-Weight-Lag: routed within it, sent on to the engine
 
 
 class Outcome(StrEnum):
@@ -340,6 +347,7 @@ class _Exchange:
         self.attempts = 0
         self._closing: int | None = None  # index in the current batch of the chunk that ends the request
         self.continuation_refused = False
+        self.lag_bound_left_none = False  # engines were routable, but none within the request's weight-lag bound
 
     # --- the attempt loop -----------------------------------------------------------
     async def run(self) -> str | None:
@@ -354,12 +362,7 @@ class _Exchange:
             if picked is None:
                 if entry.stop is not None:
                     continue
-                tried = f" other than {', '.join(entry.engines)} (failed)" if entry.engines else ""
-                return await self._fail(
-                    503,
-                    f"no routable engine{tried} within {cfg.queue_timeout_s:.0f}s "
-                    "(engines starting, syncing or draining)",
-                )
+                return await self._fail(503, self._no_engine())
             engine, decision = picked
             plan = self._plan()
             if plan is None:
@@ -414,6 +417,18 @@ class _Exchange:
             # notices the disconnect; tell it now, without holding up the continuation.
             self.proxy.background(self.proxy.abort_quietly(engine, entry))
 
+    def _no_engine(self) -> str:
+        """Why no engine took the request within the queue timeout."""
+        entry, wait_s = self.entry, self.proxy.config.queue_timeout_s
+        tried = f" other than {', '.join(entry.engines)} (failed)" if entry.engines else ""
+        if self.lag_bound_left_none:
+            return (
+                f"no engine within {MAX_WEIGHT_LAG_HEADER} {self.req.max_weight_lag} of the newest weights{tried} "
+                f"within {wait_s:.0f}s (engines: {lag_summary(self.proxy.registry.routable())}); ask again once the "
+                "engines have the fleet's version, or with a larger bound"
+            )
+        return f"no routable engine{tried} within {wait_s:.0f}s (engines starting, syncing or draining)"
+
     def _plan(self) -> tuple[str, Json, ContinuationState | None] | None:
         """(path, body, continuation state) of the next attempt; None when it cannot be continued."""
         entry, req = self.entry, self.req
@@ -445,7 +460,11 @@ class _Exchange:
         loop, p, entry = self.loop, self.proxy, self.entry
         deadline = min(self.req.deadline, loop.time() + p.config.queue_timeout_s)
         while entry.stop is None:
-            candidates = [e for e in p.registry.routable() if e.instance not in entry.tried]
+            routable = p.registry.routable()
+            candidates = [e for e in routable if e.instance not in entry.tried]
+            if self.req.max_weight_lag is not None and candidates:
+                candidates = within_weight_lag(candidates, routable, self.req.max_weight_lag)
+                self.lag_bound_left_none = not candidates
             try:
                 decision = p.router.choose([e.key for e in candidates], self.req.session, loop.time())
             except NoEngine:
@@ -495,6 +514,8 @@ class _Exchange:
         p, req = self.proxy, self.req
         assert p.upstream is not None and engine.url is not None
         headers = [*p.upstream_headers, (REQUEST_ID_HEADER, req.request_id), (ATTEMPT_HEADER, self.entry.attempt)]
+        if req.max_weight_lag is not None:
+            headers.append((MAX_WEIGHT_LAG_HEADER, str(req.max_weight_lag)))
         try:
             resp = await p.upstream.request("POST", engine.url + path, orjson.dumps(body), headers)
             try:

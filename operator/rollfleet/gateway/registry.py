@@ -19,12 +19,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rollfleet.contract import (
     ANNOTATION_PHASE,
+    ANNOTATION_WEIGHT_GENERATION,
     ENGINE_PORT,
     ROUTABLE_PHASES,
     EnginePhase,
@@ -47,6 +48,8 @@ class Engine:
     instance: str = ""
     # Its pod is being deleted (an eviction, a drain, a scale down): what runs there moves to other engines.
     leaving: bool = False
+    # The generation of the weights it serves (its pod's rollfleet.dev/weight-generation; None: not known).
+    generation: int | None = None
 
 
 def engine_from_pod(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> Engine:
@@ -60,7 +63,24 @@ def engine_from_pod(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> Engine:
     url = engine_url(ip, port) if ip else None
     routable = bool(url) and ready and not terminating and phase in ROUTABLE_PHASES
     instance = meta.get("uid") or meta["name"]
-    return Engine(meta["name"], url, routable, phase, instance, leaving=terminating)
+    generation = (meta.get("annotations") or {}).get(ANNOTATION_WEIGHT_GENERATION)
+    known = int(generation) if generation is not None and generation.isdigit() else None
+    return Engine(meta["name"], url, routable, phase, instance, leaving=terminating, generation=known)
+
+
+def within_weight_lag(candidates: Sequence[Engine], routable: Sequence[Engine], max_lag: int) -> list[Engine]:
+    """The candidates whose weights are at most `max_lag` generations behind the newest of the routable engines.
+    Where no routable engine's generation is known (static mode), there is nothing to bound by: all of them."""
+    known = [e.generation for e in routable if e.generation is not None]
+    if not known:
+        return list(candidates)
+    floor = max(known) - max_lag
+    return [e for e in candidates if e.generation is not None and e.generation >= floor]
+
+
+def lag_summary(routable: Sequence[Engine]) -> str:
+    """The routable engines' generations, for a refusal: "engine-0 at 3, engine-1 at 2"."""
+    return ", ".join(f"{e.key} at {'?' if e.generation is None else e.generation}" for e in routable) or "none"
 
 
 class Registry:

@@ -43,6 +43,7 @@ from rollfleet_client.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     GROUP_HEADER,
+    MAX_WEIGHT_LAG_HEADER,
     REQUEST_ID_HEADER,
     SESSION_END_HEADER,
     TIMEOUT_HEADER,
@@ -62,7 +63,8 @@ MULTIMODAL_HELP = (
 )
 _TOKEN_ID = "token_id:"  # a logprob token asked for as an id (`return_tokens_as_token_ids`): `token_id:<id>`
 _PER_SAMPLE = ("prompt", "n", "stream", "stream_options", "request_id")  # set per sample, or not passed on
-_FORWARDED = (b"authorization", TIMEOUT_HEADER.lower().encode())  # a sample is admitted as its batch was
+# A sample is admitted as its batch was.
+_FORWARDED = (b"authorization", TIMEOUT_HEADER.lower().encode(), MAX_WEIGHT_LAG_HEADER.lower().encode())
 
 
 # --- the translation (pure) ---------------------------------------------------------------

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollfleet.engine_client import CONTROL, EngineCallError, EngineRef
-from rollfleet.sync.orchestrator import Orchestrator, _gather
+from rollfleet.sync.orchestrator import Orchestrator, StaleCheck, _gather
 from rollfleet.sync.protocol import (
     PushRefused,
     WeightsRef,
@@ -152,8 +152,10 @@ class CollectiveDriver:
         orch.remember(status)
         push.expiry = asyncio.create_task(self._expire(push))
         orch.hold(push.expiry)
-        status.aborted_stale = sum(await _gather([orch.abort_stale(e, record, target, bound) for e in engines]))
-        opened = await _gather([self._open(e, push.progress[e.name]) for e in engines])
+        stale = StaleCheck(record, target, bound)
+        stale.aborted = sum(await _gather([orch.abort_stale(e, record, target, bound) for e in engines]))
+        opened = await _gather([self._open(e, push.progress[e.name], stale) for e in engines])
+        status.aborted_stale = stale.aborted
         if not all(opened):
             self._formed = None  # a member that cannot take part breaks the collective
             status.message = "not every engine could be paused and opened for the update; form the group again"
@@ -200,8 +202,8 @@ class CollectiveDriver:
             raise PushRefused("no collective push is under way; start one first")
         return self._push
 
-    async def _open(self, engine: EngineRef, progress: EngineProgress) -> bool:
-        if not await self.orch.pause_engine(engine, progress):
+    async def _open(self, engine: EngineRef, progress: EngineProgress, stale: StaleCheck) -> bool:
+        if not await self.orch.pause_engine(engine, progress, stale):
             return False
         try:
             await self.orch.api.start_weight_update(engine)

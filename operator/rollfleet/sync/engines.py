@@ -32,7 +32,7 @@ async def observe(api: EngineClient, engine: EngineRef) -> EngineObservation:
 async def in_flight(api: EngineClient, engine: EngineRef) -> list[InFlight]:
     """The engine's requests in flight, with the weight versions that produced their tokens."""
     view = await api.requests(engine)
-    return [InFlight(r.request_id, tuple(r.weight_versions)) for r in view.in_flight]
+    return [InFlight(r.request_id, tuple(r.weight_versions), r.max_weight_lag) for r in view.in_flight]
 
 
 class Discovery(Protocol):

@@ -25,6 +25,9 @@ class FleetWeightVersion:
     routable: tuple[str, ...]  # engines that may get traffic (by weights)
     pending_sync: tuple[str, ...]  # engines that must not: wrong or unknown weights
     syncing_to: str | None  # the target of a push under way, if any
+    # The generation of the weights each engine reports (None: unknown, or a version the record does not
+    # remember); weights nobody pushed yet are generation 0. The gateway bounds a request's lag with these.
+    engine_generations: Mapping[str, int | None]
 
 
 def fleet_weight_version(
@@ -43,8 +46,20 @@ def fleet_weight_version(
     push = record.push
     syncing_to = push.target.version if push is not None and push.phase is PushPhase.IN_PROGRESS else None
     c = record.committed
+
+    def generation(version: str | None) -> int | None:
+        if version is None:
+            return None
+        if push is not None and version == push.target.version:
+            return push.target.generation  # loaded in a push not committed yet
+        known = record.generation_of(version)
+        if known is None and c is None:
+            return 0  # no push committed yet: the weights the engines started with
+        return known
+
+    generations = {name: generation(v) for name, v in engine_versions.items()}
     if c is not None:
-        return FleetWeightVersion(c.version, c.generation, ok, pending, syncing_to)
+        return FleetWeightVersion(c.version, c.generation, ok, pending, syncing_to, generations)
     reported = {v for v in engine_versions.values() if v is not None}
     agreed = reported.pop() if len(reported) == 1 and None not in engine_versions.values() else None
-    return FleetWeightVersion(agreed, None, ok, pending, None)
+    return FleetWeightVersion(agreed, None, ok, pending, None, generations)

@@ -36,7 +36,7 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,17 @@ _STREAM_FILE = "model.safetensors"
 _KEPT_PUSHES = 32
 # A write into the spool's incoming/ idle this long was abandoned (its trainer died mid-write).
 ABANDONED_WRITE_S = 600.0
+
+
+@dataclass
+class StaleCheck:
+    """What a push aborts in each engine once it is paused: the requests past the fleet's bound or their own
+    (``stale_requests``); ``aborted`` counts them."""
+
+    record: FleetRecord
+    target: WeightsRef
+    bound: int | None
+    aborted: int = 0
 
 
 class Publisher:
@@ -330,18 +341,21 @@ class Orchestrator:
         progress = {p.name: p for p in status.engines}
         await self.notify()
 
-        # Staging first: the engines serve meanwhile, so requests too stale are looked for after it.
+        # Staging first: the engines serve meanwhile, so requests too stale are looked for after it, and again
+        # in each engine's pause (tokens made in between; before it, for pause=wait, which lets them run out).
         refs = await self._stage_all(engines, target, progress, status)
         try:
             bound = await self.staleness_bound()
         except ValueError as err:  # changed since the push was accepted: finish it, under the flag's bound
             log.warning("%s; using --max-staleness (%s)", err, self.default_max_staleness)
             bound = self.default_max_staleness
-        status.aborted_stale = sum(await _gather([self.abort_stale(e, record, target, bound) for e in engines]))
+        stale = StaleCheck(record, target, bound)
+        stale.aborted = sum(await _gather([self.abort_stale(e, record, target, bound) for e in engines]))
 
         t_pause = self.clock()
-        ok = await self._load_all(engines, refs, progress)
+        ok = await self._load_all(engines, refs, progress, stale)
         status.transfer_s = self.clock() - t_pause
+        status.aborted_stale = stale.aborted
         succeeded = [e.name for e, good in zip(engines, ok, strict=True) if good]
         transferred = sum(1 for p in progress.values() if p.transfer_s is not None)
         if status.transfer_s > 0 and transferred:
@@ -381,8 +395,6 @@ class Orchestrator:
         return record
 
     async def abort_stale(self, engine: EngineRef, record: FleetRecord, target: WeightsRef, bound: int | None) -> int:
-        if bound is None:
-            return 0
         try:
             ids = stale_requests(await in_flight(self.api, engine), record, target.generation, bound)
             if ids:
@@ -418,13 +430,17 @@ class Orchestrator:
         return refs
 
     async def _load_all(
-        self, engines: Sequence[EngineRef], refs: Sequence[WeightsRef | None], progress: dict[str, EngineProgress]
+        self,
+        engines: Sequence[EngineRef],
+        refs: Sequence[WeightsRef | None],
+        progress: dict[str, EngineProgress],
+        stale: StaleCheck,
     ) -> list[bool]:
         """Pause and load every engine that has weights to load; each as soon as it is paused, so that a slow or
         hung engine delays only the commit. One that could not stage is not paused at all (PendingSync)."""
 
         async def one(engine: EngineRef, ref: WeightsRef | None) -> bool:
-            return ref is not None and await self._pause_and_sync(engine, ref, progress[engine.name])
+            return ref is not None and await self._pause_and_sync(engine, ref, progress[engine.name], stale)
 
         return await _gather([one(e, ref) for e, ref in zip(engines, refs, strict=True)])
 
@@ -483,7 +499,9 @@ class Orchestrator:
             raise EngineCallError(engine, "GET", STAGE_PATH, f"staging {staged.state}: {staged.error}")
         return staged.staged_url
 
-    async def pause_engine(self, engine: EngineRef, progress: EngineProgress) -> bool:
+    async def pause_engine(self, engine: EngineRef, progress: EngineProgress, stale: StaleCheck) -> bool:
+        """Pause the engine, then abort what it holds past a staleness bound: paused, it produces no token, so
+        the versions it reports for each request are final for the old weights."""
         try:
             # The sidecar's control limit whatever the mode: keep (its default) holds requests at once.
             await self.api.pause(engine, self.pause_mode)  # PAUSE[mode]: wait may take minutes
@@ -491,10 +509,13 @@ class Orchestrator:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
         progress.step = EngineStep.PAUSED
+        stale.aborted += await self.abort_stale(engine, stale.record, stale.target, stale.bound)
         return True
 
-    async def _pause_and_sync(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
-        return await self.pause_engine(engine, progress) and await self._sync_engine(engine, ref, progress)
+    async def _pause_and_sync(
+        self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress, stale: StaleCheck
+    ) -> bool:
+        return await self.pause_engine(engine, progress, stale) and await self._sync_engine(engine, ref, progress)
 
     async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
         """Bring one paused engine to ``ref``; True once it reports that version."""

@@ -381,25 +381,27 @@ class InFlight:
 
     request_id: str
     versions: tuple[str, ...]
+    max_weight_lag: int | None = None  # the request's own bound (its X-Rollfleet-Max-Weight-Lag)
 
 
 def stale_requests(
     in_flight: Sequence[InFlight], record: FleetRecord, target_generation: int, bound: int | None
 ) -> list[str]:
-    """Ids of requests that would run more than ``bound`` generations behind the target.
+    """Ids of requests that would run more than their bound generations behind the target: the fleet's
+    ``bound`` or the request's own, the tighter (None: unbounded).
 
     A request's age is that of the oldest weights that produced its tokens; one with
     no tokens yet runs entirely on the target and is never stale. A version missing
     from the history is older than anything remembered, so it is stale.
     """
-    if bound is None:
-        return []
     stale = []
     for req in in_flight:
-        if not req.versions:
+        limits = [b for b in (bound, req.max_weight_lag) if b is not None]
+        if not req.versions or not limits:
             continue
+        bound_here = min(limits)
         generations = [record.generation_of(v) for v in req.versions]
         oldest = min(-1 if g is None else g for g in generations)
-        if target_generation - oldest > bound:
+        if target_generation - oldest > bound_here:
             stale.append(req.request_id)
     return stale

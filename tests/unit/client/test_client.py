@@ -55,6 +55,7 @@ def test_the_headers_shared_with_the_engine_are_spelled_alike() -> None:
     # The client depends on nothing of Rollfleet's, so it spells them itself.
     assert protocol.REQUEST_ID_HEADER == engine_protocol.REQUEST_ID_HEADER
     assert protocol.WEIGHT_VERSION_HEADER == engine_protocol.WEIGHT_VERSION_HEADER
+    assert protocol.MAX_WEIGHT_LAG_HEADER == engine_protocol.MAX_WEIGHT_LAG_HEADER
     assert get_args(PauseMode) == engine_protocol.PAUSE_MODES
 
 

@@ -205,3 +205,14 @@ def test_phase_updates_skip_engines_that_are_leaving() -> None:
     new = engine(0, annotated="Starting")
     gone = engine(1, annotated="Starting")
     assert plan.phase_updates([new, gone], [Drain("f-engine-1", "scale-down")]) == {"f-engine-0": "Ready"}
+
+
+def test_the_weight_generation_annotation_follows_what_each_engine_reports() -> None:
+    moved = engine(0, annotated_generation="1")
+    same = engine(1, annotated_generation="2")
+    unknown = engine(2, annotated_generation="1")  # reports weights the record does not know
+    unread = engine(3, annotated_generation="1")  # its state was not read this time: left as it is
+    going = engine(4, annotated_generation="1", terminating=True)
+    generations = {"f-engine-0": 2, "f-engine-1": 2, "f-engine-2": None, "f-engine-4": 2}
+    updates = plan.generation_updates([moved, same, unknown, unread, going], generations)
+    assert updates == {"f-engine-0": "2", "f-engine-2": None}

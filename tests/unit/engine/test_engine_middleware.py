@@ -132,3 +132,65 @@ def test_a_load_that_failed_midway_leaves_the_weights_not_intact_and_a_transfer_
         with contextlib.suppress(RuntimeError):
             call(mw, "/update_weights", CONTROL)
         assert runtime.weights_intact is intact, error
+
+
+def test_a_request_s_weight_lag_bound_is_kept_with_it_and_a_bad_one_refused() -> None:
+    mw, app, runtime = make()
+    call(mw, "/v1/completions", {"X-Request-Id": "b0", "X-Rollfleet-Max-Weight-Lag": "0"})
+    tracked = runtime.tracker.get("b0")
+    assert tracked is not None and tracked.max_weight_lag == 0
+    call(mw, "/v1/completions", {"X-Request-Id": "free"})
+    free = runtime.tracker.get("free")
+    assert free is not None and free.max_weight_lag is None
+    for bad in ("-1", "one", "1.5", "", "1000001"):
+        r = call(mw, "/v1/completions", {"X-Request-Id": f"bad{bad}", "X-Rollfleet-Max-Weight-Lag": bad})
+        assert r["status"] == 400, bad
+    assert [c[2] for c in app.calls] == ["b0", "free"]  # a refused one never reached vLLM
+
+
+class _Output:
+    def __init__(self, token_ids: list[int], finish_reason: str | None = None, spans: list[Any] | None = None):
+        self.token_ids, self.finish_reason, self.weight_versions = token_ids, finish_reason, spans
+
+
+class _RequestOutput:
+    def __init__(self, outputs: list[_Output], finished: bool = False) -> None:
+        self.outputs, self.finished = outputs, finished
+
+
+def test_tokens_in_flight_carry_the_version_served_when_they_came_out() -> None:
+    """vLLM gives a request's version spans only with its final output: in flight, the tracker must still know
+    which weights made its tokens, or the sync sidecar cannot tell a stale request from a fresh one."""
+    from rollfleet_engine.engine_hooks import install_generate_hook
+
+    runtime = Runtime(engine=None, policy=AccessPolicy("ctl"), model_name="m", weight_backend="http")
+    runtime.weight_version = "A"
+    seen: list[list[str]] = []
+
+    class _Engine:
+        async def _gen(self) -> Any:
+            yield _RequestOutput([_Output([])])  # nothing decoded yet
+            seen.append(runtime.tracker.get("r").weight_versions)  # type: ignore[union-attr]
+            yield _RequestOutput([_Output([5])])
+            seen.append(runtime.tracker.get("r").weight_versions)  # type: ignore[union-attr]
+            runtime.weight_version = "B"  # a push swapped the weights in a pause
+            yield _RequestOutput([_Output([6])])
+            seen.append(runtime.tracker.get("r").weight_versions)  # type: ignore[union-attr]
+
+        def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+            return self._gen()
+
+    engine = _Engine()
+    install_generate_hook(engine, runtime.tracker, lambda: runtime.weight_version)
+
+    async def run() -> None:
+        runtime.tracker.open("r")
+        token = current_caller_id.set("r")
+        try:
+            async for _ in engine.generate([1], object(), "cmpl-r"):
+                pass
+        finally:
+            current_caller_id.reset(token)
+
+    asyncio.run(run())
+    assert seen == [[], ["A"], ["A", "B"]]

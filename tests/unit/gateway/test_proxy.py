@@ -426,3 +426,55 @@ def test_a_stopped_request_whose_engine_ends_the_stream_unsaid_ends_with_abort(g
     chunks = sse_chunks(out["text"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and "error" not in out["text"]
     assert chunks[-1]["rollfleet"]["attempts"] == 1
+
+
+def _complete(gw: Stack, headers: dict[str, str], timeout: float = 30) -> httpx.Response:
+    return httpx.post(
+        gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, headers=headers, timeout=timeout
+    )
+
+
+def test_a_request_with_a_weight_lag_bound_goes_only_to_engines_within_it_and_the_engine_gets_the_bound(
+    gw: Stack,
+) -> None:
+    """The generations are what the operator's rollfleet.dev/weight-generation annotations say, as the gateway's
+    pod watch would pass them on."""
+    keys = gw.sim_urls
+    engines = [gw.on_gateway_loop(lambda proxy, k=k: proxy.registry.get(k)) for k in keys]
+
+    def generations(*gens: int | None) -> None:
+        for e, g in zip(engines, gens, strict=True):
+            gw.on_gateway_loop(lambda proxy, e=e, g=g: proxy.registry.upsert(replace(e, generation=g)))
+
+    try:
+        generations(3, 2)
+        for i in range(4):
+            r = _complete(gw, {"X-Rollfleet-Max-Weight-Lag": "0", "X-Request-Id": f"lag0-{i}"})
+            assert r.status_code == 200, r.text
+            assert r.json()["rollfleet"]["engines"] == [keys[0]]  # never the engine a generation behind
+            tracked = gw.sims[0].tracker.get(f"lag0-{i}")
+            assert tracked is not None and tracked.max_weight_lag == 0  # the engine's pause checks it at a push
+        served = {
+            _complete(gw, {"X-Rollfleet-Max-Weight-Lag": "1"}).json()["rollfleet"]["engines"][0] for _ in range(6)
+        }
+        assert served == set(keys)  # a bound of 1 takes the engine a generation behind too
+        generations(None, 2)  # an engine of unknown weights is out; the bound counts from the newest known
+        assert _complete(gw, {"X-Rollfleet-Max-Weight-Lag": "0"}).json()["rollfleet"]["engines"] == [keys[1]]
+        # The engine within the bound fails mid-request: the other is a generation behind, so the request is not
+        # continued there; it is held for an engine within the bound, then refused saying why.
+        generations(3, 2)
+        gw.sims[0].die_after = {"/v1/completions": 1}
+        r = _complete(gw, {"X-Rollfleet-Max-Weight-Lag": "0", "X-Request-Id": "lag-held"})
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "X-Rollfleet-Max-Weight-Lag 0" in message and f"{keys[1]} at 2" in message, message
+        assert "lag-held" not in gw.sims[1].finished  # never sent to the engine outside the bound
+    finally:
+        for e in engines:
+            gw.on_gateway_loop(lambda proxy, e=e: proxy.registry.upsert(e))
+
+
+@pytest.mark.parametrize("value", ["-1", "one", "2.5", "1000001"])
+def test_a_bad_weight_lag_bound_is_refused_naming_the_header(gw: Stack, value: str) -> None:
+    r = _complete(gw, {"X-Rollfleet-Max-Weight-Lag": value})
+    assert r.status_code == 400 and "X-Rollfleet-Max-Weight-Lag" in r.json()["error"]["message"], r.text

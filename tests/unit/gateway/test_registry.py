@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rollfleet.gateway.registry import Engine, Registry, engine_from_pod
+from rollfleet.gateway.registry import Engine, Registry, engine_from_pod, within_weight_lag
 
 
 def pod(
@@ -88,3 +88,20 @@ def test_an_engine_whose_pod_starts_to_go_is_announced_once() -> None:
         assert leaving == ["a", "b"]
 
     asyncio.run(scenario())
+
+
+def test_an_engine_s_weight_generation_comes_from_its_pod_and_bounds_a_request_s_lag() -> None:
+    def at(name: str, generation: str | None) -> Engine:
+        p = pod(name)
+        if generation is not None:
+            p["metadata"]["annotations"]["rollfleet.dev/weight-generation"] = generation
+        return engine_from_pod(p)
+
+    e0, e1, e2, odd = at("e0", "4"), at("e1", "3"), at("e2", None), at("e3", "-1")
+    assert (e0.generation, e1.generation, e2.generation, odd.generation) == (4, 3, None, None)
+    routable = [e0, e1, e2]
+    assert within_weight_lag(routable, routable, 0) == [e0]  # unknown weights are never within a bound
+    assert within_weight_lag(routable, routable, 1) == [e0, e1]
+    assert within_weight_lag([e1], routable, 0) == []  # measured from the newest routable engine, tried or not
+    static = [at("s0", None), at("s1", None)]
+    assert within_weight_lag(static, static, 0) == static  # no generation known anywhere: nothing to bound by

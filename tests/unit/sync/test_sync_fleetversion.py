@@ -32,3 +32,14 @@ def test_after_commit_only_engines_on_the_new_version_serve() -> None:
     fv = fleet_weight_version(as_annotations(done), {"e0": "A", "e1": "B", "e9": "B"})
     assert (fv.version, fv.generation, fv.syncing_to) == ("B", 1, None)
     assert fv.routable == ("e1", "e9") and fv.pending_sync == ("e0",)
+
+
+def test_each_engine_s_generation_is_that_of_the_weights_it_reports() -> None:
+    # No record: what the engines started with is generation 0, whatever its label.
+    assert fleet_weight_version({}, {"e0": "A", "e1": None}).engine_generations == {"e0": 0, "e1": None}
+    pushing = begin_push(adopt_initial(FleetRecord(), ["A"]), B, now=0.0)
+    fv = fleet_weight_version(as_annotations(pushing), {"e0": "A", "e1": "B", "e2": None})
+    assert fv.engine_generations == {"e0": 0, "e1": 1, "e2": None}  # e1 loaded B before the commit
+    done = complete(commit(pushing))
+    fv = fleet_weight_version(as_annotations(done), {"e0": "A", "e1": "B", "e9": "Z"})
+    assert fv.engine_generations == {"e0": 0, "e1": 1, "e9": None}  # Z: nothing the record remembers

@@ -208,6 +208,21 @@ def test_staleness_counts_generations_from_the_oldest_weights_a_request_ran_on()
     assert stale_requests(reqs, record, target_generation=2, bound=0) == ["old", "mixed", "fresh", "unknown"]
 
 
+def test_a_request_s_own_bound_is_kept_where_tighter_than_the_fleet_s() -> None:
+    record = complete(commit(pushing_b()))  # history A=0, B=1
+    reqs = [
+        InFlight("strict", ("B",), max_weight_lag=0),
+        InFlight("loose", ("A",), max_weight_lag=5),
+        InFlight("lagging", ("A",), max_weight_lag=1),
+        InFlight("queued", (), max_weight_lag=0),
+        InFlight("unbounded", ("A",)),
+    ]
+    # No fleet bound: only the requests' own.
+    assert stale_requests(reqs, record, target_generation=2, bound=None) == ["strict", "lagging"]
+    # A fleet bound of 1: "loose" asked for more than the fleet allows, the fleet's holds.
+    assert stale_requests(reqs, record, target_generation=2, bound=1) == ["strict", "loose", "lagging", "unbounded"]
+
+
 def test_max_staleness_from_the_fleet_overrides_the_flag() -> None:
     assert max_staleness({}, 3) == 3
     assert max_staleness({ANNOTATION_MAX_STALENESS: "1"}, 3) == 1

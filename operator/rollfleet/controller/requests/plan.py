@@ -30,6 +30,7 @@ from rollfleet_client.protocol import (
     COMPLETIONS_PATH,
     GENERATE_PATH,
     GROUP_HEADER,
+    MAX_WEIGHT_LAG_HEADER,
     TIMEOUT_HEADER,
     WEIGHT_VERSION_HEADER,
 )
@@ -112,6 +113,10 @@ def build_call(
         headers[GROUP_HEADER] = group
     if timeout_s is not None:
         headers[TIMEOUT_HEADER] = f"{max(timeout_s, 0.001):.3f}"
+    if spec.max_weight_staleness is not None:
+        # Routed within the bound, and aborted at a push past it (then run again): no compute spent on a sample
+        # that the staleness check at its end would throw away.
+        headers[MAX_WEIGHT_LAG_HEADER] = str(spec.max_weight_staleness)
     if prompt.token_ids is not None:
         # vLLM's token-in route takes SamplingParams as an object; ask for text too.
         body = {"model": model, "token_ids": prompt.token_ids, "sampling_params": sampling, "output_mode": "text"}
