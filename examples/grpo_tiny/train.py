@@ -100,16 +100,21 @@ def ppo_loss(model: Any, sample: Sample, advantage: float, clip: float) -> tuple
     return -clipped.mean(), float((new.detach() - old).abs().mean())
 
 
-async def run_sample(client: AsyncRolloutClient, group: str, sample: Sample, deadline_s: float) -> bool:
+async def run_sample(
+    client: AsyncRolloutClient, group: str, sample: Sample, deadline_s: float, max_staleness: int
+) -> bool:
     """Generate what the sample lacks; at the deadline the gateway stops it and answers what was made.
     False if no answer came even then (a busy host; the client asked the gateway to stop it): the sample
-    keeps what it had, and is resumed on the next step like any straggler."""
+    keeps what it had, and is resumed on the next step like any straggler. The call carries the staleness
+    bound: the gateway routes it to engines within it, and a push past it ends it (answered with what was made,
+    like the deadline); what the sample made on earlier steps the trainer weighs itself (``Sample.lag``)."""
     try:
         g = await client.generate(
             sample.prompt + sample.tokens,
             group_id=group,
             request_id=f"{group}-{uuid.uuid4().hex[:8]}",
             timeout_s=deadline_s,
+            max_weight_lag=max_staleness,
             max_tokens=sample.max_tokens - len(sample.tokens),
             temperature=1.0,
             logprobs=0,
@@ -163,7 +168,8 @@ async def train(args: argparse.Namespace) -> int:
             resubmitted = sum(1 for _, s in todo if s.tokens)
             for _, s in todo:
                 s.resubmits += bool(s.tokens)
-            answered = await asyncio.gather(*(run_sample(client, key, s, args.deadline_s) for key, s in todo))
+            calls = (run_sample(client, key, s, args.deadline_s, args.max_staleness) for key, s in todo)
+            answered = await asyncio.gather(*calls)
             sampling_s = time.monotonic() - t0
             stragglers = [s for _, s in todo if not s.finished]
 

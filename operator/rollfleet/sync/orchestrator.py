@@ -284,6 +284,15 @@ class Orchestrator:
                 "the trainer process with rollfleet_client.collective.CollectivePusher"
             )
 
+    async def _bound_now(self) -> int | None:
+        """The fleet's staleness bound for a push under way: a bad annotation (changed since the push was
+        accepted) does not stop it, the flag's bound holds instead."""
+        try:
+            return await self.staleness_bound()
+        except ValueError as err:
+            log.warning("%s; using --max-staleness (%s)", err, self.default_max_staleness)
+            return self.default_max_staleness
+
     async def staleness_bound(self) -> int | None:
         return max_staleness(await self.store.fleet_annotations(), self.default_max_staleness)
 
@@ -344,11 +353,7 @@ class Orchestrator:
         # Staging first: the engines serve meanwhile, so requests too stale are looked for after it, and again
         # in each engine's pause (tokens made in between; before it, for pause=wait, which lets them run out).
         refs = await self._stage_all(engines, target, progress, status)
-        try:
-            bound = await self.staleness_bound()
-        except ValueError as err:  # changed since the push was accepted: finish it, under the flag's bound
-            log.warning("%s; using --max-staleness (%s)", err, self.default_max_staleness)
-            bound = self.default_max_staleness
+        bound = await self._bound_now()
         stale = StaleCheck(record, target, bound)
         stale.aborted = sum(await _gather([self.abort_stale(e, record, target, bound) for e in engines]))
 
@@ -662,7 +667,9 @@ class Orchestrator:
             return
         ref = replace(record.committed, url=self.publisher.url)
         progress = EngineProgress(name=engine.name)
-        if await self._pause_and_sync(engine, ref, progress):
+        # What it still holds (from before it fell behind) runs on the fleet's weights next: bounds apply.
+        stale = StaleCheck(record, ref, await self._bound_now())
+        if await self._pause_and_sync(engine, ref, progress, stale):
             await self.settle(record, [engine], {engine.name: progress})
             log.info("caught %s up to %s in %.2fs", engine.name, ref.version, progress.transfer_s or 0.0)
         else:

@@ -72,6 +72,8 @@ def test_calls_pick_the_route_by_prompt_form_and_carry_id_group_and_seed() -> No
     assert gen.path == plan.GENERATE_PATH and gen.body["token_ids"] == [5, 6]
     assert gen.body["sampling_params"]["max_tokens"] == 256
     assert gen.headers["X-Group-Id"] == UID and gen.headers["X-Rollfleet-Timeout"] == "3.000"
+    bounded = plan.build_call(spec(maxWeightStaleness=1), "tiny", UID, (0, 0), Prompt(text="hi"))
+    assert bounded.headers["X-Rollfleet-Max-Weight-Lag"] == "1"  # routed within it, aborted at a push past it
 
 
 def test_answers_are_interpreted_without_trusting_a_broken_call() -> None:
