@@ -10,8 +10,10 @@ user of that fleet (it pushes other weights, and its last test changes the fleet
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +39,7 @@ from e2e.provider import Cluster, wait_for
 from rollfleet.api.admission import POLICY_NAME
 from rollfleet.contract import (
     ANNOTATION_RESUME,
+    ANNOTATION_WEIGHT_GENERATION,
     OPERATOR_KEY_SECRET,
     RECORD_MODEL,
     RECORD_WEIGHT_GENERATION,
@@ -51,8 +54,9 @@ from rollfleet.contract import (
     weights_record_name,
 )
 from rollfleet.sync.protocol import PushPhase, WeightsRef, decode_record
+from rollfleet_client import AsyncRolloutClient, Generation
 from rollfleet_client.sync import SyncClient
-from rollfleet_client.sync_protocol import EngineStep, PushState
+from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.alters_live]
@@ -289,6 +293,58 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
         assert greedy(e0, auth) == greedy(e1, auth) == references[weights_of[final]]
     wait_for(lambda: sync.fleet_version().version == final, timeout=120, what="the restarted sidecar agrees")
     assert sync.fleet_version().pending_sync == []
+
+
+def test_a_staleness_bound_of_0_keeps_samples_off_old_weights_and_1_serves_them_labelled(
+    cluster: Cluster, live: LiveFleet, fleet: Fleet, live_ns: str, sync: SyncClient
+) -> None:
+    """Issue 35's staleness case, through the gateway and the trainer client: rollouts with a bound of 0 and of
+    1 are decoding when a push lands."""
+    before = sync.fleet_version()
+    old, generation = before.version, before.generation
+    assert old is not None and generation is not None
+    new, tag = f"lag-{generation + 1}", uuid.uuid4().hex[:6]
+    ids = {(lag, i): f"lag{lag}-{i}-{tag}" for lag in (0, 1) for i in range(2)}
+
+    def decoding() -> bool:
+        return all(int((live.tracked(rid) or {}).get("output_tokens") or 0) >= 5 for rid in ids.values())
+
+    async def run() -> tuple[PushStatus, dict[tuple[int, int], Generation], Generation]:
+        async with AsyncRolloutClient(live.gateways[0].url, model="tiny", token=live.token) as client:
+            calls = {
+                key: asyncio.create_task(
+                    client.generate(
+                        [5, 6, 7], request_id=rid, max_tokens=ROLLOUT_TOKENS, ignore_eos=True, max_weight_lag=key[0]
+                    )
+                )
+                for key, rid in ids.items()
+            }
+            await asyncio.to_thread(wait_for, decoding, 120, 0.2, "all four rollouts decoding")
+            status = await asyncio.to_thread(sync.push_dir, SIDECAR_MODELS, new)
+            answers = {key: await call for key, call in calls.items()}
+            after = await client.generate([5, 6, 7], max_tokens=4, ignore_eos=True, max_weight_lag=0)
+        return status, answers, after
+
+    status, answers, after = asyncio.run(run())
+    assert status.state is PushState.DONE and status.aborted_stale == 2, status
+    for i in range(2):
+        # Bound 0: the old weights made some of its tokens, so the push ended it; nothing finished on them.
+        strict = answers[(0, i)]
+        assert strict.finish_reason == "abort" and len(strict.token_ids) < ROLLOUT_TOKENS, strict.finish_reason
+        assert strict.weight_versions == [old]
+        # Bound 1: it went on through the swap, labelled with both versions and their generations.
+        loose = answers[(1, i)]
+        assert loose.finish_reason == "length" and len(loose.token_ids) == ROLLOUT_TOKENS
+        assert loose.weight_versions == [old, new] and loose.weight_generations == [generation, generation + 1]
+    assert after.weight_versions == [new] and after.weight_generations == [generation + 1]
+
+    def annotated() -> bool:  # what the gateway routes bounded requests by
+        return all(
+            p["metadata"].get("annotations", {}).get(ANNOTATION_WEIGHT_GENERATION) == str(generation + 1)
+            for p in fleet.pods()
+        )
+
+    wait_for(annotated, timeout=60, what=f"engine pods annotated with generation {generation + 1}")
 
 
 def test_a_model_change_forgets_the_old_models_weights_and_engines_serve_their_own(
