@@ -23,7 +23,7 @@ from rollfleet_client.errors import (
     SidecarError,
     Unauthorized,
 )
-from rollfleet_client.models import AbortResult, EngineState, FleetState, Generation, PauseState
+from rollfleet_client.models import AbortResult, EngineState, FleetState, Generation, PauseState, WeightSegment
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import PushStatus
 
@@ -49,5 +49,6 @@ __all__ = [
     "SidecarError",
     "SyncClient",
     "Unauthorized",
+    "WeightSegment",
 ]
 __version__ = "0.1.0"

@@ -41,7 +41,7 @@ from rollfleet_client.errors import (
     RollfleetClientError,
     Unauthorized,
 )
-from rollfleet_client.models import AbortResult, FleetState, Generation, PauseMode
+from rollfleet_client.models import AbortResult, FleetState, Generation, PauseMode, WeightSegment
 from rollfleet_client.protocol import (
     ABORT_PATH,
     CALLER_HEADER,
@@ -155,6 +155,7 @@ def generation_from(request_id: str, r: httpx.Response, generations: Mapping[str
         weight_versions=versions,
         weight_generations=[generations.get(v) for v in versions],
         engines=list(report.get("engines") or []),
+        weight_segments=[WeightSegment.model_validate(s) for s in report.get("weight_segments") or []],
     )
 
 

@@ -14,6 +14,14 @@ AbortAnswer = Literal["aborted", "finished", "pending", "unconfirmed", "unknown"
 PauseMode = Literal["keep", "wait", "abort"]  # the engines' (rollfleet_engine.protocol; a unit test holds them equal)
 
 
+class WeightSegment(BaseModel):
+    """Output tokens ``[start, end)`` (indexes into ``token_ids``) came from the weights labelled ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
 class Generation(BaseModel):
     """One completed (or aborted) generation, as the gateway answered it."""
 
@@ -29,6 +37,11 @@ class Generation(BaseModel):
         description="The fleet's generation number of each of weight_versions (None: not in the fleet's record).",
     )
     engines: list[str] = Field(default_factory=list, description="The engines it ran on, in order (failover).")
+    weight_segments: list[WeightSegment] = Field(
+        default_factory=list,
+        description="Which tokens came from which version, in order, when the gateway knows it end to end (a "
+        "rollout that a push paused and resumed on new weights has two). Empty when it does not.",
+    )
 
     @property
     def weight_version(self) -> str | None:

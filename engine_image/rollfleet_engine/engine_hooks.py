@@ -14,6 +14,7 @@ import contextvars
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from rollfleet_engine.protocol import WeightSegment
 from rollfleet_engine.tracker import ABORT, RequestTracker
 
 current_caller_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollfleet_caller_id", default=None)
@@ -60,9 +61,12 @@ async def _observe(
             versions = [span.version for o in outputs for span in (o.weight_versions or [])] or (
                 [weight_version()] if any(o.token_ids for o in outputs) else []
             )
+            spans = [WeightSegment(version=s.version, start=s.start, end=s.end) for s in _spans(outputs)]
             tracker.on_output(
                 caller,
                 engine_id,
+                spans=spans,
+                sequences=len(outputs),
                 output_tokens=sum(len(o.token_ids) for o in outputs),
                 cumulative=cumulative,
                 finish_reason=(ABORT if ABORT in reasons else (reasons[0] if reasons else "stop"))
@@ -75,3 +79,8 @@ async def _observe(
         # Closed early (client went away, handler error): vLLM aborts the request then.
         tracker.on_engine_end(caller, engine_id, ABORT)
         await stream.aclose()
+
+
+def _spans(outputs: list[Any]) -> list[Any]:
+    """vLLM's spans of versions for a request of one sequence (its final output only); none for several."""
+    return list(outputs[0].weight_versions or []) if len(outputs) == 1 else []

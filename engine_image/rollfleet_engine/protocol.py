@@ -127,6 +127,14 @@ class RequestPhase(StrEnum):
     FINISHED = "finished"
 
 
+class WeightSegment(BaseModel):
+    """Output tokens ``[start, end)`` came from the weights labelled ``version`` (vLLM's WeightVersionSpan)."""
+
+    version: str
+    start: int
+    end: int
+
+
 class TrackedRequest(BaseModel):
     """The engine's view of one caller request."""
 
@@ -137,6 +145,10 @@ class TrackedRequest(BaseModel):
     output_tokens: int = Field(default=0, description="Tokens produced so far (streaming) or in total (at the end).")
     weight_versions: list[str] = Field(default_factory=list, description="Versions that produced its tokens.")
     max_weight_lag: int | None = Field(default=None, description=f"Its {MAX_WEIGHT_LAG_HEADER}, if sent.")
+    weight_segments: list[WeightSegment] = Field(
+        default_factory=list,
+        description="Which output tokens came from which version, in order (a request of one sequence only).",
+    )
 
 
 class RequestsView(BaseModel):

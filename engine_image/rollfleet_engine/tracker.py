@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from rollfleet_engine.protocol import RequestPhase, RequestsView, TrackedRequest
+from rollfleet_engine.protocol import RequestPhase, RequestsView, TrackedRequest, WeightSegment
 
 ABORT = "abort"
 # Finish reason for a caller request that ended without reaching the engine (e.g. a 400).
@@ -29,6 +29,16 @@ class _EngineRequest:
     output_tokens: int = 0
     finish_reason: str | None = None
     versions: list[str] = field(default_factory=list)
+    segments: list[WeightSegment] = field(default_factory=list)
+    several: bool = False  # it has several sequences (n > 1)
+
+    def grow(self, version: str) -> None:
+        """The tokens up to ``output_tokens`` not in a segment yet came from ``version``."""
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.version == version:
+            last.end = self.output_tokens
+        elif self.output_tokens > (last.end if last else 0):
+            self.segments.append(WeightSegment(version=version, start=last.end if last else 0, end=self.output_tokens))
 
 
 @dataclass
@@ -60,6 +70,13 @@ class _Entry:
         # one that never did was refused before it.
         return ABORT if self.engine else REJECTED
 
+    def _segments(self) -> list[WeightSegment]:
+        """Segments of a request of one sequence, served by one vLLM request (n > 1 has none)."""
+        if len(self.engine) != 1:
+            return []
+        (only,) = self.engine.values()
+        return [] if only.several else [s.model_copy() for s in only.segments]
+
     def view(self) -> TrackedRequest:
         tokens = sum(e.output_tokens for e in self.engine.values())
         if self.finished:
@@ -77,6 +94,7 @@ class _Entry:
             output_tokens=tokens,
             weight_versions=versions,
             max_weight_lag=self.max_weight_lag,
+            weight_segments=self._segments(),
         )
 
 
@@ -127,7 +145,11 @@ class RequestTracker:
         cumulative: bool,
         finish_reason: str | None,
         versions: list[str] | None = None,
+        spans: list[WeightSegment] | None = None,
+        sequences: int = 1,
     ) -> None:
+        """An output of one of the request's vLLM requests: its tokens, the versions that made them and, at the
+        end, vLLM's own spans of versions (which replace the segments tracked meanwhile)."""
         entry = self._active.get(request_id)
         if entry is None:
             return
@@ -135,6 +157,12 @@ class RequestTracker:
         er.output_tokens = output_tokens if cumulative else er.output_tokens + output_tokens
         if versions:
             er.versions = list(dict.fromkeys([*er.versions, *versions]))
+        if sequences > 1:
+            er.several = True  # token counts are summed over sequences: no segments to tell
+        elif spans:
+            er.segments = list(spans)
+        elif versions:
+            er.grow(versions[-1])
         if finish_reason is not None and er.finish_reason is None:
             er.finish_reason = finish_reason
         self._notify()

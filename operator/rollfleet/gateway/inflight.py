@@ -17,6 +17,7 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from rollfleet.errors import RollfleetError
 
@@ -59,6 +60,8 @@ class InFlight:
     prompt_token_ids: list[int] | None = None
     choices: dict[int, Choice] = field(default_factory=dict)
     versions: list[str] = field(default_factory=list)
+    # Which of the client's output tokens came from which version: start -> {"version", "start", "end"}.
+    segments: dict[int, dict[str, Any]] = field(default_factory=dict)
     stop: StopReason | None = None
     finish_reason: str | None = None
     unconfirmed: str | None = None  # why the engine never confirmed this request's end, if it did not
@@ -74,6 +77,12 @@ class InFlight:
         for v in versions:
             if v and v not in self.versions:
                 self.versions.append(v)
+
+    def add_segments(self, segments: list[dict[str, Any]], tokens_before: int = 0) -> None:
+        """Segments an engine told for one attempt, whose output begins `tokens_before` tokens into the client's."""
+        for s in segments:
+            start, end = int(s["start"]) + tokens_before, int(s["end"]) + tokens_before
+            self.segments[start] = {"version": str(s["version"]), "start": start, "end": end}
 
     def request_stop(self, reason: StopReason) -> None:
         """Stop after the current attempt (no failover); the first reason wins."""
@@ -128,3 +137,22 @@ class InFlightTable:
 
     def __len__(self) -> int:
         return len(self._active)
+
+
+def segments_report(
+    segments: dict[int, dict[str, Any]], versions: list[str], tokens: int
+) -> list[dict[str, Any]] | None:
+    """The segments of a one-sequence answer of `tokens` tokens, when they are known end to end: told by the
+    engines (contiguous from 0, adjacent ones of one version merged), or one version for all. None otherwise
+    (an attempt before a failover that nobody asked): the versions alone are then the truth to report."""
+    if not segments:
+        return [{"version": versions[0], "start": 0, "end": tokens}] if len(versions) == 1 and tokens else None
+    merged: list[dict[str, Any]] = []
+    for s in (segments[k] for k in sorted(segments)):
+        if s["start"] != (merged[-1]["end"] if merged else 0):
+            return None
+        if merged and merged[-1]["version"] == s["version"]:
+            merged[-1] = {**merged[-1], "end": s["end"]}
+        else:
+            merged.append(dict(s))
+    return merged if merged[-1]["end"] == tokens else None

@@ -52,7 +52,7 @@ from rollfleet.gateway.dialects import (
     prompt_token_ids,
     streams_upstream,
 )
-from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason
+from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason, segments_report
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry, lag_summary, within_weight_lag
 from rollfleet.gateway.routing import Decision, NoEngine, Router
@@ -542,7 +542,7 @@ class _Exchange:
             p.registry.observe_version(engine.key, version.split(",")[-1])
         since = (self.loop.time(), p.registry.version_epoch(engine.key))
         if not resp.headers.get(b"content-type", b"").startswith(b"text/event-stream"):
-            return await self._read_whole(engine, await resp.read(), since)
+            return await self._read_whole(engine, await resp.read(), since, cont)
         # Whatever bytes arrived together are forwarded together: one write to the client per
         # read, not one per token. [DONE] is read past, to the end of the body: a response left
         # unread closes its connection instead of returning it to the keep-alive pool.
@@ -561,7 +561,7 @@ class _Exchange:
             last = self._closing is not None
             if self._closing is not None:
                 if not self._versions_certain(engine, *since):
-                    await self._ask_versions(engine)
+                    await self._ask_versions(engine, cont)
                 obj, _ = batch[self._closing]
                 obj["rollfleet"] = self._report()
                 batch[self._closing] = (obj, None)
@@ -581,7 +581,9 @@ class _Exchange:
         p.registry.eject(engine.key)
         return AttemptResult(Outcome.FAILED, "the engine's stream ended before the request finished")
 
-    async def _read_whole(self, engine: Engine, data: bytes, since: tuple[float, int]) -> AttemptResult:
+    async def _read_whole(
+        self, engine: Engine, data: bytes, since: tuple[float, int], cont: ContinuationState | None
+    ) -> AttemptResult:
         """The engine's one JSON answer (a request sent whole): tracked as one chunk, then passed on."""
         try:
             obj = orjson.loads(data)
@@ -594,7 +596,7 @@ class _Exchange:
         if not self._all_finished():
             return AttemptResult(Outcome.UNSERVED, f"engine {engine.key} answered with {self._unfinished()}")
         if not self._versions_certain(engine, *since):
-            await self._ask_versions(engine)
+            await self._ask_versions(engine, cont)
         self.writer.whole = obj
         return AttemptResult(Outcome.FINISHED)
 
@@ -628,8 +630,9 @@ class _Exchange:
         recent = self.loop.time() - started < p.config.version_check_after_s
         return recent and p.registry.version_epoch(engine.key) == epoch
 
-    async def _ask_versions(self, engine: Engine) -> None:
-        """Ask the engine which weight versions produced the tokens (they may be more than one)."""
+    async def _ask_versions(self, engine: Engine, cont: ContinuationState | None) -> None:
+        """Ask the engine which weight versions produced the tokens (they may be more than one), and which
+        tokens each (its output begins `cont.tokens_before` into the client's on a continuation)."""
         p = self.proxy
         try:
             tracked = await p.engines.request(engine_ref(engine), self.req.request_id)
@@ -638,6 +641,8 @@ class _Exchange:
                 log.info("weight versions of %s not confirmed by %s: %s", self.req.request_id, engine.key, err)
             return
         self.entry.add_versions(tracked.weight_versions)
+        segments = [s.model_dump() for s in tracked.weight_segments]
+        self.entry.add_segments(segments, cont.tokens_before if cont is not None else 0)
 
     def _template(self, first: Json) -> Template:
         if self.tpl is None:
@@ -667,6 +672,7 @@ class _Exchange:
             spans = c.get("weight_versions")
             if spans:
                 entry.add_versions([span["version"] for span in spans])
+                entry.add_segments(spans)  # offset already, on a continuation (dialects.continuation_chunk)
             if c.get("finish_reason") is not None and choice.finish_reason is None:
                 choice.finish_reason = c["finish_reason"]
                 closed = True
@@ -687,11 +693,17 @@ class _Exchange:
         return Template.fallback(self.req.route, self.req.request_id, self.req.body)
 
     def _report(self) -> Json:
-        return {
-            "weight_versions": list(self.entry.versions),
-            "engines": list(self.entry.engines),
+        entry = self.entry
+        report: Json = {
+            "weight_versions": list(entry.versions),
+            "engines": list(entry.engines),
             "attempts": self.attempts,
         }
+        if self.n == 1:
+            segments = segments_report(entry.segments, entry.versions, len(entry.choice(0).token_ids))
+            if segments is not None:
+                report["weight_segments"] = segments
+        return report
 
     def _headers(self) -> list[tuple[bytes, bytes]]:
         entry = self.entry

@@ -269,6 +269,22 @@ def test_a_generation_carries_the_generation_number_of_each_weight_version() -> 
     asyncio.run(go())
 
 
+def test_a_generation_tells_which_tokens_came_from_which_version_when_the_gateway_knows() -> None:
+    segments = [{"version": "v3", "start": 0, "end": 1}, {"version": "v4", "start": 1, "end": 2}]
+    told = {**ANSWER, "rollfleet": {**ANSWER["rollfleet"], "weight_segments": segments}}  # type: ignore[dict-item]
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=told, headers={protocol.WEIGHT_VERSION_HEADER: "v3,v4"})
+
+    async def go() -> None:
+        async with client(gateway) as fleet:
+            g = await fleet.generate([1], max_tokens=2)
+        assert [(s.version, s.start, s.end) for s in g.weight_segments] == [("v3", 0, 1), ("v4", 1, 2)]
+        assert sum(s.end - s.start for s in g.weight_segments) == len(g.token_ids)
+
+    asyncio.run(go())
+
+
 def test_the_client_finds_the_sidecar_where_the_sidecar_binds() -> None:
     parser = argparse.ArgumentParser()
     sync_server.add_arguments(parser)

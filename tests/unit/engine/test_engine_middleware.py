@@ -174,8 +174,9 @@ def test_tokens_in_flight_carry_the_version_served_when_they_came_out() -> None:
             yield _RequestOutput([_Output([5])])
             seen.append(runtime.tracker.get("r").weight_versions)  # type: ignore[union-attr]
             runtime.weight_version = "B"  # a push swapped the weights in a pause
-            yield _RequestOutput([_Output([6])])
+            yield _RequestOutput([_Output([5, 6])])  # cumulative outputs: every token so far
             seen.append(runtime.tracker.get("r").weight_versions)  # type: ignore[union-attr]
+            yield _RequestOutput([_Output([5, 6, 7, 8])])
 
         def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
             return self._gen()
@@ -194,3 +195,7 @@ def test_tokens_in_flight_carry_the_version_served_when_they_came_out() -> None:
 
     asyncio.run(run())
     assert seen == [[], ["A"], ["A", "B"]]
+    tracked = runtime.tracker.get("r")
+    assert tracked is not None
+    segments = [(s.version, s.start, s.end) for s in tracked.weight_segments]
+    assert segments == [("A", 0, 1), ("B", 1, 4)]  # the token counts add up to the 4 tokens out

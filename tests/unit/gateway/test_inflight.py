@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollfleet.gateway.inflight import IdInUse, InFlightTable, StopReason
+from rollfleet.gateway.inflight import IdInUse, InFlightTable, StopReason, segments_report
 
 
 def test_ids_in_flight_are_refused_and_finished_ones_remembered_within_bounds() -> None:
@@ -32,3 +32,15 @@ def test_ids_in_flight_are_refused_and_finished_ones_remembered_within_bounds() 
         assert table.open("a", loop).request_id == "a"  # an id may be used again once it ended
 
     asyncio.run(scenario())
+
+
+def test_segments_are_reported_only_when_known_end_to_end() -> None:
+    def seg(version: str, start: int, end: int) -> dict[str, object]:
+        return {"version": version, "start": start, "end": end}
+
+    told = {0: seg("A", 0, 5), 5: seg("A", 5, 8), 8: seg("B", 8, 12)}
+    assert segments_report(told, ["A", "B"], 12) == [seg("A", 0, 8), seg("B", 8, 12)]  # one version, one segment
+    assert segments_report({}, ["A"], 7) == [seg("A", 0, 7)]  # one version made everything
+    assert segments_report({}, ["A", "B"], 7) is None  # two versions, nobody said where the swap was
+    assert segments_report({8: seg("B", 8, 12)}, ["A", "B"], 12) is None  # a failover's first attempt untold
+    assert segments_report({0: seg("A", 0, 5)}, ["A"], 9) is None  # short of the answer's tokens

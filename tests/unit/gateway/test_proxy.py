@@ -159,6 +159,10 @@ def test_a_request_spanning_a_weight_update_reports_both_versions(gw: Stack, str
     r = out["r"]
     report = sse_chunks(r.text)[-1]["rollfleet"] if stream else r.json()["rollfleet"]
     assert report["weight_versions"] == ["v1", "v2"]
+    # Which tokens came from which: two segments, end to end, whose counts add up to the answer's.
+    (v1, v2) = report["weight_segments"]
+    assert (v1["version"], v1["start"], v2["version"], v2["end"]) == ("v1", 0, "v2", 120)
+    assert v1["end"] == v2["start"] > 0
 
 
 def _in_flight(sim: SimEngine, rid: str) -> list[TrackedRequest]:
