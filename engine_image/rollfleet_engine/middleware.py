@@ -3,12 +3,15 @@
 Runs before any vLLM route, so a refused control call changes nothing. For generation
 requests it fixes the caller id (header, else body ``request_id``, else a new one,
 written back into the header so vLLM uses the same), tracks the request for abort,
-and stamps the weight version and the id on the response.
+and stamps the weight version and the id on the response. A weight update that finishes
+drops the caches of the old weights before its answer leaves (``Runtime.drop_old_weights_caches``),
+so nothing resumed after it can read them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -37,6 +40,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+log = logging.getLogger(__name__)
+
 # Routes that generate; each request to them is tracked by caller id.
 TRACKED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/v1/responses", "/v1/messages"}
@@ -44,7 +49,8 @@ TRACKED_PATHS = frozenset(
 _VERSION_ROUTES = frozenset({FINISH_WEIGHT_UPDATE_PATH, "/update_weight_version"})
 _LOADING_ROUTES = frozenset({UPDATE_WEIGHTS_PATH, FINISH_WEIGHT_UPDATE_PATH})
 _NOT_INTACT = (
-    "the weights are partly updated (an in-place weight update started and did not finish); "
+    "the weights are partly updated (an in-place weight update started and did not finish), or the caches "
+    "of the old weights could not be dropped (the engine's log says why); "
     "push the full weights again (start, update, finish) before resuming"
 )
 
@@ -70,16 +76,17 @@ class RollfleetMiddleware:
         if path == RESUME_PATH and not self.runtime.weights_intact:
             await _json(send, 409, {"error": _NOT_INTACT})
             return
-        answer = _Answer()
+        # The answer to a finished update waits until the old weights' caches are gone: the caller resumes on it.
+        answer = _Answer(self._drop_caches if path == FINISH_WEIGHT_UPDATE_PATH else None)
         try:
             await answer.run(self.app, scope, receive, send, keep_error_body=path in _LOADING_ROUTES)
         finally:  # vLLM's error middleware answers 500, then re-raises
             if MIXED_WEIGHTS_MARK.encode() in answer.error_body:
                 self.runtime.weights_intact = False  # a load failed after some layers took new values
         if answer.status == 200:
-            await self._after_control(path, scope)
+            await self._after_control(path, scope, answer.prepared)
 
-    async def _after_control(self, path: str, scope: Scope) -> None:
+    async def _after_control(self, path: str, scope: Scope, prepared: bool) -> None:
         if path == PAUSE_PATH:
             mode = parse_qs(scope.get("query_string", b"").decode()).get("mode", ["abort"])[0]
             self.runtime.pause_mode = parse_pause_mode(mode)
@@ -90,9 +97,17 @@ class RollfleetMiddleware:
         elif path in _VERSION_ROUTES:
             await self.runtime.refresh_weight_version()
             if path == FINISH_WEIGHT_UPDATE_PATH:
-                self.runtime.weights_intact = True
+                self.runtime.weights_intact = prepared  # one version, and no cache of the old one
                 if self.runtime.stager is not None:
                     self.runtime.stager.release()  # loaded: the staged copy is not needed any more
+
+    async def _drop_caches(self) -> bool:
+        try:
+            await self.runtime.drop_old_weights_caches()
+        except Exception:
+            log.exception("could not drop the caches of the old weights; refusing to resume until a full update")
+            return False
+        return True
 
     async def _tracked(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
         body = await _read_body(receive)
@@ -133,18 +148,23 @@ class RollfleetMiddleware:
 
 
 class _Answer:
-    """What the app answered: its status and, for an error of a route that loads weights, its body."""
+    """What the app answered: its status and, for an error of a route that loads weights, its body.
+    `before_ok` runs before a 200 leaves; `prepared` says whether it succeeded."""
 
     _KEPT = 64 << 10
 
-    def __init__(self) -> None:
+    def __init__(self, before_ok: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.status: int | None = None
         self.error_body = b""
+        self.before_ok = before_ok
+        self.prepared = True
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, keep_error_body: bool) -> None:
         async def capture(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.status = message["status"]
+                if self.status == 200 and self.before_ok is not None:
+                    self.prepared = await self.before_ok()
             elif keep_error_body and self.status != 200 and len(self.error_body) < self._KEPT:
                 self.error_body += message.get("body", b"")[: self._KEPT]
             await send(message)

@@ -3,7 +3,8 @@
 Owns the few facts vLLM does not keep for us: the mode of the last pause, a cached
 weight version (read on every inference response, so it must not cost an RPC), whether
 the weights are one version (not so during an in-place update), and the weights staged
-for the next update.
+for the next update; and the one step vLLM leaves to its callers after a load: dropping the
+caches the old weights computed.
 """
 
 from __future__ import annotations
@@ -50,3 +51,13 @@ class Runtime:
     async def refresh_weight_version(self) -> str:
         self.weight_version = await self.engine.get_weight_version()
         return self.weight_version
+
+    async def drop_old_weights_caches(self) -> None:
+        """Forget every cache computed with the weights just replaced, before the engine serves again: the
+        prefix cache, including the KV blocks of requests held across the swap (vLLM preempts them, so they
+        recompute their tokens on the new weights when they resume), and the multimodal and encoder caches.
+        vLLM's pause keeps them in keep mode, and a weight update alone clears none of them."""
+        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache")
+        await self.engine.reset_mm_cache()
+        await self.engine.reset_encoder_cache()

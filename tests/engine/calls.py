@@ -20,6 +20,8 @@ from .conftest import Engine
 PROMPT = [5, 6, 7, 8]
 # Prompts whose greedy tokens tell weight sets apart (compared with transformers' on a known set).
 GREEDY_PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 200, 17, 9]]
+# Longer than several KV blocks: vLLM's prefix cache keeps whole blocks only. Within the CPU defaults' 512.
+CACHED_PROMPT = [(7 * i + 3) % 250 + 1 for i in range(400)]
 
 
 class Stream:
@@ -118,6 +120,19 @@ def complete(
     return engine.client.post(
         engine.url + "/v1/completions", json={**body, "return_token_ids": True}, headers=headers, timeout=120
     )
+
+
+def ask_cached(engine: Engine, max_tokens: int) -> tuple[list[int], float]:
+    """CACHED_PROMPT's greedy answer, and how many of its tokens vLLM's prefix cache served (its counters)."""
+    hits, queries = (engine_metric(engine.url, f"vllm:prefix_cache_{c}_total") for c in ("hits", "queries"))
+    r = complete(engine, CACHED_PROMPT, max_tokens, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    # vLLM counts a request's lookups with its outputs, at most a step after the answer.
+    deadline = time.monotonic() + 30
+    while engine_metric(engine.url, "vllm:prefix_cache_queries_total") <= queries:
+        assert time.monotonic() < deadline, "vLLM did not count the prompt's prefix-cache lookup"
+        time.sleep(0.05)  # polling a condition
+    return r.json()["choices"][0]["token_ids"], engine_metric(engine.url, "vllm:prefix_cache_hits_total") - hits
 
 
 def metric_reaches(engine: Engine, name: str, value: float, /, timeout: float = 30, **labels: str) -> None:

@@ -15,7 +15,7 @@ from rollfleet_engine.protocol import STAGE_PATH, WEIGHT_VERSION_HEADER
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
 from rollfleet_engine.weights_server import WeightsServer
 
-from .calls import GREEDY_PROMPTS, PROMPT, complete, control, state
+from .calls import CACHED_PROMPT, GREEDY_PROMPTS, PROMPT, ask_cached, complete, control, state
 from .conftest import Engine
 
 pytestmark = pytest.mark.engine
@@ -41,6 +41,8 @@ def _reference_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int)
 
 
 def test_weight_update_a_to_b_matches_transformers(engine: Engine) -> None:
+    """vLLM lets an update run without a pause, and then nothing clears the caches of the old weights but the
+    engine itself: a prompt cached before the update hits no block after it (vLLM's prefix-cache counters)."""
     prompts = GREEDY_PROMPTS
     max_tokens = 16
 
@@ -52,6 +54,8 @@ def test_weight_update_a_to_b_matches_transformers(engine: Engine) -> None:
     ref_b = _reference_greedy(str(b_dir), prompts, max_tokens)
     assert ref_a != ref_b
     assert served() == ref_a
+    cached, _ = ask_cached(engine, max_tokens)
+    assert ask_cached(engine, max_tokens)[1] >= len(CACHED_PROMPT) // 2  # cached: the counters do show hits
 
     server = WeightsServer(b_dir, host=engine.url.split("//")[1].split(":")[0])
     server.start()
@@ -63,6 +67,9 @@ def test_weight_update_a_to_b_matches_transformers(engine: Engine) -> None:
     finally:
         server.stop()
     assert served() == ref_b
+    after, hit = ask_cached(engine, max_tokens)
+    assert hit == 0, f"{hit} tokens of the prompt were served from blocks the old weights computed"
+    assert after != cached
     assert state(engine)["weight_version"] == "b-1"
     assert complete(engine, PROMPT, 2).headers[WEIGHT_VERSION_HEADER] == "b-1"
 

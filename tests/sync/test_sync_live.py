@@ -20,9 +20,8 @@ from safetensors.torch import load_file
 from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import SPOOL_INCOMING_DIR, EngineStep, PushState, PushStatus
-from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import MAX_WEIGHT_LAG_HEADER
-from tests.engine.calls import GREEDY_PROMPTS, Stream, complete
+from tests.engine.calls import CACHED_PROMPT, GREEDY_PROMPTS, Stream, ask_cached, complete
 from tests.engine.conftest import Engine
 from tests.engine.test_engine_live import _reference_greedy
 
@@ -300,10 +299,6 @@ def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
     assert fv.pending_sync == [] and len(fv.routable) == 2
 
 
-# Longer than several KV blocks: vLLM's prefix cache keeps whole blocks only. Within the CPU defaults' 512.
-CACHED_PROMPT = [(7 * i + 3) % 250 + 1 for i in range(400)]
-
-
 def test_a_prompt_cached_before_a_push_is_computed_again_on_the_new_weights(
     engines: list[EngineProcess],
     sidecar: Sidecar,
@@ -312,29 +307,35 @@ def test_a_prompt_cached_before_a_push_is_computed_again_on_the_new_weights(
 ) -> None:
     """vLLM's prefix-cache counters (in tokens): a prompt asked twice before a push hits the cache, the same
     prompt after it hits nothing (the blocks computed by the old weights went with the swap), and hits again
-    on the new weights' blocks."""
+    on the new weights' blocks. A request held across the push (pause keep) is what keeps vLLM from clearing
+    its caches itself: its blocks are in use, so the engine drops them too (the request recomputes them on
+    the new weights) and it still ends whole, its tokens in two segments, one per version."""
     client = sidecar.client()
     wait_until("the sidecar adopts the engines' version", lambda: client.fleet_version().version is not None)
     engine = engines[0].engine
     new = other(serving(engine, references))
+    old_label, version = str(state(engine)["weight_version"]), fresh_version(new)
 
     def ask() -> tuple[list[int], float]:
-        """The prompt's greedy answer, and how many of its tokens the prefix cache served."""
-        hits, queries = (engine_metric(engine.url, f"vllm:prefix_cache_{c}_total") for c in ("hits", "queries"))
-        r = complete(engine, CACHED_PROMPT, GREEDY_TOKENS, ignore_eos=True)
-        assert r.status_code == 200, r.text
-        # vLLM counts a request's lookups with its outputs, at most a step after the answer.
-        wait_until("the lookup counted", lambda: engine_metric(engine.url, "vllm:prefix_cache_queries_total") > queries)
-        return r.json()["choices"][0]["token_ids"], engine_metric(engine.url, "vllm:prefix_cache_hits_total") - hits
+        return ask_cached(engine, GREEDY_TOKENS)
 
     before, _ = ask()
     again, hit = ask()
     assert again == before and hit >= len(CACHED_PROMPT) // 2, hit  # cached: the counters do show hits
 
-    assert client.push_dir(weights_dirs[new], fresh_version(new)).state is PushState.DONE
+    held = Stream(engine, f"held-{uuid.uuid4().hex[:6]}", ROLLOUT_TOKENS)
+    held.wait_tokens(5)
+    assert client.push_dir(weights_dirs[new], version).state is PushState.DONE
 
     after, hit = ask()
     assert hit == 0, f"{hit} tokens of the prompt were served from blocks the old weights computed"
     assert after != before
     again, hit = ask()
     assert again == after and hit >= len(CACHED_PROMPT) // 2, hit
+
+    held.join(timeout=300)
+    assert (held.finish_reason, len(held.tokens)) == ("length", ROLLOUT_TOKENS)
+    segments = httpx.get(f"{engine.url}/rollfleet/v1/requests/{held.request_id}", timeout=10).json()["weight_segments"]
+    assert [s["version"] for s in segments] == [old_label, version], segments
+    assert segments[0]["start"] == 0 and segments[0]["end"] == segments[1]["start"] > 0
+    assert segments[1]["end"] == ROLLOUT_TOKENS

@@ -26,8 +26,14 @@ class App:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-def call(mw: RollfleetMiddleware, path: str, headers: dict[str, str], body: dict[str, Any] | None = None) -> dict:
-    sent: list[dict[str, Any]] = []
+def call(
+    mw: RollfleetMiddleware,
+    path: str,
+    headers: dict[str, str],
+    body: dict[str, Any] | None = None,
+    sent: list[dict[str, Any]] | None = None,
+) -> dict:
+    sent = [] if sent is None else sent
     payload = json.dumps(body or {}).encode()
 
     async def receive() -> dict[str, Any]:
@@ -49,10 +55,26 @@ def call(mw: RollfleetMiddleware, path: str, headers: dict[str, str], body: dict
 
 
 class Engine:
-    """What the middleware asks vLLM's engine client after a version route: the version."""
+    """What the middleware asks vLLM's engine client: the version after a version route, and the cache
+    resets after a finished update (each recorded, with what had been sent by then)."""
+
+    def __init__(self, sent: list[dict[str, Any]] | None = None, resets: bool = True) -> None:
+        self.sent = sent if sent is not None else []
+        self.resets = resets
+        self.calls: list[tuple[str, Any, int]] = []
 
     async def get_weight_version(self) -> str:
         return "v8"
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(("prefix", reset_running_requests, len(self.sent)))
+        return self.resets
+
+    async def reset_mm_cache(self) -> None:
+        self.calls.append(("mm", None, len(self.sent)))
+
+    async def reset_encoder_cache(self) -> None:
+        self.calls.append(("encoder", None, len(self.sent)))
 
 
 CONTROL = {"Authorization": "Bearer ctl"}
@@ -102,6 +124,31 @@ def test_a_collective_update_leaves_the_weights_no_one_version_until_it_finishes
     assert len(app.calls) == reached
     assert call(mw, "/finish_weight_update", CONTROL)["status"] == 200
     assert (runtime.weights_intact, runtime.weight_version) == (True, "v8")
+    assert call(mw, "/resume", CONTROL)["status"] == 200
+
+
+def test_a_finished_update_drops_the_old_weights_caches_before_its_answer_leaves() -> None:
+    sent: list[dict[str, Any]] = []
+    mw, _, runtime = make()
+    runtime.engine = engine = Engine(sent)
+    assert call(mw, "/finish_weight_update", CONTROL, sent=sent)["status"] == 200
+    # Held requests' blocks too (they recompute on the new weights), and all before the caller could resume.
+    assert engine.calls == [("prefix", True, 0), ("mm", None, 0), ("encoder", None, 0)]
+    assert (runtime.weights_intact, runtime.weight_version) == (True, "v8")
+    engine.calls.clear()
+    for path in ("/pause", "/start_weight_update", "/update_weights", "/update_weight_version", "/resume"):
+        assert call(mw, path, CONTROL)["status"] == 200
+    assert engine.calls == []  # only a finished update replaced the weights
+
+
+def test_caches_that_cannot_be_dropped_keep_the_engine_from_resuming_until_a_full_update() -> None:
+    mw, _, runtime = make()
+    runtime.engine = Engine(resets=False)
+    assert call(mw, "/finish_weight_update", CONTROL)["status"] == 200
+    assert runtime.weights_intact is False
+    assert call(mw, "/resume", CONTROL)["status"] == 409
+    runtime.engine = Engine()
+    assert call(mw, "/finish_weight_update", CONTROL)["status"] == 200
     assert call(mw, "/resume", CONTROL)["status"] == 200
 
 
