@@ -298,8 +298,8 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
 def test_a_staleness_bound_of_0_keeps_samples_off_old_weights_and_1_serves_them_labelled(
     cluster: Cluster, live: LiveFleet, fleet: Fleet, live_ns: str, sync: SyncClient
 ) -> None:
-    """Issue 35's staleness case, through the gateway and the trainer client: rollouts with a bound of 0 and of
-    1 are decoding when a push lands."""
+    """Issue 35's staleness and segments cases, through the gateway and the trainer client: rollouts with a bound
+    of 0 and of 1 are decoding when a push lands."""
     before = sync.fleet_version()
     old, generation = before.version, before.generation
     assert old is not None and generation is not None
@@ -336,6 +336,12 @@ def test_a_staleness_bound_of_0_keeps_samples_off_old_weights_and_1_serves_them_
         loose = answers[(1, i)]
         assert loose.finish_reason == "length" and len(loose.token_ids) == ROLLOUT_TOKENS
         assert loose.weight_versions == [old, new] and loose.weight_generations == [generation, generation + 1]
+        # Held by the push's pause (keep) and resumed on the new weights: which tokens each version made.
+        cut = loose.weight_segments[0].end
+        assert [s.model_dump() for s in loose.weight_segments] == [
+            {"version": old, "start": 0, "end": cut},
+            {"version": new, "start": cut, "end": ROLLOUT_TOKENS},
+        ] and 0 < cut < ROLLOUT_TOKENS, loose.weight_segments
     assert after.weight_versions == [new] and after.weight_generations == [generation + 1]
 
     def annotated() -> bool:  # what the gateway routes bounded requests by

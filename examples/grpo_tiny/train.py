@@ -10,14 +10,17 @@ through the sidecar. Each step:
 2. stops every request still running at ``--deadline-s`` (the gateway aborts it at the
    engine and answers with what was made): a straggler, resumed on the next version (so is
    one whose answer does not come even then, on a busy host: it keeps the tokens it had);
-3. drops samples more than ``--max-staleness`` generations behind the policy, scores the
-   complete groups with a verifiable toy reward (the share of completion tokens in a
-   target set), and takes a PPO-clipped policy-gradient step, the engines' logprobs being
-   the behaviour policy's;
+3. learns only from tokens at most ``--max-staleness`` generations behind the policy: each
+   token's generation comes from the answer's weight segments (a rollout that a push paused
+   and resumed on new weights has two), tokens past the bound are left out of the loss, and a
+   group with a sample that has none within it is dropped; scores the complete groups with a
+   verifiable toy reward (the share of completion tokens in a target set), and takes a
+   PPO-clipped policy-gradient step, the engines' logprobs being the behaviour policy's;
 4. pushes the new weights to every engine (``push_weights``: all or nothing, versioned).
 
 One JSON line per step on stdout: mean reward, samples per second, push and pause-window
-seconds, the generations the samples came from, stragglers, resubmissions and drops, and how
+seconds, the generations the learnt tokens came from, stragglers, resubmissions, drops, tokens
+left out as too stale and samples that span a swap, and how
 far the trainer's logprobs are from the engines' for the same tokens. On a GPU
 cluster the same script runs with another fleet spec and model (``--model-dir``).
 """
@@ -49,24 +52,41 @@ class Sample:
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    generations: list[int] = field(default_factory=list)  # every weight generation that produced tokens
+    made_by: list[int] = field(default_factory=list)  # the weight generation behind each token
     finished: bool = False
     resubmits: int = 0
 
     def lag(self, generation: int) -> int:
         """How many generations the oldest weights behind its tokens trail `generation` (0: no tokens yet)."""
-        return generation - min(self.generations, default=generation)
+        return generation - min(self.made_by, default=generation)
+
+    def within(self, generation: int, bound: int) -> list[bool]:
+        """Per token: made by weights at most `bound` generations behind `generation`."""
+        return [generation - n <= bound for n in self.made_by]
 
     def extend(self, g: Generation) -> None:
         """Add what a generation made (nothing, if the deadline came while it still queued)."""
         if g.token_ids:
-            generations = [n for n in g.weight_generations if n is not None]
-            if g.logprobs is None or len(g.logprobs) != len(g.token_ids) or len(generations) != len(g.weight_versions):
-                raise RuntimeError(f"{g.request_id}: an answer without logprobs or weight generations: {g!r}")
+            if g.logprobs is None or len(g.logprobs) != len(g.token_ids):
+                raise RuntimeError(f"{g.request_id}: an answer without logprobs: {g!r}")
             self.tokens += g.token_ids
             self.logprobs += g.logprobs
-            self.generations += generations
+            self.made_by += token_generations(g)
         self.finished = g.finish_reason != "abort" or len(self.tokens) >= self.max_tokens
+
+
+def token_generations(g: Generation) -> list[int]:
+    """The fleet's weight generation behind each token of `g`, from its weight segments. Where the gateway does
+    not know them end to end, every token counts as made by the oldest weights the answer ran on."""
+    by_version = dict(zip(g.weight_versions, g.weight_generations, strict=True))
+    if not by_version or None in by_version.values():
+        raise RuntimeError(f"{g.request_id}: an answer without the fleet's weight generations: {g!r}")
+    if not g.weight_segments:
+        return [min(n for n in by_version.values() if n is not None)] * len(g.token_ids)
+    made_by = [by_version.get(s.version) for s in g.weight_segments for _ in range(s.start, s.end)]
+    if len(made_by) != len(g.token_ids) or None in made_by:
+        raise RuntimeError(f"{g.request_id}: weight segments that do not cover its tokens: {g!r}")
+    return [n for n in made_by if n is not None]
 
 
 @dataclass
@@ -88,16 +108,18 @@ def advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std() + 1e-4)
 
 
-def ppo_loss(model: Any, sample: Sample, advantage: float, clip: float) -> tuple[torch.Tensor, float]:
-    """PPO-clipped policy gradient over the sample's tokens, the engines' logprobs being the old policy's;
-    and how far the trainer's logprobs are from the engines' (mean absolute difference per token)."""
+def ppo_loss(model: Any, sample: Sample, advantage: float, clip: float, keep: list[bool]) -> tuple[torch.Tensor, float]:
+    """PPO-clipped policy gradient over the sample's tokens that `keep` says (the others still condition them),
+    the engines' logprobs being the old policy's; and how far the trainer's logprobs are from the engines' on
+    those tokens (mean absolute difference per token)."""
     ids = torch.tensor([sample.prompt + sample.tokens])
     logits = model(ids).logits[0, len(sample.prompt) - 1 : -1]
     new = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(sample.tokens)[:, None]).squeeze(1)
-    old = torch.tensor(sample.logprobs)
+    old, mask = torch.tensor(sample.logprobs), torch.tensor(keep, dtype=torch.float32)
     ratio = torch.exp(new - old)
     clipped = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
-    return -clipped.mean(), float((new.detach() - old).abs().mean())
+    kept = mask.sum().clamp(min=1)
+    return -(clipped * mask).sum() / kept, float(((new.detach() - old).abs() * mask).sum() / kept)
 
 
 async def run_sample(
@@ -175,8 +197,9 @@ async def train(args: argparse.Namespace) -> int:
 
             ready = [g for g in groups if g.finished]
             waiting = [g for g in groups if not g.finished]
-            # Too stale to learn from: the group is dropped (a real trainer would resample it).
-            fresh = [g for g in ready if all(s.lag(generation) <= args.max_staleness for s in g.samples)]
+            # Tokens past the bound are left out of the loss; a group with a sample that has no token within
+            # it is too stale to learn from, and dropped (a real trainer would resample it).
+            fresh = [g for g in ready if all(any(s.within(generation, args.max_staleness)) for s in g.samples)]
             dropped = sum(len(g.samples) for g in ready) - sum(len(g.samples) for g in fresh)
             too_old = [g for g in waiting if any(s.lag(generation) >= args.max_staleness for s in g.samples)]
             waiting = [g for g in waiting if g not in too_old]
@@ -189,7 +212,7 @@ async def train(args: argparse.Namespace) -> int:
             for g in fresh:
                 adv = advantages(torch.tensor([reward(s.tokens) for s in g.samples]))
                 for s, a in zip(g.samples, adv.tolist(), strict=True):
-                    sample_loss, gap = ppo_loss(model, s, a, args.clip)
+                    sample_loss, gap = ppo_loss(model, s, a, args.clip, s.within(generation, args.max_staleness))
                     loss = loss + sample_loss / len(used)
                     gaps.append(gap)
             if used:
@@ -198,7 +221,11 @@ async def train(args: argparse.Namespace) -> int:
 
             version = f"{args.version_prefix}-{step + 1}"
             pushed = await client.push_weights({k: v.detach() for k, v in model.state_dict().items()}, version)
-            staleness = [s.lag(generation) for s in used]
+            learnt = [  # the generation behind each token the step learnt from
+                n for s in used for n, ok in zip(s.made_by, s.within(generation, args.max_staleness), strict=True) if ok
+            ]
+            masked = sum(len(s.tokens) - sum(s.within(generation, args.max_staleness)) for s in used)
+            staleness = [generation - n for n in learnt]
             generation = pushed.generation
             print(
                 json.dumps(
@@ -212,7 +239,7 @@ async def train(args: argparse.Namespace) -> int:
                         "pause_window_s": pushed.pause_window_s,
                         "version": pushed.version,
                         "generation": pushed.generation,
-                        "sample_generations": sorted({n for s in used for n in s.generations}),
+                        "sample_generations": sorted(set(learnt)),
                         "max_staleness_seen": max(staleness, default=0),
                         "stragglers": len(stragglers),
                         "straggler_tokens": sum(len(s.tokens) for s in stragglers),  # made so far: resumed next step
@@ -220,6 +247,8 @@ async def train(args: argparse.Namespace) -> int:
                         "resumed_used": sum(1 for s in used if s.resubmits),
                         "resubmitted": resubmitted,
                         "dropped": dropped,
+                        "stale_tokens_left_out": masked,
+                        "samples_across_a_swap": sum(1 for s in used if len(set(s.made_by)) > 1),
                         # Trainer vs engine logprobs of the same tokens: ~0 for samples of the current
                         # policy; larger for resumed stragglers (older weights behind their tokens).
                         "logprob_gap": round(sum(gaps) / max(1, len(gaps)), 5),
