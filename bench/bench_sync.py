@@ -464,6 +464,7 @@ def receiver(address: str) -> None:
     without vLLM."""
     from aiohttp import web
 
+    from rollfleet_engine.middleware import one_manifest, verified_manifest
     from rollfleet_engine.protocol import (
         STAGE_PATH,
         STAGE_RELAY_PATH,
@@ -495,7 +496,7 @@ def receiver(address: str) -> None:
         shard = RankShard(2, int(tp_rank), SHARD_KV_HEADS, SHARD_VOCAB)
         return fetch_slices(info.url, info.manifest_sha256, 600, lambda m: rank_plan(m, shard))
 
-    state = {"version": "initial", "paused": False, "staged": []}
+    state: dict[str, Any] = {"version": "initial", "paused": False, "staged": [], "loads": [], "manifest": None}
     dies_after = int(os.environ.get(RELAY_DIES_AFTER_ENV, "0")) or None
     stager = default_stager()  # the engine's own, in memory (/dev/shm) where the host has it
 
@@ -576,8 +577,13 @@ def receiver(address: str) -> None:
         state["paused"] = False
         return web.json_response({})
 
+    async def start(_: web.Request) -> web.Response:
+        state["loads"] = []
+        return web.json_response({})
+
     async def update(request: web.Request) -> web.Response:
-        info = WeightUpdateInfo.model_validate((await request.json())["update_info"])
+        body = await request.read()
+        info = WeightUpdateInfo.model_validate(json.loads(body)["update_info"])
         ours = asyncio.to_thread(pull, info)
         if peer is None:
             state["staged"] = await ours
@@ -585,6 +591,7 @@ def receiver(address: str) -> None:
             body = info.model_dump(mode="json")
             state["staged"], answer = await asyncio.gather(ours, http().post(f"{peer}/standin/pull", json=body))
             answer.raise_for_status()
+        state["loads"].append(verified_manifest(body))  # as the engine's middleware: the proof of the bytes
         return web.json_response({})
 
     async def rank_pull(request: web.Request) -> web.Response:
@@ -603,12 +610,18 @@ def receiver(address: str) -> None:
     async def finish(request: web.Request) -> web.Response:
         await asyncio.to_thread(load, state["staged"])  # as the engine's finish: into the model
         state["version"], state["staged"] = (await request.json())["weight_version"], []
+        state["manifest"], state["loads"] = one_manifest(state["loads"]), []
         stager.release()
         return web.json_response({})
 
     async def engine_state(_: web.Request) -> web.Response:
         body = EngineState(
-            model="stand-in", weight_version=str(state["version"]), paused=bool(state["paused"]), running=0, waiting=0
+            model="stand-in",
+            weight_version=str(state["version"]),
+            paused=bool(state["paused"]),
+            running=0,
+            waiting=0,
+            weights_manifest_sha256=state["manifest"],
         )
         return web.json_response(body.model_dump())
 
@@ -618,7 +631,7 @@ def receiver(address: str) -> None:
     app = web.Application()
     app.router.add_post("/pause", pause)
     app.router.add_post("/resume", resume)
-    app.router.add_post("/start_weight_update", ok)
+    app.router.add_post("/start_weight_update", start)
     app.router.add_post("/update_weights", update)
     app.router.add_post("/standin/pull", rank_pull)
     app.router.add_post("/standin/stage", rank_stage_start)

@@ -10,6 +10,7 @@ user of that fleet (it pushes other weights, and its last test changes the fleet
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import signal
@@ -38,6 +39,7 @@ from e2e.live_fleet import INITIAL_VERSION, NAME, LiveFleet
 from e2e.provider import Cluster, wait_for
 from rollfleet.api.admission import POLICY_NAME
 from rollfleet.contract import (
+    ANNOTATION_PHASE,
     ANNOTATION_RESUME,
     ANNOTATION_WEIGHT_GENERATION,
     OPERATOR_KEY_SECRET,
@@ -351,6 +353,82 @@ def test_a_staleness_bound_of_0_keeps_samples_off_old_weights_and_1_serves_them_
         )
 
     wait_for(annotated, timeout=60, what=f"engine pods annotated with generation {generation + 1}")
+
+
+def test_an_engine_that_loaded_other_bytes_under_the_fleets_version_gets_no_traffic_until_loaded_again(
+    cluster: Cluster,
+    live: LiveFleet,
+    fleet: Fleet,
+    live_ns: str,
+    sync: SyncClient,
+    references: dict[str, list[list[int]]],
+) -> None:
+    """Issue 35's proof of the bytes: one engine is loaded, straight through its own control routes, with weight
+    set B under the fleet's version label (set A's bytes). Its state reports the manifest it verified B against,
+    not the one the push recorded: the operator shows it PendingSync saying so, the gateway sends it nothing,
+    and the sidecar loads the fleet's version into it again."""
+    version = sync.fleet_version().version
+    pinned = decode_record(weights_record(cluster, live_ns)).committed
+    assert version is not None and pinned is not None and pinned.manifest_sha256 is not None
+    assert pinned.version == version and fleet.engine(ENGINES[1]).get("weightsManifest") == pinned.manifest_sha256
+    # Set B served from the trainer pod (its sidecar's image and models), on a port of its own, for 5 minutes.
+    log = "/var/lib/rollfleet-sync/other-bytes.log"
+    serve = f"python -m rollfleet_engine.weights_server {SIDECAR_MODELS}/{WEIGHTS_B_DIR} --port 8479"
+    in_sidecar = ("-n", live_ns, "exec", TRAINER, "-c", "rollfleet-sync", "--")
+    cluster.kubectl(*in_sidecar, "sh", "-c", f"nohup timeout 300 {serve} > {log} 2>&1 &")
+    printed = wait_for(
+        lambda: (lines := cluster.kubectl(*in_sidecar, "cat", log, check=False).stdout.splitlines()[1:2]) and lines,
+        timeout=60,
+        what="the weights server of set B",
+    )
+    other = ast.literal_eval(printed[0])  # its update_info: url and manifest_sha256
+    assert other["manifest_sha256"] != pinned.manifest_sha256
+    signal_container(cluster, live_ns, TRAINER, "rollfleet-sync", signal.SIGSTOP)  # no catch-up meanwhile
+    try:
+        control = {"Authorization": f"Bearer {live.token}"}
+        with httpx.Client(base_url=live.engine(ENGINES[1]).url, headers=control, timeout=120) as engine:
+            for path, body in (
+                ("/start_weight_update", None),
+                ("/update_weights", {"update_info": other}),
+                ("/finish_weight_update", {"weight_version": version}),
+            ):
+                assert engine.post(path, json=body).status_code == 200, path
+            said = engine.get("/rollfleet/v1/state").json()
+        assert (said["weight_version"], said["weights_manifest_sha256"]) == (version, other["manifest_sha256"])
+
+        def refused(st: dict[str, Any]) -> bool:
+            e = next(e for e in st.get("engines", []) if e["name"] == ENGINES[1])
+            return bool(e["phase"] == "PendingSync" and e.get("weightsManifest") == other["manifest_sha256"])
+
+        fleet.wait(refused, f"{ENGINES[1]} PendingSync, its proof B's manifest", timeout=60)
+        message = fleet.engine(ENGINES[1])["message"]
+        assert f"labelled {version} but were not verified against {version}'s manifest" in message, message
+        wait_for(
+            lambda: fleet.pod(ENGINES[1])["metadata"]["annotations"].get(ANNOTATION_PHASE) == "PendingSync",
+            timeout=60,
+            what="the engine pod annotated PendingSync (what the gateway routes by)",
+        )
+
+        async def through_the_gateway() -> list[Generation]:
+            async with AsyncRolloutClient(live.gateways[0].url, model="tiny", token=live.token) as client:
+                calls = [
+                    client.generate(p, max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
+                    for p in GREEDY_PROMPTS * 2
+                ]
+                return list(await asyncio.gather(*calls))
+
+        answers = asyncio.run(through_the_gateway())
+        assert [g.engines for g in answers] == [[ENGINES[0]]] * len(answers)
+        assert [g.token_ids for g in answers] == references[A] * 2  # the fleet's bytes, set A
+    finally:
+        signal_container(cluster, live_ns, TRAINER, "rollfleet-sync", signal.SIGCONT)
+
+    def proven_again(st: dict[str, Any]) -> bool:
+        e = next(e for e in st.get("engines", []) if e["name"] == ENGINES[1])
+        return bool(e["phase"] == "Ready" and e.get("weightsManifest") == pinned.manifest_sha256)
+
+    fleet.wait(proven_again, f"{ENGINES[1]} loaded with {version} again by the sidecar", timeout=300)
+    assert greedy(live.engine(ENGINES[1]).url, fleet.inference()) == references[A]
 
 
 def test_a_model_change_forgets_the_old_models_weights_and_engines_serve_their_own(

@@ -3,7 +3,8 @@
 Runs before any vLLM route, so a refused control call changes nothing. For generation
 requests it fixes the caller id (header, else body ``request_id``, else a new one,
 written back into the header so vLLM uses the same), tracks the request for abort,
-and stamps the weight version and the id on the response. A weight update that finishes
+and stamps the weight version and the id on the response. It keeps the proof of the bytes: the
+manifest each load was verified against (``EngineState.weights_manifest_sha256``). A weight update that finishes
 drops the caches of the old weights before its answer leaves (``Runtime.drop_old_weights_caches``),
 so nothing resumed after it can read them.
 """
@@ -15,7 +16,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.protocol import (
@@ -32,6 +33,7 @@ from rollfleet_engine.protocol import (
     parse_max_weight_lag,
     parse_pause_mode,
 )
+from rollfleet_engine.rank_staging import RANK_STAGED_SCHEME
 from rollfleet_engine.runtime import Runtime
 
 Scope = MutableMapping[str, Any]
@@ -76,6 +78,10 @@ class RollfleetMiddleware:
         if path == RESUME_PATH and not self.runtime.weights_intact:
             await _json(send, 409, {"error": _NOT_INTACT})
             return
+        body = None
+        if path == UPDATE_WEIGHTS_PATH:  # what it names is what the load verifies its tensors against
+            body = await _read_body(receive)
+            receive = _replay(body, receive)
         # The answer to a finished update waits until the old weights' caches are gone: the caller resumes on it.
         answer = _Answer(self._drop_caches if path == FINISH_WEIGHT_UPDATE_PATH else None)
         try:
@@ -83,23 +89,31 @@ class RollfleetMiddleware:
         finally:  # vLLM's error middleware answers 500, then re-raises
             if MIXED_WEIGHTS_MARK.encode() in answer.error_body:
                 self.runtime.weights_intact = False  # a load failed after some layers took new values
+                self.runtime.weights_manifest_sha256 = None
         if answer.status == 200:
-            await self._after_control(path, scope, answer.prepared)
+            await self._after_control(path, scope, answer.prepared, body)
 
-    async def _after_control(self, path: str, scope: Scope, prepared: bool) -> None:
+    async def _after_control(self, path: str, scope: Scope, prepared: bool, body: bytes | None) -> None:
+        rt = self.runtime
         if path == PAUSE_PATH:
             mode = parse_qs(scope.get("query_string", b"").decode()).get("mode", ["abort"])[0]
-            self.runtime.pause_mode = parse_pause_mode(mode)
+            rt.pause_mode = parse_pause_mode(mode)
         elif path == RESUME_PATH:
-            self.runtime.pause_mode = None
-        elif path == START_WEIGHT_UPDATE_PATH and self.runtime.loads_in_place:
-            self.runtime.weights_intact = False  # each tensor is loaded as it arrives, from now on
+            rt.pause_mode = None
+        elif path == START_WEIGHT_UPDATE_PATH:
+            rt.loading_manifests = []
+            if rt.loads_in_place:  # each tensor is loaded as it arrives, from now on
+                rt.weights_intact, rt.weights_manifest_sha256 = False, None
+        elif path == UPDATE_WEIGHTS_PATH:
+            rt.loading_manifests.append(verified_manifest(body or b""))
         elif path in _VERSION_ROUTES:
-            await self.runtime.refresh_weight_version()
+            await rt.refresh_weight_version()
             if path == FINISH_WEIGHT_UPDATE_PATH:
-                self.runtime.weights_intact = prepared  # one version, and no cache of the old one
-                if self.runtime.stager is not None:
-                    self.runtime.stager.release()  # loaded: the staged copy is not needed any more
+                rt.weights_intact = prepared  # one version, and no cache of the old one
+                rt.weights_manifest_sha256 = one_manifest(rt.loading_manifests)
+                rt.loading_manifests = []
+                if rt.stager is not None:
+                    rt.stager.release()  # loaded: the staged copy is not needed any more
 
     async def _drop_caches(self) -> bool:
         try:
@@ -196,6 +210,28 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def verified_manifest(body: bytes) -> str | None:
+    """The manifest that a load of `body` (vLLM's ``/update_weights``) verified every tensor against: a
+    rank-staged URL's (each rank staged its part against it), else the pinned ``manifest_sha256``; None when it
+    pinned none (a collective update, an unpinned URL, an update_info per rank)."""
+    try:
+        info = json.loads(body).get("update_info")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    url = info.get("url")
+    if isinstance(url, str) and urlsplit(url).scheme == RANK_STAGED_SCHEME:
+        return urlsplit(url).netloc or None
+    sha = info.get("manifest_sha256")
+    return sha if isinstance(sha, str) and sha else None
+
+
+def one_manifest(loads: list[str | None]) -> str | None:
+    """The manifest of an update whose every load was verified against the same one; else None."""
+    return loads[0] if loads and loads[0] is not None and set(loads) == {loads[0]} else None
 
 
 def _body_request_id(body: bytes) -> str | None:

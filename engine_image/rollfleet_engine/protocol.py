@@ -178,6 +178,13 @@ class EngineState(BaseModel):
         description="True when this engine generates for anyone who reaches it (started without an inference "
         "token); the fleet's status says Open then.",
     )
+    weights_manifest_sha256: str | None = Field(
+        default=None,
+        description="The proof of the bytes: the sha256 of the weight manifest that every tensor of the last "
+        "finished update was verified against as it was loaded (the manifest holds each tensor's checksum). None: "
+        "the weights it started with, or an update not pinned to one manifest (a collective one, one without "
+        "manifest_sha256, one of several manifests). A relabel (/update_weight_version) keeps it.",
+    )
 
     @property
     def served_version(self) -> str | None:

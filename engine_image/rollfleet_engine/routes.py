@@ -58,6 +58,7 @@ async def state(request: Request) -> EngineState:
         weights_intact=rt.weights_intact,
         instance=rt.instance,
         inference_open=rt.policy.inference_token is None,
+        weights_manifest_sha256=rt.weights_manifest_sha256,
     )
 
 

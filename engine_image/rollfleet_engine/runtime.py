@@ -42,6 +42,9 @@ class Runtime:
     weight_version: str = "default"
     pause_mode: PauseMode | None = None
     weights_intact: bool = True  # see EngineState.weights_intact
+    weights_manifest_sha256: str | None = None  # see EngineState.weights_manifest_sha256
+    # The manifest each load of the open update was verified against (None: a load not pinned to one).
+    loading_manifests: list[str | None] = field(default_factory=list)
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property

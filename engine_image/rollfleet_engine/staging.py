@@ -145,8 +145,9 @@ class Stager:
             self._job = job
             self._progress.notify_all()  # relays of the set replaced, and waits on its status, end
             self._ended.notify_all()
+            started = job.status.model_copy()  # before the thread runs: a small set may be staged at once
         job.thread.start()
-        return job.status.model_copy()
+        return started
 
     def relay_manifest(self, manifest_sha256: str | None = None) -> bytes:
         """The manifest being staged, once it is known (blocks until then)."""

@@ -62,10 +62,13 @@ def test_weight_update_a_to_b_matches_transformers(engine: Engine) -> None:
     try:
         assert control(engine, "/init_weight_transfer_engine", json={"init_info": {}}).status_code == 200
         assert control(engine, "/start_weight_update").status_code == 200
-        assert control(engine, "/update_weights", json={"update_info": server.update_info()}).status_code == 200
+        info = server.update_info()
+        assert control(engine, "/update_weights", json={"update_info": info}).status_code == 200
         assert control(engine, "/finish_weight_update", json={"weight_version": "b-1"}).status_code == 200
     finally:
         server.stop()
+    # The proof of the bytes: the manifest every loaded tensor was verified against.
+    assert state(engine)["weights_manifest_sha256"] == info["manifest_sha256"]
     assert served() == ref_b
     after, hit = ask_cached(engine, max_tokens)
     assert hit == 0, f"{hit} tokens of the prompt were served from blocks the old weights computed"
@@ -78,7 +81,7 @@ def test_corrupt_transfer_fails_and_old_weights_keep_serving(engine: Engine) -> 
     import torch
     from safetensors.torch import load_file
 
-    before_version = state(engine)["weight_version"]
+    before_version, before_manifest = (state(engine)[k] for k in ("weight_version", "weights_manifest_sha256"))
     before = complete(engine, PROMPT, 8, ignore_eos=True).json()["choices"][0]["token_ids"]
     tensors = load_file(str(engine.model_dir / "model.safetensors"))
     server = WeightsServer(tensors, host=engine.url.split("//")[1].split(":")[0])
@@ -92,7 +95,8 @@ def test_corrupt_transfer_fails_and_old_weights_keep_serving(engine: Engine) -> 
         assert control(engine, "/finish_weight_update", json={"weight_version": "corrupt"}).status_code >= 400
     finally:
         server.stop()
-    assert state(engine)["weight_version"] == before_version
+    after = state(engine)
+    assert (after["weight_version"], after["weights_manifest_sha256"]) == (before_version, before_manifest)
     assert complete(engine, PROMPT, 8, ignore_eos=True).json()["choices"][0]["token_ids"] == before
 
 

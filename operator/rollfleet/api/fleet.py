@@ -504,6 +504,13 @@ class EngineStatus(ApiModel):
     )
     updated: bool = Field(default=True, description="Whether the pod matches the current spec.")
     weight_version: str | None = Field(default=None, description="Weight version the engine reports.")
+    weights_manifest: str | None = Field(
+        default=None,
+        description="The proof of its bytes: the sha256 of the weight manifest that every tensor of its last "
+        "update was verified against as it was loaded. An engine whose label is the fleet's version but whose "
+        "manifest is not the one the push recorded is PendingSync. Empty: the weights it started with, or a "
+        "collective push.",
+    )
     in_flight: int | None = Field(default=None, ge=0, description="Requests running or waiting in the engine.")
     message: str | None = Field(default=None, description="Why the engine is in this phase, when not Ready.")
 

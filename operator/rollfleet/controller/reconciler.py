@@ -69,7 +69,7 @@ from rollfleet.kube import (
     kind_named,
 )
 from rollfleet.sync.fleetversion import fleet_weight_version
-from rollfleet.sync.protocol import decode_record, operator_fields
+from rollfleet.sync.protocol import decode_record, operator_fields, vouched
 from rollfleet_engine.protocol import EngineState
 
 log = logging.getLogger("rollfleet.operator")
@@ -322,9 +322,11 @@ class FleetLoop:
         observed, busy = await self._observe_engines(spec, weights_record)
 
         # Engines whose state is unknown (still loading) do not make the fleet's version unknown; one whose
-        # weights are mixed (an in-place update that did not finish) is on no version: PendingSync.
+        # weights are mixed (an in-place update that did not finish), or whose bytes are not those the record
+        # pins for its label (the proof of the bytes), is on no version: PendingSync.
+        sync_record = decode_record(weights_record)
         versions: dict[str, str | None] = {
-            o.name: o.state.served_version
+            o.name: vouched(o.state.served_version, o.state.weights_manifest_sha256, sync_record)
             for o in observed
             if o.state is not None and not (o.terminating or o.draining)
         }

@@ -231,15 +231,23 @@ def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sy
         return Engine(obs, EnginePhase.STARTING, "waiting for the engine's state")
     # Before Paused: a paused engine is routable (it holds requests), one on other weights must not be.
     if require_sync and obs.name in weights.pending_sync:
-        return Engine(
-            obs, EnginePhase.PENDING_SYNC, f"weights {obs.state.weight_version} are not the fleet's {weights.version}"
-        )
+        return Engine(obs, EnginePhase.PENDING_SYNC, _not_the_fleets(obs.state, weights.version))
     if obs.state.paused:
         return Engine(obs, EnginePhase.SYNCING if weights.syncing and not fleet_paused else EnginePhase.PAUSED)
     if fleet_paused and obs.annotated_phase in (None, EnginePhase.STARTING):
         # A new engine in a paused fleet gets no traffic until it is paused too.
         return Engine(obs, EnginePhase.STARTING, "pausing to join the paused fleet")
     return Engine(obs, EnginePhase.READY)
+
+
+def _not_the_fleets(state: EngineState, version: str | None) -> str:
+    if state.served_version is not None and state.served_version == version:  # the label, not the bytes
+        return (
+            f"its weights are labelled {version} but were not verified against {version}'s manifest as they were "
+            f"loaded (it reports {state.weights_manifest_sha256 or 'none'}): not routed until the sidecar loads "
+            f"{version} again"
+        )
+    return f"weights {state.weight_version} are not the fleet's {version}"
 
 
 @dataclass(frozen=True)
@@ -398,6 +406,7 @@ def fleet_status(
             pod_ip=e.obs.pod_ip,
             updated=e.obs.template_hash == current_hash,
             weight_version=e.obs.state.weight_version if e.obs.state else None,
+            weights_manifest=e.obs.state.weights_manifest_sha256 if e.obs.state else None,
             in_flight=e.obs.in_flight,
             message=e.message,
         )

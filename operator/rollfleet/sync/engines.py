@@ -26,7 +26,9 @@ async def observe(api: EngineClient, engine: EngineRef) -> EngineObservation:
         s = await api.state(engine, CONTROL)
     except EngineCallError:
         return EngineObservation(version=None)
-    return EngineObservation(version=s.weight_version, paused=s.paused, intact=s.weights_intact)
+    return EngineObservation(
+        version=s.weight_version, paused=s.paused, intact=s.weights_intact, manifest=s.weights_manifest_sha256
+    )
 
 
 async def in_flight(api: EngineClient, engine: EngineRef) -> list[InFlight]:

@@ -54,6 +54,7 @@ from rollfleet.sync.protocol import (
     begin_push,
     commit,
     complete,
+    decode_record,
     layout_change,
     max_staleness,
     needs_catch_up,
@@ -61,6 +62,7 @@ from rollfleet.sync.protocol import (
     roll_back,
     should_commit,
     stale_requests,
+    vouched,
 )
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.spool import keep_as_spare, open_over_spare
@@ -315,7 +317,9 @@ class Orchestrator:
         data, _ = await self.store.read()
         engines = await self.discovery.engines()
         observed = await _gather([observe(self.api, e) for e in engines])
-        fv = fleet_weight_version(data, {e.name: o.served for e, o in zip(engines, observed, strict=True)})
+        record = decode_record(data)
+        served = {e.name: vouched(o.served, o.manifest, record) for e, o in zip(engines, observed, strict=True)}
+        fv = fleet_weight_version(data, served)
         last = self._pushes[max(self._pushes)] if self._pushes else None
         return FleetVersionView(
             version=fv.version,
@@ -525,7 +529,7 @@ class Orchestrator:
     async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
         """Bring one paused engine to ``ref``; True once it reports that version."""
         obs = await observe(self.api, engine)
-        if obs.served == ref.version:
+        if obs.serves(ref):
             progress.step = EngineStep.VERIFIED
             return True
         progress.step = EngineStep.TRANSFERRING
@@ -538,7 +542,7 @@ class Orchestrator:
             with contextlib.suppress(EngineCallError):
                 await self.api.start_weight_update(engine)
             await self.api.update_weights(engine, info, self.transfer)
-            await self.finish_and_verify(engine, ref.version)
+            await self.finish_and_verify(engine, ref.version, ref.manifest_sha256)
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
@@ -546,13 +550,22 @@ class Orchestrator:
         await self.notify()
         return True
 
-    async def finish_and_verify(self, engine: EngineRef, version: str) -> None:
-        """Finish the engine's update as `version`, then check it serves that version; EngineCallError if not."""
+    async def finish_and_verify(self, engine: EngineRef, version: str, manifest_sha256: str | None = None) -> None:
+        """Finish the engine's update as `version`, then check it serves that version, and the bytes of
+        `manifest_sha256` where the push pinned them (the proof of the bytes); EngineCallError if not."""
         await self.api.finish_weight_update(engine, version, self.transfer)
-        reported = (await self.api.state(engine, CONTROL)).served_version
-        if reported != version:
+        state = await self.api.state(engine, CONTROL)
+        if state.served_version != version:
             raise EngineCallError(
-                engine, "GET", STATE_PATH, f"reports version {reported!r} after finishing {version!r}"
+                engine, "GET", STATE_PATH, f"reports version {state.served_version!r} after finishing {version!r}"
+            )
+        if manifest_sha256 is not None and state.weights_manifest_sha256 != manifest_sha256:
+            raise EngineCallError(
+                engine,
+                "GET",
+                STATE_PATH,
+                f"loaded {version!r} verified against manifest {state.weights_manifest_sha256!r}, not the pushed "
+                f"{manifest_sha256!r}",
             )
 
     async def settle(
@@ -648,7 +661,7 @@ class Orchestrator:
                 await self._serve_committed(record)
                 status.state = PushState.ROLLED_BACK
             elif action is RecoveryAction.COMMIT_PARTIAL:
-                failed = [e.name for e, o in observed.items() if o.served != push.target.version]
+                failed = [e.name for e, o in observed.items() if not o.serves(push.target)]
                 record = await update(self.store, lambda r: commit(_ours(r, push.target), failed, status.message))
             await self.settle(record, engines, progress)
             if record.push is not None and record.push.phase.active:  # RESUME or COMMIT_PARTIAL

@@ -281,6 +281,7 @@ class EngineObservation:
     version: str | None
     paused: bool | None = None
     intact: bool = True
+    manifest: str | None = None  # EngineState.weights_manifest_sha256: the proof of its bytes
 
     @property
     def reachable(self) -> bool:
@@ -289,6 +290,10 @@ class EngineObservation:
     @property
     def served(self) -> str | None:
         return self.version if self.intact else None
+
+    def serves(self, ref: WeightsRef) -> bool:
+        """Whether it serves `ref`: its label, and where the record pins the bytes, the proof of them."""
+        return self.served == ref.version and proven(ref, self.manifest)
 
 
 def layout_change(
@@ -352,6 +357,21 @@ def plan_recovery(
     return RecoveryAction.COMMIT_PARTIAL
 
 
+def proven(ref: WeightsRef, manifest: str | None) -> bool:
+    """Whether an engine whose last load was verified against `manifest` (EngineState.weights_manifest_sha256)
+    holds the bytes of `ref`: the manifest the record pins for it, where it pins one (an HTTP push does; the
+    weights the engines started with and collective pushes do not, and then the label is all there is)."""
+    return ref.manifest_sha256 is None or manifest == ref.manifest_sha256
+
+
+def vouched(version: str | None, manifest: str | None, record: FleetRecord) -> str | None:
+    """The version an engine reports, unless the record pins that version's bytes (the committed one, or the
+    target of a push under way) to another manifest than the one its load was verified against: then None,
+    weights nobody can vouch for (a relabel, a load from elsewhere under the fleet's label)."""
+    pinned = [r for r in (record.committed, record.push.target if record.push else None) if r and r.version == version]
+    return version if all(proven(r, manifest) for r in pinned) else None
+
+
 def routable(version: str | None, record: FleetRecord) -> bool:
     """Whether an engine reporting ``version`` may get traffic under ``record``.
 
@@ -372,7 +392,7 @@ def needs_catch_up(obs: EngineObservation, record: FleetRecord) -> bool:
     """A reachable engine, not on the committed version (or with mixed weights), that can pull it."""
     c = record.committed
     active = record.push is not None and record.push.phase.active
-    return obs.reachable and c is not None and c.url is not None and obs.served != c.version and not active
+    return obs.reachable and c is not None and c.url is not None and not obs.serves(c) and not active
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from rollfleet.controller.status import (
     fleet_status,
     observe_pod,
 )
+from rollfleet_engine.protocol import EngineState
 
 NOT_PAUSED = PauseView(None)
 SPEC = RolloutFleetSpec.model_validate({"replicas": 2, "model": {"servedName": "tiny", "hostPath": "/m"}})
@@ -95,6 +96,18 @@ def test_weights_behind_the_fleet_mean_pending_sync_unless_sync_is_not_required(
     # Paused engines are routable (they hold requests): one on stale weights must not look Paused.
     assert engine(0, weights=weights, engine=state(paused=True)).phase == "PendingSync"
     assert engine(0, weights=weights, engine=state(paused=True), fleet_paused=True).phase == "PendingSync"
+
+
+def test_an_engine_with_the_fleets_label_but_not_its_bytes_says_so_and_the_status_shows_its_proof() -> None:
+    weights = WeightView(version="step-3", pending_sync=frozenset({"f-engine-0"}), syncing=False)
+    relabelled = EngineState(model="tiny", weight_version="step-3", paused=False, running=0, waiting=0)
+    e = engine(0, weights=weights, engine=relabelled.model_copy(update={"weights_manifest_sha256": "0ther"}))
+    assert e.phase == "PendingSync" and e.message is not None
+    assert "labelled step-3 but were not verified against step-3's manifest" in e.message and "0ther" in e.message
+    behind = engine(0, weights=weights, engine=state(version="step-2"))
+    assert behind.message == "weights step-2 are not the fleet's step-3"
+    proven = engine(1, engine=relabelled.model_copy(update={"weights_manifest_sha256": "ab12"}))
+    assert [x.weights_manifest for x in status([proven, e]).engines] == ["0ther", "ab12"]
 
 
 def test_a_new_engine_in_a_paused_fleet_gets_no_traffic_until_paused() -> None:

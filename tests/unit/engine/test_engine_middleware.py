@@ -152,6 +152,42 @@ def test_caches_that_cannot_be_dropped_keep_the_engine_from_resuming_until_a_ful
     assert call(mw, "/resume", CONTROL)["status"] == 200
 
 
+def test_the_engine_reports_the_manifest_its_last_update_was_verified_against_and_a_relabel_keeps_it() -> None:
+    mw, _, runtime = make()
+    assert runtime.weights_manifest_sha256 is None  # the weights it started with: no manifest
+
+    def update(*infos: Any) -> str | None:
+        assert call(mw, "/start_weight_update", CONTROL)["status"] == 200
+        for info in infos:
+            assert call(mw, "/update_weights", CONTROL, {"update_info": info})["status"] == 200
+        assert call(mw, "/finish_weight_update", CONTROL)["status"] == 200
+        return runtime.weights_manifest_sha256
+
+    assert update({"url": "http://w:8471/weights", "manifest_sha256": "aa11"}) == "aa11"
+    assert call(mw, "/update_weight_version", CONTROL)["status"] == 200  # a new label, the same bytes
+    assert runtime.weights_manifest_sha256 == "aa11"
+    assert update({"url": "file:///dev/shm/staged", "manifest_sha256": "bb22"}) == "bb22"  # prefetched
+    assert update({"url": "rank-staged://cc33"}) == "cc33"  # each rank staged its part against it
+    assert (
+        update({"url": "http://w:8471/weights", "manifest_sha256": "dd44"}, {"url": "x", "manifest_sha256": "dd44"})
+        == "dd44"
+    )
+    # Not pinned to one manifest: nothing to prove.
+    assert update({"url": "http://w:8471/weights"}) is None
+    assert update({"url": "a", "manifest_sha256": "ee55"}, {"url": "b", "manifest_sha256": "ff66"}) is None
+    assert update([{"url": "a", "manifest_sha256": "ee55"}]) is None  # an update_info per rank
+
+
+def test_an_in_place_update_has_no_manifest_to_prove_from_its_start() -> None:
+    mw, _, runtime = make("gloo")
+    runtime.weights_manifest_sha256 = "aa11"
+    assert call(mw, "/start_weight_update", CONTROL)["status"] == 200
+    assert runtime.weights_manifest_sha256 is None
+    assert call(mw, "/update_weights", CONTROL, {"update_info": {"names": ["w"]}})["status"] == 200
+    assert call(mw, "/finish_weight_update", CONTROL)["status"] == 200
+    assert runtime.weights_manifest_sha256 is None
+
+
 def test_an_http_update_loads_at_finish_so_its_start_leaves_the_weights_intact() -> None:
     mw, _, runtime = make("http")
     assert call(mw, "/start_weight_update", CONTROL)["status"] == 200

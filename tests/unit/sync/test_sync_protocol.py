@@ -33,10 +33,12 @@ from rollfleet.sync.protocol import (
     needs_catch_up,
     operator_fields,
     plan_recovery,
+    proven,
     roll_back,
     routable,
     should_commit,
     stale_requests,
+    vouched,
 )
 
 A = WeightsRef("A", 0)
@@ -183,11 +185,28 @@ def test_routable_means_on_the_committed_version_or_on_the_target_while_paused_f
     assert routable("anything", FleetRecord())  # nothing to be consistent with yet
 
 
+def test_the_record_vouches_for_a_version_only_with_the_bytes_it_pinned_for_it() -> None:
+    """The proof of the bytes: an engine's label counts only with the manifest its load was verified against,
+    where the record pins one (an HTTP push); the weights the engines started with pin none."""
+    done = complete(commit(pushing_b()))
+    assert proven(B, "abc") and not proven(B, "0ther") and not proven(B, None)
+    assert proven(WeightsRef("A", 0), None)
+    assert vouched("B", "abc", done) == "B"
+    assert vouched("B", "0ther", done) is None and vouched("B", None, done) is None
+    assert vouched("A", None, done) == "A"  # not the fleet's: routable() says so, not the proof
+    assert vouched("B", None, pushing_b()) is None and vouched("B", "abc", pushing_b()) == "B"  # the push's target
+    assert vouched("A", None, on_a()) == "A"  # started with: nothing pinned
+    assert EngineObservation("B", manifest="abc").serves(B) and not EngineObservation("B").serves(B)
+
+
 def test_catch_up_only_without_an_active_push_and_with_a_source() -> None:
     done = complete(commit(pushing_b()))
     assert needs_catch_up(EngineObservation("A"), done)
-    assert not needs_catch_up(EngineObservation("B"), done)
-    assert needs_catch_up(EngineObservation("B", intact=False), done)  # labelled B, its weights mixed
+    assert not needs_catch_up(EngineObservation("B", manifest="abc"), done)
+    assert needs_catch_up(EngineObservation("B", intact=False, manifest="abc"), done)  # labelled B, weights mixed
+    # Labelled B, its bytes not verified against B's manifest (a relabel, a load from elsewhere): loaded again.
+    assert needs_catch_up(EngineObservation("B", manifest="0ther"), done)
+    assert needs_catch_up(EngineObservation("B"), done)
     assert not needs_catch_up(EngineObservation(None), done)
     assert not needs_catch_up(EngineObservation("A"), commit(pushing_b()))  # resuming: not yet
     assert not needs_catch_up(EngineObservation("Z"), on_a())  # initial weights: no url to pull from
