@@ -42,6 +42,10 @@ from rollfleet.contract import (
     ANNOTATION_PHASE,
     ANNOTATION_RESUME,
     ANNOTATION_WEIGHT_GENERATION,
+    COMPONENT_ENGINE,
+    LABEL_COMPONENT,
+    LABEL_FLEET,
+    LABEL_INDEX,
     OPERATOR_KEY_SECRET,
     RECORD_MODEL,
     RECORD_WEIGHT_GENERATION,
@@ -429,6 +433,38 @@ def test_an_engine_that_loaded_other_bytes_under_the_fleets_version_gets_no_traf
 
     fleet.wait(proven_again, f"{ENGINES[1]} loaded with {version} again by the sidecar", timeout=300)
     assert greedy(live.engine(ENGINES[1]).url, fleet.inference()) == references[A]
+
+
+def test_a_drained_engines_replacement_takes_traffic_only_once_on_the_fleets_version_and_bytes(
+    cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient
+) -> None:
+    """Issue 35's drain, on a fleet whose version was pushed: `kubectl drain` of one engine's node. Its replacement
+    starts on another node on the image's weights, under another label; the sidecar loads the fleet's version into
+    it, and only then is it routable. No status read meanwhile shows an engine routable on other weights or bytes."""
+    pinned = decode_record(weights_record(cluster, live_ns)).committed
+    assert pinned is not None and pinned.manifest_sha256 is not None and pinned.version != A, pinned
+    key = ENGINES[1]
+    old = fleet.pod(key)
+    node, index = old["spec"]["nodeName"], old["metadata"]["labels"][LABEL_INDEX]
+    engine = f"{LABEL_FLEET}={NAME},{LABEL_COMPONENT}={COMPONENT_ENGINE},{LABEL_INDEX}={index}"
+    proof = (pinned.version, pinned.manifest_sha256)
+
+    def truthful(st: dict[str, Any]) -> bool:
+        for e in st.get("engines", []):
+            if e["phase"] in ROUTABLE_PHASES:
+                assert (e.get("weightVersion"), e.get("weightsManifest")) == proof, f"routable on other weights: {e}"
+        return fleet.replaced(key, old["metadata"]["uid"], ready=True) and bool(all_ready_on(pinned.version)(st))
+
+    try:
+        # An engine's /dev/shm is an emptyDir: drain must be told that its data may go.
+        drain = ("drain", node, "--pod-selector", engine, "--ignore-daemonsets", "--delete-emptydir-data")
+        cluster.kubectl(*drain, "--timeout=300s", timeout=320)
+        fleet.wait(truthful, f"a new {key} Ready on {pinned.version}, loaded by the sidecar", timeout=600)
+    finally:
+        cluster.kubectl("uncordon", node)
+    assert fleet.pod(key)["spec"]["nodeName"] != node
+    # It started on the image's weights: only the sidecar's load of the pushed version gives it the pinned manifest.
+    assert (fleet.engine(key)["weightVersion"], fleet.engine(key).get("weightsManifest")) == proof
 
 
 def test_a_model_change_forgets_the_old_models_weights_and_engines_serve_their_own(
