@@ -306,6 +306,7 @@ def test_a_staleness_bound_of_0_keeps_samples_off_old_weights_and_1_serves_them_
 ) -> None:
     """Issue 35's staleness and segments cases, through the gateway and the trainer client: rollouts with a bound
     of 0 and of 1 are decoding when a push lands."""
+    live.ready()  # the earlier cases killed an engine and stopped another: reach the pods there are now
     before = sync.fleet_version()
     old, generation = before.version, before.generation
     assert old is not None and generation is not None
@@ -367,23 +368,27 @@ def test_an_engine_that_loaded_other_bytes_under_the_fleets_version_gets_no_traf
     sync: SyncClient,
     references: dict[str, list[list[int]]],
 ) -> None:
-    """Issue 35's proof of the bytes: one engine is loaded, straight through its own control routes, with weight
-    set B under the fleet's version label (set A's bytes). Its state reports the manifest it verified B against,
-    not the one the push recorded: the operator shows it PendingSync saying so, the gateway sends it nothing,
+    """Issue 35's proof of the bytes: one engine is loaded, straight through its own control routes, with the
+    other weight set under the fleet's version label. Its state reports the manifest it verified that set
+    against, not the one the push recorded: the operator shows it PendingSync saying so, the gateway sends it nothing,
     and the sidecar loads the fleet's version into it again."""
+    live.ready()
     version = sync.fleet_version().version
     pinned = decode_record(weights_record(cluster, live_ns)).committed
     assert version is not None and pinned is not None and pinned.manifest_sha256 is not None
     assert pinned.version == version and fleet.engine(ENGINES[1]).get("weightsManifest") == pinned.manifest_sha256
-    # Set B served from the trainer pod (its sidecar's image and models), on a port of its own, for 5 minutes.
+    # Which set the fleet's version is (the cases before pushed A or B): the engines' own greedy tokens say.
+    ours = "B" if greedy(live.engine(ENGINES[0]).url, fleet.inference()) == references["B"] else A
+    theirs = SIDECAR_MODELS if ours == "B" else f"{SIDECAR_MODELS}/{WEIGHTS_B_DIR}"
+    # The other set served from the trainer pod (its sidecar's image and models), on a port of its own, for 5 min.
     log = "/var/lib/rollfleet-sync/other-bytes.log"
-    serve = f"python -m rollfleet_engine.weights_server {SIDECAR_MODELS}/{WEIGHTS_B_DIR} --port 8479"
+    serve = f"python -m rollfleet_engine.weights_server {theirs} --port 8479"
     in_sidecar = ("-n", live_ns, "exec", TRAINER, "-c", "rollfleet-sync", "--")
     cluster.kubectl(*in_sidecar, "sh", "-c", f"nohup timeout 300 {serve} > {log} 2>&1 &")
     printed = wait_for(
         lambda: (lines := cluster.kubectl(*in_sidecar, "cat", log, check=False).stdout.splitlines()[1:2]) and lines,
         timeout=60,
-        what="the weights server of set B",
+        what="the weights server of the other set",
     )
     other = ast.literal_eval(printed[0])  # its update_info: url and manifest_sha256
     assert other["manifest_sha256"] != pinned.manifest_sha256
@@ -423,7 +428,7 @@ def test_an_engine_that_loaded_other_bytes_under_the_fleets_version_gets_no_traf
 
         answers = asyncio.run(through_the_gateway())
         assert [g.engines for g in answers] == [[ENGINES[0]]] * len(answers)
-        assert [g.token_ids for g in answers] == references[A] * 2  # the fleet's bytes, set A
+        assert [g.token_ids for g in answers] == references[ours] * 2  # the fleet's bytes
     finally:
         signal_container(cluster, live_ns, TRAINER, "rollfleet-sync", signal.SIGCONT)
 
@@ -432,7 +437,7 @@ def test_an_engine_that_loaded_other_bytes_under_the_fleets_version_gets_no_traf
         return bool(e["phase"] == "Ready" and e.get("weightsManifest") == pinned.manifest_sha256)
 
     fleet.wait(proven_again, f"{ENGINES[1]} loaded with {version} again by the sidecar", timeout=300)
-    assert greedy(live.engine(ENGINES[1]).url, fleet.inference()) == references[A]
+    assert greedy(live.engine(ENGINES[1]).url, fleet.inference()) == references[ours]
 
 
 def test_a_drained_engines_replacement_takes_traffic_only_once_on_the_fleets_version_and_bytes(
