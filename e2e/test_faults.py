@@ -202,7 +202,16 @@ def run_with_fault(
 
 @ON_BOTH
 def test_an_engine_killed_mid_rollout(fleet: LiveFleet) -> None:
-    run_with_fault(fleet, "kill an engine mid-rollout", lambda: fleet.kill_engine(fleet.engines[0].key))
+    key = fleet.engines[0].key
+    old_uid = fleet.fleet.pod(key)["metadata"]["uid"]
+    run_with_fault(
+        fleet,
+        "kill an engine mid-rollout",
+        lambda: fleet.kill_engine(key),
+        # The request can end before the kubelet reports the killed pod Failed (the other engine finishes it):
+        # the fleet is healed once the replacement is Ready, not while a status from before the kill says so.
+        after=lambda: wait_for(lambda: fleet.fleet.replaced(key, old_uid, ready=True), 600, what=f"a new {key} Ready"),
+    )
 
 
 def _moves(fleet: LiveFleet) -> float:

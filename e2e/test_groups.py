@@ -228,8 +228,9 @@ def test_a_killed_rank_restarts_its_group_which_syncs_before_it_serves_and_reque
     assert "PendingSync" in seen or "Starting" in seen, seen
     for s in streams:  # every request went on from its tokens (the failover continuation), none lost
         s.wait(timeout=600)
-        # Counted in token chunks, and by the usage chunk a continued stream ends with too (the whole request's).
-        assert s.finish == {0: "length"} and s.tokens() == tokens == s.completion_tokens, (
+        # Counted by the usage chunk a continued stream ends with (the whole request's), not by chunks: a loaded
+        # engine may send two tokens in one chunk (CI of 28f4cdb: 197 chunks for 200 tokens).
+        assert s.finish == {0: "length"} and 0 < s.tokens() <= tokens == s.completion_tokens, (
             s.request_id, s.finish, s.tokens(), s.completion_tokens)  # fmt: skip
     with cluster.reach(NS, LEADERS[0], ENGINE_PORT) as url:
         assert greedy(url, fleet.inference(), GREEDY_PROMPTS, GREEDY_TOKENS) == references[B]
