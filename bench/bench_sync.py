@@ -582,8 +582,8 @@ def receiver(address: str) -> None:
         return web.json_response({})
 
     async def update(request: web.Request) -> web.Response:
-        body = await request.read()
-        info = WeightUpdateInfo.model_validate(json.loads(body)["update_info"])
+        raw = await request.read()
+        info = WeightUpdateInfo.model_validate(json.loads(raw)["update_info"])
         ours = asyncio.to_thread(pull, info)
         if peer is None:
             state["staged"] = await ours
@@ -591,7 +591,7 @@ def receiver(address: str) -> None:
             body = info.model_dump(mode="json")
             state["staged"], answer = await asyncio.gather(ours, http().post(f"{peer}/standin/pull", json=body))
             answer.raise_for_status()
-        state["loads"].append(verified_manifest(body))  # as the engine's middleware: the proof of the bytes
+        state["loads"].append(verified_manifest(raw))  # as the engine's middleware: the proof of the bytes
         return web.json_response({})
 
     async def rank_pull(request: web.Request) -> web.Response:
