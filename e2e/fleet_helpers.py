@@ -161,6 +161,22 @@ def sim_engine(cluster: Cluster, token_delay_ms: float) -> dict[str, Any]:
     }
 
 
+def describe_pod(pod: dict[str, Any]) -> str:
+    """A pod in one line: node, phase, and each container's readiness, restarts and last termination."""
+    st = pod.get("status") or {}
+    parts = [pod["metadata"]["name"], f"on {pod['spec'].get('nodeName') or '-'}", st.get("phase", "?")]
+    parts += [
+        f"{c['type']}={c['status']}({c.get('message', '')})" for c in st.get("conditions", []) if c["status"] != "True"
+    ]
+    for c in st.get("containerStatuses") or []:
+        state = next(iter(c.get("state") or {}), "?")
+        reason = (c.get("state") or {}).get(state, {}).get("reason", "")
+        last = (c.get("lastState") or {}).get("terminated") or {}
+        ended = f" last: {last.get('reason')} exit {last.get('exitCode')}" if last else ""
+        parts.append(f"[{c['name']} ready={c.get('ready')} restarts={c.get('restartCount')} {state} {reason}{ended}]")
+    return " ".join(parts)
+
+
 @dataclass
 class Fleet:
     cluster: Cluster
@@ -191,7 +207,39 @@ class Fleet:
                 return None  # the API server did not answer this poll (a loaded host): the deadline still holds
             return dict(obj.get("status") or {}) if predicate(obj) else None
 
-        return dict(wait_for(check, timeout=timeout, interval=0.5, what=f"{self.name}: {what}"))
+        try:
+            return dict(wait_for(check, timeout=timeout, interval=0.5, what=f"{self.name}: {what}"))
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{self.diagnosis()}") from None
+
+    def diagnosis(self) -> str:
+        """Why the fleet is where it is, for a failed wait: its status, its pods as their kubelets report them,
+        and the namespace's warnings (a wait that only says "timed out" leaves a CI run unexplained)."""
+        try:
+            lines = [f"{self.namespace}/{self.name} status:"]
+            st = self.status()
+            lines += [
+                f"  {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}"
+                for c in st.get("conditions", [])
+            ]
+            lines += [f"  engine {e['name']} {e.get('phase')} {e.get('message', '')}" for e in st.get("engines", [])]
+            if not st:
+                lines.append("  (none: no operator has reconciled it; does one serve this namespace?)")
+            log = self.cluster.kubectl(
+                "-n", OPERATOR_NS, "logs", "deploy/rollfleet-operator", "--tail=3000", check=False
+            )
+            about = [line for line in log.stdout.splitlines() if f"{self.namespace}/{self.name}" in line]
+            lines += [f"  operator: {line[:400]}" for line in about[-10:]]
+            core = kubernetes.client.CoreV1Api(self.cluster.api_client())
+            pods = self.cluster.read(core.list_namespaced_pod, self.namespace)["items"]
+            lines += [f"  pod {describe_pod(p)}" for p in pods]
+            warnings = self.cluster.read(core.list_namespaced_event, self.namespace, field_selector="type=Warning")
+            for e in warnings["items"][-15:]:
+                said = f"{e['involvedObject'].get('name')} {e.get('reason')} x{e.get('count', 1)}: {e.get('message')}"
+                lines.append(f"  event {said[:400]}")
+            return "\n".join(lines)
+        except Exception as err:  # a diagnosis must not hide the failure it explains
+            return f"(no diagnosis: {err!r})"
 
     def wait_ready(self, replicas: int, timeout: float = ENGINE_START_S) -> dict[str, Any]:
         def ready(obj: dict[str, Any]) -> bool:

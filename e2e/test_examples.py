@@ -65,10 +65,13 @@ def fleet(cluster: Cluster) -> Iterator[Fleet]:
     cluster.kubectl("create", "namespace", NS)
     cluster.kubectl("-n", NS, "apply", "-f", str(GRPO_EXAMPLE / "fleet.yaml"))
     fleet = Fleet(cluster, "grpo-tiny", NS)
-    fleet.wait_ready(2)
-    yield fleet
-    # Not waited for: the engines stop at once, and their objects go while the next modules run.
-    cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+    try:
+        fleet.wait_ready(2)
+        yield fleet
+    finally:
+        # Also after a failed setup: a fleet left behind holds engines the next modules' fleets need.
+        # Not waited for: the engines stop at once, and their objects go while the next modules run.
+        cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
 
 
 def test_grpo_trains_against_the_fleet_and_leaves_nothing_running(cluster: Cluster, fleet: Fleet) -> None:
