@@ -69,7 +69,7 @@ from rollfleet.kube import (
     kind_named,
 )
 from rollfleet.sync.fleetversion import fleet_weight_version
-from rollfleet.sync.protocol import decode_record, operator_fields, vouched
+from rollfleet.sync.protocol import EngineObservation, decode_record, operator_fields
 from rollfleet_engine.protocol import EngineState
 
 log = logging.getLogger("rollfleet.operator")
@@ -324,13 +324,12 @@ class FleetLoop:
         # Engines whose state is unknown (still loading) do not make the fleet's version unknown; one whose
         # weights are mixed (an in-place update that did not finish), or whose bytes are not those the record
         # pins for its label (the proof of the bytes), is on no version: PendingSync.
-        sync_record = decode_record(weights_record)
-        versions: dict[str, str | None] = {
-            o.name: vouched(o.state.served_version, o.state.weights_manifest_sha256, sync_record)
+        reports = {
+            o.name: EngineObservation(o.state.served_version, manifest=o.state.weights_manifest_sha256)
             for o in observed
             if o.state is not None and not (o.terminating or o.draining)
         }
-        fv = fleet_weight_version(weights_record, versions)
+        fv = fleet_weight_version(weights_record, reports)
         weights = WeightView(fv.version, frozenset(fv.pending_sync), fv.syncing_to is not None)
         recorded = previous.pause if previous else None
         request = plan.pause_request(meta, recorded)

@@ -3,11 +3,12 @@
 The operator is the only writer of RolloutFleet status and of engine pods; the sync
 sidecar records push outcomes in the fleet's ConfigMap ``<fleet>-weights``
 (``protocol``). The operator calls this function on every reconcile with that record's
-data and the weight version each engine
-reports (``GET /rollfleet/v1/state``, None when unknown), writes ``version`` to
+data and what each engine reports (``GET /rollfleet/v1/state``: its version, None when unknown, and the
+manifest its last load was verified against), writes ``version`` to
 ``status.weightVersion``, and gives every engine in ``pending_sync`` the pod annotation
 ``rollfleet.dev/phase=PendingSync`` (never Ready or Paused) so the gateway does not
-route to it. An engine leaves PendingSync when it reports the fleet's version.
+route to it. An engine leaves PendingSync when it reports the fleet's version, with the proof of its bytes
+where the record pins them (``protocol.vouched``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rollfleet.sync.protocol import PushPhase, decode_record, routable
+from rollfleet.sync.protocol import EngineObservation, PushPhase, decode_record, routable, vouched
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,12 @@ class FleetWeightVersion:
 
 
 def fleet_weight_version(
-    record_data: Mapping[str, str] | None, engine_versions: Mapping[str, str | None]
+    record_data: Mapping[str, str] | None, engines: Mapping[str, EngineObservation]
 ) -> FleetWeightVersion:
     """The fleet's version and which engines may serve, from the record and the engines' reports.
+
+    An engine is on the version it serves only if it proves the bytes the record pins for that version
+    (``vouched``): a label alone, over other bytes, is no version.
 
     The version changes only at a push's commit, and then every routable engine has
     it, because routable means "reports the committed version" (or, while a push is
@@ -41,6 +45,7 @@ def fleet_weight_version(
     A fleet with no record yet has a version only if all its engines agree on one.
     """
     record = decode_record(record_data)
+    engine_versions = {name: vouched(o.served, o.manifest, record) for name, o in engines.items()}
     ok = tuple(sorted(name for name, v in engine_versions.items() if routable(v, record)))
     pending = tuple(sorted(set(engine_versions) - set(ok)))
     push = record.push

@@ -54,7 +54,6 @@ from rollfleet.sync.protocol import (
     begin_push,
     commit,
     complete,
-    decode_record,
     layout_change,
     max_staleness,
     needs_catch_up,
@@ -62,7 +61,6 @@ from rollfleet.sync.protocol import (
     roll_back,
     should_commit,
     stale_requests,
-    vouched,
 )
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.spool import keep_as_spare, open_over_spare
@@ -317,9 +315,7 @@ class Orchestrator:
         data, _ = await self.store.read()
         engines = await self.discovery.engines()
         observed = await _gather([observe(self.api, e) for e in engines])
-        record = decode_record(data)
-        served = {e.name: vouched(o.served, o.manifest, record) for e, o in zip(engines, observed, strict=True)}
-        fv = fleet_weight_version(data, served)
+        fv = fleet_weight_version(data, {e.name: o for e, o in zip(engines, observed, strict=True)})
         last = self._pushes[max(self._pushes)] if self._pushes else None
         return FleetVersionView(
             version=fv.version,
