@@ -173,6 +173,30 @@ def wait_for_sidecar(timeout_s: float) -> None:
             time.sleep(0.5)  # polling a condition: the sidecar's first reconcile
 
 
+def learn(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    groups: list[Group],
+    keep: dict[int, list[bool]],
+    clip: float,
+) -> list[float]:
+    """One PPO step on `groups`, each sample's tokens masked by `keep` (by the sample's id); each sample's gap
+    between its sampling and training logprobs."""
+    optimizer.zero_grad()
+    n = sum(len(g.samples) for g in groups)
+    loss, gaps = torch.zeros(()), list[float]()
+    for g in groups:
+        adv = advantages(torch.tensor([reward(s.tokens) for s in g.samples]))
+        for s, a in zip(g.samples, adv.tolist(), strict=True):
+            sample_loss, gap = ppo_loss(model, s, a, clip, keep[id(s)])
+            loss = loss + sample_loss / n
+            gaps.append(gap)
+    if n:
+        loss.backward()
+        optimizer.step()
+    return gaps
+
+
 async def train(args: argparse.Namespace) -> int:
     wait_for_sidecar(timeout_s=120)
     torch.manual_seed(args.seed)
@@ -199,7 +223,8 @@ async def train(args: argparse.Namespace) -> int:
             waiting = [g for g in groups if not g.finished]
             # Tokens past the bound are left out of the loss; a group with a sample that has no token within
             # it is too stale to learn from, and dropped (a real trainer would resample it).
-            fresh = [g for g in ready if all(any(s.within(generation, args.max_staleness)) for s in g.samples)]
+            keep = {id(s): s.within(generation, args.max_staleness) for g in ready for s in g.samples}  # per token
+            fresh = [g for g in ready if all(any(keep[id(s)]) for s in g.samples)]
             dropped = sum(len(g.samples) for g in ready) - sum(len(g.samples) for g in fresh)
             too_old = [g for g in waiting if any(s.lag(generation) >= args.max_staleness for s in g.samples)]
             waiting = [g for g in waiting if g not in too_old]
@@ -207,24 +232,14 @@ async def train(args: argparse.Namespace) -> int:
             used = [s for g in fresh for s in g.samples]
 
             rewards = [reward(s.tokens) for g in fresh for s in g.samples if s.max_tokens == args.max_tokens]
-            optimizer.zero_grad()
-            loss, gaps = torch.zeros(()), list[float]()
-            for g in fresh:
-                adv = advantages(torch.tensor([reward(s.tokens) for s in g.samples]))
-                for s, a in zip(g.samples, adv.tolist(), strict=True):
-                    sample_loss, gap = ppo_loss(model, s, a, args.clip, s.within(generation, args.max_staleness))
-                    loss = loss + sample_loss / len(used)
-                    gaps.append(gap)
-            if used:
-                loss.backward()
-                optimizer.step()
+            gaps = learn(model, optimizer, fresh, keep, args.clip)
 
             version = f"{args.version_prefix}-{step + 1}"
             pushed = await client.push_weights({k: v.detach() for k, v in model.state_dict().items()}, version)
             learnt = [  # the generation behind each token the step learnt from
-                n for s in used for n, ok in zip(s.made_by, s.within(generation, args.max_staleness), strict=True) if ok
+                n for s in used for n, ok in zip(s.made_by, keep[id(s)], strict=True) if ok
             ]
-            masked = sum(len(s.tokens) - sum(s.within(generation, args.max_staleness)) for s in used)
+            masked = sum(len(s.tokens) - sum(keep[id(s)]) for s in used)
             staleness = [generation - n for n in learnt]
             generation = pushed.generation
             print(
