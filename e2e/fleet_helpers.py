@@ -35,6 +35,7 @@ from rollfleet.contract import (
     ENGINE_PORT,
     GROUP,
     LABEL_FLEET,
+    OPERATOR_METRICS_PORT,
     REQUEST_ID_HEADER,
     REQUESTS_PATH,
     STATE_PATH,
@@ -124,6 +125,14 @@ def deploy_operator(cluster: Cluster, namespaces: list[str]) -> None:
 def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
     out = cluster.kubectl("-n", OPERATOR_NS, "get", "pods", "-l", "app.kubernetes.io/component=operator", "-o", "json")
     return [p for p in json.loads(out.stdout)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+@contextlib.contextmanager
+def operator_metrics(cluster: Cluster) -> Iterator[str]:
+    """The running operator's metrics endpoint (docs/metrics.md), as a base URL for `engine_metric`."""
+    pod = operator_pods(cluster)[0]["metadata"]["name"]
+    with cluster.reach(OPERATOR_NS, pod, OPERATOR_METRICS_PORT) as url:
+        yield url
 
 
 def fleet_manifest(name: str, namespace: str, replicas: int, **spec: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from e2e.fleet_helpers import (
     fault_point,
     fleet_manifest,
     kill_engine_process,
+    operator_metrics,
     operator_pods,
     sim_engine,
 )
@@ -376,6 +377,19 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
         cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause=keep")
         st = fleet.wait(lambda s: (s.get("pause") or {}).get("pausedEngines") == 2, "both engines paused", 120)
         assert st["pause"]["mode"] == "keep"
+        # The operator's metrics show the pause as the status does, and how long it has lasted.
+        with operator_metrics(cluster) as metrics:
+
+            def metrics_show_the_pause() -> bool:
+                paused = engine_metric(metrics, "rollfleet_operator_engines", phase="Paused", namespace=NS, fleet=NAME)
+                return (
+                    paused == 2
+                    and engine_metric(metrics, "rollfleet_operator_fleet_paused", namespace=NS, fleet=NAME) == 1
+                )
+
+            wait_for(metrics_show_the_pause, timeout=30, what="the operator's metrics to show the pause")
+            assert engine_metric(metrics, "rollfleet_operator_fleet_paused_engines", namespace=NS, fleet=NAME) == 2
+            assert engine_metric(metrics, "rollfleet_operator_fleet_pause_seconds", namespace=NS, fleet=NAME) > 0
         assert fleet.condition("Paused")["status"] == "True"
         header, row = cluster.kubectl("-n", NS, "get", "rf", NAME).stdout.splitlines()[:2]
         assert row[header.index("PAUSED") :].split()[0] == "keep"  # by position, as a person reads it
@@ -405,6 +419,16 @@ def test_pause_keep_during_a_stream_loses_no_token(cluster: Cluster, fleet: Flee
         assert fleet.engine_state("e2e-engine-0")["running"] == held["running"]
         cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause-")
         fleet.wait(lambda s: "pause" not in s and all(e["phase"] == "Ready" for e in s["engines"]), "resumed", 120)
+        with operator_metrics(cluster) as metrics:
+            wait_for(
+                lambda: (
+                    engine_metric(metrics, "rollfleet_operator_fleet_pause_seconds", namespace=NS, fleet=NAME) == 0
+                    and engine_metric(metrics, "rollfleet_operator_engines", phase="Ready", namespace=NS, fleet=NAME)
+                    == 2
+                ),
+                timeout=30,
+                what="the operator's metrics to show the fleet resumed",
+            )
         stream.wait(timeout=600)
     assert stream.finish == dict.fromkeys(range(n), "length")
     assert stream.completion_tokens == n * max_tokens, f"{stream.completion_tokens} of {n * max_tokens} tokens"

@@ -52,6 +52,7 @@ from rollfleet.contract import (
     RECORD_WEIGHT_VERSION,
     ROUTABLE_PHASES,
     SYNC_API_PORT,
+    SYNC_HEALTH_PORT,
     engine_pod_name,
     engine_sa_name,
     gateway_name,
@@ -63,6 +64,7 @@ from rollfleet.sync.protocol import PushPhase, WeightsRef, decode_record
 from rollfleet_client import AsyncRolloutClient, Generation
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
+from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.alters_live]
@@ -209,6 +211,14 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
         assert status.state is PushState.DONE
         assert status.pause_window_s is not None and status.pause_window_s > 0
         assert sorted(e.name for e in status.engines if e.step is EngineStep.RESUMED) == ENGINES
+        # The sidecar's metrics (its health port, docs/metrics.md) count the push as its status tells it.
+        with cluster.reach(live_ns, TRAINER, SYNC_HEALTH_PORT) as health:
+            assert engine_metric(health, "rollfleet_sync_pushes_total", result="done") >= 1
+            assert engine_metric(health, "rollfleet_sync_generation") == status.generation
+            assert engine_metric(health, "rollfleet_sync_push_phase_seconds_count", phase="pause_window") >= 1
+            staged = sum(1 for e in status.engines if e.stage_s is not None)
+            assert engine_metric(health, "rollfleet_sync_engine_stages_total") >= staged
+            assert engine_metric(health, "rollfleet_sync_pushed_bytes_total") >= status.bytes > 0
         for r in rollouts:
             r.wait(timeout=300)
             assert r.finish == {0: "length"} and r.completion_tokens == ROLLOUT_TOKENS

@@ -139,6 +139,8 @@ ROUTABLE_PHASES: frozenset[str] = frozenset({EnginePhase.READY, EnginePhase.PAUS
 # --- ports (ENGINE_PORT and GATEWAY_PORT, above, are the engine's and the gateway's) ----
 # The sync sidecar's (SYNC_API_PORT, SYNC_WEIGHTS_PORT, SYNC_HEALTH_PORT) are re-exported above
 # from rollfleet_client.sync_protocol, which owns the sidecar's trainer API.
+OPERATOR_HEALTH_PORT = 8081  # kopf's liveness probe
+OPERATOR_METRICS_PORT = 8082  # Prometheus /metrics (docs/metrics.md)
 
 # --- the admin token ----------------------------------------------------------------
 # Where the admin-token Secret is mounted (TOKEN_FILE, above: trainer pods read it too), and its one key.

@@ -34,6 +34,7 @@ import prometheus_client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from rollfleet import metrics
 from rollfleet.api import fleet, request
 from rollfleet.contract import GROUP, LWS_API, LWS_PLURAL, MANAGER, VERSION
 from rollfleet.errors import RollfleetError
@@ -43,9 +44,7 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]  # an object as the API server serves it (JSON)
 Objs = list[Obj]  # also JSON patch operations (Kube.list shadows `list` in the class body's annotations)
 
-API_CALLS = prometheus_client.Counter(
-    "rollfleet_operator_api_calls", "Requests made to the API server (kopf's watch streams not included)", ["call"]
-)
+API_CALLS = metrics.counter(metrics.OPERATOR_API_CALLS, prometheus_client.REGISTRY)
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY = "application/apply-patch+yaml"

@@ -1,4 +1,5 @@
-"""The sync sidecar's ports in the manifests users copy are the contract's (YAML cannot import it)."""
+"""The sync sidecar's and the operator's ports in the manifests users copy are the contract's (YAML cannot
+import it)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from rollfleet.contract import SYNC_HEALTH_PORT, SYNC_WEIGHTS_PORT
+from rollfleet.contract import OPERATOR_HEALTH_PORT, OPERATOR_METRICS_PORT, SYNC_HEALTH_PORT, SYNC_WEIGHTS_PORT
 
 REPO = Path(__file__).resolve().parents[2]
 SIDECAR_MANIFESTS = [
@@ -38,3 +39,12 @@ def test_sidecars_probe_the_health_port_and_publish_the_weights_port() -> None:
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
             assert ports.get(probe_port, probe_port) == SYNC_HEALTH_PORT, path
             assert ports.get("weights", SYNC_WEIGHTS_PORT) == SYNC_WEIGHTS_PORT, path
+
+
+def test_the_operators_pod_publishes_the_metrics_and_health_ports() -> None:
+    docs = list(yaml.safe_load_all((REPO / "manifests/base/operator.yaml").read_text()))
+    deployment = next(d for d in docs if d and d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == OPERATOR_METRICS_PORT
+    assert ports["healthz"] == OPERATOR_HEALTH_PORT

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 import kopf
+import prometheus_client
 
 from rollfleet.api.fleet import PLURAL
 from rollfleet.contract import (
@@ -32,6 +33,7 @@ from rollfleet.contract import (
     component_labels,
     selector,
 )
+from rollfleet.controller.metrics import FleetMetrics
 from rollfleet.controller.reconciler import FleetLoop, Key, NodeHealth, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
 from rollfleet.controller.tasks import ObjectTasks
@@ -58,7 +60,10 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
             "pod; where they are enforced, admit this operator through spec.networkPolicy.extraIngressFrom"
         )
     kube = Kube(load_client())
-    memo.fleets = Shared(kube, EngineClient(max_connections=256), NodeHealth(kube), namespace, memo.operator_key)
+    metrics = FleetMetrics(prometheus_client.REGISTRY)  # served on --metrics-port (controller/main.py)
+    memo.fleets = Shared(
+        kube, EngineClient(max_connections=256), NodeHealth(kube), namespace, memo.operator_key, metrics
+    )
     memo.fleet_tasks = ObjectTasks("fleet")
 
 
@@ -68,6 +73,7 @@ async def stop_fleets(memo: kopf.Memo, **_: Any) -> None:
     shared: Shared = memo.fleets
     await shared.engines.aclose()
     shared.kube.close()
+    shared.metrics.close()
 
 
 def _owned(component: str) -> dict[str, Any]:

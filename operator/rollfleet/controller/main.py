@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
-from rollfleet.contract import OPERATOR_KEY_SECRET, OPERATOR_NAMESPACE
+from rollfleet.contract import OPERATOR_HEALTH_PORT, OPERATOR_KEY_SECRET, OPERATOR_METRICS_PORT, OPERATOR_NAMESPACE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,8 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="0.0.0.0",
         help="address of the health and metrics endpoints (in a pod: its IP; default: %(default)s)",
     )
-    p.add_argument("--health-port", type=int, default=8081, help="kopf liveness endpoint /healthz (0 disables)")
-    p.add_argument("--metrics-port", type=int, default=8082, help="Prometheus metrics /metrics (0 disables)")
+    p.add_argument(
+        "--health-port", type=int, default=OPERATOR_HEALTH_PORT, help="kopf liveness endpoint /healthz (0 disables)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=OPERATOR_METRICS_PORT, help="Prometheus metrics /metrics (0 disables)"
+    )
     p.add_argument("--no-requests", action="store_true", help="serve RolloutFleets only, not RolloutRequests")
     p.add_argument(
         "--runner-image",

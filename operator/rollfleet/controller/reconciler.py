@@ -41,6 +41,7 @@ from rollfleet.contract import (
 )
 from rollfleet.controller import desired, groups, plan
 from rollfleet.controller.events import event_manifest, rfc3339
+from rollfleet.controller.metrics import FleetMetrics, FleetSnapshot
 from rollfleet.controller.owner import FleetRef
 from rollfleet.controller.status import (
     ENGINES_PAUSED_ALONE,
@@ -156,6 +157,7 @@ class Shared:
     nodes: NodeHealth
     operator_namespace: str | None  # where this operator's pod runs; None outside a pod
     key: OperatorKey  # fleets' admin tokens derive from it
+    metrics: FleetMetrics
 
 
 class FleetLoop:
@@ -195,7 +197,12 @@ class FleetLoop:
         while not stopped:
             seen = self._fingerprint()
             started = time.monotonic()
-            interval = await self.reconcile()
+            try:
+                interval = await self.reconcile()
+            except Exception:
+                self.shared.metrics.failed(self.key)
+                raise
+            self.shared.metrics.passed(time.monotonic() - started)
             await self._wait(stopped, seen, earliest=started + PASS_MIN_INTERVAL_S, latest=started + interval)
 
     async def _wait(self, stopped: Stop, seen: Hashable, earliest: float, latest: float) -> None:
@@ -233,6 +240,7 @@ class FleetLoop:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._calls.clear()
+        self.shared.metrics.forget(self.key)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -376,6 +384,9 @@ class FleetLoop:
             previous=previous,
             now=now,
             blocked=blocked,
+        )
+        self.shared.metrics.observed(
+            self.key, FleetSnapshot(status, spec.replicas, fv.generation, fv.engine_generations)
         )
         interval = BUSY_RESYNC_S if busy or actions or phase_changes or self._calls else IDLE_RESYNC_S
         if status != previous:

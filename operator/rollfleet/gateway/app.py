@@ -48,6 +48,7 @@ from rollfleet.gateway.trl import trl_routes
 from rollfleet.gateway.upstream import UpstreamError
 from rollfleet.gateway.vllm_api import VllmControl, vllm_routes
 from rollfleet.kube import ApiError, Kube, load_client
+from rollfleet.metrics import METRICS_PATH
 from rollfleet_client.protocol import (
     ABORT_PATH,
     FLEET_PATH,
@@ -72,7 +73,7 @@ MAX_SESSION_KEY = 256  # characters; the session table keeps every key for its T
 MAX_CONTROL_WAIT_S = 600  # a pause or resume waits at most this long for the status to show it done
 # The routes that ask for no credential: liveness, readiness, metrics, and TRL's health check (which
 # TRL's client polls without its session's headers). Every other route asks for one.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", TRL_PREFIX + TRL_HEALTH_PATH})
+OPEN_PATHS = frozenset({"/health", "/ready", METRICS_PATH, TRL_PREFIX + TRL_HEALTH_PATH})
 
 
 @dataclass
@@ -375,7 +376,7 @@ class _Gateway:
             HttpRoute(FLEET_RESUME_PATH, self.resume, methods=["POST"]),
             HttpRoute("/health", self.health, methods=["GET"]),
             HttpRoute("/ready", self.ready, methods=["GET"]),
-            HttpRoute("/metrics", self.metrics_endpoint, methods=["GET"]),
+            HttpRoute(METRICS_PATH, self.metrics_endpoint, methods=["GET"]),
             *vllm_routes(VllmControl(self)),
             *trl_routes(self),
         ]

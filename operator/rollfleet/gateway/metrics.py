@@ -13,12 +13,13 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+from rollfleet import metrics as m
+from rollfleet.metrics import LATENCY_BUCKETS
 
 
 class _PerRequest(Collector):
@@ -39,25 +40,17 @@ class _PerRequest(Collector):
         self.seconds[route] += seconds
 
     def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily(
-            "rollfleet_gateway_requests",
-            "Routed requests by route and outcome (finish reason, error, rejected)",
-            labels=["route", "outcome"],
-        )
+        requests = m.counter_family(m.GATEWAY_REQUESTS)
         for (route, outcome), n in self.requests.items():
             requests.add_metric([route, outcome], n)
         yield requests
-        durations = HistogramMetricFamily(
-            "rollfleet_gateway_request_seconds", "Client request duration (to the last byte)", labels=["route"]
-        )
+        durations = m.histogram_family(m.GATEWAY_REQUEST_SECONDS)
         for route, counts in self.durations.items():
             bounds = [*(str(float(b)) for b in LATENCY_BUCKETS), "+Inf"]
             cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
             durations.add_metric([route], list(zip(bounds, cumulative, strict=True)), self.seconds[route])
         yield durations
-        attempts = CounterMetricFamily(
-            "rollfleet_gateway_upstream_attempts", "Upstream attempts by engine and result", labels=["engine", "result"]
-        )
+        attempts = m.counter_family(m.GATEWAY_UPSTREAM_ATTEMPTS)
         for (engine, result), n in self.attempts.items():
             attempts.add_metric([engine, result], n)
         yield attempts
@@ -70,29 +63,15 @@ class Metrics:
         r = self.registry
         self._per_request = _PerRequest()
         r.register(self._per_request)
-        self.failovers = Counter(
-            "rollfleet_gateway_failovers", "Requests continued on another engine after a failure", registry=r
-        )
-        self.moves = Counter(
-            "rollfleet_gateway_moves",
-            "Requests moved off an engine whose pod was being deleted (eviction, drain, scale down)",
-            registry=r,
-        )
-        self.stops = Counter(
-            "rollfleet_gateway_stops", "Requests stopped before their end, by reason", ["reason"], registry=r
-        )
-        self.aborts = Counter(
-            "rollfleet_gateway_abort_results", "Per-id answers of POST /v1/abort", ["result"], registry=r
-        )
-        self.in_flight = Gauge("rollfleet_gateway_in_flight", "Requests in flight at this replica", registry=r)
-        self.session_moves = Counter(
-            "rollfleet_gateway_session_moves", "Sticky sessions moved (engine unroutable or overloaded)", registry=r
-        )
-        self.sessions = Gauge("rollfleet_gateway_sessions", "Sticky sessions in the table", registry=r)
-        self.routable = Gauge("rollfleet_gateway_routable_engines", "Engines the gateway routes to", registry=r)
-        self.rejected = Counter(
-            "rollfleet_gateway_rejected", "Requests refused before routing (4xx), by status", ["status"], registry=r
-        )
+        self.failovers = m.counter(m.GATEWAY_FAILOVERS, r)
+        self.moves = m.counter(m.GATEWAY_MOVES, r)
+        self.stops = m.counter(m.GATEWAY_STOPS, r)
+        self.aborts = m.counter(m.GATEWAY_ABORT_RESULTS, r)
+        self.in_flight = m.gauge(m.GATEWAY_IN_FLIGHT, r)
+        self.session_moves = m.counter(m.GATEWAY_SESSION_MOVES, r)
+        self.sessions = m.gauge(m.GATEWAY_SESSIONS, r)
+        self.routable = m.gauge(m.GATEWAY_ROUTABLE, r)
+        self.rejected = m.counter(m.GATEWAY_REJECTED, r)
 
     def request_done(self, route: str, outcome: str, seconds: float) -> None:
         self._per_request.requests[(route, outcome)] += 1

@@ -40,10 +40,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from rollfleet.contract import COLLECTIVE_BACKENDS, STATE_PATH, PauseMode
 from rollfleet.engine_client import CONTROL, TRANSFER, CallPolicy, EngineCallError, EngineClient, EngineRef
 from rollfleet.sync.engines import Discovery, in_flight, observe
 from rollfleet.sync.fleetversion import fleet_weight_version
+from rollfleet.sync.metrics import PushMetrics
 from rollfleet.sync.protocol import (
     EngineObservation,
     FleetRecord,
@@ -158,8 +161,10 @@ class Orchestrator:
         transfer: CallPolicy = TRANSFER,
         prefetch: bool = True,
         relay_min_engines: int | None = DEFAULT_RELAY_MIN_ENGINES,
+        metrics: PushMetrics | None = None,
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
+        self.metrics = metrics or PushMetrics(CollectorRegistry())  # the server passes the one it serves
         self.transfer = transfer  # update_weights and finish_weight_update: the engine pulls the weights
         self.prefetch = prefetch  # engines stage the weights while serving; the pause covers only the load
         # With prefetch and at least this many engines (None: never), each engine stages from the one before it.
@@ -174,6 +179,7 @@ class Orchestrator:
         self.lock = asyncio.Lock()
         self._push_task: asyncio.Task[None] | None = None
         self._pushes: dict[int, PushStatus] = {}
+        self._counted: set[int] = set()  # generations of ended pushes the metrics have counted
         self._changed = asyncio.Condition()
 
     # --- the trainer's API -------------------------------------------------------------
@@ -738,8 +744,14 @@ class Orchestrator:
         self._pushes[status.generation] = status
         for old in sorted(self._pushes)[:-_KEPT_PUSHES]:
             del self._pushes[old]
+            self._counted.discard(old)
 
     async def notify(self) -> None:
+        """Wake whoever waits on a push; count each push that ended, once (every end notifies)."""
+        for generation, status in self._pushes.items():
+            if status.state.terminal and generation not in self._counted:
+                self._counted.add(generation)
+                self.metrics.ended(status)
         async with self._changed:
             self._changed.notify_all()
 

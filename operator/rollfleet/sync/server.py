@@ -22,14 +22,17 @@ from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from rollfleet.contract import PAUSE_MODES, SYNC_API_PORT, SYNC_HEALTH_PORT, SYNC_WEIGHTS_PORT, TOKEN_FILE
 from rollfleet.engine_client import TRANSFER, EngineClient
 from rollfleet.errors import RollfleetError
 from rollfleet.kube import Kube, load_client
+from rollfleet.metrics import METRICS_PATH
 from rollfleet.sync.collective import CollectiveDriver, GroupStale
 from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
+from rollfleet.sync.metrics import PushMetrics
 from rollfleet.sync.orchestrator import DEFAULT_RELAY_MIN_ENGINES, Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
 from rollfleet.sync.store import ConfigMapStore, FileStore, RecordStore
@@ -288,6 +291,7 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
         default_max_staleness=args.max_staleness,
         prefetch=args.prefetch,
         relay_min_engines=args.relay_min_engines,
+        metrics=PushMetrics(CollectorRegistry()),
     )
 
 
@@ -295,10 +299,16 @@ async def _healthz(_: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-def _health_app() -> web.Application:
-    """Only /healthz, on the pod network: kubelet's probes cannot reach the trainer API on localhost."""
+def _health_app(registry: CollectorRegistry) -> web.Application:
+    """/healthz and /metrics, on the pod network: kubelet's probes and Prometheus cannot reach the trainer API
+    on localhost. Neither says anything secret: the metrics are counts and durations (docs/metrics.md)."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
     app.router.add_get(HEALTH_PATH, _healthz)
+    app.router.add_get(METRICS_PATH, metrics)
     return app
 
 
@@ -308,7 +318,7 @@ async def serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(build_app(orch), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    health = web.AppRunner(_health_app(), access_log=None)
+    health = web.AppRunner(_health_app(orch.metrics.registry), access_log=None)
     await health.setup()
     health_host = "0.0.0.0"  # kubelet probes the pod IP
     await web.TCPSite(health, health_host, args.health_port).start()

@@ -1,0 +1,118 @@
+"""The operator's fleet metrics: what each fleet's last reconcile pass saw, as Prometheus families.
+
+A pass leaves a snapshot here (`FleetMetrics.observed`); a scrape turns the snapshots into samples
+(`samples`, pure), so nothing is counted on the pass itself and a deleted fleet's series go with it
+(`forget`). Pass durations and failures are prometheus_client's own. Names and help: `rollfleet.metrics`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from rollfleet import metrics as m
+from rollfleet.api.fleet import RolloutFleetStatus
+from rollfleet.contract import EnginePhase
+
+Key = tuple[str, str]  # (namespace, fleet)
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """A fleet as its last pass saw it."""
+
+    status: RolloutFleetStatus
+    wanted: int  # spec.replicas
+    generation: int | None  # of the committed weights (None: no push, and the engines disagree)
+    engine_generations: Mapping[str, int | None]
+
+
+def skewed(status: RolloutFleetStatus) -> int:
+    """Engines not on the fleet's version: PendingSync (wrong, unknown or unproven weights), or reporting
+    another version than the fleet's."""
+    fleet = status.weight_version
+    return sum(
+        1
+        for e in status.engines
+        if e.phase is EnginePhase.PENDING_SYNC or (fleet and e.weight_version and e.weight_version != fleet)
+    )
+
+
+def samples(fleets: Mapping[Key, FleetSnapshot], now: datetime) -> list[GaugeMetricFamily]:
+    """The gauges of every fleet's snapshot, at `now` (a pause's length)."""
+    engines, wanted = m.gauge_family(m.OPERATOR_ENGINES), m.gauge_family(m.OPERATOR_ENGINES_WANTED)
+    conditions, paused = m.gauge_family(m.OPERATOR_CONDITION), m.gauge_family(m.OPERATOR_PAUSED)
+    pause_s, paused_engines = m.gauge_family(m.OPERATOR_PAUSE_SECONDS), m.gauge_family(m.OPERATOR_PAUSED_ENGINES)
+    generation, engine_generation = m.gauge_family(m.OPERATOR_GENERATION), m.gauge_family(m.OPERATOR_ENGINE_GENERATION)
+    skew, in_flight = m.gauge_family(m.OPERATOR_SKEW), m.gauge_family(m.OPERATOR_ENGINE_IN_FLIGHT)
+    for (namespace, name), snap in sorted(fleets.items()):
+        fleet = [namespace, name]
+        st = snap.status
+        for phase in EnginePhase:  # every phase, 0 included: a rule can compare without `or vector(0)`
+            engines.add_metric([*fleet, phase.value], sum(1 for e in st.engines if e.phase is phase))
+        wanted.add_metric(fleet, snap.wanted)
+        for c in st.conditions:
+            conditions.add_metric([*fleet, c.type], 1.0 if c.status == "True" else 0.0)
+        paused.add_metric(fleet, 1.0 if st.pause else 0.0)
+        pause_s.add_metric(fleet, max(0.0, (now - st.pause.since).total_seconds()) if st.pause else 0.0)
+        paused_engines.add_metric(fleet, st.pause.paused_engines if st.pause else 0)
+        if snap.generation is not None:
+            generation.add_metric(fleet, snap.generation)
+        for engine, gen in sorted(snap.engine_generations.items()):
+            if gen is not None:
+                engine_generation.add_metric([*fleet, engine], gen)
+        skew.add_metric(fleet, skewed(st))
+        for e in st.engines:
+            if e.in_flight is not None:
+                in_flight.add_metric([*fleet, e.name], e.in_flight)
+    return [
+        engines,
+        wanted,
+        conditions,
+        paused,
+        pause_s,
+        paused_engines,
+        generation,
+        engine_generation,
+        skew,
+        in_flight,
+    ]
+
+
+class FleetMetrics(Collector):
+    """The fleets' snapshots, and the passes' durations and failures, in `registry`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.fleets: dict[Key, FleetSnapshot] = {}
+        self.pass_seconds = m.histogram(m.OPERATOR_PASS_SECONDS, registry)
+        self.pass_errors = m.counter(m.OPERATOR_PASS_ERRORS, registry)
+        registry.register(self)
+
+    def observed(self, key: Key, snapshot: FleetSnapshot) -> None:
+        self.fleets[key] = snapshot
+
+    def passed(self, seconds: float) -> None:
+        self.pass_seconds.observe(seconds)
+
+    def failed(self, key: Key) -> None:
+        self.pass_errors.labels(*key).inc()
+
+    def forget(self, key: Key) -> None:
+        """A fleet deleted (or the operator stopping its loop): its series go."""
+        self.fleets.pop(key, None)
+        with contextlib.suppress(KeyError):  # it never failed
+            self.pass_errors.remove(*key)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from samples(self.fleets, datetime.now(UTC))
+
+    def close(self) -> None:
+        for metric in (self, self.pass_seconds, self.pass_errors):
+            self.registry.unregister(metric)
