@@ -159,6 +159,22 @@ OPERATOR_ENGINE_IN_FLIGHT = MetricSpec(
     (*FLEET_LABELS, "engine"),
 )
 
+OPERATOR_REQUESTS = MetricSpec(
+    OPERATOR,
+    "rollfleet_operator_requests",
+    "gauge",
+    "RolloutRequests by phase (Pending, Running, Paused, Succeeded, Failed, Aborted)",
+    ("namespace", "phase"),
+)
+OPERATOR_REQUEST_SAMPLES = MetricSpec(
+    OPERATOR,
+    "rollfleet_operator_request_samples",
+    "gauge",
+    "Samples of the RolloutRequests that exist, by outcome (total, completed, aborted, failed, in_flight), as "
+    "their runners report them",
+    ("namespace", "outcome"),
+)
+
 # ---- sync sidecar (`rollfleet.sync.metrics`; /metrics on its health port, beside /healthz) -----------------------
 SYNC_PUSHES = MetricSpec(
     SYNC, "rollfleet_sync_pushes", "counter", "Pushes ended, by result (done, rolled-back, failed)", ("result",)

@@ -9,7 +9,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry
 
 from rollfleet import metrics as m
-from rollfleet.controller.metrics import FleetMetrics
+from rollfleet.controller.metrics import FleetMetrics, RequestMetrics
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.kube import API_CALLS
 from rollfleet.sync.metrics import PushMetrics
@@ -51,9 +51,10 @@ def test_the_sync_sidecar_exports_exactly_its_catalogue() -> None:
 
 def test_the_operator_exports_exactly_its_catalogue() -> None:
     registry = CollectorRegistry()
-    fleets = FleetMetrics(registry)
+    fleets, requests = FleetMetrics(registry), RequestMetrics(registry)
     # The API call counter (rollfleet.kube) lives in the process's registry, which the operator serves.
     api_calls = {k: v for k, v in exported(prometheus_client.REGISTRY).items() if k == API_CALLS._name}
     assert {**exported(registry), **api_calls} == catalogued(m.OPERATOR)
     fleets.close()
+    requests.close()
     assert exported(registry) == {}

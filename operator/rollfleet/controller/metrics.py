@@ -1,14 +1,16 @@
-"""The operator's fleet metrics: what each fleet's last reconcile pass saw, as Prometheus families.
+"""The operator's metrics: what each fleet's last reconcile pass saw, and the RolloutRequests as the watch
+delivers them, as Prometheus families.
 
 A pass leaves a snapshot here (`FleetMetrics.observed`); a scrape turns the snapshots into samples
 (`samples`, pure), so nothing is counted on the pass itself and a deleted fleet's series go with it
-(`forget`). Pass durations and failures are prometheus_client's own. Names and help: `rollfleet.metrics`.
+(`forget`). Pass durations and failures are prometheus_client's own. Requests: `RequestMetrics`, per
+namespace. Names and help: `rollfleet.metrics`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -116,3 +118,53 @@ class FleetMetrics(Collector):
     def close(self) -> None:
         for metric in (self, self.pass_seconds, self.pass_errors):
             self.registry.unregister(metric)
+
+
+class RequestMetrics(Collector):
+    """RolloutRequests by phase and their samples by outcome, per namespace, from the watch's events (the
+    runner writes the counts into each request's status). Per namespace, not per request: requests come
+    and go by the thousand, and a series each would outlive them."""
+
+    OUTCOMES = ("total", "completed", "aborted", "failed", "in_flight")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests: dict[str, tuple[str, str, Mapping[str, int]]] = {}  # uid -> (namespace, phase, counts)
+        registry.register(self)
+
+    def seen(self, event_type: str | None, obj: Mapping[str, object]) -> None:
+        meta = obj.get("metadata")
+        if not isinstance(meta, Mapping) or not meta.get("uid"):
+            return
+        uid = str(meta["uid"])
+        if event_type == "DELETED":
+            self.requests.pop(uid, None)
+            return
+        status = obj.get("status")
+        status = status if isinstance(status, Mapping) else {}
+        counts = status.get("counts")
+        counts = counts if isinstance(counts, Mapping) else {}
+        by_outcome = {"in_flight" if k == "inFlight" else k: int(v) for k, v in counts.items() if isinstance(v, int)}
+        self.requests[uid] = (str(meta.get("namespace")), str(status.get("phase") or "Pending"), by_outcome)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield from request_samples(self.requests.values())
+
+    def close(self) -> None:
+        self.registry.unregister(self)
+
+
+def request_samples(requests: Iterable[tuple[str, str, Mapping[str, int]]]) -> list[GaugeMetricFamily]:
+    phases: dict[tuple[str, str], int] = {}
+    samples_: dict[tuple[str, str], int] = {}
+    for namespace, phase, counts in requests:
+        phases[(namespace, phase)] = phases.get((namespace, phase), 0) + 1
+        for outcome in RequestMetrics.OUTCOMES:
+            key = (namespace, outcome)
+            samples_[key] = samples_.get(key, 0) + counts.get(outcome, 0)
+    by_phase, by_outcome = m.gauge_family(m.OPERATOR_REQUESTS), m.gauge_family(m.OPERATOR_REQUEST_SAMPLES)
+    for key, n in sorted(phases.items()):
+        by_phase.add_metric(list(key), n)
+    for key, n in sorted(samples_.items()):
+        by_outcome.add_metric(list(key), n)
+    return [by_phase, by_outcome]

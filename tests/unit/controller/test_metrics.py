@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from rollfleet.api.common import Condition
 from rollfleet.api.fleet import EngineStatus, PauseStatus, RolloutFleetStatus
 from rollfleet.contract import EnginePhase
-from rollfleet.controller.metrics import FleetMetrics, FleetSnapshot, skewed
+from rollfleet.controller.metrics import FleetMetrics, FleetSnapshot, RequestMetrics, skewed
 
 NOW = datetime.now(UTC)  # a scrape measures a pause against the clock
 KEY = ("rl", "fleet-a")
@@ -94,3 +94,33 @@ def test_skew_counts_pending_sync_and_other_versions_not_unknown_ones() -> None:
     )
     assert skewed(st) == 2
     assert skewed(RolloutFleetStatus(weight_version=None, engines=[engine(0, EnginePhase.READY, "a")])) == 0
+
+
+def request(uid: str, namespace: str, phase: str | None, **counts: int) -> dict[str, object]:
+    status = {"phase": phase, "counts": counts} if phase else {}
+    return {"metadata": {"uid": uid, "namespace": namespace, "name": f"r-{uid}"}, "status": status}
+
+
+def test_requests_are_counted_by_phase_and_their_samples_by_outcome_per_namespace() -> None:
+    metrics = RequestMetrics(CollectorRegistry())
+    metrics.seen("ADDED", request("1", "rl", None))  # not yet seen by its runner: Pending
+    metrics.seen("MODIFIED", request("2", "rl", "Running", total=64, completed=10, inFlight=8))
+    metrics.seen("MODIFIED", request("3", "rl", "Succeeded", total=16, completed=15, failed=1))
+    metrics.seen("MODIFIED", request("4", "other", "Running", total=4, inFlight=4))
+    metrics.seen("MODIFIED", {"metadata": {}})  # nothing to count it by: ignored
+    lines = set(generate_latest(metrics.registry).decode().splitlines())
+    for line in (
+        'rollfleet_operator_requests{namespace="rl",phase="Pending"} 1.0',
+        'rollfleet_operator_requests{namespace="rl",phase="Running"} 1.0',
+        'rollfleet_operator_requests{namespace="rl",phase="Succeeded"} 1.0',
+        'rollfleet_operator_request_samples{namespace="rl",outcome="total"} 80.0',
+        'rollfleet_operator_request_samples{namespace="rl",outcome="completed"} 25.0',
+        'rollfleet_operator_request_samples{namespace="rl",outcome="in_flight"} 8.0',
+        'rollfleet_operator_request_samples{namespace="rl",outcome="failed"} 1.0',
+        'rollfleet_operator_request_samples{namespace="other",outcome="in_flight"} 4.0',
+    ):
+        assert line in lines, line
+    metrics.seen("DELETED", request("2", "rl", "Running"))
+    lines = set(generate_latest(metrics.registry).decode().splitlines())
+    assert 'rollfleet_operator_requests{namespace="rl",phase="Running"} 1.0' not in lines
+    assert 'rollfleet_operator_request_samples{namespace="rl",outcome="in_flight"} 0.0' in lines

@@ -25,10 +25,12 @@ from typing import Any
 
 import httpx
 import kopf
+import prometheus_client
 
 from rollfleet.api.request import KIND, PLURAL, TERMINAL_PHASES, RolloutRequest, RolloutRequestSpec
 from rollfleet.contract import COMPONENT_RUNNER, GROUP, LABEL_COMPONENT, LABEL_REQUEST_UID, VERSION, runner_name
 from rollfleet.controller.events import event_manifest
+from rollfleet.controller.metrics import RequestMetrics
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests import plan, runner
 from rollfleet.controller.requests.desired import runner_objects
@@ -66,11 +68,13 @@ async def open_clients(memo: kopf.Memo, **_: Any) -> None:
     memo.request_kube = Kube(load_client())
     memo.request_http = runner.gateway_client()
     memo.request_tasks = ObjectTasks("request", wanted=_needs_task)
+    memo.request_metrics = RequestMetrics(prometheus_client.REGISTRY)  # served on --metrics-port
 
 
 @kopf.on.cleanup()
 async def close_clients(memo: kopf.Memo, **_: Any) -> None:
     await memo.request_tasks.stop_all()
+    memo.request_metrics.close()
     await memo.request_http.aclose()
     memo.request_kube.close()
 
@@ -88,6 +92,7 @@ def _phase(body: Mapping[str, Any]) -> str | None:
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def request_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     tasks: ObjectTasks = memo.request_tasks
+    memo.request_metrics.seen(event.get("type"), event["object"])
     tasks.on_event(
         event.get("type"),
         event["object"],
