@@ -270,6 +270,16 @@ def render() -> str:
         "components build their metrics from): `python -m rollfleet.metrics > docs/metrics.md`. A unit test fails",
         "when this file and the catalogue differ, and another scrapes each component for exactly these names.",
         "The engines export vLLM's own metrics (`vllm:*`) on their port besides.",
+        "",
+        "Scraping and alerts, in `manifests/monitoring/`: a PodMonitor per component and the alerts as a",
+        "PrometheusRule (prometheus-operator, checked against its v0.85 CRDs on a real API server by",
+        "`e2e/test_monitoring.py`); each alert fires and resolves under `promtool test rules`",
+        "(`tests/unit/monitoring/`). Without prometheus-operator: `manifests/monitoring/prometheus/` holds the same",
+        "targets as kubernetes_sd jobs (not yet checked by a test: Debian's Prometheus, the one installed here, is",
+        "built without kubernetes_sd), and the rule's `spec` is a plain rule file. The operator's series carry the",
+        "fleet's namespace in their own `namespace` label: scrape it with honor_labels, as its PodMonitor does.",
+        "Engines admit only the gateway, trainers and the operator: add Prometheus' namespace to a fleet's",
+        "`spec.networkPolicy.extraIngressFrom` for it to scrape them.",
     ]
     for component in dict.fromkeys(m.component for m in CATALOG):
         lines += ["", f"## {component}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]

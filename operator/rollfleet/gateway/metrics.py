@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from rollfleet import metrics as m
 from rollfleet.metrics import LATENCY_BUCKETS
+from rollfleet_engine.protocol import AbortStatus
 
 
 class _PerRequest(Collector):
@@ -72,6 +73,8 @@ class Metrics:
         self.sessions = m.gauge(m.GATEWAY_SESSIONS, r)
         self.routable = m.gauge(m.GATEWAY_ROUTABLE, r)
         self.rejected = m.counter(m.GATEWAY_REJECTED, r)
+        for status in AbortStatus:  # at 0 from the start, for `increase()` to see the first one (alerts)
+            self.aborts.labels(status.value)
 
     def request_done(self, route: str, outcome: str, seconds: float) -> None:
         self._per_request.requests[(route, outcome)] += 1

@@ -22,6 +22,11 @@ class PushMetrics:
         self.left_behind = m.counter(m.SYNC_ENGINES_LEFT_BEHIND, registry)
         self.aborted_stale = m.counter(m.SYNC_ABORTED_STALE, registry)
         self.generation = m.gauge(m.SYNC_GENERATION, registry)
+        # Children at 0 from the start: `increase()` over a series that appears at 1 misses the first failure.
+        for state in (s for s in PushState if s.terminal):
+            self.pushes.labels(state.value)
+        for step in (EngineStep.PENDING_SYNC, EngineStep.FAILED):
+            self.left_behind.labels(step.value)
 
     def ended(self, push: PushStatus) -> None:
         """Count a push that ended (its state terminal); once per push."""

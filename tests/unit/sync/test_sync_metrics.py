@@ -60,6 +60,8 @@ def test_an_ended_push_is_counted_by_result_phase_engine_step_and_source() -> No
         assert line in lines, line
     # A phase the push did not have (no receive: weights from a directory) has no observation.
     assert not any('phase="receive"' in ln for ln in lines)
+    # Results it did not have are at 0, not absent: an alert's increase() sees the first failure.
+    assert 'rollfleet_sync_pushes_total{result="failed"} 0.0' in lines
 
 
 def test_a_rolled_back_push_leaves_the_generation_where_the_fleet_is() -> None:
