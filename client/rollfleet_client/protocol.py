@@ -60,6 +60,8 @@ SESSION_END_HEADER = "X-Session-End"
 TIMEOUT_HEADER = "X-Rollfleet-Timeout"  # seconds: the gateway stops the request at the engine after this
 # Generations the request's tokens may lag the fleet's newest weights: routed within it, aborted at a push past it.
 MAX_WEIGHT_LAG_HEADER = "X-Rollfleet-Max-Weight-Lag"
+# W3C Trace Context: the gateway forwards a well-formed pair to the engine (vLLM's spans join the caller's trace).
+TRACEPARENT_HEADER, TRACESTATE_HEADER = "traceparent", "tracestate"
 
 # Where a pod that mounts the fleet's admin-token Secret finds the token.
 TOKEN_MOUNT_DIR = "/var/run/secrets/rollfleet"

@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from rollfleet_client.protocol import TRACEPARENT_HEADER
 from rollfleet_engine.abort import abort_requests
 from rollfleet_engine.access import AccessPolicy, read_token
 from rollfleet_engine.protocol import (
@@ -103,6 +104,7 @@ class SimEngine:
         self.decoding = 0  # requests with a place in the batch
         self.queued = 0  # ... and those waiting for one
         self.streamed: set[str] = set()
+        self.traces: dict[str, str | None] = {}  # caller id -> the traceparent it came with (tests of the gateway)
         self.pause_mode: PauseMode | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -270,6 +272,7 @@ class SimEngine:
         if path in self.refuse:
             return web.json_response({"detail": "Not Found"}, status=404)
         rid = request.headers.get(REQUEST_ID_HEADER) or body.get("request_id") or f"sim-{self.served}"
+        self.traces[rid] = request.headers.get(TRACEPARENT_HEADER)
         if self.accept_delay_s:
             await asyncio.sleep(self.accept_delay_s)
         try:

@@ -40,7 +40,7 @@ from rollfleet.gateway.dialects import BadRequest, Route, check_depth, validate
 from rollfleet.gateway.httpserver import Client, Direct, HttpServer, Limits, Send
 from rollfleet.gateway.inflight import IdInUse, InFlight, InFlightTable, StopReason
 from rollfleet.gateway.metrics import Metrics
-from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body, send_json
+from rollfleet.gateway.proxy import ClientRequest, Proxy, ProxyConfig, error_body, send_json, trace_context
 from rollfleet.gateway.refusal import Refused, credential_ok
 from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
@@ -58,6 +58,8 @@ from rollfleet_client.protocol import (
     SESSION_END_HEADER,
     SESSION_HEADER,
     TIMEOUT_HEADER,
+    TRACEPARENT_HEADER,
+    TRACESTATE_HEADER,
     TRL_HEALTH_PATH,
     TRL_PREFIX,
 )
@@ -213,6 +215,7 @@ class _Gateway:
             end_session=headers.get(_SESSION_END, "").lower() in ("1", "true", "yes"),
             deadline=loop.time() + timeout,
             max_weight_lag=max_lag,
+            trace=trace_context(headers.get(TRACEPARENT_HEADER), headers.get(TRACESTATE_HEADER)),
         )
         return req, entry
 

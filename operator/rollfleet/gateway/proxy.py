@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -57,6 +58,7 @@ from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry, lag_summary, within_weight_lag
 from rollfleet.gateway.routing import Decision, NoEngine, Router
 from rollfleet.gateway.upstream import GatewayResourceError, Response, Upstream, UpstreamError
+from rollfleet_client.protocol import TRACEPARENT_HEADER, TRACESTATE_HEADER
 from rollfleet_engine.protocol import (
     ATTEMPT_HEADER,
     MAX_WEIGHT_LAG_HEADER,
@@ -100,6 +102,22 @@ class ClientRequest:
     end_session: bool
     deadline: float  # event-loop time
     max_weight_lag: int | None = None  # its X-Rollfleet-Max-Weight-Lag: routed within it, sent on to the engine
+    trace: tuple[tuple[str, str], ...] = ()  # its W3C trace context, when well formed (`trace_context`)
+
+
+_TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE = re.compile(r"[\x20-\x7e]{0,512}")  # printable ASCII, W3C's 512-character bound
+
+
+def trace_context(traceparent: str | None, tracestate: str | None) -> tuple[tuple[str, str], ...]:
+    """The headers of a caller's W3C trace context to send on to the engine: a well-formed `traceparent` (version
+    not ff, ids not all zeros) and its `tracestate`; nothing for a malformed one, which W3C says to ignore (the
+    request is served, its trace starts at the engine), so a hostile value never reaches the engine."""
+    if traceparent is None or not _TRACEPARENT.fullmatch(traceparent):
+        return ()
+    if tracestate is None or not _TRACESTATE.fullmatch(tracestate):
+        return ((TRACEPARENT_HEADER, traceparent),)
+    return ((TRACEPARENT_HEADER, traceparent), (TRACESTATE_HEADER, tracestate))
 
 
 class Outcome(StrEnum):
@@ -516,6 +534,7 @@ class _Exchange:
         headers = [*p.upstream_headers, (REQUEST_ID_HEADER, req.request_id), (ATTEMPT_HEADER, self.entry.attempt)]
         if req.max_weight_lag is not None:
             headers.append((MAX_WEIGHT_LAG_HEADER, str(req.max_weight_lag)))
+        headers.extend(req.trace)
         try:
             resp = await p.upstream.request("POST", engine.url + path, orjson.dumps(body), headers)
             try:

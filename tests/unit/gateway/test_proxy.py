@@ -15,6 +15,7 @@ import pytest
 from tests.unit.gateway.conftest import TOKEN, Stack, sse_chunks
 
 from rollfleet.gateway.dialects import MAX_JSON_DEPTH
+from rollfleet.gateway.proxy import trace_context
 from rollfleet_dev.sim_engine import SimEngine
 from rollfleet_engine.protocol import TrackedRequest
 
@@ -482,3 +483,36 @@ def test_a_request_with_a_weight_lag_bound_goes_only_to_engines_within_it_and_th
 def test_a_bad_weight_lag_bound_is_refused_naming_the_header(gw: Stack, value: str) -> None:
     r = _complete(gw, {"X-Rollfleet-Max-Weight-Lag": value})
     assert r.status_code == 400 and "X-Rollfleet-Max-Weight-Lag" in r.json()["error"]["message"], r.text
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.mark.parametrize(
+    ("traceparent", "forwarded"),
+    [
+        (f"00-{TRACE_ID}-00f067aa0ba902b7-01", True),
+        (f"00-{TRACE_ID}-00f067aa0ba902b7-01-{'x' * 4000}", False),  # trailing bytes: never reach the engine
+        (f"ff-{TRACE_ID}-00f067aa0ba902b7-01", False),  # version ff is invalid
+        (f"00-{'0' * 32}-00f067aa0ba902b7-01", False),  # an all-zero trace id is invalid
+        (f"00-{TRACE_ID.upper()}-00f067aa0ba902b7-01", False),  # W3C ids are lowercase hex
+        (None, False),
+    ],
+)
+def test_a_callers_trace_context_reaches_the_engine_only_when_well_formed(
+    gw: Stack, traceparent: str | None, forwarded: bool
+) -> None:
+    rid = f"trace-{abs(hash(traceparent))}"
+    headers = {"X-Request-Id": rid} | ({"traceparent": traceparent} if traceparent else {})
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+    assert r.status_code == 200, r.text  # a malformed trace context is ignored, as W3C says, not refused
+    seen = next(sim.traces[rid] for sim in gw.sims if rid in sim.traces)
+    assert seen == (traceparent if forwarded else None)
+
+
+def test_trace_context_keeps_a_tracestate_only_beside_a_valid_traceparent_and_within_w3cs_bounds() -> None:
+    parent = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+    assert trace_context(parent, "vendor=abc") == (("traceparent", parent), ("tracestate", "vendor=abc"))
+    assert trace_context(parent, "x" * 513) == (("traceparent", parent),)
+    assert trace_context(parent, "a=\x01") == (("traceparent", parent),)
+    assert trace_context("garbage", "vendor=abc") == ()
