@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import json
+import re
 import signal
 import uuid
 from collections.abc import Iterator
@@ -20,23 +22,27 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from tests.engine.calls import GREEDY_PROMPTS
 from tests.engine.test_engine_live import _reference_greedy
 
 from e2e.fleet_helpers import (
     OPERATOR_NS,
+    REPO,
     SIDECAR_MODELS,
     Fleet,
     Stream,
     kill_engine_process,
+    operator_metrics,
     signal_container,
     sync_sidecar_pod,
 )
 from e2e.fleet_helpers import (
     greedy as fleet_greedy,
 )
-from e2e.live_fleet import INITIAL_VERSION, NAME, LiveFleet
+from e2e.live_fleet import INITIAL_VERSION, NAME, LiveFleet, create, wait_phase
 from e2e.provider import Cluster, wait_for
+from rollfleet import dashboard
 from rollfleet.api.admission import POLICY_NAME
 from rollfleet.contract import (
     ANNOTATION_PHASE,
@@ -64,6 +70,7 @@ from rollfleet.sync.protocol import PushPhase, WeightsRef, decode_record
 from rollfleet_client import AsyncRolloutClient, Generation
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
+from rollfleet_dev import prometheus as prom
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
@@ -103,6 +110,27 @@ def sync(cluster: Cluster, fleet: Fleet, live_ns: str) -> Iterator[SyncClient]:
             yield client
     finally:
         cluster.kubectl("-n", live_ns, "delete", "pod", TRAINER, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def prometheus(cluster: Cluster, live: LiveFleet, live_ns: str, sync: SyncClient) -> Iterator[prom.Prometheus]:
+    """A real Prometheus scraping the fleet as its PodMonitors (manifests/monitoring/) would: the operator, the
+    gateways, the engines and the trainer's sync sidecar; from before the module's first push."""
+    ours = {"namespace": live_ns, "fleet": NAME}
+    with contextlib.ExitStack() as stack:
+        targets = [prom.Target("rollfleet-operator", stack.enter_context(operator_metrics(cluster)), honor_labels=True)]
+        targets += [prom.Target("rollfleet-gateways", g.url, ours | {"pod": g.key}) for g in live.gateways]
+        targets += [prom.Target("rollfleet-engines", e.url, ours | {"pod": e.key}) for e in live.engines]
+        sidecar = stack.enter_context(cluster.reach(live_ns, TRAINER, SYNC_HEALTH_PORT))
+        targets.append(prom.Target("rollfleet-sync", sidecar, ours | {"pod": TRAINER}))
+        p = stack.enter_context(prom.running(targets))
+
+        def all_up() -> bool:
+            up = p.targets_up()
+            return len(up) == len(targets) and all(up.values())
+
+        wait_for(all_up, timeout=60, what="Prometheus scraping every target")
+        yield p
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +223,7 @@ def test_each_component_may_do_what_it_needs_and_no_more(cluster: Cluster, fleet
     assert resume.returncode == 0, resume  # a one-shot resume of a running fleet: changes nothing else
 
 
+@pytest.mark.usefixtures("prometheus")  # scraping before the push: the next case reads it as Prometheus saw it
 def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
     cluster: Cluster, fleet: Fleet, live_ns: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
@@ -228,6 +257,30 @@ def test_push_during_rollouts_keeps_them_and_kubectl_shows_the_new_version(
     assert row[header.index("WEIGHTS") :].split()[0] == "b-1"  # by position: the PAUSED column is empty
     record = weights_record(cluster, live_ns)
     assert (record[RECORD_WEIGHT_VERSION], record[RECORD_WEIGHT_GENERATION]) == ("b-1", "1")
+
+
+def test_a_real_prometheus_has_data_for_every_dashboard_panel_and_alert(
+    live: LiveFleet, live_ns: str, prometheus: prom.Prometheus
+) -> None:
+    """Every query of the dashboard (manifests/monitoring/grafana/) and every alert's expression, its threshold
+    left out (manifests/monitoring/prometheusrule.yaml), returns data on Prometheus after what the fleet just did:
+    the push above (a pause, every engine staged and loaded), traffic, and now a RolloutRequest."""
+    name, _ = create(live, 2, 2, sampling={"maxTokens": 8, "ignoreEos": True})
+    wait_phase(live, name, "Succeeded", timeout=300)
+    panels = [q.replace("$namespace", live_ns).replace("$fleet", NAME) for q in dashboard.queries()]
+    rule = yaml.safe_load((REPO / "manifests" / "monitoring" / "prometheusrule.yaml").read_text())
+    alerts = [re.split(r"\s+(?:>|<|==|!=|>=|<=)\s+", r["expr"])[0] for g in rule["spec"]["groups"] for r in g["rules"]]
+    empty: list[str] = []
+
+    def every_one_has_data() -> bool:
+        empty[:] = [q for q in panels + alerts if not prometheus.query(q)]
+        return not empty
+
+    wait_for(every_one_has_data, timeout=60, what=f"data for every panel and alert (none yet for {empty})")
+    # And the figures are the fleet's: the push above counted once, both engines on its generation.
+    assert prometheus.query('sum(rollfleet_sync_pushes_total{result="done"})')[0]["value"][1] == "1"
+    by_engine = prometheus.query(f'rollfleet_operator_engine_weight_generation{{namespace="{live_ns}"}}')
+    assert sorted(r["value"][1] for r in by_engine) == ["1", "1"], by_engine
 
 
 def test_engine_killed_during_a_push_never_serves_old_weights_and_rejoins_on_the_new_version(

@@ -98,6 +98,8 @@ class FleetMetrics(Collector):
         registry.register(self)
 
     def observed(self, key: Key, snapshot: FleetSnapshot) -> None:
+        if key not in self.fleets:
+            self.pass_errors.labels(*key)  # at 0 from the start: an alert's increase() sees the first failure
         self.fleets[key] = snapshot
 
     def passed(self, seconds: float) -> None:
@@ -109,7 +111,7 @@ class FleetMetrics(Collector):
     def forget(self, key: Key) -> None:
         """A fleet deleted (or the operator stopping its loop): its series go."""
         self.fleets.pop(key, None)
-        with contextlib.suppress(KeyError):  # it never failed
+        with contextlib.suppress(KeyError):  # never observed
             self.pass_errors.remove(*key)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:

@@ -10,6 +10,9 @@ from rollfleet import metrics as m
 from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
 
 
+PHASES = ("receive", "staging", "prefetch", "transfer", "pause_window", "total")  # PushStatus's *_s, in order
+
+
 class PushMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -27,19 +30,18 @@ class PushMetrics:
             self.pushes.labels(state.value)
         for step in (EngineStep.PENDING_SYNC, EngineStep.FAILED):
             self.left_behind.labels(step.value)
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)
+        for engine_step in ("stage", "load"):
+            self.engine_seconds.labels(engine_step)
+        for source in ("sidecar", "relay"):
+            self.stages.labels(source)
 
     def ended(self, push: PushStatus) -> None:
         """Count a push that ended (its state terminal); once per push."""
         self.pushes.labels(push.state.value).inc()
-        phases = {
-            "receive": push.receive_s,
-            "staging": push.staging_s,
-            "prefetch": push.prefetch_s,
-            "transfer": push.transfer_s,
-            "pause_window": push.pause_window_s,
-            "total": push.total_s,
-        }
-        for phase, seconds in phases.items():
+        phases = (push.receive_s, push.staging_s, push.prefetch_s, push.transfer_s, push.pause_window_s, push.total_s)
+        for phase, seconds in zip(PHASES, phases, strict=True):
             if seconds is not None:
                 self.phase_seconds.labels(phase).observe(seconds)
         self.bytes.inc(push.bytes)

@@ -73,6 +73,8 @@ def test_a_scrape_shows_each_fleets_engines_conditions_pause_and_versions() -> N
 def test_a_fleet_not_paused_shows_0_and_a_deleted_fleet_leaves_no_series() -> None:
     metrics = FleetMetrics(CollectorRegistry())
     metrics.observed(KEY, snapshot())
+    # At 0 before any failure: an alert's increase() sees the first one.
+    assert 'rollfleet_operator_reconcile_errors_total{fleet="fleet-a",namespace="rl"} 0.0' in scrape(metrics)
     metrics.failed(KEY)
     lines = scrape(metrics)
     assert 'rollfleet_operator_fleet_pause_seconds{fleet="fleet-a",namespace="rl"} 0.0' in lines
