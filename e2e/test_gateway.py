@@ -416,7 +416,8 @@ def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveF
 
             wait_for(lambda: held() == 4, 30, what="the engines to hold the 4 requests")
             assert not any(f.done() for f in futures), "a request was answered while the fleet was paused"
-            assert fleet.fleet.status()["pause"]["mode"] == "keep"
+            # The engines pause on the operator's calls; its status follows on its next write (rate-limited).
+            fleet.fleet.wait(lambda st: (st.get("pause") or {}).get("mode") == "keep", "the status to show keep", 30)
             kubectl("-n", fleet.namespace, "annotate", "rf", fleet.fleet.name, f"{ANNOTATION_PAUSE}-")
             answers = [f.result(timeout=120) for f in futures]
     finally:
