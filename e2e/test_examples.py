@@ -216,12 +216,17 @@ def _verl_batch_aborting_det_0(
         [*command, "--gateway-url", url], cwd=VERL_EXAMPLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
+        # verl's process starts in tens of seconds on a loaded machine (its imports, Ray): wait on it, and stop
+        # waiting if it ends before det-0 runs (then its own output says why).
         wait_for(
-            lambda: any("det-0" in in_flight(e) for e in engine_urls),
-            timeout=180,
+            lambda: proc.poll() is not None or any("det-0" in in_flight(e) for e in engine_urls),
+            timeout=300,
             interval=0.1,
             what="det-0 running at an engine",
         )
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"verl's batch exited {proc.returncode} before det-0 ran: {(out + err)[-4000:]}")
         r = httpx.post(
             url + ABORT_PATH,
             json={"request_ids": ["det-0"]},

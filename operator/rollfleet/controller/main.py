@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--listen",
         default="0.0.0.0",
-        help="address of the health and metrics endpoints (in a pod: its IP; default: %(default)s)",
+        help="address of the health and metrics endpoints (default: %(default)s, every address)",
     )
     p.add_argument(
         "--health-port", type=int, default=OPERATOR_HEALTH_PORT, help="kopf liveness endpoint /healthz (0 disables)"

@@ -9,7 +9,6 @@ from prometheus_client import CollectorRegistry
 from rollfleet import metrics as m
 from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
 
-
 PHASES = ("receive", "staging", "prefetch", "transfer", "pause_window", "total")  # PushStatus's *_s, in order
 
 
