@@ -194,8 +194,9 @@ def unanswered(err: Exception) -> bool:
     return isinstance(err, kubernetes.client.ApiException) and (err.status == 0 or err.status >= 500)
 
 
-def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.2, what: str = "condition") -> T:
-    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s."""
+def wait_for(predicate: Callable[[], T], timeout: float, *, interval: float = 0.2, what: str = "condition") -> T:
+    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s. `interval` and
+    `what` by name only: a description passed where the interval goes failed a CI run (sleep of a str)."""
     deadline = time.monotonic() + timeout
     last: T | None = None
     while time.monotonic() < deadline:

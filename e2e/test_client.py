@@ -206,7 +206,7 @@ def test_a_pause_while_a_weight_push_runs_is_a_conflict_that_changes_nothing(liv
             got = cluster.kubectl("-n", ns, "get", "cm", record, "-o", "json", check=False)
             return got.returncode == 0 and RECORD_MODEL in (json.loads(got.stdout).get("data") or {})
 
-        wait_for(stamped, 60, 0.2, f"the operator to stamp {record}")
+        wait_for(stamped, 60, interval=0.2, what=f"the operator to stamp {record}")
 
         def write(rec: FleetRecord) -> None:
             data = {"data": {k: v for k, v in encode_record(rec).items() if v is not None}}

@@ -160,7 +160,7 @@ def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(
     kept = {p["metadata"]["uid"] for p in group_pods(cluster, groups[0])}
     cluster.kubectl("-n", NS, "patch", "rf", fleet.name, "--type=merge", "-p", '{"spec":{"replicas":1}}')
     fleet.wait_ready(1, timeout=120)
-    wait_for(lambda: lws_names(cluster) == groups[:1] and not group_pods(cluster, groups[1]), 60, "group 1 gone")
+    wait_for(lambda: lws_names(cluster) == groups[:1] and not group_pods(cluster, groups[1]), 60, what="group 1 gone")
     assert {p["metadata"]["uid"] for p in group_pods(cluster, groups[0])} == kept
 
     # A rolling update: the engine's group is drained and deleted whole, and a new one made (the same index, as
@@ -179,4 +179,4 @@ def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(
     assert len(pods) == 2 and all(p["metadata"]["uid"] not in kept for p in pods)
     assert all(env_of(p).get("ROLLED") == "1" for p in pods)
     cluster.kubectl("-n", NS, "delete", "rf", fleet.name, "--wait=true", "--timeout=120s", timeout=130)
-    wait_for(lambda: not lws_names(cluster), 60, "the fleet's groups deleted with it")
+    wait_for(lambda: not lws_names(cluster), 60, what="the fleet's groups deleted with it")
