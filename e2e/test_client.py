@@ -92,7 +92,7 @@ def test_cancelling_or_timing_out_a_generate_aborts_it_at_the_engine(fleet: Live
     async def go() -> None:
         async with connect(fleet) as client:
             task = asyncio.create_task(client.generate("long", request_id=cancelled, max_tokens=LONG, ignore_eos=True))
-            await asyncio.to_thread(wait_for, on_engine, 60, 0.05, f"{cancelled} on an engine")
+            await asyncio.to_thread(wait_for, on_engine, 60, interval=0.05, what=f"{cancelled} on an engine")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

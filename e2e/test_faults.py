@@ -150,21 +150,25 @@ def run_with_fault(
     after: Callable[[], object] = lambda: None,
     prompts: int | None = None,
     streams: int = 0,
+    busy: str | None = None,
 ) -> None:
     """The case's request, its fault injected mid-run, and every promise checked; prints its table row. With
     `streams`, that many clients stream a completion through the gateway across the fault too: each must get
-    every token it asked for, without an error."""
+    every token it asked for, without an error. With `busy`, the fault waits until that engine runs some of the
+    request's samples (a case that counts the samples moved off it has none to count otherwise)."""
     # In waves (16 of the 64 in flight at once): the fault must land while some samples are done and others
     # decode, and samples that all start together on an engine also end together.
     spec = {"sampling": {"maxTokens": TOKENS, "ignoreEos": True}, "parallelism": PARALLELISM}
     prompts = prompts or (REAL_PROMPTS if fleet.real else PROMPTS)
     name, uid = create(fleet, prompts, SAMPLES, **spec)
-    wait_for(
-        lambda: status(fleet, name).get("counts", {}).get("completed", 0) >= 8 and running(fleet, uid),
-        300,
-        interval=0.2,
-        what="samples completed and others decoding",
-    )
+
+    def mid_run() -> bool:
+        if status(fleet, name).get("counts", {}).get("completed", 0) < 8:
+            return False
+        on = fleet.in_flight(f"{uid}-")
+        return bool(on.get(busy)) if busy else any(on.values())
+
+    wait_for(mid_run, 300, interval=0.2, what=f"samples completed and others decoding{f' on {busy}' if busy else ''}")
     clients = [
         Stream(fleet.gateways[i % len(fleet.gateways)].url, max_tokens=STREAM_TOKENS, auth=fleet.inference).start()
         for i in range(streams)
@@ -250,6 +254,7 @@ def test_the_node_of_an_engine_drained_mid_rollout(fleet: LiveFleet) -> None:
                 after=replaced_elsewhere,
                 prompts=PROMPTS,
                 streams=4,
+                busy=key,
             )
     finally:
         fleet.cluster.kubectl("uncordon", node)
@@ -274,6 +279,7 @@ def test_an_engine_preempted_with_a_30_s_notice_mid_rollout(fleet: LiveFleet) ->
         lambda: fleet.cluster.kubectl(*delete),
         after=lambda: wait_for(lambda: fleet.fleet.replaced(key, old_uid, ready=True), 600, what=f"a new {key} Ready"),
         streams=4,
+        busy=key,
     )
     if fleet.real:
         assert _moves(fleet) > before

@@ -389,7 +389,7 @@ def test_a_staleness_bound_of_0_keeps_samples_off_old_weights_and_1_serves_them_
                 )
                 for key, rid in ids.items()
             }
-            await asyncio.to_thread(wait_for, decoding, 120, 0.2, "all four rollouts decoding")
+            await asyncio.to_thread(wait_for, decoding, 120, interval=0.2, what="all four rollouts decoding")
             status = await asyncio.to_thread(sync.push_dir, SIDECAR_MODELS, new)
             answers = {key: await call for key, call in calls.items()}
             after = await client.generate([5, 6, 7], max_tokens=4, ignore_eos=True, max_weight_lag=0)
