@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from e2e.fleet_helpers import sim_engine
+from e2e.fleet_helpers import OPERATOR_NS, sim_engine
 from e2e.live_fleet import LiveFleet, live_fleet, release_live_engines
 from e2e.provider import Cluster
+from rollfleet_dev import monitoring
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +58,21 @@ def lws_on_kind(cluster: Cluster) -> Iterator[None]:
     lws.install_kind()
     yield
     lws.uninstall_kind()
+
+
+@pytest.fixture(scope="module")
+def prometheus_operator_crds(cluster: Cluster) -> Iterator[None]:
+    """prometheus-operator's CRDs (v0.85, from its module: `rollfleet_dev.monitoring`) on the cluster, for checks of
+    Rollfleet's PodMonitors and PrometheusRule against their schema; removed after the module."""
+    files = monitoring.crd_files()
+    args = [a for f in files for a in ("-f", str(f))]
+    cluster.kubectl("apply", "--server-side", *args, timeout=180)
+    cluster.kubectl("wait", "--for=condition=Established", *args, "--timeout=60s", timeout=90)
+    cluster.kubectl("create", "namespace", OPERATOR_NS, check=False)
+    try:
+        yield
+    finally:
+        cluster.kubectl("delete", "--ignore-not-found", "--wait=false", *args, check=False)
 
 
 @pytest.fixture(scope="session")

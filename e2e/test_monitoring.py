@@ -5,43 +5,26 @@ alerts themselves: docs/metrics.md, tests/unit/monitoring/."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import yaml
 
-from e2e.fleet_helpers import OPERATOR_NS, REPO
+from e2e.fleet_helpers import REPO
 from e2e.provider import Cluster
-from rollfleet_dev import monitoring
 
 pytestmark = pytest.mark.cluster
 MANIFESTS = sorted((REPO / "manifests" / "monitoring").glob("*.yaml"))
 
 
-@pytest.fixture(scope="module")
-def crds(cluster: Cluster) -> Iterator[list[Path]]:
-    files = monitoring.crd_files()
-    args = [a for f in files for a in ("-f", str(f))]
-    cluster.kubectl("apply", "--server-side", *args, timeout=180)
-    cluster.kubectl("wait", "--for=condition=Established", *args, "--timeout=60s", timeout=90)
-    cluster.kubectl("create", "namespace", OPERATOR_NS, check=False)
-    try:
-        yield files
-    finally:
-        cluster.kubectl("delete", "--ignore-not-found", "--wait=false", *args, check=False)
-
-
 def dry_run(cluster: Cluster, text: str) -> tuple[int, str]:
+    """A server-side dry run of `text`'s objects, with strict field validation: its exit status and output."""
     proc = cluster.kubectl(
         "apply", "--dry-run=server", "--validate=strict", "-f", "-", input=text, check=False, timeout=60
     )
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_the_podmonitors_and_the_prometheusrule_are_valid_against_prometheus_operators_crds(
-    cluster: Cluster, crds: list[Path]
-) -> None:
+@pytest.mark.usefixtures("prometheus_operator_crds")
+def test_the_podmonitors_and_the_prometheusrule_are_valid_against_prometheus_operators_crds(cluster: Cluster) -> None:
     kinds = [d["kind"] for m in MANIFESTS for d in yaml.safe_load_all(m.read_text()) if d]
     assert sorted(set(kinds)) == ["PodMonitor", "PrometheusRule"], kinds
     for manifest in MANIFESTS:

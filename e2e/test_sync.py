@@ -264,7 +264,15 @@ def test_a_real_prometheus_has_data_for_every_dashboard_panel_and_alert(
 ) -> None:
     """Every query of the dashboard (manifests/monitoring/grafana/) and every alert's expression, its threshold
     left out (manifests/monitoring/prometheusrule.yaml), returns data on Prometheus after what the fleet just did:
-    the push above (a pause, every engine staged and loaded), traffic, and now a RolloutRequest."""
+    the push above (a pause, every engine staged and loaded), traffic, and now an abort and a RolloutRequest."""
+    rid = f"prom-abort-{uuid.uuid4().hex[:6]}"
+    stream = Stream(live.gateways[0].url, max_tokens=400, request_id=rid, auth=live.inference).start()
+    wait_for(lambda: stream.tokens() >= 2, 120, what=f"{rid} decoding")
+    body = {"request_ids": [rid]}
+    aborted = httpx.post(f"{live.gateways[0].url}/v1/abort", json=body, headers=live.admin, timeout=60)
+    assert aborted.json()["results"] == {rid: "aborted"}, aborted.text
+    stream.wait(60)
+    assert stream.finish == {0: "abort"}, stream.finish
     name, _ = create(live, 2, 2, sampling={"maxTokens": 8, "ignoreEos": True})
     wait_phase(live, name, "Succeeded", timeout=300)
     panels = [q.replace("$namespace", live_ns).replace("$fleet", NAME) for q in dashboard.queries()]

@@ -8,7 +8,9 @@ entry points (devtools/pyproject.toml) and calls each with its top-level subpars
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -50,6 +52,7 @@ def _cluster_kubeconfig(args: argparse.Namespace) -> int:
 def _cluster_build(args: argparse.Namespace) -> int:
     from rollfleet_dev import lws
     from rollfleet_dev.gobuild import ensure_tool
+    from rollfleet_dev.helm import helm_binary
     from rollfleet_dev.localcluster import build
 
     b = build.ensure_built()
@@ -57,6 +60,8 @@ def _cluster_build(args: argparse.Namespace) -> int:
         print(f"{name:<24} {path}")
     # Built with the control plane, installed only when asked (`rollfleet cluster lws install`).
     print(f"{'lws_manager':<24} {ensure_tool(lws.LWS) / 'cmd'}")
+    # The chart's tests and the README's Helm install (`rollfleet helm`).
+    print(f"{'helm':<24} {helm_binary()}")
     return 0
 
 
@@ -83,6 +88,13 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("action", choices=["install", "uninstall"])
     p.set_defaults(func=_cluster_lws)
     agent_cli.add_cluster_subcommands(csub)
+
+    def kubeconfig() -> Path:
+        from rollfleet_dev.localcluster import controlplane
+
+        return controlplane.Layout().kubeconfig
+
+    _add_helm(csub, kubeconfig, "rollfleet cluster up")
 
 
 def _cluster_lws(args: argparse.Namespace) -> int:
@@ -137,6 +149,32 @@ def _kind_kubeconfig(args: argparse.Namespace) -> int:
     return 0
 
 
+def _helm_on(kubeconfig_of: Callable[[], Path], missing: str) -> Callable[[argparse.Namespace], int]:
+    """`... helm ARGS`: the pinned Helm (rollfleet_dev.helm) against one of the project's clusters."""
+
+    def run(args: argparse.Namespace) -> int:
+        from rollfleet_dev.helm import helm_binary
+
+        kubeconfig = kubeconfig_of()
+        if not kubeconfig.exists():
+            print(f"no cluster: run `{missing}`", file=sys.stderr)
+            return 1
+        binary = helm_binary()
+        os.execve(binary, [str(binary), *args.helm_args], {**os.environ, "KUBECONFIG": str(kubeconfig)})
+
+    return run
+
+
+def _add_helm(
+    parent: argparse._SubParsersAction[argparse.ArgumentParser], kubeconfig_of: Callable[[], Path], missing: str
+) -> None:
+    p = parent.add_parser(
+        "helm", help="run Helm (built from its module) against this cluster: `helm install rollfleet charts/rollfleet`"
+    )
+    p.add_argument("helm_args", nargs=argparse.REMAINDER, help="helm's own arguments")
+    p.set_defaults(func=_helm_on(kubeconfig_of, missing))
+
+
 def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kind = sub.add_parser("kind", help="the e2e kind cluster (GPU node pools) on this machine, built offline")
     ksub = kind.add_subparsers(dest="kind_command", required=True)
@@ -156,6 +194,13 @@ def add_kind(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("action", choices=["install", "uninstall"])
     p.set_defaults(func=_kind_lws)
     ksub.add_parser("kubeconfig", help="print the kubeconfig's path").set_defaults(func=_kind_kubeconfig)
+
+    def kubeconfig() -> Path:
+        from rollfleet_dev.kind import cluster
+
+        return cluster.kubeconfig_path()
+
+    _add_helm(ksub, kubeconfig, "make kind-up")
 
 
 def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

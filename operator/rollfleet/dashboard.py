@@ -96,6 +96,29 @@ PANELS: tuple[Panel, ...] = (
         ((f"sum by (result) (increase(rollfleet_gateway_abort_results_total{{{SELECT}}}[5m]))", "{{result}}"),),
     ),
     Panel(
+        "Abort to engine idle (from the call to the engine's word)",
+        (
+            (quantile(0.5, "rollfleet_gateway_abort_seconds", "le", "1h"), "p50"),
+            (quantile(0.99, "rollfleet_gateway_abort_seconds", "le", "1h"), "p99"),
+        ),
+        unit="s",
+    ),
+    Panel(
+        "Tokens/s served by weight lag (generations behind the newest)",
+        ((f"sum by (lag) (rate(rollfleet_gateway_tokens_total{{{SELECT}}}[1m]))", "lag {{lag}}"),),
+        unit="tokens/s",
+    ),
+    Panel(
+        "RolloutRequests: samples/s by outcome",
+        (
+            (
+                "sum by (outcome) (rate(rollfleet_operator_request_samples_finished_total"
+                '{namespace=~"$namespace"}[5m]))',
+                "{{outcome}}",
+            ),
+        ),
+    ),
+    Panel(
         "RolloutRequests: samples by outcome",
         (('sum by (outcome) (rollfleet_operator_request_samples{namespace=~"$namespace"})', "{{outcome}}"),),
     ),

@@ -71,6 +71,20 @@ GATEWAY_STOPS = MetricSpec(
 GATEWAY_ABORT_RESULTS = MetricSpec(
     GATEWAY, "rollfleet_gateway_abort_results", "counter", "Per-id answers of POST /v1/abort", ("result",)
 )
+GATEWAY_ABORT_SECONDS = MetricSpec(
+    GATEWAY,
+    "rollfleet_gateway_abort_seconds",
+    "histogram",
+    "From a POST /v1/abort to its engine's word that the request stopped (each id answered `aborted`)",
+)
+GATEWAY_TOKENS = MetricSpec(
+    GATEWAY,
+    "rollfleet_gateway_tokens",
+    "counter",
+    "Completion tokens served, by the engine that ended the request and its lag: how many weight generations "
+    "its weights were behind the newest routable engine's then (0, 1, 2, 3+; unknown: generations not known)",
+    ("engine", "lag"),
+)
 GATEWAY_IN_FLIGHT = MetricSpec(GATEWAY, "rollfleet_gateway_in_flight", "gauge", "Requests in flight at this replica")
 GATEWAY_SESSION_MOVES = MetricSpec(
     GATEWAY, "rollfleet_gateway_session_moves", "counter", "Sticky sessions moved (engine unroutable or overloaded)"
@@ -144,6 +158,14 @@ OPERATOR_ENGINE_GENERATION = MetricSpec(
     "Generation of the weights each engine reports (absent while unknown)",
     (*FLEET_LABELS, "engine"),
 )
+OPERATOR_ENGINE_PHASE = MetricSpec(
+    OPERATOR,
+    "rollfleet_operator_engine_phase",
+    "gauge",
+    "Each engine's phase, as the fleet's status shows it: 1 on the engine's current phase (an engine's phase is the "
+    "operator's verdict from its pod, node and state, so the operator exports it, beside the engine's vLLM metrics)",
+    (*FLEET_LABELS, "engine", "phase"),
+)
 OPERATOR_SKEW = MetricSpec(
     OPERATOR,
     "rollfleet_operator_fleet_version_skew_engines",
@@ -173,6 +195,22 @@ OPERATOR_REQUEST_SAMPLES = MetricSpec(
     "Samples of the RolloutRequests that exist, by outcome (total, completed, aborted, failed, in_flight), as "
     "their runners report them",
     ("namespace", "outcome"),
+)
+OPERATOR_REQUEST_FINISHED = MetricSpec(
+    OPERATOR,
+    "rollfleet_operator_request_samples_finished",
+    "counter",
+    "Samples RolloutRequests finished while this operator watched, by outcome (completed, aborted, failed): "
+    "rate() is samples/s. A runner never retries a sample (the gateway continues one on another engine: "
+    "rollfleet_gateway_failovers_total)",
+    ("namespace", "outcome"),
+)
+OPERATOR_REQUEST_RESULTS_BYTES = MetricSpec(
+    OPERATOR,
+    "rollfleet_operator_request_results_bytes",
+    "counter",
+    "Bytes of results RolloutRequests' runners stored while this operator watched",
+    ("namespace",),
 )
 
 # ---- sync sidecar (`rollfleet.sync.metrics`; /metrics on its health port, beside /healthz) -----------------------

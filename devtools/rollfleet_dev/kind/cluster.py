@@ -14,7 +14,6 @@ import json
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +211,20 @@ def advertise_gpus(kubectl: Kubectl, count: int = GPUS_PER_NODE) -> list[str]:
     return nodes
 
 
+def all_nodes() -> list[str]:
+    """The kind cluster's node containers."""
+    return _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split()
+
+
+def load_image(image: str, nodes: list[str]) -> None:
+    """A Docker image into `nodes`, each sent only the layers it lacks (`imageload`)."""
+
+    def kind_load(cold: list[str]) -> None:
+        _run([_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(cold), image], "kind load")
+
+    imageload.load(image, nodes, kind_load, log)
+
+
 def load_images(kubectl: Kubectl) -> None:
     """Rollfleet's images into the nodes, each sent only what it lacks (`imageload`)."""
     for image in (DEFAULT_ROLLFLEET_IMAGE, DEFAULT_ENGINE_IMAGE):
@@ -221,19 +234,11 @@ def load_images(kubectl: Kubectl) -> None:
         n.removeprefix("node/")
         for n in kubectl.run("get", "nodes", "-l", GPU_POOL_SELECTOR, "-o", "name").stdout.split()
     ]
-    every_node = _run([_kind(), "get", "nodes", "--name", CLUSTER_NAME], "kind get nodes").split()
-
-    def kind_load(image: str) -> Callable[[list[str]], None]:
-        def run(nodes: list[str]) -> None:
-            argv = [_kind(), "load", "docker-image", "--name", CLUSTER_NAME, "--nodes", ",".join(nodes), image]
-            _run(argv, "kind load")
-
-        return run
-
+    every_node = all_nodes()
     log(f"kind: loading {DEFAULT_ROLLFLEET_IMAGE} into every node")
-    imageload.load(DEFAULT_ROLLFLEET_IMAGE, every_node, kind_load(DEFAULT_ROLLFLEET_IMAGE), log)
+    load_image(DEFAULT_ROLLFLEET_IMAGE, every_node)
     log(f"kind: loading {DEFAULT_ENGINE_IMAGE} into the GPU pool ({', '.join(gpu_nodes)})")
-    imageload.load(DEFAULT_ENGINE_IMAGE, gpu_nodes, kind_load(DEFAULT_ENGINE_IMAGE), log)
+    load_image(DEFAULT_ENGINE_IMAGE, gpu_nodes)
     # `kind load` also names each import `import-<date>@<digest>`: after a rebuild those names keep
     # the previous image (GBs for the engine) alive on every node. The tags stay; those go.
     for node in every_node:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -343,17 +343,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=repo_root(), help="checkout to write into (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="only check that the files are up to date")
     args = parser.parse_args(argv)
+    return write_outputs(outputs(args.root), check=args.check, command="python -m rollfleet.api.crdgen")
+
+
+def write_outputs(files: Mapping[Path, str], *, check: bool, command: str) -> int:
+    """Write the generated files that differ (or, with `check`, name them and fail); `command` regenerates them."""
     stale = []
-    for path, text in outputs(args.root).items():
+    for path, text in files.items():
         if path.exists() and path.read_text() == text:
             continue
         stale.append(path)
-        if not args.check:
+        if not check:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"wrote {path}")
-    if args.check and stale:
-        print("stale (run `python -m rollfleet.api.crdgen`): " + ", ".join(map(str, stale)), file=sys.stderr)
+    if check and stale:
+        print(f"stale (run `{command}`): " + ", ".join(map(str, stale)), file=sys.stderr)
         return 1
     return 0
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rollfleet import metrics as m
@@ -53,6 +53,7 @@ def samples(fleets: Mapping[Key, FleetSnapshot], now: datetime) -> list[GaugeMet
     pause_s, paused_engines = m.gauge_family(m.OPERATOR_PAUSE_SECONDS), m.gauge_family(m.OPERATOR_PAUSED_ENGINES)
     generation, engine_generation = m.gauge_family(m.OPERATOR_GENERATION), m.gauge_family(m.OPERATOR_ENGINE_GENERATION)
     skew, in_flight = m.gauge_family(m.OPERATOR_SKEW), m.gauge_family(m.OPERATOR_ENGINE_IN_FLIGHT)
+    engine_phase = m.gauge_family(m.OPERATOR_ENGINE_PHASE)
     for (namespace, name), snap in sorted(fleets.items()):
         fleet = [namespace, name]
         st = snap.status
@@ -71,6 +72,7 @@ def samples(fleets: Mapping[Key, FleetSnapshot], now: datetime) -> list[GaugeMet
                 engine_generation.add_metric([*fleet, engine], gen)
         skew.add_metric(fleet, skewed(st))
         for e in st.engines:
+            engine_phase.add_metric([*fleet, e.name, e.phase.value], 1)
             if e.in_flight is not None:
                 in_flight.add_metric([*fleet, e.name], e.in_flight)
     return [
@@ -84,6 +86,7 @@ def samples(fleets: Mapping[Key, FleetSnapshot], now: datetime) -> list[GaugeMet
         engine_generation,
         skew,
         in_flight,
+        engine_phase,
     ]
 
 
@@ -125,13 +128,19 @@ class FleetMetrics(Collector):
 class RequestMetrics(Collector):
     """RolloutRequests by phase and their samples by outcome, per namespace, from the watch's events (the
     runner writes the counts into each request's status). Per namespace, not per request: requests come
-    and go by the thousand, and a series each would outlive them."""
+    and go by the thousand, and a series each would outlive them. The counters count what changed while this
+    operator watched: the requests it finds at its start (events of no type, the initial listing) are its
+    baseline, so a restart does not count their samples again."""
 
     OUTCOMES = ("total", "completed", "aborted", "failed", "in_flight")
+    FINISHED = ("completed", "aborted", "failed")
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.requests: dict[str, tuple[str, str, Mapping[str, int]]] = {}  # uid -> (namespace, phase, counts)
+        self.finished: dict[tuple[str, str], int] = {}  # (namespace, outcome) -> samples, counted as they change
+        self.results_bytes: dict[str, int] = {}  # namespace -> bytes stored
+        self._bytes: dict[str, int] = {}  # uid -> the request's results bytes last seen
         registry.register(self)
 
     def seen(self, event_type: str | None, obj: Mapping[str, object]) -> None:
@@ -141,19 +150,46 @@ class RequestMetrics(Collector):
         uid = str(meta["uid"])
         if event_type == "DELETED":
             self.requests.pop(uid, None)
+            self._bytes.pop(uid, None)
             return
-        status = obj.get("status")
-        status = status if isinstance(status, Mapping) else {}
-        counts = status.get("counts")
-        counts = counts if isinstance(counts, Mapping) else {}
+        namespace = str(meta.get("namespace"))
+        status = _mapping(obj.get("status"))
+        counts = _mapping(status.get("counts"))
         by_outcome = {"in_flight" if k == "inFlight" else k: int(v) for k, v in counts.items() if isinstance(v, int)}
-        self.requests[uid] = (str(meta.get("namespace")), str(status.get("phase") or "Pending"), by_outcome)
+        stored = _mapping(status.get("results")).get("bytes")
+        stored = stored if isinstance(stored, int) else 0
+        before = self.requests.get(uid)
+        if before is not None or event_type is not None:  # not the listing at this operator's start
+            old = before[2] if before else {}
+            for outcome in self.FINISHED:
+                grown = by_outcome.get(outcome, 0) - old.get(outcome, 0)
+                if grown > 0:
+                    self.finished[(namespace, outcome)] = self.finished.get((namespace, outcome), 0) + grown
+            grown = stored - self._bytes.get(uid, 0)
+            if grown > 0:
+                self.results_bytes[namespace] = self.results_bytes.get(namespace, 0) + grown
+        self._bytes[uid] = stored
+        self.requests[uid] = (namespace, str(status.get("phase") or "Pending"), by_outcome)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         yield from request_samples(self.requests.values())
+        finished, stored = (
+            m.counter_family(m.OPERATOR_REQUEST_FINISHED),
+            m.counter_family(m.OPERATOR_REQUEST_RESULTS_BYTES),
+        )
+        for (namespace, outcome), n in sorted(self.finished.items()):
+            finished.add_metric([namespace, outcome], n)
+        for namespace, n in sorted(self.results_bytes.items()):
+            stored.add_metric([namespace], n)
+        yield finished
+        yield stored
 
     def close(self) -> None:
         self.registry.unregister(self)
+
+
+def _mapping(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, Mapping) else {}
 
 
 def request_samples(requests: Iterable[tuple[str, str, Mapping[str, int]]]) -> list[GaugeMetricFamily]:

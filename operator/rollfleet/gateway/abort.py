@@ -18,8 +18,9 @@ Never trusts an HTTP status for the outcome. Talks to engines through the proxy.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -28,6 +29,7 @@ from rollfleet.gateway.proxy import Proxy
 from rollfleet_engine.protocol import AbortStatus
 
 MAX_ABORT_IDS = 4096  # per call
+T = TypeVar("T")
 
 
 class GatewayAbortRequest(BaseModel):
@@ -47,13 +49,23 @@ async def abort(proxy: Proxy, request_ids: list[str], timeout_s: float) -> dict[
     ids = list(dict.fromkeys(request_ids))
     local = {rid: e for rid in ids if (e := proxy.inflight.get(rid)) is not None}
     remote = [rid for rid in ids if rid not in local]
-    remote_task = asyncio.create_task(_abort_remote(proxy, remote, timeout_s))
-    local_results = await asyncio.gather(*(_abort_local(proxy, e, timeout_s) for e in local.values()))
-    results = await remote_task
-    results.update(zip(local, local_results, strict=True))
-    for answer in results.values():
+    started = asyncio.get_running_loop().time()
+    remote_task = asyncio.create_task(_timed(_abort_remote(proxy, remote, timeout_s)))
+    local_results = await asyncio.gather(*(_timed(_abort_local(proxy, e, timeout_s)) for e in local.values()))
+    remote_results, remote_done = await remote_task
+    answered = {rid: (answer, remote_done) for rid, answer in remote_results.items()}
+    answered.update(zip(local, local_results, strict=True))
+    for answer, done in answered.values():
         proxy.metrics.of(proxy.metrics.aborts, answer.status.value).inc()
-    return {rid: results[rid] for rid in ids}
+        if answer.status is AbortStatus.ABORTED:  # its engine said it stopped: the time until the engine is free
+            proxy.metrics.abort_seconds.observe(done - started)
+    return {rid: answered[rid][0] for rid in ids}
+
+
+async def _timed(call: Awaitable[T]) -> tuple[T, float]:
+    """The call's result, and the loop's time when it came."""
+    result = await call
+    return result, asyncio.get_running_loop().time()
 
 
 async def _abort_local(proxy: Proxy, entry: InFlight, timeout_s: float) -> Answer:

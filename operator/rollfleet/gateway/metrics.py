@@ -29,6 +29,7 @@ class _PerRequest(Collector):
     def __init__(self) -> None:
         self.requests: Tally[tuple[str, str]] = Tally()  # (route, outcome) -> requests
         self.attempts: Tally[tuple[str, str]] = Tally()  # (engine, result) -> attempts
+        self.tokens: Tally[tuple[str, str]] = Tally()  # (engine, lag) -> completion tokens
         self.durations: dict[str, list[int]] = {}  # route -> count per bucket (the last: over every bucket)
         self.seconds: dict[str, float] = {}  # route -> sum of durations
 
@@ -55,6 +56,10 @@ class _PerRequest(Collector):
         for (engine, result), n in self.attempts.items():
             attempts.add_metric([engine, result], n)
         yield attempts
+        tokens = m.counter_family(m.GATEWAY_TOKENS)
+        for (engine, lag), n in self.tokens.items():
+            tokens.add_metric([engine, lag], n)
+        yield tokens
 
 
 class Metrics:
@@ -68,6 +73,7 @@ class Metrics:
         self.moves = m.counter(m.GATEWAY_MOVES, r)
         self.stops = m.counter(m.GATEWAY_STOPS, r)
         self.aborts = m.counter(m.GATEWAY_ABORT_RESULTS, r)
+        self.abort_seconds = m.histogram(m.GATEWAY_ABORT_SECONDS, r)
         self.in_flight = m.gauge(m.GATEWAY_IN_FLIGHT, r)
         self.session_moves = m.counter(m.GATEWAY_SESSION_MOVES, r)
         self.sessions = m.gauge(m.GATEWAY_SESSIONS, r)
@@ -82,6 +88,9 @@ class Metrics:
 
     def attempt_done(self, engine: str, result: str) -> None:
         self._per_request.attempts[(engine, result)] += 1
+
+    def tokens_served(self, engine: str, lag: str, tokens: int) -> None:
+        self._per_request.tokens[(engine, lag)] += tokens
 
     def of(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once (prometheus_client's `labels` costs microseconds)."""

@@ -55,7 +55,7 @@ from rollfleet.gateway.dialects import (
 )
 from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason, segments_report
 from rollfleet.gateway.metrics import Metrics
-from rollfleet.gateway.registry import Engine, Registry, lag_summary, within_weight_lag
+from rollfleet.gateway.registry import Engine, Registry, lag_label, lag_summary, within_weight_lag
 from rollfleet.gateway.routing import Decision, NoEngine, Router
 from rollfleet.gateway.upstream import GatewayResourceError, Response, Upstream, UpstreamError
 from rollfleet_client.protocol import TRACEPARENT_HEADER, TRACESTATE_HEADER
@@ -332,6 +332,9 @@ class Proxy:
                 watcher.cancel()
             self.inflight.close(entry, finish)
             self.metrics.request_done(req.route, finish or "none", loop.time() - started)
+            if entry.engines and (tokens := entry.generated):
+                last = entry.engines[-1]
+                self.metrics.tokens_served(last, lag_label(self.registry.get(last), self.registry.routable()), tokens)
 
     async def _watch_disconnect(self, receive: Receive, exchange: _Exchange) -> None:
         # The body was read already; the next message is a disconnect (client gone, or our

@@ -78,6 +78,16 @@ def within_weight_lag(candidates: Sequence[Engine], routable: Sequence[Engine], 
     return [e for e in candidates if e.generation is not None and e.generation >= floor]
 
 
+def lag_label(engine: Engine | None, routable: Sequence[Engine]) -> str:
+    """How far the engine's weights are behind the newest routable engine's, as a bounded metric label: "0", "1",
+    "2" or "3+" generations; "unknown" where its generation or every routable one's is not known (static mode)."""
+    known = [e.generation for e in routable if e.generation is not None]
+    if engine is None or engine.generation is None or not known:
+        return "unknown"
+    lag = max(0, max(known) - engine.generation)
+    return str(lag) if lag < 3 else "3+"
+
+
 def lag_summary(routable: Sequence[Engine]) -> str:
     """The routable engines' generations, for a refusal: "engine-0 at 3, engine-1 at 2"."""
     return ", ".join(f"{e.key} at {'?' if e.generation is None else e.generation}" for e in routable) or "none"

@@ -62,8 +62,12 @@ def test_a_scrape_shows_each_fleets_engines_conditions_pause_and_versions() -> N
         f'rollfleet_operator_engine_weight_generation{{engine="fleet-a-engine-0",{fleet}}} 2.0',
         f"rollfleet_operator_fleet_version_skew_engines{{{fleet}}} 1.0",
         f'rollfleet_operator_engine_in_flight{{engine="fleet-a-engine-0",{fleet}}} 3.0',
+        f'rollfleet_operator_engine_phase{{engine="fleet-a-engine-1",{fleet},phase="PendingSync"}} 1.0',
+        f'rollfleet_operator_engine_phase{{engine="fleet-a-engine-2",{fleet},phase="Starting"}} 1.0',
     ):
         assert line in lines, line
+    # One series per engine, on its current phase.
+    assert len([ln for ln in lines if ln.startswith("rollfleet_operator_engine_phase{")]) == 3
     # An engine whose generation is unknown has no sample, rather than a made-up one.
     assert not any('engine="fleet-a-engine-1"' in ln and "weight_generation" in ln for ln in lines)
     pause = next(ln for ln in lines if ln.startswith("rollfleet_operator_fleet_pause_seconds{"))
@@ -126,3 +130,27 @@ def test_requests_are_counted_by_phase_and_their_samples_by_outcome_per_namespac
     lines = set(generate_latest(metrics.registry).decode().splitlines())
     assert 'rollfleet_operator_requests{namespace="rl",phase="Running"} 1.0' not in lines
     assert 'rollfleet_operator_request_samples{namespace="rl",outcome="in_flight"} 0.0' in lines
+
+
+def test_finished_samples_and_results_bytes_count_what_changed_while_watched() -> None:
+    metrics = RequestMetrics(CollectorRegistry())
+
+    def seen(event: str | None, uid: str, stored: int, **counts: int) -> None:
+        obj = request(uid, "rl", "Running", **counts)
+        obj["status"]["results"] = {"bytes": stored}  # type: ignore[index]
+        metrics.seen(event, obj)
+
+    seen(None, "old", 4000, total=8, completed=8)  # found at the operator's start: its baseline, not counted
+    seen("ADDED", "new", 0, total=8)
+    seen("MODIFIED", "new", 900, total=8, completed=3, failed=1)
+    seen("MODIFIED", "new", 2100, total=8, completed=6, aborted=1, failed=1)
+    seen("MODIFIED", "old", 4000, total=8, completed=8)  # unchanged
+    metrics.seen("DELETED", request("new", "rl", "Running"))  # counters keep what was counted
+    lines = set(generate_latest(metrics.registry).decode().splitlines())
+    for line in (
+        'rollfleet_operator_request_samples_finished_total{namespace="rl",outcome="completed"} 6.0',
+        'rollfleet_operator_request_samples_finished_total{namespace="rl",outcome="aborted"} 1.0',
+        'rollfleet_operator_request_samples_finished_total{namespace="rl",outcome="failed"} 1.0',
+        'rollfleet_operator_request_results_bytes_total{namespace="rl"} 2100.0',
+    ):
+        assert line in lines, line

@@ -26,3 +26,15 @@ def test_requests_durations_and_attempts_scrape_as_prometheus_counters_and_a_his
     assert 'rollfleet_gateway_request_seconds_bucket{le="600.0",route="/v1/chat/completions"} 0.0' in lines
     assert 'rollfleet_gateway_request_seconds_bucket{le="+Inf",route="/v1/chat/completions"} 1.0' in lines
     assert 'rollfleet_gateway_upstream_attempts_total{engine="engine-0",result="finished"} 1.0' in text
+
+
+def test_tokens_by_engine_and_lag_and_abort_latency_scrape() -> None:
+    m = Metrics()
+    m.tokens_served("engine-0", "0", 120)
+    m.tokens_served("engine-0", "0", 8)
+    m.tokens_served("engine-1", "3+", 5)
+    m.abort_seconds.observe(0.04)
+    text = generate_latest(m.registry).decode()
+    assert 'rollfleet_gateway_tokens_total{engine="engine-0",lag="0"} 128.0' in text
+    assert 'rollfleet_gateway_tokens_total{engine="engine-1",lag="3+"} 5.0' in text
+    assert 'rollfleet_gateway_abort_seconds_bucket{le="0.05"} 1.0' in text

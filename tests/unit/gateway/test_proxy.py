@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tests.unit.gateway.conftest import TOKEN, Stack, sse_chunks
 
 from rollfleet.gateway.dialects import MAX_JSON_DEPTH
@@ -191,9 +192,21 @@ def _start_stream(gw: Stack, rid: str, out: dict) -> threading.Thread:
     return thread
 
 
+def scraped(gw: Stack, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """One metric's samples at the gateway's /metrics, by their labels."""
+    text = httpx.get(gw.url + "/metrics").text
+    return {
+        frozenset(s.labels.items()): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
 def test_abort_by_id_ends_the_stream_with_abort_at_the_engine_and_answers_per_id(gw: Stack) -> None:
     for sim in gw.sims:
         sim.token_delay_ms = 5
+    timed_before = sum(scraped(gw, "rollfleet_gateway_abort_seconds_count").values())
     out: dict = {}
     thread = _start_stream(gw, "ab-1", out)
     wait_until(lambda: any("ab-1" in s.running for s in gw.sims))
@@ -205,6 +218,18 @@ def test_abort_by_id_ends_the_stream_with_abort_at_the_engine_and_answers_per_id
     assert any(s.finished.get("ab-1") == "abort" for s in gw.sims)
     r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1"]}, headers=ADMIN)
     assert r.json() == {"results": {"ab-1": "aborted"}, "reasons": {}}  # remembered after the end
+    # Each `aborted` answer is timed, from the call to the engine's word; `unknown` is not.
+    assert sum(scraped(gw, "rollfleet_gateway_abort_seconds_count").values()) == timed_before + 2
+
+
+def test_tokens_served_are_counted_by_engine_and_weight_lag(gw: Stack) -> None:
+    before = scraped(gw, "rollfleet_gateway_tokens_total")
+    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "ignore_eos": True})
+    [engine] = r.json()["rollfleet"]["engines"]
+    after = scraped(gw, "rollfleet_gateway_tokens_total")
+    # A static gateway knows no engine's weight generation: its lag is unknown, not 0.
+    key = frozenset({("engine", engine), ("lag", "unknown")})
+    assert after[key] - before.get(key, 0.0) == 5, after
 
 
 def test_abort_of_an_id_served_elsewhere_fans_out_to_the_engines(gw: Stack) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rollfleet.gateway.registry import Engine, Registry, engine_from_pod, within_weight_lag
+from rollfleet.gateway.registry import Engine, Registry, engine_from_pod, lag_label, within_weight_lag
 
 
 def pod(
@@ -105,3 +105,16 @@ def test_an_engine_s_weight_generation_comes_from_its_pod_and_bounds_a_request_s
     assert within_weight_lag([e1], routable, 0) == []  # measured from the newest routable engine, tried or not
     static = [at("s0", None), at("s1", None)]
     assert within_weight_lag(static, static, 0) == static  # no generation known anywhere: nothing to bound by
+
+
+def test_a_served_request_s_lag_is_a_bounded_label() -> None:
+    def at(key: str, generation: int | None) -> Engine:
+        return Engine(key=key, url="http://e", routable=True, generation=generation)
+
+    newest, one, far, unknown = at("a", 7), at("b", 6), at("c", 2), at("d", None)
+    routable = [newest, one, far, unknown]
+    assert [lag_label(e, routable) for e in routable] == ["0", "1", "3+", "unknown"]
+    assert lag_label(at("e", 5), routable) == "2"
+    assert lag_label(newest, [unknown]) == "unknown"  # nothing known to measure from
+    assert lag_label(None, routable) == "unknown"  # its engine left the table
+    assert lag_label(at("f", 9), routable) == "0"  # newer than every routable one (they were just replaced)
