@@ -20,8 +20,13 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    namespace's objects as stored after it, less before; etcd's own in-use size is printed
    too, which counts revisions not yet compacted).
 
+4. what scraping costs (`--scrape-rounds R`): the batch of part 2, R times without and R times with a real
+   Prometheus (Debian's, `rollfleet_dev.prometheus`) scraping the operator, the gateway and both engines every
+   second; the fleet's CPU seconds per run (its pods' processes and the operator, from /proc), and the
+   overhead of the median with over the median without (`scrape_cpu_overhead_ratio`, goal <= 0.02).
+
 Usage: python -m bench.bench_requests [--json PATH] [--finished 1000] [--prompts 512 --n 16
-       --max-tokens 64 --parallelism 64] [--samples 10000 --tokens 256]
+       --max-tokens 64 --parallelism 64] [--samples 10000 --tokens 256] [--scrape-rounds 2]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,12 +54,24 @@ import kubernetes
 from bench.processes import stop
 from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
 from rollfleet.api.request import PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
-from rollfleet.contract import GROUP, VERSION
+from rollfleet.contract import (
+    COMPONENT_ENGINE,
+    COMPONENT_GATEWAY,
+    ENGINE_PORT,
+    GATEWAY_PORT,
+    GROUP,
+    LABEL_COMPONENT,
+    LABEL_FLEET,
+    VERSION,
+)
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import read_fleet
 from rollfleet.controller.tokens import OperatorKey
 from rollfleet.kube import Kube, load_client
+from rollfleet_dev import prometheus as prom
 from rollfleet_dev.localcluster import claims, controlplane
+from rollfleet_dev.localcluster.nodeagent.logs import nodes_state_dir
+from rollfleet_dev.localcluster.nodeagent.processes import cpu_seconds
 
 BIN = Path(sys.executable).parent
 
@@ -65,14 +83,13 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-NO_ENDPOINTS = ["--health-port", "0", "--metrics-port", "0"]
-
-
 @contextmanager
-def operator(kubeconfig: Path, namespace: str) -> Iterator[subprocess.Popen[bytes]]:
+def operator(kubeconfig: Path, namespace: str, metrics_port: int = 0) -> Iterator[subprocess.Popen[bytes]]:
+    """`rollfleet operator` serving `namespace`; its metrics on loopback at `metrics_port` (0: none)."""
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    endpoints = ["--health-port", "0", "--metrics-port", str(metrics_port), "--listen", "127.0.0.1"]
     proc = subprocess.Popen(
-        [BIN / "rollfleet", "operator", "-n", namespace, "--key-namespace", namespace, *NO_ENDPOINTS],
+        [BIN / "rollfleet", "operator", "-n", namespace, "--key-namespace", namespace, *endpoints],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -246,6 +263,18 @@ def run_request(custom: kubernetes.client.CustomObjectsApi, namespace: str, spec
     return {"name": rr, "status": status, "seconds": took, "first_sample_s": first}
 
 
+def batch_spec(claim: str, prompts: int, n: int, max_tokens: int, parallelism: int) -> dict[str, Any]:
+    """A RolloutRequest of `prompts` x `n` samples of `max_tokens` tokens, its results on `claim`."""
+    return {
+        "fleet": FLEET,
+        "prompts": [{"text": f"Question {i}: what comes after {i}?"} for i in range(prompts)],
+        "samplesPerPrompt": n,
+        "sampling": {"maxTokens": max_tokens, "ignoreEos": True},
+        "parallelism": parallelism,
+        "results": {"persistentVolumeClaim": {"claimName": claim}},
+    }
+
+
 def bench_throughput(
     client: kubernetes.client.ApiClient,
     namespace: str,
@@ -256,15 +285,8 @@ def bench_throughput(
     parallelism: int,
 ) -> dict[str, float]:
     custom = kubernetes.client.CustomObjectsApi(client)
-    texts = [f"Question {i}: what comes after {i}?" for i in range(prompts)]
-    spec = {
-        "fleet": FLEET,
-        "prompts": [{"text": t} for t in texts],
-        "samplesPerPrompt": n,
-        "sampling": {"maxTokens": max_tokens, "ignoreEos": True},
-        "parallelism": parallelism,
-        "results": {"persistentVolumeClaim": {"claimName": claim}},
-    }
+    spec = batch_spec(claim, prompts, n, max_tokens, parallelism)
+    texts = [p["text"] for p in spec["prompts"]]
     run = run_request(custom, namespace, spec)
     assert run["status"]["phase"] == "Succeeded", run["status"]
 
@@ -360,6 +382,77 @@ def bench_big_request(
     return out
 
 
+# --- what scraping costs the fleet ----------------------------------------------------------------------------
+
+
+def fleet_cpu_seconds(namespace: str, operator_pid: int) -> float:
+    """CPU seconds the fleet's pods (its gateway and engines: every process of their containers) and the operator
+    have used so far. Runner pods are left out: each request has its own, gone before its end is seen."""
+    pods = nodes_state_dir() / "pods"
+    fields = Path(f"/proc/{operator_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return own + sum(cpu_seconds(f) for f in pods.glob(f"{namespace}_{FLEET}-*/*.pid"))
+
+
+def scrape_targets(core: kubernetes.client.CoreV1Api, namespace: str, operator_port: int) -> list[prom.Target]:
+    """The fleet's components as its PodMonitors select them (pod IPs: the local cluster's pods are this machine's
+    processes), and the operator."""
+    targets = [prom.Target("rollfleet-operator", f"http://127.0.0.1:{operator_port}", honor_labels=True)]
+    ports = {COMPONENT_GATEWAY: GATEWAY_PORT, COMPONENT_ENGINE: ENGINE_PORT}
+    for component, port in ports.items():
+        selector = f"{LABEL_FLEET}={FLEET},{LABEL_COMPONENT}={component}"
+        for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
+            labels = {"namespace": namespace, "fleet": FLEET, "pod": pod.metadata.name}
+            targets.append(prom.Target(f"rollfleet-{component}s", f"http://{pod.status.pod_ip}:{port}", labels))
+    return targets
+
+
+def bench_scrape_overhead(
+    client: kubernetes.client.ApiClient,
+    namespace: str,
+    operator_pid: int,
+    operator_port: int,
+    spec: dict[str, Any],
+    rounds: int,
+) -> dict[str, float]:
+    """The same RolloutRequest, in rounds of one run without and one with a real Prometheus scraping every
+    component of the fleet each second (15 times its default rate): the fleet's CPU seconds per run, and the
+    overhead of the median with scraping over the median without."""
+    custom, core = kubernetes.client.CustomObjectsApi(client), kubernetes.client.CoreV1Api(client)
+    targets = scrape_targets(core, namespace, operator_port)
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+    scrapes = 0.0
+
+    def run() -> float:
+        before = fleet_cpu_seconds(namespace, operator_pid)
+        done = run_request(custom, namespace, spec)
+        assert done["status"]["phase"] == "Succeeded", done["status"]
+        return fleet_cpu_seconds(namespace, operator_pid) - before
+
+    for _ in range(rounds):
+        cpu[False].append(run())
+        print(f"  without scraping: fleet CPU {cpu[False][-1]:.2f} s")
+        with prom.running(targets) as scraper:
+            wait_until(lambda: all(scraper.targets_up().values()), timeout=60, what="every target scraped")
+            cpu[True].append(run())
+            scrapes += float(scraper.query("sum(count_over_time(up[1h]))")[0]["value"][1])
+        print(f"  with scraping: fleet CPU {cpu[True][-1]:.2f} s")
+    without, with_ = statistics.median(cpu[False]), statistics.median(cpu[True])
+    out = {
+        "scrape_fleet_cpu_s_without": without,
+        "scrape_fleet_cpu_s_with": with_,
+        "scrape_cpu_overhead_ratio": with_ / without - 1,
+        "scrape_targets": len(targets),
+        "scrapes_per_run": scrapes / rounds,
+    }
+    print(
+        f"scraping {len(targets)} targets every second: fleet CPU {with_:.2f} s vs {without:.2f} s without "
+        f"(medians of {rounds}) = {out['scrape_cpu_overhead_ratio']:+.1%} (goal <= +2%); "
+        f"{out['scrapes_per_run']:.0f} scrapes per run"
+    )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write every figure here")
@@ -372,6 +465,9 @@ def main() -> int:
     parser.add_argument("--parallelism", type=int, default=64)
     parser.add_argument("--samples", type=int, default=10_000, help="samples of the large request")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per sample of the large request")
+    parser.add_argument(
+        "--scrape-rounds", type=int, default=2, help="runs of the batch without and with scraping, each (0: skip)"
+    )
     args = parser.parse_args()
     kubeconfig = controlplane.up().kubeconfig
     client = load_client(str(kubeconfig))
@@ -382,7 +478,8 @@ def main() -> int:
     ns = f"rr-bench-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
     try:
-        with operator(kubeconfig, ns) as proc, results_claim(core, ns) as claim:
+        operator_port = prom.free_port()
+        with operator(kubeconfig, ns, operator_port) as proc, results_claim(core, ns) as claim:
             fleet = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RolloutFleet", "metadata": {"name": FLEET}}
             custom.create_namespaced_custom_object(
                 GROUP, VERSION, ns, FLEET_PLURAL, fleet | {"spec": sim_fleet_spec(args.engines)}
@@ -390,6 +487,9 @@ def main() -> int:
             wait_until(lambda: fleet_ready(custom, ns, args.engines), timeout=300, what="the simulated fleet Ready")
             report |= bench_throughput(client, ns, claim[0], args.prompts, args.n, args.max_tokens, args.parallelism)
             report |= bench_big_request(client, ns, claim, proc.pid, args.samples, args.tokens)
+            if args.scrape_rounds:
+                spec = batch_spec(claim[0], args.prompts, args.n, args.max_tokens, args.parallelism)
+                report |= bench_scrape_overhead(client, ns, proc.pid, operator_port, spec, args.scrape_rounds)
     finally:
         core.delete_namespace(ns)
     if args.json:

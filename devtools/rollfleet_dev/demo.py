@@ -345,6 +345,28 @@ def _step_push(w: Walkthrough) -> None:
         w.sh("-n", NS, "get", "rf")
 
 
+def _step_top(w: Walkthrough) -> None:
+    with w.step("rollfleet top: the fleet live (engines, phase, weights, running requests, tokens/s, pause)"):
+        streams = [_Stream(_gateway_url(w), max_tokens=300, auth=_inference_auth(w)) for _ in range(4)]
+        w.wait("the streams to run on the engines", lambda: sum(_engines_running(w).values()) >= 2, timeout=120)
+        argv = ["top", FLEET, "-n", NS, "--once", "--interval", "3"]
+        print(f"    $ rollfleet {' '.join(argv)}", flush=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "rollfleet.cli", *argv, "--kubeconfig", str(w.k.kubeconfig)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        for line in out.rstrip().splitlines():
+            print(f"      {line}")
+        for s in streams:
+            s.join(300)
+        rates = [row.split()[4] for row in out.splitlines()[2:] if row.strip()]
+        if not any(r != "-" and float(r) > 0 for r in rates):
+            raise DemoFailed(f"rollfleet top showed no engine making tokens while 4 streams ran:\n{out}")
+
+
 STEPS: list[Callable[[Walkthrough], None]] = [
     _step_nodes,
     _step_model,
@@ -355,6 +377,7 @@ STEPS: list[Callable[[Walkthrough], None]] = [
     _step_pause,
     _step_scale,
     _step_push,
+    _step_top,
 ]
 
 

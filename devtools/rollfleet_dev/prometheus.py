@@ -52,7 +52,7 @@ class Prometheus:
         return {f"{t['labels']['job']}/{t['labels']['instance']}": t["health"] == "up" for t in active}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -79,7 +79,7 @@ def running(targets: list[Target]) -> Iterator[Prometheus]:
     assert binary, "prometheus is missing: apt-get install prometheus (Debian's package; .ci/run installs it)"
     work = Path(tempfile.mkdtemp(prefix="rollfleet-prometheus-"))
     (work / "prometheus.yml").write_text(yaml.safe_dump(config(targets)))
-    port = _free_port()
+    port = free_port()
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen(
         [

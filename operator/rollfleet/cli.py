@@ -91,6 +91,24 @@ def _add_results(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     s.set_defaults(func=serve)
 
 
+def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("top", help="a live view of fleets: engines, phase, weights, running requests, tokens/s, pause")
+    p.add_argument("fleet", nargs="?", default=None, help="one fleet (default: every fleet of the namespace)")
+    p.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: %(default)s)")
+    p.add_argument("--once", action="store_true", help="print one screen (tokens/s over one interval) and exit")
+
+    def run(args: argparse.Namespace) -> int:
+        from rollfleet import top
+
+        if args.interval <= 0:
+            raise top.TopError(f"--interval must be more than 0 seconds, not {args.interval}")
+        return top.run(args.namespace, args.fleet, args.kubeconfig, args.interval, args.once, sys.stdout)
+
+    p.set_defaults(func=run)
+
+
 def _add_installed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Subcommands of other installed packages (`rollfleet.commands` entry points): the
     development tooling's `cluster` and `demo` (rollfleet_dev), absent from the operator image."""
@@ -108,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_operator(sub)
     _add_request_runner(sub)
     _add_results(sub)
+    _add_top(sub)
     _add_installed(sub)
     return parser
 

@@ -70,6 +70,21 @@ def _mntns(pid: int) -> str | None:
         return None
 
 
+def cpu_seconds(pid_file: Path) -> float:
+    """CPU seconds (user and system, with those of its reaped children) every live process of the container
+    that `pid_file` names has used: what a benchmark charges to a pod."""
+    ident = json.loads(pid_file.read_text())
+    ticks = 0
+    for pid in members(ident["mntns"]):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        ticks += sum(int(f) for f in fields[11:15])  # stat fields 14-17: utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def members(mntns: str) -> list[int]:
     """Every live (not zombie) process in that mount namespace."""
     found = []
