@@ -11,21 +11,20 @@ Talks to kube-apiserver only.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-import kubernetes
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollfleet import metrics as m
-from rollfleet.api.fleet import CRD as FLEET
 from rollfleet.api.fleet import RolloutFleetStatus
-from rollfleet.contract import COMPONENT_GATEWAY, GATEWAY_PORT, GROUP, VERSION, component_labels, selector
+from rollfleet.contract import COMPONENT_GATEWAY, GATEWAY_PORT, component_labels, selector
 from rollfleet.errors import RollfleetError
-from rollfleet.kube import context_namespace, load_client
+from rollfleet.kube import FLEET, POD, ApiError, Kube, context_namespace, load_client
 
 TOKENS = m.GATEWAY_TOKENS.exposed
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: what `watch` does between refreshes
@@ -117,54 +116,43 @@ def render(views: Sequence[FleetView], at: datetime) -> str:
 class Top:
     """Reads the fleets of a namespace (or one of them) and their gateways' token counters."""
 
-    def __init__(self, namespace: str | None, fleet: str | None, kubeconfig: str | None) -> None:
-        self.client = load_client(kubeconfig)
-        self.namespace = namespace or context_namespace(kubeconfig) or "default"
-        self.fleet = fleet
-        self.custom = kubernetes.client.CustomObjectsApi(self.client)
-        self.core = kubernetes.client.CoreV1Api(self.client)
+    def __init__(self, kube: Kube, namespace: str, fleet: str | None) -> None:
+        self.kube, self.namespace, self.fleet = kube, namespace, fleet
 
-    def fleets(self) -> list[dict[str, Any]]:
+    async def fleets(self) -> list[dict[str, Any]]:
         try:
             if self.fleet:
-                return [
-                    self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, FLEET.plural, self.fleet)
-                ]
-            listed = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, FLEET.plural)
-        except kubernetes.client.ApiException as err:
+                return [await self.kube.get(FLEET, self.namespace, self.fleet)]
+            listed = await self.kube.list(FLEET, self.namespace)
+        except ApiError as err:
             what = f"rf/{self.fleet}" if self.fleet else "the RolloutFleets"
-            raise TopError(f"cannot read {what} in namespace {self.namespace}: {err.status} {err.reason}") from err
-        return sorted(listed["items"], key=lambda f: f["metadata"]["name"])
+            raise TopError(f"cannot read {what} in namespace {self.namespace}: {err}") from err
+        return sorted(listed, key=lambda f: f["metadata"]["name"])
 
-    def scrapes(self, fleet: str) -> list[str]:
+    async def scrapes(self, fleet: str) -> list[str]:
         """Each of the fleet's running gateway replicas' /metrics (a replica that does not answer is left out)."""
-        pods = self.core.list_namespaced_pod(
-            self.namespace, label_selector=selector(component_labels(fleet, COMPONENT_GATEWAY))
-        )
-        texts = []
-        for pod in pods.items:
-            if pod.status.phase != "Running" or pod.metadata.deletion_timestamp:
-                continue
-            try:
-                texts.append(
-                    self.core.connect_get_namespaced_pod_proxy_with_path(
-                        f"{pod.metadata.name}:{GATEWAY_PORT}", self.namespace, m.METRICS_PATH.lstrip("/")
-                    )
-                )
-            except kubernetes.client.ApiException:
-                continue
-        return texts
+        pods = await self.kube.list(POD, self.namespace, selector(component_labels(fleet, COMPONENT_GATEWAY)))
+        running = [p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running"]
+        texts = await asyncio.gather(*(asyncio.to_thread(self._scrape, pod) for pod in running))
+        return [t for t in texts if t is not None]
 
-    def views(
+    def _scrape(self, pod: str) -> str | None:
+        try:
+            chunks = self.kube.pod_proxy_stream(self.namespace, pod, GATEWAY_PORT, m.METRICS_PATH, {}, 1 << 16)
+            return b"".join(chunks).decode()
+        except ApiError:
+            return None
+
+    async def views(
         self, before: Mapping[str, dict[str, float]], seconds: float
     ) -> tuple[list[FleetView], dict[str, dict[str, float]]]:
         """The fleets now, with tokens/s against the counters of `before` (per fleet), and the counters now."""
         views: list[FleetView] = []
         counters: dict[str, dict[str, float]] = {}
-        for obj in self.fleets():
+        for obj in await self.fleets():
             name = obj["metadata"]["name"]
             status = RolloutFleetStatus.model_validate(obj.get("status") or {})
-            counters[name] = tokens_by_engine(self.scrapes(name))
+            counters[name] = tokens_by_engine(await self.scrapes(name))
             rows = engine_rows(status, counters[name], before.get(name), seconds)
             views.append(FleetView(self.namespace, name, status, int(obj["spec"].get("replicas", 0)), rows))
         return views, counters
@@ -174,13 +162,22 @@ def run(
     namespace: str | None, fleet: str | None, kubeconfig: str | None, interval: float, once: bool, out: TextIO
 ) -> int:
     """Refresh every `interval` seconds until interrupted; `once`: one screen, its tokens/s over one interval."""
-    top = Top(namespace, fleet, kubeconfig)
-    _, counters = top.views({}, 0.0)
+    kube = Kube(load_client(kubeconfig))
+    try:
+        return asyncio.run(
+            _loop(Top(kube, namespace or context_namespace(kubeconfig) or "default", fleet), interval, once, out)
+        )
+    finally:
+        kube.close()
+
+
+async def _loop(top: Top, interval: float, once: bool, out: TextIO) -> int:
+    _, counters = await top.views({}, 0.0)
     last = time.monotonic()
     while True:
-        time.sleep(interval)  # the rate's window: two scrapes `interval` apart
+        await asyncio.sleep(interval)  # the rate's window: two scrapes `interval` apart
         now = time.monotonic()
-        views, counters = top.views(counters, now - last)
+        views, counters = await top.views(counters, now - last)
         last = now
         screen = render(views, datetime.now(UTC))
         if once:
