@@ -27,6 +27,13 @@ class Panel:
     width: int = 12
 
 
+def latency_panel(title: str, histogram: str, window: str) -> Panel:
+    """A histogram's median and 99th percentile over `window`."""
+    return Panel(
+        title, tuple((quantile(q, histogram, "le", window), f"p{round(q * 100)}") for q in (0.5, 0.99)), unit="s"
+    )
+
+
 PANELS: tuple[Panel, ...] = (
     Panel(
         "Engines serving / wanted",
@@ -83,26 +90,12 @@ PANELS: tuple[Panel, ...] = (
         ((f"sum by (outcome) (rate(rollfleet_gateway_requests_total{{{SELECT}}}[1m]))", "{{outcome}}"),),
         unit="reqps",
     ),
-    Panel(
-        "Gateway request latency",
-        (
-            (quantile(0.5, "rollfleet_gateway_request_seconds", "le", "5m"), "p50"),
-            (quantile(0.99, "rollfleet_gateway_request_seconds", "le", "5m"), "p99"),
-        ),
-        unit="s",
-    ),
+    latency_panel("Gateway request latency", "rollfleet_gateway_request_seconds", "5m"),
     Panel(
         "Aborts by answer (pending, unconfirmed: the engine did not confirm)",
         ((f"sum by (result) (increase(rollfleet_gateway_abort_results_total{{{SELECT}}}[5m]))", "{{result}}"),),
     ),
-    Panel(
-        "Abort to engine idle (from the call to the engine's word)",
-        (
-            (quantile(0.5, "rollfleet_gateway_abort_seconds", "le", "1h"), "p50"),
-            (quantile(0.99, "rollfleet_gateway_abort_seconds", "le", "1h"), "p99"),
-        ),
-        unit="s",
-    ),
+    latency_panel("Abort to engine idle (from the call to the engine's word)", "rollfleet_gateway_abort_seconds", "1h"),
     Panel(
         "Tokens/s served by weight lag (generations behind the newest)",
         ((f"sum by (lag) (rate(rollfleet_gateway_tokens_total{{{SELECT}}}[1m]))", "lag {{lag}}"),),
