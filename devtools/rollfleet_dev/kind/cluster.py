@@ -130,6 +130,44 @@ def _wait_nodes_ready(kubectl: Kubectl, count: int, timeout_s: float = RESTART_T
     return False
 
 
+KINDNET_CONF = "/etc/cni/net.d/10-kindnet.conflist"
+
+
+def cni_subnet(conflist: str) -> str | None:
+    """The pod range kindnet's CNI configuration on a node hands out (None: no configuration yet)."""
+    try:
+        plugins = json.loads(conflist)["plugins"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    ranges = [r for p in plugins for group in (p.get("ipam") or {}).get("ranges", []) for r in group]
+    return str(ranges[0]["subnet"]) if ranges else None
+
+
+def range_faults(cni_subnets: dict[str, str | None], pod_cidrs: dict[str, str | None]) -> list[str]:
+    """Nodes whose kindnet hands out another range than the node's podCIDR, as "node: hands out X, its range
+    is Y". Docker restarting the node containers in another order moves their addresses; kindnet on a node
+    then takes the node whose address it has for its own, writes that node's range into its CNI
+    configuration, and keeps it: two nodes give pods addresses of one range, and traffic to half of them goes
+    to the other node (engines Running and probed Ready by their kubelet, but unreachable from other nodes)."""
+    return [
+        f"{node}: hands out {cni_subnets.get(node) or 'no range'}, its range is {cidr}"
+        for node, cidr in sorted(pod_cidrs.items())
+        if cidr and cni_subnets.get(node) != cidr
+    ]
+
+
+def _pod_network_faults(kubectl: Kubectl) -> list[str]:
+    nodes = json.loads(kubectl.run("get", "nodes", "-o", "json").stdout)["items"]
+    cidrs = {n["metadata"]["name"]: n["spec"].get("podCIDR") for n in nodes}
+    confs = {
+        node: cni_subnet(
+            subprocess.run(["docker", "exec", node, "cat", KINDNET_CONF], capture_output=True, text=True).stdout
+        )
+        for node in cidrs
+    }
+    return range_faults(confs, cidrs)
+
+
 def _node_ips(nodes: list[str]) -> dict[str, str]:
     """Each running node container's address on kind's network ("" for a stopped one)."""
     tmpl = "{{.Name}} {{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
@@ -321,6 +359,9 @@ def up(clean: bool = False) -> Path:
         # server refuses even the admin.
         if not _wait_nodes_ready(Kubectl(kubeconfig), len(_node_containers())):
             log(f"kind: cluster {CLUSTER_NAME} did not answer with every node Ready: making it anew")
+            down()
+        elif faults := _pod_network_faults(Kubectl(kubeconfig)):
+            log(f"kind: cluster {CLUSTER_NAME}'s pod network is broken ({'; '.join(faults)}): making it anew")
             down()
     if exists():
         log(f"kind: cluster {CLUSTER_NAME} is up")

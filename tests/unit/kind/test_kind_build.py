@@ -3,6 +3,7 @@ machine, and the cluster config every node gets."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,25 @@ def test_stopped_nodes_start_in_the_order_of_their_addresses_and_a_moved_one_is_
         "rf-worker2: 172.18.0.2 -> 172.18.0.3",
     ]
     assert cluster.moved(before, before | {"rf-worker": ""}) == ["rf-worker: 172.18.0.3 -> none"]
+
+
+def test_a_node_whose_kindnet_hands_out_another_nodes_range_is_named() -> None:
+    conf = json.dumps(
+        {
+            "plugins": [
+                {"type": "ptp", "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.1.0/24"}]]}},
+                {"type": "portmap"},
+            ]
+        }
+    )
+    assert cluster.cni_subnet(conf) == "10.244.1.0/24"
+    assert cluster.cni_subnet("") is None  # kindnet has written none yet
+    cidrs = {"w2": "10.244.1.0/24", "w3": "10.244.2.0/24", "cp": "10.244.0.0/24"}
+    # What a Docker restart left on this machine once: w3 kept w2's range.
+    subnets = {"w2": "10.244.1.0/24", "w3": "10.244.1.0/24", "cp": "10.244.0.0/24"}
+    assert cluster.range_faults(subnets, cidrs) == ["w3: hands out 10.244.1.0/24, its range is 10.244.2.0/24"]
+    assert cluster.range_faults(subnets | {"w3": "10.244.2.0/24"}, cidrs) == []
+    assert cluster.range_faults({"w2": None}, {"w2": "10.244.1.0/24"}) == [
+        "w2: hands out no range, its range is 10.244.1.0/24"
+    ]
+    assert cluster.range_faults({}, {"new": None}) == []  # no range allocated to it yet: nothing to compare
