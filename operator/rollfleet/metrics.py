@@ -81,8 +81,9 @@ GATEWAY_TOKENS = MetricSpec(
     GATEWAY,
     "rollfleet_gateway_tokens",
     "counter",
-    "Completion tokens served, by the engine that ended the request and its lag: how many weight generations "
-    "its weights were behind the newest routable engine's then (0, 1, 2, 3+; unknown: generations not known)",
+    "Completion tokens served, counted as they pass, by engine and its lag: how many weight generations its "
+    "weights were behind the newest routable engine's when the attempt started (0, 1, 2, 3+; unknown: no "
+    "generation known)",
     ("engine", "lag"),
 )
 GATEWAY_IN_FLIGHT = MetricSpec(GATEWAY, "rollfleet_gateway_in_flight", "gauge", "Requests in flight at this replica")

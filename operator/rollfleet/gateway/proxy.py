@@ -332,9 +332,6 @@ class Proxy:
                 watcher.cancel()
             self.inflight.close(entry, finish)
             self.metrics.request_done(req.route, finish or "none", loop.time() - started)
-            if entry.engines and (tokens := entry.generated):
-                last = entry.engines[-1]
-                self.metrics.tokens_served(last, lag_label(self.registry.get(last), self.registry.routable()), tokens)
 
     async def _watch_disconnect(self, receive: Receive, exchange: _Exchange) -> None:
         # The body was read already; the next message is a disconnect (client gone, or our
@@ -369,6 +366,7 @@ class _Exchange:
         self._closing: int | None = None  # index in the current batch of the chunk that ends the request
         self.continuation_refused = False
         self.lag_bound_left_none = False  # engines were routable, but none within the request's weight-lag bound
+        self._tokens_key = ("", "unknown")  # (engine, lag) of the current attempt, for the tokens counter
 
     # --- the attempt loop -----------------------------------------------------------
     async def run(self) -> str | None:
@@ -508,6 +506,8 @@ class _Exchange:
         entry.engine = engine.key
         entry.engines.append(engine.key)
         entry.tried.add(engine.instance)
+        # Tokens are counted as they pass (a live view sees a long stream's), under the engine's lag at its start.
+        self._tokens_key = (engine.key, lag_label(engine, p.registry.routable()))
         # The exchange runs in this task (no task per attempt: the hot path); a stop reaches it through
         # the watch, which aborts the id on the engine and, past the grace period, cancels this task.
         watch = _StopWatch(self, engine)
@@ -689,6 +689,7 @@ class _Exchange:
             ids = c.get("token_ids")
             if ids:
                 choice.token_ids += ids
+                self.proxy.metrics.tokens_served(*self._tokens_key, len(ids))
             if route is Route.COMPLETIONS:
                 choice.text_chars += len(c.get("text") or "")
             spans = c.get("weight_versions")
