@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import kubernetes
 
+from bench.crds import install_crds
 from bench.processes import stop
 from rollfleet import contract
 from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
@@ -320,6 +321,7 @@ def main() -> int:
     parser.add_argument("--baseline", action="store_true", help="also time a bulk create without the operator")
     args = parser.parse_args()
     kubeconfig = controlplane.up().kubeconfig
+    install_crds(kubeconfig)
     client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
     result: dict[str, Any] = {"fleet": fleet_run(kubeconfig, client, args.engines)}
     print(json.dumps(result, indent=2), flush=True)

@@ -46,6 +46,11 @@ class Prometheus:
             raise AssertionError(f"Prometheus refused {expr!r}: {body.get('error')}")
         return list(body["data"]["result"])
 
+    def scrapes(self) -> float:
+        """Scrapes made so far, of every target (each leaves one sample of `up`)."""
+        result = self.query("sum(count_over_time(up[1d]))")
+        return float(result[0]["value"][1]) if result else 0.0
+
     def targets_up(self) -> dict[str, bool]:
         """Each target's scrape health, by `job/instance`."""
         active = httpx.get(f"{self.url}/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
@@ -58,14 +63,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def config(targets: list[Target]) -> dict[str, Any]:
+def config(targets: list[Target], interval_s: float = SCRAPE_INTERVAL_S) -> dict[str, Any]:
     jobs: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for t in targets:
         jobs.setdefault((t.job, t.honor_labels), []).append(
             {"targets": [urlsplit(t.url).netloc], "labels": dict(t.labels)}
         )
     return {
-        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
+        "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
         "scrape_configs": [
             {"job_name": job, "honor_labels": honor, "static_configs": groups} for (job, honor), groups in jobs.items()
         ],
@@ -73,12 +78,12 @@ def config(targets: list[Target]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def running(targets: list[Target]) -> Iterator[Prometheus]:
-    """Prometheus scraping `targets` until the block ends; its data goes with it."""
+def running(targets: list[Target], interval_s: float = SCRAPE_INTERVAL_S) -> Iterator[Prometheus]:
+    """Prometheus scraping `targets` every `interval_s` until the block ends; its data goes with it."""
     binary = shutil.which("prometheus")
     assert binary, "prometheus is missing: apt-get install prometheus (Debian's package; .ci/run installs it)"
     work = Path(tempfile.mkdtemp(prefix="rollfleet-prometheus-"))
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config(targets)))
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config(targets, interval_s)))
     port = free_port()
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen(

@@ -394,7 +394,11 @@ def up(clean: bool = False) -> Path:
     kubectl = Kubectl(kubeconfig)
     advertise_gpus(kubectl)
     load_images(kubectl)
-    _record_node_ips(list(_node_containers()))
+    nodes = list(_node_containers())
+    _record_node_ips(nodes)
+    # kind's restart policy has Docker start the nodes itself when its daemon starts, in an order of its own
+    # (swapped addresses: a broken pod network); without one they wait for `up`, which starts them in order.
+    _run(["docker", "update", "--restart=no", *nodes], "docker update")
     log(f"kind: ready; export KUBECONFIG={kubeconfig}")
     return kubeconfig
 
