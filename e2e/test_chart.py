@@ -12,6 +12,7 @@ the upgraded operator pausing and resuming the fleet, and `helm uninstall` leavi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import subprocess
@@ -47,6 +48,7 @@ DEFAULT_ARGS = (
     f"--health-port={OPERATOR_HEALTH_PORT}",
     f"--metrics-port={OPERATOR_METRICS_PORT}",
 )
+RELEASE = "rf-helm"  # the kind case's release: its cluster-wide objects are named after it
 KUBE_VERSION = "1.37.1"  # `helm template` checks the chart's kubeVersion against this (it asks no cluster)
 
 Obj = dict[str, Any]
@@ -139,6 +141,9 @@ def test_every_option_renders_objects_the_api_server_accepts(cluster: Cluster, t
         }, cluster_role["rules"]
         roles = [o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == served]
         assert len(roles) == 1 and any("pods" in r["resources"] for r in roles[0]["rules"]), roles
+        # Its key's namespace serves no fleet: there it may still make the key at its first start.
+        [key] = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"] == "rollfleet-operator-key"]
+        assert {v for r in key["rules"] for v in r["verbs"]} == {"get", "create"}, key["rules"]
         [deployment] = [o for o in objs if o["kind"] == "Deployment"]
         container = deployment["spec"]["template"]["spec"]["containers"][0]
         assert container["image"] == "rollfleet/rollfleet:0.1.0-rc1", container["image"]
@@ -222,6 +227,11 @@ def namespaces(cluster: Cluster) -> Iterator[tuple[str, str]]:
     try:
         yield release_ns, fleet_ns
     finally:
+        # A case that failed midway leaves its release, whose cluster-wide objects would refuse the next one.
+        with contextlib.suppress(RuntimeError):
+            helm(
+                ["uninstall", RELEASE, "-n", release_ns, "--ignore-not-found", "--wait"], kubeconfig=cluster.kubeconfig
+            )
         for ns in (fleet_ns, release_ns):
             cluster.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false", check=False)
 
@@ -247,7 +257,7 @@ def exists(cluster: Cluster, ref: str) -> bool:
 def test_helm_install_upgrade_with_the_fleet_serving_and_uninstall(
     cluster: Cluster, namespaces: tuple[str, str]
 ) -> None:
-    release, (release_ns, fleet_ns) = "rf-helm", namespaces
+    release, (release_ns, fleet_ns) = RELEASE, namespaces
     kubeconfig = cluster.kubeconfig
     helm(
         [
@@ -287,6 +297,7 @@ def test_helm_install_upgrade_with_the_fleet_serving_and_uninstall(
         finally:
             traffic.stop()
             subprocess.run(["docker", "rmi", image], capture_output=True, check=False)
+    print(f"\nhelm upgrade with the fleet serving: {traffic.ok} completions, {len(traffic.errors)} failed")
     assert not traffic.errors, traffic.errors[:5]
 
     # The upgraded operator serves the fleet: it pauses its engine and resumes it.
@@ -304,10 +315,16 @@ def test_helm_install_upgrade_with_the_fleet_serving_and_uninstall(
     assert len(objects) >= 9, objects
     helm(["uninstall", release, "-n", release_ns, "--wait", "--timeout=5m"], kubeconfig=kubeconfig)
     assert [ref for ref in objects if exists(cluster, ref)] == []
-    left = cluster.kubectl(
-        "-n", release_ns, "get", "all,serviceaccounts,roles,rolebindings,configmaps,secrets", "-o", "name"
-    ).stdout.split()
-    # Kubernetes' own, and the operator's key (kept on purpose: it signs the tokens of any fleet still there).
-    assert sorted(left) == ["configmap/kube-root-ca.crt", "secret/rollfleet-operator-key", "serviceaccount/default"]
+    # Kubernetes' own, and the operator's key (kept on purpose: it signs the tokens of any fleet still there). The
+    # operator's pod goes after its Deployment (the garbage collector's, in its grace period).
+    kept = ["configmap/kube-root-ca.crt", "secret/rollfleet-operator-key", "serviceaccount/default"]
+    kinds = "all,serviceaccounts,roles,rolebindings,configmaps,secrets"
+    left: list[str] = []
+
+    def only_kept() -> bool:
+        left[:] = sorted(cluster.kubectl("-n", release_ns, "get", kinds, "-o", "name").stdout.split())
+        return left == kept
+
+    wait_for(only_kept, 120, interval=1, what=f"nothing but {kept} left in {release_ns} (left: {left})")
     # Helm never deletes the CRDs of crds/ (docs/operations.md): the fleets of other releases live on.
     assert exists(cluster, "customresourcedefinition/rolloutfleets.rollfleet.dev")
