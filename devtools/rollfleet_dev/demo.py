@@ -347,7 +347,8 @@ def _step_push(w: Walkthrough) -> None:
 
 def _step_top(w: Walkthrough) -> None:
     with w.step("rollfleet top: the fleet live (engines, phase, weights, running requests, tokens/s, pause)"):
-        streams = [_Stream(_gateway_url(w), max_tokens=300, auth=_inference_auth(w)) for _ in range(4)]
+        # Long enough to still decode through `top`'s start and its two scrapes.
+        streams = [_Stream(_gateway_url(w), max_tokens=3000, auth=_inference_auth(w)) for _ in range(4)]
         w.wait("the streams to run on the engines", lambda: sum(_engines_running(w).values()) >= 2, timeout=120)
         argv = ["top", FLEET, "-n", NS, "--once", "--interval", "3"]
         print(f"    $ rollfleet {' '.join(argv)}", flush=True)
