@@ -21,12 +21,12 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    too, which counts revisions not yet compacted).
 
 4. what scraping costs (`--scrape-rounds R --scrape-interval S`): the batch of part 2, R times without and R
-   times with a real Prometheus (Debian's, `rollfleet_dev.prometheus`) scraping the operator, the gateway and
-   both engines every S seconds (15 by default); the fleet's CPU seconds per run (its pods' processes and the
-   operator, from /proc), and the overhead of the median with over the median without
-   (`scrape_cpu_overhead_ratio`). Then the CPU one scrape costs, over an idle window scraped every second
-   less one not scraped, and that cost every S seconds next to the fleet's CPU under load
-   (`scrape_cpu_overhead_ratio_from_cost`, goal <= 0.02): less noisy than part 4's runs, which vary by more
+   times with (alternating without-with, with-without) a real Prometheus (Debian's, `rollfleet_dev.prometheus`)
+   scraping the operator, the gateway and both engines every S seconds (15 by default); the fleet's CPU
+   seconds per run (its pods' processes and the operator, from /proc), and the overhead of the median with
+   over the median without (`scrape_cpu_overhead_ratio`). Then the CPU one scrape costs, over an idle window
+   scraped every second less one not scraped, and that cost every S seconds next to the fleet's CPU under
+   load (`scrape_cpu_overhead_ratio_from_cost`, goal <= 0.02): steadier than the runs, which vary by more
    than a 15 s scrape costs.
 
 Usage: python -m bench.bench_requests [--json PATH] [--finished 1000] [--prompts 512 --n 16
@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -414,6 +416,10 @@ def scrape_targets(core: kubernetes.client.CoreV1Api, namespace: str, operator_p
     return targets
 
 
+def all_up(scraper: prom.Prometheus) -> bool:
+    return all(scraper.targets_up().values())
+
+
 def bench_scrape_overhead(
     client: kubernetes.client.ApiClient,
     namespace: str,
@@ -442,12 +448,15 @@ def bench_scrape_overhead(
         busy_s.append(time.monotonic() - started)
         return fleet_cpu_seconds(namespace, operator_pid) - before
 
-    for _ in range(rounds):
-        cpu[False].append(run())
-        with prom.running(targets, interval_s) as scraper:
-            wait_until(lambda: all(scraper.targets_up().values()), timeout=60, what="every target scraped")
-            cpu[True].append(run())
-        print(f"  fleet CPU per run: {cpu[False][-1]:.2f} s without scraping, {cpu[True][-1]:.2f} s with")
+    for i in range(rounds):
+        # Without, with; then with, without: a drift of the machine over the rounds weighs on both alike.
+        for scraped in (False, True) if i % 2 == 0 else (True, False):
+            with contextlib.ExitStack() as stack:
+                if scraped:
+                    scraper = stack.enter_context(prom.running(targets, interval_s))
+                    wait_until(functools.partial(all_up, scraper), timeout=60, what="every target scraped")
+                cpu[scraped].append(run())
+            print(f"  fleet CPU of a run {'with' if scraped else 'without'} scraping: {cpu[scraped][-1]:.2f} s")
     without, with_ = statistics.median(cpu[False]), statistics.median(cpu[True])
     load_cores = statistics.median(c / s for c, s in zip(cpu[False] + cpu[True], busy_s, strict=True))
 
@@ -456,7 +465,7 @@ def bench_scrape_overhead(
     time.sleep(window)  # the window measured: nothing to wait for
     idle = fleet_cpu_seconds(namespace, operator_pid) - idle
     with prom.running(targets, 1) as scraper:
-        wait_until(lambda: all(scraper.targets_up().values()), timeout=60, what="every target scraped")
+        wait_until(functools.partial(all_up, scraper), timeout=60, what="every target scraped")
         scraped, before = scraper.scrapes(), fleet_cpu_seconds(namespace, operator_pid)
         time.sleep(window)
         scraped, spent = scraper.scrapes() - scraped, fleet_cpu_seconds(namespace, operator_pid) - before
