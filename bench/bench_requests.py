@@ -466,10 +466,10 @@ def bench_scrape_overhead(
     idle = fleet_cpu_seconds(namespace, operator_pid) - idle
     with prom.running(targets, 1) as scraper:
         wait_until(functools.partial(all_up, scraper), timeout=60, what="every target scraped")
-        scraped, before = scraper.scrapes(), fleet_cpu_seconds(namespace, operator_pid)
+        scrapes, before = scraper.scrapes(), fleet_cpu_seconds(namespace, operator_pid)
         time.sleep(window)
-        scraped, spent = scraper.scrapes() - scraped, fleet_cpu_seconds(namespace, operator_pid) - before
-    per_scrape_s = max(0.0, spent - idle) / scraped
+        scrapes, spent = scraper.scrapes() - scrapes, fleet_cpu_seconds(namespace, operator_pid) - before
+    per_scrape_s = max(0.0, spent - idle) / scrapes
     projected = len(targets) / interval_s * per_scrape_s / load_cores
     out = {
         "scrape_interval_s": interval_s,
@@ -486,7 +486,7 @@ def bench_scrape_overhead(
         f"{without:.2f} s without (medians of {rounds}) = {out['scrape_cpu_overhead_ratio']:+.1%}"
     )
     print(
-        f"one scrape costs the fleet {per_scrape_s * 1000:.2f} ms of CPU ({scraped:.0f} scrapes in {window:.0f} s, "
+        f"one scrape costs the fleet {per_scrape_s * 1000:.2f} ms of CPU ({scrapes:.0f} scrapes in {window:.0f} s, "
         f"idle otherwise); every {interval_s:g} s that is {projected:+.2%} of the {load_cores:.2f} cores the fleet "
         "uses under load (goal <= +2%)"
     )
