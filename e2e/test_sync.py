@@ -72,7 +72,7 @@ from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
 from rollfleet_dev import prometheus as prom
 from rollfleet_dev.engine_metrics import engine_metric
-from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
+from rollfleet_engine.tiny_model import LONG_GENERATION, WEIGHTS_B_DIR, ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine, pytest.mark.alters_live]
 
@@ -266,7 +266,8 @@ def test_a_real_prometheus_has_data_for_every_dashboard_panel_and_alert(
     left out (manifests/monitoring/prometheusrule.yaml), returns data on Prometheus after what the fleet just did:
     the push above (a pause, every engine staged and loaded), traffic, and now an abort and a RolloutRequest."""
     rid = f"prom-abort-{uuid.uuid4().hex[:6]}"
-    stream = Stream(live.gateways[0].url, max_tokens=400, request_id=rid, auth=live.inference).start()
+    # Long enough that only the abort ends it, however fast an idle engine decodes.
+    stream = Stream(live.gateways[0].url, max_tokens=LONG_GENERATION, request_id=rid, auth=live.inference).start()
     wait_for(lambda: stream.tokens() >= 2, 120, what=f"{rid} decoding")
     body = {"request_ids": [rid]}
     aborted = httpx.post(f"{live.gateways[0].url}/v1/abort", json=body, headers=live.admin, timeout=60)
