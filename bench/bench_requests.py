@@ -67,9 +67,9 @@ from rollfleet.contract import (
     ENGINE_PORT,
     GATEWAY_PORT,
     GROUP,
-    LABEL_COMPONENT,
-    LABEL_FLEET,
     VERSION,
+    component_labels,
+    selector,
 )
 from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import read_fleet
@@ -78,7 +78,7 @@ from rollfleet.kube import Kube, load_client
 from rollfleet_dev import prometheus as prom
 from rollfleet_dev.localcluster import claims, controlplane
 from rollfleet_dev.localcluster.nodeagent.logs import nodes_state_dir
-from rollfleet_dev.localcluster.nodeagent.processes import cpu_seconds
+from rollfleet_dev.localcluster.nodeagent.processes import cpu_seconds, process_cpu_seconds
 
 BIN = Path(sys.executable).parent
 
@@ -398,9 +398,7 @@ def fleet_cpu_seconds(namespace: str, operator_pid: int) -> float:
     """CPU seconds the fleet's pods (its gateway and engines: every process of their containers) and the operator
     have used so far. Runner pods are left out: each request has its own, gone before its end is seen."""
     pods = nodes_state_dir() / "pods"
-    fields = Path(f"/proc/{operator_pid}/stat").read_text().rsplit(")", 1)[1].split()
-    own = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    return own + sum(cpu_seconds(f) for f in pods.glob(f"{namespace}_{FLEET}-*/*.pid"))
+    return process_cpu_seconds(operator_pid) + sum(cpu_seconds(f) for f in pods.glob(f"{namespace}_{FLEET}-*/*.pid"))
 
 
 def scrape_targets(core: kubernetes.client.CoreV1Api, namespace: str, operator_port: int) -> list[prom.Target]:
@@ -409,8 +407,8 @@ def scrape_targets(core: kubernetes.client.CoreV1Api, namespace: str, operator_p
     targets = [prom.Target("rollfleet-operator", f"http://127.0.0.1:{operator_port}", honor_labels=True)]
     ports = {COMPONENT_GATEWAY: GATEWAY_PORT, COMPONENT_ENGINE: ENGINE_PORT}
     for component, port in ports.items():
-        selector = f"{LABEL_FLEET}={FLEET},{LABEL_COMPONENT}={component}"
-        for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
+        pods = core.list_namespaced_pod(namespace, label_selector=selector(component_labels(FLEET, component)))
+        for pod in pods.items:
             labels = {"namespace": namespace, "fleet": FLEET, "pod": pod.metadata.name}
             targets.append(prom.Target(f"rollfleet-{component}s", f"http://{pod.status.pod_ip}:{port}", labels))
     return targets
@@ -435,7 +433,8 @@ def bench_scrape_overhead(
        `interval_s`: the fleet's CPU seconds per run, and the overhead of the median with over the median without.
     2. Per scrape, where nothing else runs: the fleet's CPU over an idle window with Prometheus scraping every
        second, less the same window without, per scrape; and what that cost comes to at `interval_s` next to the
-       fleet's CPU per second under load (runs of part 1 vary by a few percent, more than a 15 s scrape costs)."""
+       fleet's CPU per second under load (runs of part 1 vary by tens of percent, far more than a 15 s scrape
+       costs)."""
     custom, core = kubernetes.client.CustomObjectsApi(client), kubernetes.client.CoreV1Api(client)
     targets = scrape_targets(core, namespace, operator_port)
     cpu: dict[bool, list[float]] = {False: [], True: []}

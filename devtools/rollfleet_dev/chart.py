@@ -5,7 +5,7 @@ written once, in the repository, and copied into the chart here: the CRDs and ad
 (rollfleet.api.crdgen writes them into crds/), the PodMonitors, the alert rules and the dashboard. Its
 Chart.yaml carries the package's version, which is also the images' tag (rollfleet.api.common). Its
 templates (the operator's Deployment and RBAC) are checked against manifests/base by
-tests/controlplane/test_chart.py. Reads and writes files only.
+e2e/test_chart.py (the control-plane tier). Reads and writes files only.
 """
 
 from __future__ import annotations

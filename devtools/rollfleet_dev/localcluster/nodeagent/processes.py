@@ -70,19 +70,21 @@ def _mntns(pid: int) -> str | None:
         return None
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system, with those of its reaped children) a process has used; 0 once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # exited meanwhile
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # fields 14-17: utime, stime, cu-, cstime
+
+
 def cpu_seconds(pid_file: Path) -> float:
-    """CPU seconds (user and system, with those of its reaped children) every live process of the container
-    that `pid_file` names has used: what a benchmark charges to a pod."""
+    """CPU seconds every live process of the container that `pid_file` names has used (`process_cpu_seconds`):
+    what a benchmark charges to a pod."""
     ident = json.loads(pid_file.read_text())
-    ticks = 0
-    for pid in members(ident["mntns"]):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        ticks += sum(int(f) for f in fields[11:15])  # stat fields 14-17: utime, stime, cutime, cstime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(process_cpu_seconds(pid) for pid in members(ident["mntns"]))
 
 
 def members(mntns: str) -> list[int]:
