@@ -45,7 +45,7 @@ import httpx
 from bench.deployed_python import Unavailable, deployed_rollfleet
 from bench.granian_gateway import ENGINES_ENV, KEY_FILE_ENV, TOKEN_FILE_ENV
 from bench.processes import stop
-from rollfleet.gateway.upstream import Upstream
+from rollfleet.upstream import Upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -142,7 +142,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def client_choice(url: str, n: int, concurrency: int) -> dict[str, dict[str, float]]:
-    """The gateway's upstream client (rollfleet.gateway.upstream) vs aiohttp's, same requests to one simulator."""
+    """The gateway's upstream client (rollfleet.upstream) vs aiohttp's, same requests to one simulator."""
 
     async def run_aiohttp() -> Callable[[], Awaitable[None]]:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

@@ -11,9 +11,11 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    does not exist, so they finish at once, with no pod: what is measured is what the operator
    keeps per finished request.
 2. throughput: one RolloutRequest of P prompts x n samples (by default a GRPO step's batch, 512 x 16
-   of 64 tokens), timed from create to Succeeded,
-   then the same samples sent straight to the fleet's gateway with the same bodies and
-   concurrency (`samples_per_s_ratio_vs_direct`, goal >= 0.9); and the time from create to
+   of 64 tokens, then 2,048 x 16; prompts past the inline limit come from a ConfigMap), timed from create
+   to the runner's terminal status (its completionTime),
+   then the same samples sent straight to the fleet's gateway with the same bodies, concurrency and
+   HTTP client (`samples_per_s_ratio_vs_direct`, goal >= 0.9: the smallest over the sizes, each also
+   given by size), and a part of them with httpx for reference; and the time from create to
    the first sample sent (`apply_to_first_sample_s`: the runner Job's pod starting).
 3. a request of 10,000 samples x 256 tokens with logprobs, results on the claim: the
    operator's RSS growth (goal < 50 MiB) and the bytes it adds to etcd (goal < 1 MiB: the
@@ -29,7 +31,7 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    load (`scrape_cpu_overhead_ratio_from_cost`, goal <= 0.02): steadier than the runs, which vary by more
    than a 15 s scrape costs.
 
-Usage: python -m bench.bench_requests [--json PATH] [--finished 1000] [--prompts 512 --n 16
+Usage: python -m bench.bench_requests [--json PATH] [--finished 1000] [--prompts 512 2048 --n 16
        --max-tokens 64 --parallelism 64] [--samples 10000 --tokens 256] [--scrape-rounds 2 --scrape-interval 15]
 """
 
@@ -56,11 +58,12 @@ from typing import Any
 
 import httpx
 import kubernetes
+import orjson
 
 from bench.crds import install_crds
 from bench.processes import stop
 from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
-from rollfleet.api.request import PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
+from rollfleet.api.request import MAX_INLINE_PROMPTS, PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
 from rollfleet.contract import (
     COMPONENT_ENGINE,
     COMPONENT_GATEWAY,
@@ -75,6 +78,7 @@ from rollfleet.controller.requests import plan
 from rollfleet.controller.requests.runner import read_fleet
 from rollfleet.controller.tokens import OperatorKey
 from rollfleet.kube import Kube, load_client
+from rollfleet.upstream import Upstream
 from rollfleet_dev import prometheus as prom
 from rollfleet_dev.localcluster import claims, controlplane
 from rollfleet_dev.localcluster.nodeagent.logs import nodes_state_dir
@@ -169,7 +173,33 @@ def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: i
 
 
 async def direct(gateway: str, token: str | None, calls: list[plan.Call], parallelism: int) -> float:
-    """The calls sent straight to the gateway with the runner's credential (the fleet's admin token)."""
+    """The calls sent straight to the gateway with the runner's credential (the fleet's admin token) and its
+    HTTP client (`rollfleet.upstream`), each answer read whole: what a runner costs over the sending itself."""
+    sem = asyncio.Semaphore(parallelism)
+    auth = [("Authorization", f"Bearer {token}")] if token else []
+    client = Upstream(idle_s=60)
+
+    async def one(call: plan.Call) -> None:
+        async with sem:
+            headers = [("Content-Type", "application/json"), *call.headers.items(), *auth]
+            resp = await client.request("POST", gateway + call.path, orjson.dumps(call.body), headers)
+            try:
+                await resp.read()
+            finally:
+                resp.close()
+            assert resp.status == 200, resp.status
+
+    start = time.monotonic()
+    try:
+        await asyncio.gather(*(one(c) for c in calls))
+    finally:
+        client.close()
+    return time.monotonic() - start
+
+
+async def direct_httpx(gateway: str, token: str | None, calls: list[plan.Call], parallelism: int) -> float:
+    """The same with httpx, as a user's own script would send them (for reference: httpx's pool, not the
+    gateway, bounds it on a small machine)."""
     sem = asyncio.Semaphore(parallelism)
     auth = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(
@@ -189,6 +219,7 @@ async def direct(gateway: str, token: str | None, calls: list[plan.Call], parall
 # --- the stand-in fleet and its results claim ---------------------------------------------
 
 FLEET = "sim"
+HTTPX_CALLS = 4096
 MODEL = "sim"
 
 
@@ -266,36 +297,47 @@ def run_request(custom: kubernetes.client.CustomObjectsApi, namespace: str, spec
     created = time.time()
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, request_body(rr, spec))
     wait_until(lambda: phases(custom, namespace).get(rr) in TERMINAL_PHASES, timeout=3600, what=f"{rr} finished")
-    took = time.time() - created
     status = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, rr)["status"]
+    # The runner's own times (this host's clock): the end is when it wrote the terminal status, not when a
+    # poll here saw it.
     first = datetime.fromisoformat(status["startTime"]).timestamp() - created
+    took = datetime.fromisoformat(status["completionTime"]).timestamp() - created
     return {"name": rr, "status": status, "seconds": took, "first_sample_s": first}
 
 
-def batch_spec(claim: str, prompts: int, n: int, max_tokens: int, parallelism: int) -> dict[str, Any]:
-    """A RolloutRequest of `prompts` x `n` samples of `max_tokens` tokens, its results on `claim`."""
-    return {
+def batch_texts(prompts: int) -> list[str]:
+    return [f"Question {i}: what comes after {i}?" for i in range(prompts)]
+
+
+def batch_spec(
+    core: kubernetes.client.CoreV1Api, namespace: str, claim: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """A RolloutRequest of `args.prompts` x `args.n` samples of `args.max_tokens` tokens, its results on `claim`.
+    Its prompts are inline up to the schema's limit, in a ConfigMap (made here, once) past it."""
+    spec: dict[str, Any] = {
         "fleet": FLEET,
-        "prompts": [{"text": f"Question {i}: what comes after {i}?"} for i in range(prompts)],
-        "samplesPerPrompt": n,
-        "sampling": {"maxTokens": max_tokens, "ignoreEos": True},
-        "parallelism": parallelism,
+        "samplesPerPrompt": args.n,
+        "sampling": {"maxTokens": args.max_tokens, "ignoreEos": True},
+        "parallelism": args.parallelism,
         "results": {"persistentVolumeClaim": {"claimName": claim}},
     }
+    texts = batch_texts(args.prompts)
+    if len(texts) <= MAX_INLINE_PROMPTS:
+        return spec | {"prompts": [{"text": t} for t in texts]}
+    name = f"batch-prompts-{len(texts)}"
+    with contextlib.suppress(kubernetes.client.ApiException):  # made by an earlier part of this run
+        jsonl = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+        core.create_namespaced_config_map(namespace, {"metadata": {"name": name}, "data": {"prompts.jsonl": jsonl}})
+    return spec | {"promptsFrom": [{"name": name}]}
 
 
 def bench_throughput(
-    client: kubernetes.client.ApiClient,
-    namespace: str,
-    claim: str,
-    prompts: int,
-    n: int,
-    max_tokens: int,
-    parallelism: int,
+    client: kubernetes.client.ApiClient, namespace: str, claim: str, args: argparse.Namespace
 ) -> dict[str, float]:
-    custom = kubernetes.client.CustomObjectsApi(client)
-    spec = batch_spec(claim, prompts, n, max_tokens, parallelism)
-    texts = [p["text"] for p in spec["prompts"]]
+    core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
+    prompts, n, parallelism = args.prompts, args.n, args.parallelism
+    spec = batch_spec(core, namespace, claim, args)
+    texts = batch_texts(prompts)
     run = run_request(custom, namespace, spec)
     assert run["status"]["phase"] == "Succeeded", run["status"]
 
@@ -309,21 +351,29 @@ def bench_throughput(
         for s in range(n)
     ]
     via_gateway = asyncio.run(direct(view.gateway, view.token, calls, parallelism))
+    some = calls[:HTTPX_CALLS]  # a reference only: httpx takes minutes over a large batch
+    via_httpx = asyncio.run(direct_httpx(view.gateway, view.token, some, parallelism))
     total = prompts * n
     out = {
         "samples": total,
         "samples_per_s_request": total / run["seconds"],
         "samples_per_s_direct": total / via_gateway,
+        "samples_per_s_direct_httpx": len(some) / via_httpx,
         "samples_per_s_ratio_vs_direct": via_gateway / run["seconds"],
         # Without the runner's start: what the runner's sending costs next to sending directly.
         "samples_per_s_ratio_vs_direct_after_start": via_gateway / (run["seconds"] - run["first_sample_s"]),
         "apply_to_first_sample_s": run["first_sample_s"],
     }
+    print(f"-- {prompts} prompts x {n} samples of {args.max_tokens} tokens, {parallelism} in flight")
     print(
         f"RolloutRequest  {total} samples in {run['seconds']:6.1f} s = {out['samples_per_s_request']:7.1f} samples/s "
         f"(from create to Succeeded: runner Job start, sending, results on the claim, status)"
     )
     print(f"gateway direct  {total} samples in {via_gateway:6.1f} s = {out['samples_per_s_direct']:7.1f} samples/s")
+    print(
+        f"  with httpx    {len(some)} samples in {via_httpx:6.1f} s = "
+        f"{out['samples_per_s_direct_httpx']:7.1f} samples/s (reference: a script's usual client)"
+    )
     print(
         f"request / direct: {out['samples_per_s_ratio_vs_direct']:.2f}   (goal >= 0.9; from the first sample on: "
         f"{out['samples_per_s_ratio_vs_direct_after_start']:.2f})"
@@ -498,7 +548,9 @@ def main() -> int:
     parser.add_argument("--finished", type=int, default=1000, help="finished requests for the memory part (0: skip)")
     parser.add_argument("--engines", type=int, default=2, help="simulated engines in the fleet")
     # A GRPO step's batch: 512 prompts x 16 samples.
-    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument(
+        "--prompts", type=int, nargs="+", default=[512, 2048], help="one throughput run per size (x --n samples)"
+    )
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--parallelism", type=int, default=64)
@@ -528,11 +580,17 @@ def main() -> int:
                 GROUP, VERSION, ns, FLEET_PLURAL, fleet | {"spec": sim_fleet_spec(args.engines)}
             )
             wait_until(lambda: fleet_ready(custom, ns, args.engines), timeout=300, what="the simulated fleet Ready")
-            report |= bench_throughput(client, ns, claim[0], args.prompts, args.n, args.max_tokens, args.parallelism)
+            for prompts in args.prompts:
+                size = argparse.Namespace(**{**vars(args), "prompts": prompts})
+                figures = bench_throughput(client, ns, claim[0], size)
+                report |= {f"{k}_{prompts}x{args.n}": v for k, v in figures.items()}
+            # The headline: the smallest ratio over the sizes (each is reported by size too).
+            for key in ("samples_per_s_ratio_vs_direct", "samples_per_s_ratio_vs_direct_after_start"):
+                report[key] = min(report[f"{key}_{p}x{args.n}"] for p in args.prompts)
             if args.samples:
                 report |= bench_big_request(client, ns, claim, proc.pid, args.samples, args.tokens)
             if args.scrape_rounds:
-                spec = batch_spec(claim[0], args.prompts, args.n, args.max_tokens, args.parallelism)
+                spec = batch_spec(core, ns, claim[0], argparse.Namespace(**{**vars(args), "prompts": args.prompts[0]}))
                 report |= bench_scrape_overhead(
                     client, ns, proc.pid, operator_port, spec, args.scrape_rounds, args.scrape_interval
                 )

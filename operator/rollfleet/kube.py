@@ -101,7 +101,7 @@ class Kind:
     kind: str  # as manifests spell it: "Pod"
     name: str  # in the client's method names ("config_map": read_namespaced_config_map) and in call counts
     plural: str  # in call counts of lists; a custom resource's URL
-    api: Callable[[kubernetes.client.ApiClient], Any]  # the client's API class
+    api: str  # the client's API class, by name: loading one costs up to a second, so only those used are
     namespaced: bool = True
     group_version: tuple[str, str] | None = None  # a custom resource's (CustomObjectsApi) API group and version
 
@@ -110,9 +110,8 @@ class Kind:
         return self.group_version is not None
 
 
-_CORE, _APPS = kubernetes.client.CoreV1Api, kubernetes.client.AppsV1Api
-_RBAC, _NET = kubernetes.client.RbacAuthorizationV1Api, kubernetes.client.NetworkingV1Api
-_BATCH, _POLICY = kubernetes.client.BatchV1Api, kubernetes.client.PolicyV1Api
+_CORE, _APPS, _RBAC, _NET = "CoreV1Api", "AppsV1Api", "RbacAuthorizationV1Api", "NetworkingV1Api"
+_BATCH, _POLICY = "BatchV1Api", "PolicyV1Api"
 POD = Kind("Pod", "pod", "pods", _CORE)
 NODE = Kind("Node", "node", "nodes", _CORE, namespaced=False)
 SECRET = Kind("Secret", "secret", "secrets", _CORE)
@@ -131,10 +130,10 @@ CRD = Kind(
     "CustomResourceDefinition",
     "custom_resource_definition",
     "customresourcedefinitions",
-    kubernetes.client.ApiextensionsV1Api,
+    "ApiextensionsV1Api",
     namespaced=False,
 )
-_CUSTOM, _ROLLFLEET = kubernetes.client.CustomObjectsApi, (GROUP, VERSION)
+_CUSTOM, _ROLLFLEET = "CustomObjectsApi", (GROUP, VERSION)
 FLEET = Kind(fleet.KIND, "fleet", fleet.PLURAL, _CUSTOM, group_version=_ROLLFLEET)
 REQUEST = Kind(request.KIND, "request", request.PLURAL, _CUSTOM, group_version=_ROLLFLEET)
 # An engine of several pods (rollfleet.controller.groups): LWS's API, which the operator only creates and deletes.
@@ -213,7 +212,7 @@ class Kube:
 
     def __init__(self, client: kubernetes.client.ApiClient, concurrency: int = 16) -> None:
         self.client = client
-        self._apis: dict[Callable[[kubernetes.client.ApiClient], Any], Any] = {}
+        self._apis: dict[str, Any] = {}
         # A pool of its own: the default executor has cpu_count + 4 threads (6 on two cores),
         # which would cap a 200-pod scale-up at 6 requests in flight.
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kube")
@@ -229,7 +228,7 @@ class Kube:
         """GET `path` on a pod's port through the API server's pod proxy, streamed (blocking: run it in a thread)."""
         API_CALLS.labels("proxy pod").inc()
         try:
-            resp = _CORE(self.client).connect_get_namespaced_pod_proxy_with_path(
+            resp = self._api(_CORE).connect_get_namespaced_pod_proxy_with_path(
                 f"{pod}:{port}", namespace, path.lstrip("/"), _preload_content=False, _headers=dict(headers)
             )
         except ApiException as err:
@@ -346,15 +345,20 @@ class Kube:
     # --- how ---------------------------------------------------------------------------
     def _method(self, kind: Kind, verb: str, status: bool = False) -> Callable[..., Any]:
         """The official client's method: read_namespaced_pod, list_node, get_namespaced_custom_object, ..."""
-        api = self._apis.get(kind.api)
-        if api is None:
-            api = self._apis[kind.api] = kind.api(self.client)
+        api = self._api(kind.api)
         if kind.custom:
             name = f"{'get' if verb == 'read' else verb}_namespaced_custom_object"
         else:
             name = f"{verb}_namespaced_{kind.name}" if kind.namespaced else f"{verb}_{kind.name}"
         method: Callable[..., Any] = getattr(api, name + ("_status" if status else ""))
         return method
+
+    def _api(self, name: str) -> Any:
+        """The official client's API object of that class name, made on first use."""
+        api = self._apis.get(name)
+        if api is None:
+            api = self._apis[name] = getattr(kubernetes.client, name)(self.client)
+        return api
 
     @staticmethod
     def _args(kind: Kind, namespace: str | None, name: str | None) -> tuple[Any, ...]:

@@ -45,10 +45,10 @@ from rollfleet.gateway.refusal import Refused, credential_ok
 from rollfleet.gateway.registry import Registry, follow_pods, static_registry
 from rollfleet.gateway.routing import Router, RoutingPolicy
 from rollfleet.gateway.trl import trl_routes
-from rollfleet.gateway.upstream import UpstreamError
 from rollfleet.gateway.vllm_api import VllmControl, vllm_routes
 from rollfleet.kube import ApiError, Kube, load_client
 from rollfleet.metrics import METRICS_PATH
+from rollfleet.upstream import UpstreamError
 from rollfleet_client.protocol import (
     ABORT_PATH,
     FLEET_PATH,

@@ -57,7 +57,7 @@ from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReaso
 from rollfleet.gateway.metrics import Metrics
 from rollfleet.gateway.registry import Engine, Registry, lag_label, lag_summary, within_weight_lag
 from rollfleet.gateway.routing import Decision, NoEngine, Router
-from rollfleet.gateway.upstream import GatewayResourceError, Response, Upstream, UpstreamError
+from rollfleet.upstream import LocalResourceError, Response, Upstream, UpstreamError
 from rollfleet_client.protocol import TRACEPARENT_HEADER, TRACESTATE_HEADER
 from rollfleet_engine.protocol import (
     ATTEMPT_HEADER,
@@ -544,8 +544,8 @@ class _Exchange:
                 return await self._read(engine, resp, cont)
             finally:
                 resp.close()
-        except GatewayResourceError as err:
-            return AttemptResult(Outcome.OVERLOADED, f"{err}: retry later")
+        except LocalResourceError as err:
+            return AttemptResult(Outcome.OVERLOADED, f"this gateway {err}: retry later")
         except UpstreamError as err:
             p.registry.eject(engine.key)
             return AttemptResult(Outcome.FAILED, str(err))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from rollfleet.api.request import AbortRecord, ResultsRef, RolloutRequestStatus
 from rollfleet.contract import results_chunk_name
 from rollfleet.controller.requests.plan import SampleResult
-from rollfleet.controller.requests.results import Chunk, Layout, parse_chunk
+from rollfleet.controller.requests.results import Chunk, Layout, ResultStore, parse_chunk
 from rollfleet.controller.requests.status import Tally, Verdict, finished_verdict, request_status
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -116,3 +118,33 @@ def test_stored_chunks_parse_back_and_names_carry_the_uid() -> None:
     layout = Layout(100, [c, Chunk(index=0, lines=["z"], written=1)])
     assert [x.index for x in layout.chunks] == [0, 2] and list(layout.lines()) == ["z", "a", "b"]
     assert results_chunk_name("rr1", "0b8f7a52-3f0e", 3) == "rr1-0b8f7a52-0003"
+
+
+def test_lines_added_while_a_chunk_is_written_are_written_by_the_next_flush() -> None:
+    # The runner flushes in the background and records results meanwhile: a write marks as written only
+    # the lines it carried.
+    release = asyncio.Event()
+    bodies: list[str] = []
+
+    class SlowApiServer:  # the two calls ResultStore makes, answering once released
+        async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+            await release.wait()
+            bodies.append(body["data"]["samples.jsonl"])
+            return {"metadata": {"resourceVersion": str(len(bodies))}}
+
+        replace = create
+
+    async def scenario() -> None:
+        store = ResultStore(SlowApiServer(), "ns", "rr", "0b8f7a52-3f0e")  # type: ignore[arg-type]
+        store.add(SampleResult(0, 0, "rr-0-0", "stop", text="a"))
+        flush = asyncio.create_task(store.flush())
+        await asyncio.sleep(0)  # the write is on its way
+        store.add(SampleResult(0, 1, "rr-0-1", "stop", text="b"))
+        release.set()
+        await flush
+        assert store.pending == 1 and store.ref("cmd").samples == 1
+        await store.flush()
+        assert store.pending == 0 and store.ref("cmd").samples == 2
+
+    asyncio.run(scenario())
+    assert [len(b.splitlines()) for b in bodies] == [1, 2]

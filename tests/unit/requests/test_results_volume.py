@@ -193,3 +193,35 @@ def _wait_serving(url: str) -> None:
         except OSError:
             threading.Event().wait(0.05)  # the server thread binds its port
     raise AssertionError(f"{url} never answered")
+
+
+def test_results_added_while_a_flush_writes_wait_for_the_next_one(tmp_path: Path) -> None:
+    # The runner flushes in the background and records results meanwhile: none may be counted stored early.
+    store = FileStore(tmp_path, CLAIM, "rr", UID)
+    asyncio.run(store.load())
+    store.add(result(0, 0))
+    writing, release = threading.Event(), threading.Event()
+    append = store._append
+
+    def slow(data: bytes) -> None:
+        writing.set()
+        release.wait(10)
+        append(data)
+
+    store._append = slow  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        flush = asyncio.create_task(store.flush())
+        await asyncio.to_thread(writing.wait, 10)
+        store.add(result(0, 1))
+        assert store.pending == 2 and store.ref("cmd").samples == 0  # neither is on disk yet
+        release.set()
+        await flush
+        assert store.pending == 1 and store.ref("cmd").samples == 1
+        assert store.ref("cmd").bytes == (tmp_path / store.relative).stat().st_size
+        await store.flush()
+
+    asyncio.run(scenario())
+    store.close()
+    lines = (tmp_path / store.relative).read_text().splitlines()
+    assert [SampleResult.from_line(line).key for line in lines] == [(0, 0), (0, 1)]

@@ -210,15 +210,16 @@ class ResultStore:
         return body
 
     async def _write(self, chunk: Chunk) -> None:
-        body = self._body(chunk)
+        # What this write holds: lines added while it is on its way wait for the next one.
+        lines, sealed, body = len(chunk.lines), chunk.sealed, self._body(chunk)
         if chunk.written < 0:
             out = await self.kube.create(body)
         else:
             # resourceVersion makes this conditional: a second writer (an operator that should have
             # stopped) gets 409 instead of silently dropping lines; the runner then reloads.
             out = await self.kube.replace(body)
-        chunk.written = len(chunk.lines)
-        chunk.sealed_written = chunk.sealed
+        chunk.written = lines
+        chunk.sealed_written = sealed
         chunk.resource_version = out["metadata"]["resourceVersion"]
 
 

@@ -85,6 +85,7 @@ class FileStore:
         self.path = root / self.relative
         self.results: dict[SampleKey, Summary] = {}  # the samples stored or buffered; their data is in the file
         self._unwritten: list[tuple[SampleKey, str]] = []
+        self._writing: list[tuple[SampleKey, str]] = []  # the lines a flush is appending
         self._fd: int | None = None
         self.bytes = 0
 
@@ -111,32 +112,36 @@ class FileStore:
 
     @property
     def pending(self) -> int:
-        return len(self._unwritten)
+        return len(self._unwritten) + len(self._writing)
 
     async def flush(self) -> None:
-        """Append every unwritten line, then fsync: once this returns they are stored. When the volume
-        fails, the lines it did not take are forgotten (the status counts only what is stored)."""
-        if self._unwritten:
-            data = "".join(line for _, line in self._unwritten).encode()
-            try:
-                await asyncio.to_thread(self._append, data)
-            except ResultsVolumeError:
-                self._drop_unwritten()
-                raise
-            self._unwritten.clear()
+        """Append every unwritten line, then fsync: once this returns they are stored. Results added
+        meanwhile wait for the next flush. When the volume fails, the lines it did not take are forgotten
+        (the status counts only what is stored)."""
+        if not self._unwritten:
+            return
+        self._writing, self._unwritten = self._unwritten, []
+        data = "".join(line for _, line in self._writing).encode()
+        try:
+            await asyncio.to_thread(self._append, data)
+        except ResultsVolumeError:
+            self._drop(self._writing + self._unwritten)
+            self._unwritten = []
+            raise
+        finally:
+            self._writing = []
 
-    def _drop_unwritten(self) -> None:
-        for key, line in self._unwritten:
+    def _drop(self, lines: list[tuple[SampleKey, str]]) -> None:
+        for key, line in lines:
             self.results.pop(key, None)
             self.bytes -= len(line.encode())
-        self._unwritten.clear()
 
     def ref(self, command: str) -> ResultsRef:
         return ResultsRef(
             persistent_volume_claim=self.volume.claim_name,
             path=self.relative,
             samples=len(self.results) - self.pending,
-            bytes=self.bytes - sum(len(line.encode()) for _, line in self._unwritten),
+            bytes=self.bytes - sum(len(line.encode()) for _, line in self._unwritten + self._writing),
             command=command,
         )
 

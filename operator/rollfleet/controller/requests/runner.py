@@ -25,13 +25,14 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from rollfleet.api.request import KIND, TERMINAL_PHASES, AbortRecord, Prompt, ResultsRef, RolloutRequest
 from rollfleet.contract import ANNOTATION_ABORT, GATEWAY_PORT, gateway_name
@@ -45,6 +46,7 @@ from rollfleet.controller.status import parse_time
 from rollfleet.controller.tasks import Stop
 from rollfleet.controller.tokens import FleetTokens
 from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SERVICE, ApiError, Conflict, Kube, NotFound
+from rollfleet.upstream import Upstream, UpstreamError
 
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
 FLUSH_INTERVAL_S = 0.5  # results wait at most this long before they are written
@@ -56,8 +58,8 @@ ABORT_RESEND_S = 0.25  # calls still out after an abort are aborted again this o
 ABORT_BATCH = 4096  # ids per POST /v1/abort (the gateway's limit)
 STALL_S = 120.0  # samples waiting, the fleet ready, none in flight this long: a bug, reported by failing
 
-# Each in-flight sample holds one connection to its gateway; parallelism is per request.
-MAX_CONNECTIONS = 4096
+# Each in-flight sample holds one connection to its gateway (up to spec.parallelism, <= 4096).
+IDLE_CONNECTION_S = 30.0  # a sample connection left idle this long is closed: below the gateway's 75 s keep-alive
 KEEPALIVE = [
     (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
     (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
@@ -69,16 +71,23 @@ log = logging.getLogger(__name__)
 
 
 def gateway_client() -> httpx.AsyncClient:
-    """The HTTP client for gateways. No read timeout: a sample may wait out a long weight sync on a
-    paused engine; deadlines are ours. TCP keepalive instead finds a gateway gone without a word
-    (its node lost): the call fails after about a minute, and the runner stops and resends the sample."""
+    """The HTTP client for a gateway's control routes (`/ready`, `POST /v1/abort`); samples go through
+    `sample_client`."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=5.0),
         transport=httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
             socket_options=KEEPALIVE,
         ),
     )
+
+
+def sample_client() -> Upstream:
+    """The client of a run's samples: the gateway's own hot-path client (httpx's pool cost more CPU per
+    sample than the gateway spent serving it). No read timeout: a sample may wait out a long weight sync
+    on a paused engine; deadlines are ours. TCP keepalive instead finds a gateway gone without a word
+    (its node lost): the call fails after about a minute, and the runner stops and resends the sample."""
+    return Upstream(connect_timeout_s=5.0, idle_s=IDLE_CONNECTION_S, socket_options=KEEPALIVE)
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,7 @@ class Run:
         self, kube: Kube, tokens: FleetTokens, http: httpx.AsyncClient, body: Mapping[str, Any], stop: Stop
     ) -> None:
         self.kube, self.tokens, self.http = kube, tokens, http
+        self.samples = sample_client()  # its connections are this run's: closed with it
         self.body = body  # a live view: annotations change under us
         self.stop = stop
         meta = body["metadata"]
@@ -171,6 +181,7 @@ class Run:
         self.verdict = Verdict("Pending", "Starting", "starting")
         self.status_rate = plan.RateLimit(STATUS_INTERVAL_S)
         self.flush_rate = plan.RateLimit(FLUSH_INTERVAL_S)
+        self.flushing: asyncio.Task[None] | None = None  # the results write under way: sending goes on meanwhile
         self.fleet_rate = plan.RateLimit(FLEET_INTERVAL_S)
         self.last_patched: Verdict | None = None
         self.stuck_since: float | None = None
@@ -181,12 +192,15 @@ class Run:
         try:
             return await self._loop()
         finally:
+            if self.flushing is not None:  # a write in a thread cannot be cancelled: let it end before closing
+                await asyncio.gather(self.flushing, return_exceptions=True)
             self.store.close()
             # After a failure, a retry adopts what this run sent: its calls must not outlive it
             # (a cancelled call closes its connection, and the gateway stops the sample).
             for task in self.tasks:
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
+            self.samples.close()
 
     async def _loop(self) -> Verdict:
         verdict = await self._prepare()
@@ -353,20 +367,25 @@ class Run:
             self.rr.spec, model, self.uid, key, self.prompts[key[0]], timeout_s=None if left is None else left + 5
         )
         started = time.time()
+        headers = [("Content-Type", "application/json"), *call.headers.items()]
+        if token:  # the admin token (the runner's one credential) opens generation too, where the fleet asks for one
+            headers.append(("Authorization", f"Bearer {token}"))
         try:
-            # The admin token (the runner's one credential) opens generation too, where the fleet asks for one.
-            auth = {"Authorization": f"Bearer {token}"} if token else {}
-            resp = await self.http.post(gateway + call.path, json=call.body, headers=call.headers | auth)
-        except httpx.HTTPError:
+            resp = await self.samples.request("POST", gateway + call.path, orjson.dumps(call.body), headers)
+            try:
+                raw = await resp.read()
+            finally:
+                resp.close()  # a response not read to its end closes its connection: the gateway stops the sample
+        except UpstreamError:
             return Outcome.UNSURE, None
         try:
-            body = resp.json()
-        except ValueError:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
             body = None
         return plan.interpret(
-            resp.status_code,
-            body,
-            resp.headers,
+            resp.status,
+            body if isinstance(body, dict) else None,
+            {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers.items()},
             uid=self.uid,
             key=key,
             started_at=started,
@@ -454,12 +473,23 @@ class Run:
 
     # --- recording ------------------------------------------------------------------
     async def _flush(self, urgent: bool) -> None:
-        if not self.store.pending or not (
-            urgent or self.store.pending >= MAX_UNFLUSHED // 2 or self.flush_rate.due(time.time())
-        ):
+        """Write the buffered results: `urgent`, all of them now; otherwise, when enough wait or they waited
+        long enough, in the background (one write at a time), so that the loop sends on during an fsync."""
+        if self.flushing is not None:
+            if not (urgent or self.flushing.done()):
+                return
+            task, self.flushing = self.flushing, None
+            await self._stored(task, urgent)
+        if not self.store.pending:
             return
+        if urgent:
+            await self._stored(self.store.flush(), urgent)
+        elif self.store.pending >= MAX_UNFLUSHED // 2 or self.flush_rate.due(time.time()):
+            self.flushing = asyncio.create_task(self.store.flush())
+
+    async def _stored(self, flush: Awaitable[None], urgent: bool) -> None:
         try:
-            await self.store.flush()
+            await flush
         except ResultsVolumeError as err:
             # Results the volume did not take are not stored: counts say what is.
             log.error("results of %s/%s: %s", self.ns, self.name, err)

@@ -1,11 +1,14 @@
-"""HTTP/1.1 to the engines for the proxy's hot path: pooled keep-alive connections, responses read as they arrive.
+"""HTTP/1.1 for the hot paths: pooled keep-alive connections, responses read as they arrive.
 
-Owns the gateway's inference connections to engines. One `asyncio.Protocol` per
+Owns the gateway's inference connections to engines, and a RolloutRequest runner's sample
+calls to its fleet's gateway. One `asyncio.Protocol` per
 connection parses the engine's answer with httptools (the parser uvicorn uses) and hands
 the body to the proxy in whatever pieces arrived together, with no stream object, task
 or queue per request. Why not aiohttp's client: per request it builds a request object,
 multidicts, trace hooks and a stream reader; on this project's 2-core host that cost
-more CPU than the rest of the proxy (docs/gateway.md, "Client and server stack").
+more CPU than the rest of the proxy (docs/gateway.md, "Client and server stack"). Why not httpx's
+in the runner: its pool scans every connection at each request start and end, which capped a
+runner below the gateway (docs/requests.md, "Throughput").
 
 A connection goes back to its engine's idle list only once its response was read to the
 end; an idle one is dropped after `idle_s`, before the engine's own keep-alive timeout
@@ -14,8 +17,8 @@ end; an idle one is dropped after `idle_s`, before the engine's own keep-alive t
 the attempt over. Closing a response early closes its connection: vLLM aborts a request
 whose client left.
 
-Talks to engines only. Calls to the engines' own API (abort, state) go through
-`rollfleet.engine_client`.
+Talks to engines (from the gateway) and to gateways (from a runner). Calls to the engines' own
+API (abort, state) go through `rollfleet.engine_client`.
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ import httptools
 
 HIGH_WATER = 1 << 20  # unread body bytes at which reading from the engine pauses (a slow client)
 
+SocketOption = tuple[int, int, int]  # (level, option, value) for socket.setsockopt
+
 
 class UpstreamError(OSError):
     """The engine could not be reached, or its answer broke off."""
 
 
-class GatewayResourceError(UpstreamError):
-    """This gateway could not open a connection for want of its own resources (file descriptors,
-    buffers, memory): no fault of the engine, which must not be ejected for it."""
+class LocalResourceError(UpstreamError):
+    """This process could not open a connection for want of its own resources (file descriptors,
+    buffers, memory): no fault of the peer, which must not be ejected for it."""
 
 
 # connect()'s errors that say this process or machine is out of something, not that the peer failed.
@@ -222,11 +227,14 @@ class _Pool:
 
 
 class Upstream:
-    """Connections to every engine the proxy talks to."""
+    """Keep-alive connections to every peer this process calls (engines from a gateway, gateways from a runner)."""
 
-    def __init__(self, connect_timeout_s: float = 5.0, idle_s: float = 4.0) -> None:
+    def __init__(
+        self, connect_timeout_s: float = 5.0, idle_s: float = 4.0, socket_options: Iterable[SocketOption] = ()
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_s = idle_s
+        self.socket_options = tuple(socket_options)  # set on each new connection's socket (TCP keepalive)
         self._pools: dict[str, _Pool] = {}
 
     async def request(
@@ -236,10 +244,13 @@ class Upstream:
         and `close()` it when done. UpstreamError when the engine cannot be reached or broke off."""
         base, path = _split(url)
         pool = self._pools.get(base) or self._pool(base)
-        conn = pool.take(time.monotonic()) or await self._connect(pool)
         head = [f"{method} {path} HTTP/1.1\r\nHost: {pool.name}\r\nContent-Length: {len(body)}\r\n"]
-        head += [f"{k}: {v}\r\n" for k, v in headers]
+        for k, v in headers:
+            if "\n" in v or "\r" in v or "\n" in k or "\r" in k:  # would end the header: another one, or a request
+                raise ValueError(f"header {k!r}: a line break in a header's name or value")
+            head.append(f"{k}: {v}\r\n")
         head.append("\r\n")
+        conn = pool.take(time.monotonic()) or await self._connect(pool)
         response = Response(conn)
         conn.send("".join(head).encode("latin-1") + body, response)
         try:
@@ -268,8 +279,14 @@ class Upstream:
             raise UpstreamError(f"connecting to {pool.name} took over {self.connect_timeout_s:.0f}s") from None
         except OSError as err:
             if err.errno in _LOCAL_ERRNOS:
-                raise GatewayResourceError(f"this gateway cannot open a connection to {pool.name}: {err}") from err
+                raise LocalResourceError(
+                    f"cannot open a connection to {pool.name} for want of resources here: {err}"
+                ) from err
             raise UpstreamError(f"cannot connect to {pool.name}: {err}") from err
+        if self.socket_options and conn.transport is not None:
+            sock = conn.transport.get_extra_info("socket")
+            for option in self.socket_options:
+                sock.setsockopt(*option)
         return conn
 
     def close(self) -> None:
