@@ -4,7 +4,7 @@ Not a test: prints numbers (and a ratio against a baseline measured in the same 
 
 The engines need not run vLLM: `spec.engine.command` replaces the engine image's
 entrypoint with `python3 -c STANDIN`, a stdlib HTTP server that takes the operator's
-usual arguments (`serve ... --host <pod IP> --port 8000 ...`) and answers the routes the
+usual arguments (`serve ... --port 8000 ...`) and answers the routes the
 operator and the kubelet use: /health, /rollfleet/v1/ready, /rollfleet/v1/state, /pause,
 /resume. Engines request no GPU (`gpusPerEngine: 0`) and tolerate the GPU taint, so 200
 pods spread over the local cluster's three nodes.
@@ -53,7 +53,8 @@ BIN = Path(sys.executable).parent
 STANDIN = r"""
 import asyncio, json, sys
 argv = sys.argv[1:]
-host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+host = argv[argv.index("--host") + 1] if "--host" in argv else "0.0.0.0"  # each pod has its own address
+port = int(argv[argv.index("--port") + 1])
 state = {"model": "standin", "weight_version": "v0", "paused": False, "pause_mode": None, "running": 0, "waiting": 0}
 async def handle(reader, writer):
     try:
@@ -239,6 +240,11 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
                 wait_until(converged, 1800, "status converged", sample)
                 out["converged_s"] = time.monotonic() - t0
                 out["all_ready_s"] = max(pw.ready.values()) - t0 if len(pw.ready) >= engines else None
+            # What grows with engines in single objects (etcd takes at most 1.5 MiB an object): the fleet's
+            # status, and its weights record when it has one.
+            fleet = custom.get_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, "bench")
+            out["status_bytes"] = len(json.dumps(fleet.get("status") or {}, separators=(",", ":")))
+            out["weights_record_bytes"] = _object_bytes(core, ns, contract.weights_record_name("bench"))
             out["rss_peak_mib"] = max(peak)
             out["rss_converged_mib"] = rss_mib(op.pid)
             calls = api_calls(port)
@@ -255,6 +261,17 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
     finally:
         core.delete_namespace(ns)
     return out
+
+
+def _object_bytes(core: kubernetes.client.CoreV1Api, ns: str, config_map: str) -> int | None:
+    """A ConfigMap's data in bytes, as JSON; None when there is none."""
+    try:
+        data = core.read_namespaced_config_map(config_map, ns).data or {}
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+    return len(json.dumps(data, separators=(",", ":")))
 
 
 def _fleet_exists(custom: kubernetes.client.CustomObjectsApi, ns: str) -> bool:
@@ -287,11 +304,11 @@ def baseline_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines:
         del pod["metadata"]["ownerReferences"]  # nothing owns them here
         del pod["spec"]["serviceAccountName"]  # the namespace's default: no ServiceAccount to wait for
         pods.append(pod)
-    # The pods mount the token Secret the operator would have created (unowned: the garbage
+    # The pods mount the token Secrets the operator would have created (unowned: the garbage
     # collector deletes objects whose owner does not exist).
-    secret = desired.admin_secret(ref, "bench")
-    del secret["metadata"]["ownerReferences"]
-    core.create_namespaced_secret(ns, secret)
+    for secret in (desired.admin_secret(ref, "bench"), desired.inference_secret(ref, "bench")):
+        del secret["metadata"]["ownerReferences"]
+        core.create_namespaced_secret(ns, secret)
     out: dict[str, Any] = {}
     try:
         with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
