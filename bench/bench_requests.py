@@ -58,10 +58,10 @@ from typing import Any
 
 import httpx
 import kubernetes
-import orjson
 
 from bench.crds import install_crds
 from bench.processes import stop
+from rollfleet import jsonl
 from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
 from rollfleet.api.request import MAX_INLINE_PROMPTS, PLURAL, TERMINAL_PHASES, Prompt, RolloutRequestSpec
 from rollfleet.contract import (
@@ -75,7 +75,7 @@ from rollfleet.contract import (
     selector,
 )
 from rollfleet.controller.requests import plan
-from rollfleet.controller.requests.runner import read_fleet
+from rollfleet.controller.requests.runner import post_sample, read_fleet
 from rollfleet.controller.tokens import OperatorKey
 from rollfleet.kube import Kube, load_client
 from rollfleet.upstream import Upstream
@@ -173,21 +173,16 @@ def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: i
 
 
 async def direct(gateway: str, token: str | None, calls: list[plan.Call], parallelism: int) -> float:
-    """The calls sent straight to the gateway with the runner's credential (the fleet's admin token) and its
-    HTTP client (`rollfleet.upstream`), each answer read whole: what a runner costs over the sending itself."""
+    """The calls sent straight to the gateway as the runner sends them (`runner.post_sample`: its credential,
+    the fleet's admin token, and its HTTP client), each answer read whole: what a runner costs over the
+    sending itself."""
     sem = asyncio.Semaphore(parallelism)
-    auth = [("Authorization", f"Bearer {token}")] if token else []
     client = Upstream(idle_s=60)
 
     async def one(call: plan.Call) -> None:
         async with sem:
-            headers = [("Content-Type", "application/json"), *call.headers.items(), *auth]
-            resp = await client.request("POST", gateway + call.path, orjson.dumps(call.body), headers)
-            try:
-                await resp.read()
-            finally:
-                resp.close()
-            assert resp.status == 200, resp.status
+            status, _, _ = await post_sample(client, gateway, call, token)
+            assert status == 200, status
 
     start = time.monotonic()
     try:
@@ -309,10 +304,22 @@ def batch_texts(prompts: int) -> list[str]:
     return [f"Question {i}: what comes after {i}?" for i in range(prompts)]
 
 
+def prompts_config_map(core: kubernetes.client.CoreV1Api, namespace: str, name: str, texts: list[str]) -> None:
+    """A ConfigMap of text prompts for `spec.promptsFrom` (its default key), made once: one that exists is kept."""
+    try:
+        jsonl_text = "".join(jsonl.dumps({"text": t}) + "\n" for t in texts)
+        core.create_namespaced_config_map(
+            namespace, {"metadata": {"name": name}, "data": {"prompts.jsonl": jsonl_text}}
+        )
+    except kubernetes.client.ApiException as err:
+        if err.status != 409:
+            raise
+
+
 def batch_spec(
-    core: kubernetes.client.CoreV1Api, namespace: str, claim: str, args: argparse.Namespace
+    core: kubernetes.client.CoreV1Api, namespace: str, claim: str, args: argparse.Namespace, prompts: int
 ) -> dict[str, Any]:
-    """A RolloutRequest of `args.prompts` x `args.n` samples of `args.max_tokens` tokens, its results on `claim`.
+    """A RolloutRequest of `prompts` x `args.n` samples of `args.max_tokens` tokens, its results on `claim`.
     Its prompts are inline up to the schema's limit, in a ConfigMap (made here, once) past it."""
     spec: dict[str, Any] = {
         "fleet": FLEET,
@@ -321,22 +328,20 @@ def batch_spec(
         "parallelism": args.parallelism,
         "results": {"persistentVolumeClaim": {"claimName": claim}},
     }
-    texts = batch_texts(args.prompts)
+    texts = batch_texts(prompts)
     if len(texts) <= MAX_INLINE_PROMPTS:
         return spec | {"prompts": [{"text": t} for t in texts]}
     name = f"batch-prompts-{len(texts)}"
-    with contextlib.suppress(kubernetes.client.ApiException):  # made by an earlier part of this run
-        jsonl = "".join(json.dumps({"text": t}) + "\n" for t in texts)
-        core.create_namespaced_config_map(namespace, {"metadata": {"name": name}, "data": {"prompts.jsonl": jsonl}})
+    prompts_config_map(core, namespace, name, texts)
     return spec | {"promptsFrom": [{"name": name}]}
 
 
 def bench_throughput(
-    client: kubernetes.client.ApiClient, namespace: str, claim: str, args: argparse.Namespace
+    client: kubernetes.client.ApiClient, namespace: str, claim: str, args: argparse.Namespace, prompts: int
 ) -> dict[str, float]:
     core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
-    prompts, n, parallelism = args.prompts, args.n, args.parallelism
-    spec = batch_spec(core, namespace, claim, args)
+    n, parallelism = args.n, args.parallelism
+    spec = batch_spec(core, namespace, claim, args, prompts)
     texts = batch_texts(prompts)
     run = run_request(custom, namespace, spec)
     assert run["status"]["phase"] == "Succeeded", run["status"]
@@ -394,10 +399,7 @@ def bench_big_request(
     the operator's memory and to etcd."""
     core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
     per_prompt = 8
-    prompts = "".join(json.dumps({"text": f"Problem {i}:"}) + "\n" for i in range(samples // per_prompt))
-    core.create_namespaced_config_map(
-        namespace, {"metadata": {"name": "big-prompts"}, "data": {"prompts.jsonl": prompts}}
-    )
+    prompts_config_map(core, namespace, "big-prompts", [f"Problem {i}:" for i in range(samples // per_prompt)])
     spec = {
         "fleet": FLEET,
         "promptsFrom": [{"name": "big-prompts"}],
@@ -581,8 +583,7 @@ def main() -> int:
             )
             wait_until(lambda: fleet_ready(custom, ns, args.engines), timeout=300, what="the simulated fleet Ready")
             for prompts in args.prompts:
-                size = argparse.Namespace(**{**vars(args), "prompts": prompts})
-                figures = bench_throughput(client, ns, claim[0], size)
+                figures = bench_throughput(client, ns, claim[0], args, prompts)
                 report |= {f"{k}_{prompts}x{args.n}": v for k, v in figures.items()}
             # The headline: the smallest ratio over the sizes (each is reported by size too).
             for key in ("samples_per_s_ratio_vs_direct", "samples_per_s_ratio_vs_direct_after_start"):
@@ -590,7 +591,7 @@ def main() -> int:
             if args.samples:
                 report |= bench_big_request(client, ns, claim, proc.pid, args.samples, args.tokens)
             if args.scrape_rounds:
-                spec = batch_spec(core, ns, claim[0], argparse.Namespace(**{**vars(args), "prompts": args.prompts[0]}))
+                spec = batch_spec(core, ns, claim[0], args, args.prompts[0])
                 report |= bench_scrape_overhead(
                     client, ns, proc.pid, operator_port, spec, args.scrape_rounds, args.scrape_interval
                 )

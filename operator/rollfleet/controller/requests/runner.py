@@ -46,7 +46,7 @@ from rollfleet.controller.status import parse_time
 from rollfleet.controller.tasks import Stop
 from rollfleet.controller.tokens import FleetTokens
 from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SERVICE, ApiError, Conflict, Kube, NotFound
-from rollfleet.upstream import Upstream, UpstreamError
+from rollfleet.upstream import Response, Upstream, UpstreamError
 
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
 FLUSH_INTERVAL_S = 0.5  # results wait at most this long before they are written
@@ -88,6 +88,22 @@ def sample_client() -> Upstream:
     on a paused engine; deadlines are ours. TCP keepalive instead finds a gateway gone without a word
     (its node lost): the call fails after about a minute, and the runner stops and resends the sample."""
     return Upstream(connect_timeout_s=5.0, idle_s=IDLE_CONNECTION_S, socket_options=KEEPALIVE)
+
+
+async def post_sample(
+    client: Upstream, gateway: str, call: plan.Call, token: str | None
+) -> tuple[int, bytes, Response]:
+    """Send one sample's call and read its answer whole: (status, body, response for its headers). A response
+    not read to its end closes its connection, and the gateway stops the sample. UpstreamError when the gateway
+    cannot be reached or broke off."""
+    headers = [("Content-Type", "application/json"), *call.headers.items()]
+    if token:  # the admin token (the runner's one credential) opens generation too, where the fleet asks for one
+        headers.append(("Authorization", f"Bearer {token}"))
+    resp = await client.request("POST", gateway + call.path, orjson.dumps(call.body), headers)
+    try:
+        return resp.status, await resp.read(), resp
+    finally:
+        resp.close()
 
 
 @dataclass(frozen=True)
@@ -367,15 +383,8 @@ class Run:
             self.rr.spec, model, self.uid, key, self.prompts[key[0]], timeout_s=None if left is None else left + 5
         )
         started = time.time()
-        headers = [("Content-Type", "application/json"), *call.headers.items()]
-        if token:  # the admin token (the runner's one credential) opens generation too, where the fleet asks for one
-            headers.append(("Authorization", f"Bearer {token}"))
         try:
-            resp = await self.samples.request("POST", gateway + call.path, orjson.dumps(call.body), headers)
-            try:
-                raw = await resp.read()
-            finally:
-                resp.close()  # a response not read to its end closes its connection: the gateway stops the sample
+            status, raw, resp = await post_sample(self.samples, gateway, call, token)
         except UpstreamError:
             return Outcome.UNSURE, None
         try:
@@ -383,7 +392,7 @@ class Run:
         except orjson.JSONDecodeError:
             body = None
         return plan.interpret(
-            resp.status,
+            status,
             body if isinstance(body, dict) else None,
             {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers.items()},
             uid=self.uid,
