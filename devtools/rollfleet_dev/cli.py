@@ -49,8 +49,15 @@ def _cluster_kubeconfig(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_kwok(args: argparse.Namespace) -> int:
+    from rollfleet_dev import kwok
+
+    kwok.up(args.nodes) if args.action == "up" else kwok.down()
+    return 0
+
+
 def _cluster_build(args: argparse.Namespace) -> int:
-    from rollfleet_dev import lws
+    from rollfleet_dev import kwok, lws
     from rollfleet_dev.gobuild import ensure_tool
     from rollfleet_dev.helm import helm_binary
     from rollfleet_dev.localcluster import build
@@ -60,6 +67,8 @@ def _cluster_build(args: argparse.Namespace) -> int:
         print(f"{name:<24} {path}")
     # Built with the control plane, installed only when asked (`rollfleet cluster lws install`).
     print(f"{'lws_manager':<24} {ensure_tool(lws.LWS) / 'cmd'}")
+    # The scale harness's fake GPU nodes (`rollfleet cluster kwok up`).
+    print(f"{'kwok':<24} {ensure_tool(kwok.KWOK) / 'kwok'}")
     # The chart's tests and the README's Helm install (`rollfleet helm`).
     print(f"{'helm':<24} {helm_binary()}")
     return 0
@@ -79,7 +88,7 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=_cluster_down)
     csub.add_parser("status", help="what runs, and whether it is healthy").set_defaults(func=_cluster_status)
     csub.add_parser("kubeconfig", help="print the admin kubeconfig's path").set_defaults(func=_cluster_kubeconfig)
-    csub.add_parser("build", help="build the control-plane binaries (and LWS's manager) only").set_defaults(
+    csub.add_parser("build", help="build the control-plane binaries (and LWS's manager, KWOK) only").set_defaults(
         func=_cluster_build
     )
     p = csub.add_parser(
@@ -87,6 +96,12 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("action", choices=["install", "uninstall"])
     p.set_defaults(func=_cluster_lws)
+    p = csub.add_parser(
+        "kwok", help="simulated GPU nodes (KWOK) and one process serving every engine on them: the scale harness"
+    )
+    p.add_argument("action", choices=["up", "down"])
+    p.add_argument("--nodes", type=int, default=4, help="fake GPU nodes, 510 pods each (default: %(default)s)")
+    p.set_defaults(func=_cluster_kwok)
     agent_cli.add_cluster_subcommands(csub)
 
     def kubeconfig() -> Path:

@@ -643,7 +643,8 @@ def context_refusal(config: Json, max_model_len: int | None) -> str | None:
     )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The simulator's command line: the engine's own flags it reads, the rest of vLLM's ignored."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     # A fleet's engine listens on every address of its pod, as the real one does.
     parser.add_argument("--host", default="0.0.0.0")
@@ -660,23 +661,23 @@ def main() -> None:
     parser.add_argument("--inference-token-file", default=None)
     # A multi-pod engine's other ranks (the operator's group manifest): the leader serves, they only run.
     parser.add_argument("--headless", action="store_true")
-    # The rest of the operator's engine arguments (serve, --model, ...) mean nothing here. The fleet's
-    # `engine.args` (the knobs above, for a simulated fleet) come after the `--` that precedes vLLM's.
-    args, _ = parser.parse_known_args([a for a in sys.argv[1:] if a != "--"])
-    if args.headless:
-        stop = {signal.SIGTERM, signal.SIGINT}
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-        signal.sigwait(stop)  # as vLLM's headless rank: until stopped
-        return
-    if args.port is None:
-        parser.error("--port is required (only a --headless rank serves no port)")
-    import uvloop
+    return parser
 
-    uvloop.install()
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The operator's engine arguments (serve, --model, ...) mean nothing here but the flags above. The fleet's
+    `engine.args` (the knobs above, for a simulated fleet) come after the `--` that precedes vLLM's."""
+    args, _ = parser().parse_known_args([a for a in argv if a != "--"])
+    return args
+
+
+def engine_from_args(args: argparse.Namespace, read_file: Callable[[str], str] = read_token) -> SimEngine:
+    """The engine `args` describe; `read_file` reads a token file (a host of many engines reads their Secrets).
+    Exits as vLLM does when the model's context is shorter than asked."""
     policy = None
     if args.token_file:
-        inference = read_token(args.inference_token_file) if args.inference_token_file else None
-        policy = AccessPolicy(control_token=read_token(args.token_file), inference_token=inference)
+        inference = read_file(args.inference_token_file) if args.inference_token_file else None
+        policy = AccessPolicy(control_token=read_file(args.token_file), inference_token=inference)
     engine = SimEngine(args.name, args.token_delay_ms, weight_version=args.weight_version, policy=policy)
     config = _model_config(args.model)
     refusal = context_refusal(config, args.max_model_len)
@@ -686,6 +687,22 @@ def main() -> None:
     engine.samples = True
     if args.max_num_seqs:
         engine.limit_batch(args.max_num_seqs)
+    return engine
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    if args.headless:
+        stop = {signal.SIGTERM, signal.SIGINT}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        signal.sigwait(stop)  # as vLLM's headless rank: until stopped
+        return
+    if args.port is None:
+        parser().error("--port is required (only a --headless rank serves no port)")
+    import uvloop
+
+    uvloop.install()
+    engine = engine_from_args(args)
     # A client that goes away cancels its handler: vLLM aborts such a request too.
     web.run_app(engine.app(), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
 

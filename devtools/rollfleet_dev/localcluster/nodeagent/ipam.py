@@ -16,7 +16,10 @@ import ipaddress
 FIRST_NODE_OCTET = 10
 POD_CIDR = "198.18.0.0/16"
 NODE_PREFIX = 21  # 2,046 pods a node
-MAX_NODES = 2 ** (NODE_PREFIX - 16)
+# The last 4 of POD_CIDR's 32 /21s are KWOK's fake nodes' (rollfleet_dev.kwok): their pods have no process
+# here, and one process answers at all their addresses (rollfleet_dev.engine_host).
+MAX_NODES = 2 ** (NODE_PREFIX - 16) - 4
+KWOK_POD_CIDR = "198.18.224.0/19"
 SERVICE_CIDR = "198.19.0.0/16"
 FIRST_SERVICE_IP = "198.19.0.1"  # the `kubernetes` Service's
 
