@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
 from rollfleet.controller import desired
 from rollfleet.controller.owner import FleetRef
 from rollfleet_dev.localcluster import controlplane
+from rollfleet_dev.localcluster.nodeagent.processes import process_cpu_seconds
 
 BIN = Path(sys.executable).parent
 
@@ -191,7 +192,19 @@ def wait_until(predicate: Any, timeout: float, what: str, on_tick: Any = None) -
     raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
 
 
-def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int) -> dict[str, Any]:
+AtRest = Callable[[str, int], dict[str, Any]]
+
+
+def fleet_run(
+    kubeconfig: Path,
+    client: kubernetes.client.ApiClient,
+    engines: int,
+    fleet_spec: dict[str, Any] | None = None,
+    at_rest: AtRest | None = None,
+) -> dict[str, Any]:
+    """Apply a fleet of `engines` (`fleet_spec`, default `spec(engines)`) to a fresh operator, and time it to
+    converged; then `at_rest(namespace, operator pid)` (what else to measure on the converged fleet), and the
+    operator's API calls over a minute at rest."""
     core = kubernetes.client.CoreV1Api(client)
     custom = kubernetes.client.CustomObjectsApi(client)
     ns = f"bench-op-{uuid.uuid4().hex[:6]}"
@@ -205,6 +218,7 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
             out["rss_idle_mib"] = rss_mib(op.pid)
             peak = [out["rss_idle_mib"]]
             calls_before = sum(api_calls(port).values())
+            cpu_before = process_cpu_seconds(op.pid)
             with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
                 t0 = time.monotonic()
                 custom.create_namespaced_custom_object(
@@ -216,7 +230,7 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
                         "apiVersion": contract.API_VERSION,
                         "kind": KIND,
                         "metadata": {"name": "bench"},
-                        "spec": spec(engines),
+                        "spec": fleet_spec or spec(engines),
                     },
                 )
 
@@ -247,6 +261,9 @@ def fleet_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
             out["weights_record_bytes"] = _object_bytes(core, ns, contract.weights_record_name("bench"))
             out["rss_peak_mib"] = max(peak)
             out["rss_converged_mib"] = rss_mib(op.pid)
+            out["cpu_s_to_converged"] = process_cpu_seconds(op.pid) - cpu_before
+            if at_rest is not None:
+                out |= at_rest(ns, op.pid)
             calls = api_calls(port)
             out["api_calls"] = int(sum(calls.values()) - calls_before)
             out["api_calls_by_kind"] = {k: int(v) for k, v in sorted(calls.items())}
@@ -291,16 +308,18 @@ def _up(port: int) -> bool:
         return False
 
 
-def baseline_run(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int) -> dict[str, Any]:
+def baseline_run(
+    kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int, fleet_spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The same pods, created by one `kubectl apply` of a list, timed to all Ready: no operator."""
     core = kubernetes.client.CoreV1Api(client)
     ns = f"bench-raw-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
     ref = FleetRef("bench", ns, "00000000-0000-0000-0000-000000000000")
-    fleet_spec = RolloutFleetSpec.model_validate(spec(engines))
+    model = RolloutFleetSpec.model_validate(fleet_spec or spec(engines))
     pods = []
     for i in range(engines):
-        pod = desired.engine_pod(ref, fleet_spec, i)
+        pod = desired.engine_pod(ref, model, i)
         del pod["metadata"]["ownerReferences"]  # nothing owns them here
         del pod["spec"]["serviceAccountName"]  # the namespace's default: no ServiceAccount to wait for
         pods.append(pod)

@@ -51,20 +51,19 @@ MANAGED = ("kwok.x-k8s.io/node", "fake")  # the annotation KWOK manages nodes by
 POOL = "sim-gpu"
 NODE_PREFIX = 23  # 510 pods a node
 NODE_NAME = "sim-gpu-{}"
-GPUS_PER_NODE = 8
 
 Manifest = dict[str, Any]
 
 
 def node_manifest(index: int) -> Manifest:
-    """Fake GPU node `index` (pure): the GPU pool's labels and capacity, KWOK's annotation and taint, its pod range."""
+    """Fake GPU node `index` (pure): the GPU pool's labels, KWOK's annotation and taint, its pod range.
+
+    One fake node stands for a rack: as many GPUs as pods (a real node has 8), so that 2,000 one-GPU engines
+    need 4 nodes, not 250 nodes whose leases would load the API server all the time. What is measured is the
+    operator's work per engine; the scheduler's per node is the same for the operator and its baseline."""
     cidr = list(ipaddress.IPv4Network(KWOK_POD_CIDR).subnets(new_prefix=NODE_PREFIX))[index]
-    capacity = {
-        "cpu": "64",
-        "memory": "512Gi",
-        "pods": str(cidr.num_addresses - 2),
-        "nvidia.com/gpu": str(GPUS_PER_NODE),
-    }
+    pods = str(cidr.num_addresses - 2)
+    capacity = {"cpu": "4096", "memory": "32Ti", "pods": pods, "nvidia.com/gpu": pods}
     key, value = MANAGED
     return {
         "apiVersion": "v1",
@@ -76,7 +75,7 @@ def node_manifest(index: int) -> Manifest:
                 "type": "kwok",
                 "rollfleet.dev/pool": POOL,
                 "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.count": str(GPUS_PER_NODE),
+                "nvidia.com/gpu.count": pods,
                 "kubernetes.io/hostname": NODE_NAME.format(index),
             },
         },

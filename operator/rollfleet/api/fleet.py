@@ -31,6 +31,9 @@ from rollfleet.contract import API_VERSION, EnginePhase, PauseMode
 
 KIND = "RolloutFleet"
 PLURAL = "rolloutfleets"
+# Engines a fleet may have: 2,000 are measured (bench/bench_scale.py); the status stays within etcd's object limit
+# past that (docs/architecture.md, "Scale").
+MAX_ENGINES = 4096
 
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
@@ -469,7 +472,7 @@ class AuthSpec(ApiModel):
 class RolloutFleetSpec(ApiModel):
     """The desired fleet: how many engines, serving what, where, and how changes roll out."""
 
-    replicas: int = Field(default=1, ge=0, le=1000, description="Number of engines.")
+    replicas: int = Field(default=1, ge=0, le=MAX_ENGINES, description="Number of engines.")
     model: ModelSpec = Field(description="The model every engine serves.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="The engine each pod runs.")
     placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Where engine pods may run.")

@@ -24,7 +24,7 @@ def test_fake_nodes_have_disjoint_pod_ranges_outside_the_node_agents() -> None:
     assert all(r.subnet_of(ipaddress.IPv4Network(kwok.KWOK_POD_CIDR)) for r in ranges)  # type: ignore[arg-type]
     node = nodes[3]
     assert node["metadata"]["annotations"] == {"kwok.x-k8s.io/node": "fake"}
-    assert node["status"]["capacity"]["pods"] == "510" and node["status"]["capacity"]["nvidia.com/gpu"] == "8"
+    assert node["status"]["capacity"]["pods"] == "510" and node["status"]["capacity"]["nvidia.com/gpu"] == "510"
     # Only pods that tolerate the fake nodes' taint land on them: the placement the harness gives fleets.
     [taint] = node["spec"]["taints"]
     [toleration] = kwok.placement()["tolerations"]

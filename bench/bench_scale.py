@@ -1,0 +1,228 @@
+"""Scale benchmark: one fleet of 200, 1,000 and 2,000 engines, and 100 fleets of 20, on KWOK's fake GPU nodes.
+
+Not a test: prints numbers, and ratios against baselines measured in the same run.
+
+The engines are simulated where the operator cannot tell: KWOK (`rollfleet cluster kwok up`) runs their
+pods on fake GPU nodes without processes, and `rollfleet_dev.engine_host` answers at every pod's IP
+as the engine the pod describes (the control-plane tier's simulator, with the fleet's tokens). So the
+operator, the API server and the scheduler do all of their real work for every engine, and the machine
+runs one process for the engines instead of 2,000.
+
+Measured per size, each with a fresh `rollfleet operator` (bench_operator's run):
+- apply -> all engine pods created, -> fleet converged (every engine Ready in the status); against
+  `kubectl apply` of the same bare pods to all Ready, on the same cluster and nodes (the ratios);
+- the operator's RSS (peak) and CPU seconds to converged, its API calls over a minute at rest;
+- the bytes of the fleet's status and of its weights record (etcd keeps at most 1.5 MiB an object);
+- pause keep: annotation -> each engine paused, as the engine saw it (p50, p99, max), and -> the status
+  saying every engine is paused; resume the same way.
+And 100 fleets of 20 under one operator: apply -> all created, -> every fleet converged, RSS, API calls
+at rest.
+
+Usage: python -m bench.bench_scale [--sizes 200 1000 2000] [--fleets 100 --fleet-size 20] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes
+
+from bench import bench_operator
+from bench.crds import install_crds
+from rollfleet import contract
+from rollfleet.api.fleet import KIND, PLURAL
+from rollfleet_dev import engine_host, kwok
+from rollfleet_dev.localcluster import controlplane
+
+FLEET = "bench"  # bench_operator's fleet name
+ENGINES_URL = f"http://127.0.0.1:{engine_host.CONTROL_PORT}/engines"
+FLOORS = {
+    "create_2000_ratio_vs_kubectl": "<= 0.6",
+    "ready_2000_ratio_vs_raw": "<= 1.2",
+    "operator_rss_2000_mib": "<= 400",
+    "api_calls_per_min_at_rest_2000": "== 0",
+    "status_2000_bytes": "<= 262144",
+    "weights_record_2000_bytes": "<= 262144",
+    "pause_2000_p99_s": "<= 2.0",
+}
+
+
+def scale_spec(engines: int) -> dict[str, Any]:
+    """A fleet whose engines land on the fake nodes (one GPU each), served by the engine host."""
+    return {
+        "replicas": engines,
+        "model": {"servedName": "sim", "imagePath": "/nonexistent"},
+        "engine": {"gpusPerEngine": 1},
+        "placement": kwok.placement(),
+        "gateway": {"enabled": False},
+        "drainTimeoutSeconds": 0,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def host_engines(namespace: str) -> list[dict[str, Any]]:
+    return [e for e in httpx.get(ENGINES_URL, timeout=30).json() if e["namespace"] == namespace]
+
+
+def _annotate(custom: kubernetes.client.CustomObjectsApi, ns: str, mode: str | None) -> None:
+    body = {"metadata": {"annotations": {contract.ANNOTATION_PAUSE: mode}}}
+    custom.patch_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, FLEET, body)
+
+
+def _status_paused(custom: kubernetes.client.CustomObjectsApi, ns: str, engines: int, paused: bool) -> bool:
+    st = custom.get_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, FLEET).get("status") or {}
+    conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
+    if paused:
+        return bool((st.get("pause") or {}).get("pausedEngines") == engines and conds.get("Paused") == "True")
+    return conds.get("Paused") == "False" and st.get("readyReplicas") == engines
+
+
+def _engine_latencies(ns: str, engines: int, key: str, since: float, timeout_s: float) -> list[float]:
+    """Seconds from `since` to each engine's own `key` time (paused_at, resumed_at), once all have one."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        times = [e[key] - since for e in host_engines(ns) if e[key] is not None and e[key] >= since]
+        if len(times) >= engines:
+            return times
+        time.sleep(0.2)
+    raise TimeoutError(f"{key}: not every one of {engines} engines within {timeout_s:.0f}s")
+
+
+def pause_round(client: kubernetes.client.ApiClient, ns: str, engines: int) -> dict[str, Any]:
+    """Pause keep, then resume: each engine's latency as it saw it, and the status's."""
+    custom = kubernetes.client.CustomObjectsApi(client)
+    out: dict[str, Any] = {}
+    for mode, key in (("keep", "paused_at"), (None, "resumed_at")):
+        label = "pause" if mode else "resume"
+        t0 = time.time()
+        _annotate(custom, ns, mode)
+        latencies = _engine_latencies(ns, engines, key, t0, 300)
+        out[f"{label}_p50_s"] = statistics.median(latencies)
+        out[f"{label}_p99_s"] = percentile(latencies, 0.99)
+        out[f"{label}_max_s"] = max(latencies)
+        bench_operator.wait_until(lambda m=mode: _status_paused(custom, ns, engines, m is not None), 300, label)
+        out[f"{label}_status_s"] = time.time() - t0
+    return out
+
+
+def one_fleet(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int) -> dict[str, Any]:
+    def at_rest(ns: str, _pid: int) -> dict[str, Any]:
+        return pause_round(client, ns, engines)
+
+    fleet = bench_operator.fleet_run(kubeconfig, client, engines, scale_spec(engines), at_rest)
+    print(json.dumps({f"fleet_{engines}": fleet}), flush=True)
+    raw = bench_operator.baseline_run(kubeconfig, client, engines, scale_spec(engines))
+    print(json.dumps({f"kubectl_{engines}": raw}), flush=True)
+    return {
+        "fleet": fleet,
+        "kubectl": raw,
+        "create_ratio_vs_kubectl": fleet["created_s"] / raw["created_s"],
+        "ready_ratio_vs_raw": fleet["converged_s"] / raw["all_ready_or_failed_s"],
+    }
+
+
+def many_fleets(kubeconfig: Path, client: kubernetes.client.ApiClient, count: int, size: int) -> dict[str, Any]:
+    """`count` fleets of `size` engines in one namespace, under one operator: apply -> created, -> all converged."""
+    core = kubernetes.client.CoreV1Api(client)
+    custom = kubernetes.client.CustomObjectsApi(client)
+    ns = f"bench-many-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+    port = bench_operator.free_port()
+    names = [f"f{i}" for i in range(count)]
+    out: dict[str, Any] = {"fleets": count, "engines_each": size}
+    try:
+        with bench_operator.operator(kubeconfig, ns, port) as op:
+            bench_operator.wait_until(lambda: bench_operator._up(port), 120, "operator metrics endpoint")
+            time.sleep(2)  # kopf's initial listing, as in bench_operator
+            peak = [bench_operator.rss_mib(op.pid)]
+            selector = f"{contract.LABEL_COMPONENT}={contract.COMPONENT_ENGINE}"
+            with bench_operator.PodWatch(core, ns, selector) as pw:
+                t0 = time.monotonic()
+                for name in names:
+                    body = {"apiVersion": contract.API_VERSION, "kind": KIND, "metadata": {"name": name}}
+                    body["spec"] = scale_spec(size)
+                    custom.create_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, body)
+
+                def sample() -> None:
+                    peak.append(bench_operator.rss_mib(op.pid))
+
+                bench_operator.wait_until(lambda: len(pw.added) >= count * size, 900, "all pods created", sample)
+                out["created_s"] = max(pw.added.values()) - t0
+
+                def converged() -> bool:
+                    items = custom.list_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL)["items"]
+                    return sum((f.get("status") or {}).get("readyReplicas") == size for f in items) == count
+
+                bench_operator.wait_until(converged, 1800, "every fleet converged", sample)
+                out["converged_s"] = time.monotonic() - t0
+            out["rss_peak_mib"] = max(peak)
+            before = sum(bench_operator.api_calls(port).values())
+            time.sleep(60)
+            out["api_calls_per_min_idle"] = int(sum(bench_operator.api_calls(port).values()) - before)
+            for name in names:
+                custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, name)
+            bench_operator.wait_until(
+                lambda: not custom.list_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL)["items"],
+                300,
+                "the fleets deleted",
+            )
+    finally:
+        core.delete_namespace(ns)
+    return out
+
+
+def headline(sizes: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The floors' keys, from the largest size measured (named by it)."""
+    n = max(sizes)
+    one = sizes[n]
+    return {
+        f"create_{n}_ratio_vs_kubectl": one["create_ratio_vs_kubectl"],
+        f"ready_{n}_ratio_vs_raw": one["ready_ratio_vs_raw"],
+        f"operator_rss_{n}_mib": one["fleet"]["rss_peak_mib"],
+        f"api_calls_per_min_at_rest_{n}": one["fleet"]["api_calls_per_min_idle"],
+        f"status_{n}_bytes": one["fleet"]["status_bytes"],
+        f"weights_record_{n}_bytes": one["fleet"]["weights_record_bytes"] or 0,
+        f"pause_{n}_p99_s": one["fleet"]["pause_p99_s"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[200, 1000, 2000], help="engines of the one fleet")
+    parser.add_argument("--fleets", type=int, default=100, help="fleets of the many-fleets part (0: skip it)")
+    parser.add_argument("--fleet-size", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    kubeconfig = controlplane.up().kubeconfig
+    biggest = max([*args.sizes, args.fleets * args.fleet_size])
+    per_node = int(kwok.node_manifest(0)["status"]["capacity"]["pods"])
+    kwok.up(min(kwok.max_nodes(), biggest // per_node + 2))
+    install_crds(kubeconfig)
+    client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+    sizes = {n: one_fleet(kubeconfig, client, n) for n in args.sizes}
+    result: dict[str, Any] = {"sizes": {str(n): v for n, v in sizes.items()}}
+    if args.fleets:
+        result["many_fleets"] = many_fleets(kubeconfig, client, args.fleets, args.fleet_size)
+    result["headline"] = headline(sizes)
+    result["floors"] = FLOORS
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
