@@ -268,9 +268,11 @@ def fleet_run(
             out["api_calls"] = int(sum(calls.values()) - calls_before)
             out["api_calls_by_kind"] = {k: int(v) for k, v in sorted(calls.items())}
             # Steady state: what a converged 200-engine fleet costs per minute.
-            before = sum(api_calls(port).values())
+            before, cpu_idle = sum(api_calls(port).values()), process_cpu_seconds(op.pid)
             time.sleep(60)
             out["api_calls_per_min_idle"] = int(sum(api_calls(port).values()) - before)
+            # What it costs at rest besides: it re-reads each settled engine's state every 10 s.
+            out["cpu_s_per_min_idle"] = process_cpu_seconds(op.pid) - cpu_idle
             out["rss_after_idle_minute_mib"] = rss_mib(op.pid)
             custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, "bench")
             # Gone before this operator stops: it stops the fleet's loop when the watch reports it.

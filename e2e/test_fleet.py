@@ -35,6 +35,7 @@ from e2e.fleet_helpers import (
     sim_engine,
 )
 from e2e.provider import Cluster, wait_for
+from rollfleet.api.fleet import MAX_ENGINES
 from rollfleet.contract import (
     ANNOTATION_CRASHES,
     ENGINE_PORT,
@@ -130,7 +131,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("reserved-flag", {"engine": {"args": ["--port=9000"]}}, "engine.args must not set"),
     ("gpu-in-resources", {"engine": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "set engine.gpusPerEngine"),
     ("negative-replicas", {"replicas": -1}, "greater than or equal to 0"),
-    ("too-many-replicas", {"replicas": 5000}, "less than or equal to 1000"),
+    ("too-many-replicas", {"replicas": MAX_ENGINES + 1}, f"less than or equal to {MAX_ENGINES}"),
     ("bad-pull-policy", {"engine": {"imagePullPolicy": "Sometimes"}}, "Unsupported value"),
     (
         "toleration-exists-value",

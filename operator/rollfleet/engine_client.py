@@ -7,13 +7,15 @@ retries, all decided here), the one error type, `EngineCallError`, and parsing a
 into the protocol's pydantic models. Inference traffic (the gateway's streamed
 completions) does not go through here; it only borrows `bearer_header`.
 
-Talks to engines only (httpx, one connection pool per client).
+Talks to engines only (httpx, a small connection pool per engine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import ssl
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -105,31 +107,68 @@ def bearer_header(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+class _Pools:
+    """One small httpx client per engine, shared by an EngineClient and its `with_token` twins.
+
+    Not one pool for all: httpx's pool scans every connection and every waiting request at each request's
+    start and end, so one pool before 1,000 engines made the operator's state reads quadratic (a whole core,
+    engines not Ready after minutes; bench_scale). The least recently used engine's client is closed past
+    `MAX_ENGINES` (pod IPs change as engines are replaced)."""
+
+    MAX_ENGINES = 8192
+
+    def __init__(self, per_engine: int | None, transport: httpx.AsyncBaseTransport | None) -> None:
+        self._limits = httpx.Limits(max_connections=per_engine, max_keepalive_connections=per_engine or 20)
+        self._transport = transport
+        self._ssl = ssl.create_default_context()  # one for all: engines are plain HTTP; each client wants one
+        self._clients: OrderedDict[str, httpx.AsyncClient] = OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, base_url: str) -> httpx.AsyncClient:
+        client = self._clients.get(base_url)
+        if client is None:
+            # trust_env=False: engines are pod IPs, never reached through an HTTP(S)_PROXY.
+            client = httpx.AsyncClient(
+                limits=self._limits, transport=self._transport, verify=self._ssl, trust_env=False
+            )
+            self._clients[base_url] = client
+            if len(self._clients) > self.MAX_ENGINES:
+                _, oldest = self._clients.popitem(last=False)
+                task = asyncio.get_running_loop().create_task(oldest.aclose())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        else:
+            self._clients.move_to_end(base_url)
+        return client
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), OrderedDict()
+        await asyncio.gather(*(c.aclose() for c in clients), *self._closing)
+
+
 class EngineClient:
-    """Calls to engines with one connection pool; `token` (the fleet's admin token) goes on every call."""
+    """Calls to engines, with a connection pool per engine of at most `max_connections_per_engine` connections
+    (None: unbounded); `token` (the fleet's admin token) goes on every call."""
 
     def __init__(
         self,
         token: str | None = None,
         *,
-        max_connections: int | None = 100,
+        max_connections_per_engine: int | None = 16,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        # trust_env=False: engines are pod IPs, never reached through an HTTP(S)_PROXY.
-        self._http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=max_connections), transport=transport, trust_env=False
-        )
+        self._pools = _Pools(max_connections_per_engine, transport)
         self._headers = bearer_header(token) if token is not None else {}
 
     def with_token(self, token: str) -> EngineClient:
-        """This client's connection pool, calling with `token` (the operator serves many fleets)."""
+        """This client's connection pools, calling with `token` (the operator serves many fleets)."""
         twin = copy.copy(self)
         twin._headers = bearer_header(token)
         return twin
 
     async def aclose(self) -> None:
-        """Close the connection pool (of every client made from this one by `with_token`)."""
-        await self._http.aclose()
+        """Close the connection pools (of every client made from this one by `with_token`)."""
+        await self._pools.aclose()
 
     # --- the engine's own routes -----------------------------------------------------
 
@@ -249,7 +288,7 @@ class EngineClient:
         deadline_s = policy.timeout_s + wait_s
         try:
             async with asyncio.timeout(deadline_s):
-                resp = await self._send(method, engine.url.rstrip("/") + path, policy, **kwargs)
+                resp = await self._send(method, engine.url.rstrip("/"), path, policy, **kwargs)
         except TimeoutError as err:
             raise EngineCallError(engine, method, path, f"no answer within {deadline_s:g}s") from err
         except httpx.HTTPError as err:
@@ -259,12 +298,13 @@ class EngineClient:
             raise EngineCallError(engine, method, path, problem, status=resp.status_code)
         return resp
 
-    async def _send(self, method: str, url: str, policy: CallPolicy, **kwargs: Any) -> httpx.Response:
+    async def _send(self, method: str, base_url: str, path: str, policy: CallPolicy, **kwargs: Any) -> httpx.Response:
         timeout = httpx.Timeout(None, connect=policy.connect_s)
+        http = self._pools.get(base_url)
         attempt = 0
         while True:
             try:
-                return await self._http.request(method, url, headers=self._headers, timeout=timeout, **kwargs)
+                return await http.request(method, base_url + path, headers=self._headers, timeout=timeout, **kwargs)
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 # Only a failed connection is retried: the engine never saw the request, so
                 # even a POST cannot act twice.

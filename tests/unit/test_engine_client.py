@@ -24,6 +24,7 @@ from rollfleet.engine_client import (
     EngineCallError,
     EngineClient,
     EngineRef,
+    _Pools,
 )
 from rollfleet.errors import RollfleetError
 from rollfleet_engine.protocol import ABORT_PATH, STATE_PATH, AbortStatus
@@ -62,12 +63,38 @@ def test_the_admin_token_goes_on_every_call_and_with_token_switches_it_on_the_sa
         await tokenless.resume(ENGINE)
         fleet = tokenless.with_token("fleet-a")
         await fleet.pause(ENGINE, "keep")
-        assert fleet._http is tokenless._http  # one connection pool for every fleet
+        assert fleet._pools is tokenless._pools  # the same connection pools for every fleet
         await tokenless.resume(ENGINE)
 
     asyncio.run(go())
     assert [r.headers.get("authorization") for r in seen] == [None, "Bearer fleet-a", None]
     assert seen[1].url.path == "/pause" and seen[1].url.params["mode"] == "keep"
+
+
+def test_each_engine_has_its_own_pool_and_the_least_recently_used_is_closed_past_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One pool per engine (httpx scans a pool's every connection per request: one pool for 1,000 engines was
+    quadratic), bounded: pods come and go with new addresses."""
+    monkeypatch.setattr(_Pools, "MAX_ENGINES", 2)
+    seen, handler = recorder(httpx.Response(200))
+    engines = [EngineRef(f"e{i}", f"http://10.0.0.{i}:8000") for i in range(3)]
+    api = client(handler)
+
+    async def go() -> None:
+        await api.resume(engines[0])
+        await api.resume(engines[1])
+        first = api._pools.get(engines[0].url)  # e0 is now the most recently used
+        assert first is api._pools.get(engines[0].url) and len(set(map(id, api._pools._clients.values()))) == 2
+        await api.resume(engines[2])  # a third engine: the least recently used, e1, is let go
+        assert list(api._pools._clients) == [engines[0].url, engines[2].url]
+        await api.resume(engines[1])  # back, with a new pool; now e0 is let go, and closed
+        await asyncio.gather(*api._pools._closing)
+        assert list(api._pools._clients) == [engines[2].url, engines[1].url] and first.is_closed
+        await api.aclose()
+
+    asyncio.run(go())
+    assert [r.url.host for r in seen] == ["10.0.0.0", "10.0.0.1", "10.0.0.2", "10.0.0.1"]
 
 
 def test_a_refusal_is_an_engine_call_error_with_status_path_and_the_engines_words() -> None:

@@ -34,6 +34,9 @@ PLURAL = "rolloutfleets"
 # Engines a fleet may have: 2,000 are measured (bench/bench_scale.py); the status stays within etcd's object limit
 # past that (docs/architecture.md, "Scale").
 MAX_ENGINES = 4096
+# Engines the status lists by name: each entry is 130-250 bytes, and 2,000 listed whole were 300 KB before
+# any push (the status is one object; etcd holds at most 1.5 MiB).
+LISTED_ENGINES_MAX = 256
 
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
@@ -551,8 +554,24 @@ class RolloutFleetStatus(ApiModel):
     weight_version: str | None = Field(default=None, description="Weight version of the fleet.")
     engines: list[EngineStatus] = Field(
         default_factory=list,
-        description="Every engine pod.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description=f"Every engine pod, in a fleet of at most {LISTED_ENGINES_MAX} engines. In a larger one, only "
+        "those that need a look (not Ready or Paused, not on the fleet's weight version, or not updated), at most "
+        f"{LISTED_ENGINES_MAX}: see enginesUnlisted and enginePhases. The status is one object in etcd.",
+        # As written (controller.status.listed); the operator's own view in memory holds every engine.
+        json_schema_extra={
+            "maxItems": LISTED_ENGINES_MAX,
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+    )
+    engines_unlisted: int | None = Field(
+        default=None,
+        ge=0,
+        description="Engines left out of `engines` (a fleet of more than "
+        f"{LISTED_ENGINES_MAX}); each pod carries its phase in its rollfleet.dev/phase annotation.",
+    )
+    engine_phases: dict[str, int] = Field(
+        default_factory=dict, description="How many engines are in each phase, listed or not."
     )
     pause: PauseStatus | None = Field(default=None, description="Set while the fleet is paused.")
     gateway: GatewayStatus | None = Field(default=None, description="The gateway, when enabled.")

@@ -61,9 +61,7 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
         )
     kube = Kube(load_client())
     metrics = FleetMetrics(prometheus_client.REGISTRY)  # served on --metrics-port (controller/main.py)
-    memo.fleets = Shared(
-        kube, EngineClient(max_connections=256), NodeHealth(kube), namespace, memo.operator_key, metrics
-    )
+    memo.fleets = Shared(kube, EngineClient(), NodeHealth(kube), namespace, memo.operator_key, metrics)
     memo.fleet_tasks = ObjectTasks("fleet")
 
 

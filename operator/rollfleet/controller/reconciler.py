@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -40,7 +41,7 @@ from rollfleet.contract import (
     weights_record_name,
 )
 from rollfleet.controller import desired, groups, plan
-from rollfleet.controller.events import event_manifest, rfc3339
+from rollfleet.controller.events import batched, event_manifest, rfc3339
 from rollfleet.controller.metrics import FleetMetrics, FleetSnapshot
 from rollfleet.controller.owner import FleetRef
 from rollfleet.controller.status import (
@@ -52,6 +53,7 @@ from rollfleet.controller.status import (
     WeightView,
     classify,
     fleet_status,
+    listed,
     observe_pod,
 )
 from rollfleet.controller.tasks import Stop
@@ -176,6 +178,7 @@ class FleetLoop:
         self._gone: set[str | None] = set()  # uids of pods the index holds but a LIST showed gone
         self._token: str | None = None
         self._states: dict[str, tuple[float, EngineState | None]] = {}
+        self._refreshing: dict[str, asyncio.Task[None]] = {}  # engine -> a state read in the background
         self._sync_record: str | None = None  # the sync sidecar's record (its JSON) last seen
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._applied: dict[str, tuple[str, float]] = {}
@@ -235,7 +238,7 @@ class FleetLoop:
 
     async def close(self) -> None:
         """Cancel its engine calls and Events in flight (the fleet is gone, or the operator exits)."""
-        tasks = [*self._calls.values(), *self._background]
+        tasks = [*self._calls.values(), *self._background, *self._refreshing.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -287,7 +290,7 @@ class FleetLoop:
         if sync_record != self._sync_record:
             # A push started or committed: engines' weight versions just changed; cached states would
             # show them PendingSync (or routable on the old version) until their next read.
-            self._states.clear()
+            self._forget_state()
             self._sync_record = sync_record
         states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else IDLE_RESYNC_S)
         return [dataclasses.replace(o, state=states.get(o.name)) for o in observed], busy
@@ -361,7 +364,9 @@ class FleetLoop:
             )
         )
         by_name = {e.obs.name: e for e in engines}
-        await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
+        done = await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
+        for type_, reason, message in batched([d for d in done if d is not None]):
+            self.event(type_, reason, message)
         phase_changes = await self._annotate_engines(engines, actions, fv.engine_generations)
         for call in plan.engine_pause_calls(request.mode, record, engines):
             ip = by_name[call.name].obs.pod_ip
@@ -482,12 +487,15 @@ class FleetLoop:
     # ---- engines ---------------------------------------------------------------------------
 
     async def _poll_states(self, obs: list[EngineObs], max_age: float) -> dict[str, EngineState | None]:
-        """Engine states, fetched again once older than `max_age` (draining engines every pass)."""
+        """Engine states. Read now: an engine's first, one that did not answer, a draining one's (every pass: its
+        in-flight count decides when it goes). Read in the background once older than `max_age`: the older
+        state serves until the new one is in, so a pass never waits for a thousand engines' answers (that held
+        a pause back by seconds at 1,000 engines, bench_scale)."""
         now = time.monotonic()
         live = {o.name for o in obs}
         for name in list(self._states):
             if name not in live:
-                del self._states[name]
+                self._forget_state(name)
 
         async def fetch(o: EngineObs) -> None:
             assert o.pod_ip is not None  # only engines with an IP are due
@@ -496,41 +504,57 @@ class FleetLoop:
             except EngineCallError as err:
                 log.debug("%s: %s", o.name, err)
                 state = None
+            before = self._states.get(o.name)
             self._states[o.name] = (time.monotonic(), state)
+            if before is not None and _phase_relevant(before[1]) != _phase_relevant(state):
+                self._wake_early = True
 
-        due = [
-            o
-            for o in obs
-            if o.pod_ip
-            and o.ready
-            and o.pod_phase == "Running"
-            and not o.terminating
-            and (
-                o.name not in self._states
-                or o.draining
-                or now - self._states[o.name][0] >= max_age
-                or self._states[o.name][1] is None
-            )
-        ]
+        due, stale = [], []
+        for o in obs:
+            if not (o.pod_ip and o.ready and o.pod_phase == "Running" and not o.terminating):
+                continue
+            known = self._states.get(o.name)
+            if known is None or known[1] is None or o.draining:
+                due.append(o)
+            elif now - known[0] >= max_age and o.name not in self._refreshing:
+                stale.append(o)
         await asyncio.gather(*(fetch(o) for o in due))
+        for o in stale:
+            task = asyncio.ensure_future(fetch(o))
+            self._refreshing[o.name] = task
+            task.add_done_callback(functools.partial(self._refreshed, o.name))
         for o in obs:  # an engine that is not ready has no state worth keeping
             if not o.ready:
-                self._states.pop(o.name, None)
+                self._forget_state(o.name)
         return {name: st for name, (_, st) in self._states.items()}
+
+    def _refreshed(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._refreshing.get(name) is task:  # not one cancelled and already replaced
+            del self._refreshing[name]
+
+    def _forget_state(self, name: str | None = None) -> None:
+        """Drop an engine's state (every engine's: None), and any read of it under way, which may predate what
+        made it stale (a pause call, a push)."""
+        for n in [name] if name is not None else [*self._states, *self._refreshing]:
+            self._states.pop(n, None)
+            task = self._refreshing.pop(n, None)
+            if task is not None:
+                task.cancel()
 
     async def _act(
         self, action: plan.PodAction, spec: RolloutFleetSpec, engines: Mapping[str, Engine], now: datetime
-    ) -> None:
+    ) -> tuple[str, str, str] | None:
+        """Carry out one pod action; the Event that says so (posted batched with the pass's others)."""
         kube, ns = self.shared.kube, self.ref.namespace
         if isinstance(action, plan.Create):
             engine = desired.engine_object(self.ref, spec, action.index, crashes=self._crashes.pop(action.index, 0))
             try:
                 await kube.create(engine)
             except Conflict:  # names are stable: one of that name exists already, no duplicate
-                return
+                return None
             what = "" if engine["kind"] == "Pod" else f" ({engine['kind']} of {spec.engine.pods_per_engine} pods)"
-            self.event("Normal", "EngineCreated", f"{engine['metadata']['name']}{what} created ({action.reason})")
-        elif isinstance(action, plan.Drain):
+            return "Normal", "EngineCreated", f"{engine['metadata']['name']}{what} created ({action.reason})"
+        if isinstance(action, plan.Drain):
             await annotate_pod(
                 kube,
                 ns,
@@ -538,30 +562,29 @@ class FleetLoop:
                 {ANNOTATION_PHASE: EnginePhase.DRAINING, ANNOTATION_DRAINING_SINCE: rfc3339(now)},
             )
             e = engines[action.name]
-            self.event(
+            return (
                 "Normal",
                 "EngineDraining",
                 f"{action.name} draining ({action.reason}): {e.obs.in_flight} requests in flight, up to "
                 f"{spec.drain_timeout_seconds}s",
             )
-        else:
-            if action.crashes is not None:
-                self._crashes[engines[action.name].obs.index] = action.crashes
-            force = {"gracePeriodSeconds": 0} if action.force else None
-            group = engines[action.name].obs.group
-            with contextlib.suppress(NotFound):
-                # A multi-pod engine goes as a whole: its LeaderWorkerSet, whose pods the garbage collector deletes.
-                if group is not None:
-                    await kube.delete(LEADER_WORKER_SET, ns, group)
-                if group is None or force:
-                    await kube.delete(POD, ns, action.name, force)
-            failed = engines[action.name].phase == EnginePhase.FAILED
-            self.event(
-                "Warning" if failed else "Normal",
-                "EngineReplaced" if failed else "EngineDeleted",
-                f"{action.name} deleted: {action.reason}",
-            )
-            self._states.pop(action.name, None)
+        if action.crashes is not None:
+            self._crashes[engines[action.name].obs.index] = action.crashes
+        force = {"gracePeriodSeconds": 0} if action.force else None
+        group = engines[action.name].obs.group
+        with contextlib.suppress(NotFound):
+            # A multi-pod engine goes as a whole: its LeaderWorkerSet, whose pods the garbage collector deletes.
+            if group is not None:
+                await kube.delete(LEADER_WORKER_SET, ns, group)
+            if group is None or force:
+                await kube.delete(POD, ns, action.name, force)
+        failed = engines[action.name].phase == EnginePhase.FAILED
+        self._forget_state(action.name)
+        return (
+            "Warning" if failed else "Normal",
+            "EngineReplaced" if failed else "EngineDeleted",
+            f"{action.name} deleted: {action.reason}",
+        )
 
     async def _control(self, call: plan.PauseCall | plan.ResumeCall, ip: str, token: str) -> None:
         engines, engine = self.shared.engines.with_token(token), EngineRef(call.name, engine_url(ip))
@@ -574,7 +597,7 @@ class FleetLoop:
             self.event("Warning", "EngineControlFailed", f"{call.name}: {err}")
         finally:
             self._calls.pop(call.name, None)
-            self._states.pop(call.name, None)  # read the new state on the next pass
+            self._forget_state(call.name)  # read the new state on the next pass
             self._wake_early = True
 
     async def _pause_bookkeeping(self, request: plan.PauseRequest) -> None:
@@ -591,8 +614,8 @@ class FleetLoop:
     # ---- status ----------------------------------------------------------------------------
 
     async def _write_status(self, status: RolloutFleetStatus, previous: RolloutFleetStatus | None) -> None:
-        wire = status.wire()
-        old = previous.wire() if previous else {}
+        wire = listed(status).wire()
+        old = listed(previous).wire() if previous else {}
         patch = {"status": {**dict.fromkeys(set(old) - set(wire)), **wire}}  # null deletes what is gone
         await self._patch_fleet(patch, status=True)
         self._last_status_at = time.monotonic()
@@ -618,13 +641,24 @@ class FleetLoop:
         if previous.pause and status.pause and previous.pause.mode != status.pause.mode:
             self.event("Normal", "PauseModeChanged", f"pause mode {previous.pause.mode} -> {status.pause.mode}")
         old_phases = {e.name: e.phase for e in previous.engines}
-        for e in status.engines:
-            if old_phases.get(e.name) not in (None, e.phase):
-                self.event(
-                    "Warning" if e.phase == EnginePhase.FAILED else "Normal",
-                    f"Engine{e.phase}",
-                    f"{e.name}: {old_phases[e.name]} -> {e.phase}" + (f" ({e.message})" if e.message else ""),
-                )
+        moves = [
+            (
+                "Warning" if e.phase == EnginePhase.FAILED else "Normal",
+                f"Engine{e.phase}",
+                f"{e.name}: {old_phases[e.name]} -> {e.phase}" + (f" ({e.message})" if e.message else ""),
+            )
+            for e in status.engines
+            if old_phases.get(e.name) not in (None, e.phase)
+        ]
+        for type_, reason, message in batched(moves):
+            self.event(type_, reason, message)
+
+
+def _phase_relevant(state: EngineState | None) -> tuple[Any, ...] | None:
+    """What of an engine's state its phase depends on (its in-flight counts do not)."""
+    if state is None:
+        return None
+    return state.paused, state.served_version, state.weights_manifest_sha256, state.inference_open
 
 
 def _parse_status(raw: Any) -> RolloutFleetStatus | None:

@@ -8,6 +8,7 @@ engine its phase (the one the gateway routes on, via the pod's `rollfleet.dev/ph
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -15,6 +16,7 @@ from typing import Any
 
 from rollfleet.api.common import Condition, ConditionStatus
 from rollfleet.api.fleet import (
+    LISTED_ENGINES_MAX,
     EngineStatus,
     GatewayStatus,
     InferenceAuth,
@@ -451,6 +453,26 @@ def fleet_status(
         auth=inference_auth(spec, existing),
         conditions=conditions,
     )
+
+
+def listed(status: RolloutFleetStatus) -> RolloutFleetStatus:
+    """The status as written (pure): a fleet of more than LISTED_ENGINES_MAX engines lists only the engines that
+    need a look, and counts the rest; every fleet's status counts its engines by phase. The operator keeps the
+    whole view in memory (its metrics, its events)."""
+    phases = dict(sorted(Counter(e.phase.value for e in status.engines).items()))
+    if len(status.engines) <= LISTED_ENGINES_MAX:
+        return status.model_copy(update={"engine_phases": phases})
+    routine = (EnginePhase.READY, EnginePhase.PAUSED)
+    odd = [
+        e
+        for e in status.engines
+        if e.phase not in routine
+        or not e.updated
+        or (status.weight_version is not None and e.weight_version != status.weight_version)
+    ]
+    shown = odd[:LISTED_ENGINES_MAX]
+    update = {"engines": shown, "engines_unlisted": len(status.engines) - len(shown), "engine_phases": phases}
+    return status.model_copy(update=update)
 
 
 def inference_auth(spec: RolloutFleetSpec, engines: Sequence[Engine]) -> InferenceAuth:
