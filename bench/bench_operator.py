@@ -268,9 +268,13 @@ def fleet_run(
             out["api_calls"] = int(sum(calls.values()) - calls_before)
             out["api_calls_by_kind"] = {k: int(v) for k, v in sorted(calls.items())}
             # Steady state: what a converged 200-engine fleet costs per minute.
-            before, cpu_idle = sum(api_calls(port).values()), process_cpu_seconds(op.pid)
+            before, cpu_idle = api_calls(port), process_cpu_seconds(op.pid)
             time.sleep(60)
-            out["api_calls_per_min_idle"] = int(sum(api_calls(port).values()) - before)
+            after = api_calls(port)
+            out["api_calls_per_min_idle"] = int(sum(after.values()) - sum(before.values()))
+            out["api_calls_idle_by_kind"] = {
+                k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)
+            }
             # What it costs at rest besides: it re-reads each settled engine's state every 10 s.
             out["cpu_s_per_min_idle"] = process_cpu_seconds(op.pid) - cpu_idle
             out["rss_after_idle_minute_mib"] = rss_mib(op.pid)

@@ -169,9 +169,13 @@ def many_fleets(kubeconfig: Path, client: kubernetes.client.ApiClient, count: in
                 bench_operator.wait_until(converged, 1800, "every fleet converged", sample)
                 out["converged_s"] = time.monotonic() - t0
             out["rss_peak_mib"] = max(peak)
-            before = sum(bench_operator.api_calls(port).values())
+            before = bench_operator.api_calls(port)
             time.sleep(60)
-            out["api_calls_per_min_idle"] = int(sum(bench_operator.api_calls(port).values()) - before)
+            after = bench_operator.api_calls(port)
+            out["api_calls_per_min_idle"] = int(sum(after.values()) - sum(before.values()))
+            out["api_calls_idle_by_kind"] = {
+                k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)
+            }
             for name in names:
                 custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, name)
             bench_operator.wait_until(

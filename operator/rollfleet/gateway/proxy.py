@@ -479,13 +479,17 @@ class _Exchange:
         loop, p, entry = self.loop, self.proxy, self.entry
         deadline = min(self.req.deadline, loop.time() + p.config.queue_timeout_s)
         while entry.stop is None:
-            routable = p.registry.routable()
-            candidates = [e for e in routable if e.instance not in entry.tried]
-            if self.req.max_weight_lag is not None and candidates:
-                candidates = within_weight_lag(candidates, routable, self.req.max_weight_lag)
-                self.lag_bound_left_none = not candidates
+            if not entry.tried and self.req.max_weight_lag is None:
+                keys = p.registry.routable_keys()  # a request's first try: no list built per request
+            else:
+                routable = p.registry.routable()
+                candidates = [e for e in routable if e.instance not in entry.tried]
+                if self.req.max_weight_lag is not None and candidates:
+                    candidates = within_weight_lag(candidates, routable, self.req.max_weight_lag)
+                    self.lag_bound_left_none = not candidates
+                keys = [e.key for e in candidates]
             try:
-                decision = p.router.choose([e.key for e in candidates], self.req.session, loop.time())
+                decision = p.router.choose(keys, self.req.session, loop.time())
             except NoEngine:
                 remaining = deadline - loop.time()
                 if remaining <= 0:

@@ -109,6 +109,7 @@ class Registry:
         self._version_epochs: dict[str, int] = {}
         # routable(), kept until the table changes or an ejection ends: the proxy asks once per request.
         self._routable: list[Engine] | None = None
+        self._routable_keys: tuple[list[Engine] | None, list[str]] = (None, [])
         self._routable_until = 0.0
 
     # --- fed by a source ------------------------------------------------------------
@@ -162,6 +163,14 @@ class Registry:
             self._routable = [e for e in self._engines.values() if e.routable and e.url and e.key not in ejected]
             self._routable_until = min(ejected.values(), default=float("inf"))
         return self._routable
+
+    def routable_keys(self) -> list[str]:
+        """The keys of `routable()`: the same list object until the routable engines change (the router keeps
+        its load index for it)."""
+        routable = self.routable()
+        if self._routable_keys[0] is not routable:
+            self._routable_keys = (routable, [e.key for e in routable])
+        return self._routable_keys[1]
 
     def get(self, key: str) -> Engine | None:
         return self._engines.get(key)

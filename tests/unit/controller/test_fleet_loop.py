@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from tests.unit.controller.fleet_fixtures import obs, state
 
 from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
 from rollfleet.controller.tasks import MAX_BACKOFF_S, Stop, backoff_s
+from rollfleet.engine_client import EngineCallError, EngineRef
+from rollfleet_engine.protocol import EngineState
 
 KEY = ("ns", "f")
 FLEET = {"metadata": {"name": "f", "namespace": "ns", "uid": "u-f", "resourceVersion": "1"}}
@@ -103,3 +107,41 @@ def test_index_entries_of_a_deleted_namesake_fleet_are_not_this_fleets() -> None
     loop = loop_with({}, {KEY: [stale, own]}, {KEY: [old_record, record]})
     assert loop._gateway() == own and loop._weights_record() == record
     assert loop_with({}, {KEY: [stale]})._gateway() is None
+
+
+def test_stale_states_are_read_in_the_background_and_a_missed_read_keeps_the_last_one() -> None:
+    """A pass never waits for settled engines' answers (at 1,000 engines that held a pause back by seconds), and
+    one slow answer does not make a serving engine look like a starting one."""
+    answers: dict[str, EngineState | Exception] = {}
+    asked: list[str] = []
+
+    class Engines:
+        async def state(self, ref: EngineRef) -> EngineState:
+            asked.append(ref.name)
+            answer = answers[ref.name]
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    loop = FleetLoop(SimpleNamespace(engines=Engines()), FLEET, {}, {}, {})  # type: ignore[arg-type]
+    engines = [obs(0), obs(1)]
+    busy = EngineCallError(EngineRef("f-engine-1", "http://x"), "GET", "/state", "no answer within 5s")
+
+    async def go() -> None:
+        answers.update({"f-engine-0": state(version="v1"), "f-engine-1": state(version="v1")})
+        first = await loop._poll_states(engines, max_age=10)  # an engine's first state: read in the pass
+        assert {n: s and s.weight_version for n, s in first.items()} == {"f-engine-0": "v1", "f-engine-1": "v1"}
+        for name, (at, st) in list(loop._states.items()):
+            loop._states[name] = (at - 11, st)  # both stale now
+        answers.update({"f-engine-0": state(version="v2"), "f-engine-1": busy})
+        second = await loop._poll_states(engines, max_age=10)
+        assert {s and s.weight_version for s in second.values()} == {"v1"}  # the pass did not wait for them
+        await asyncio.gather(*loop._refreshing.values())
+        third = await loop._poll_states(engines, max_age=10)
+        assert third["f-engine-0"] is not None and third["f-engine-0"].weight_version == "v2"
+        assert loop._wake_early  # a version changed: pass again soon
+        assert third["f-engine-1"] is not None and third["f-engine-1"].weight_version == "v1"  # kept, asked again
+        await asyncio.gather(*loop._refreshing.values())
+
+    asyncio.run(go())
+    assert asked.count("f-engine-1") == 3
