@@ -99,7 +99,6 @@ class Served:
 class Host:
     api: Api
     engines: dict[str, Served] = field(default_factory=dict)  # pod IP -> engine
-    _secrets: dict[tuple[str, str], Obj] = field(default_factory=dict)
 
     async def on_pod(self, kind: str, pod: Obj) -> None:
         ip = (pod.get("status") or {}).get("podIP")
