@@ -146,6 +146,20 @@ def api_calls(metrics_port: int) -> dict[str, float]:
     }
 
 
+def idle_minute(port: int, pid: int) -> dict[str, Any]:
+    """What a converged operator costs a minute at rest: API calls (in all and by kind), CPU seconds (it re-reads
+    each settled engine's state now and then), and its RSS after it."""
+    before, cpu = api_calls(port), process_cpu_seconds(pid)
+    time.sleep(60)
+    after = api_calls(port)
+    return {
+        "api_calls_per_min_idle": int(sum(after.values()) - sum(before.values())),
+        "api_calls_idle_by_kind": {k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)},
+        "cpu_s_per_min_idle": process_cpu_seconds(pid) - cpu,
+        "rss_after_idle_minute_mib": rss_mib(pid),
+    }
+
+
 class PodWatch:
     """When each pod of a selector was first seen and first Ready (watch-stream arrival times)."""
 
@@ -267,17 +281,7 @@ def fleet_run(
             calls = api_calls(port)
             out["api_calls"] = int(sum(calls.values()) - calls_before)
             out["api_calls_by_kind"] = {k: int(v) for k, v in sorted(calls.items())}
-            # Steady state: what a converged 200-engine fleet costs per minute.
-            before, cpu_idle = api_calls(port), process_cpu_seconds(op.pid)
-            time.sleep(60)
-            after = api_calls(port)
-            out["api_calls_per_min_idle"] = int(sum(after.values()) - sum(before.values()))
-            out["api_calls_idle_by_kind"] = {
-                k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)
-            }
-            # What it costs at rest besides: it re-reads each settled engine's state every 10 s.
-            out["cpu_s_per_min_idle"] = process_cpu_seconds(op.pid) - cpu_idle
-            out["rss_after_idle_minute_mib"] = rss_mib(op.pid)
+            out |= idle_minute(port, op.pid)
             custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, "bench")
             # Gone before this operator stops: it stops the fleet's loop when the watch reports it.
             wait_until(lambda: not _fleet_exists(custom, ns), 120, "the fleet deleted")

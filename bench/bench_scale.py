@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import httpx
 import kubernetes
 
 from bench import bench_operator
+from bench.bench_gateway import percentile
 from bench.crds import install_crds
 from rollfleet import contract
 from rollfleet.api.fleet import KIND, PLURAL
@@ -66,11 +66,6 @@ def scale_spec(engines: int) -> dict[str, Any]:
         "gateway": {"enabled": False},
         "drainTimeoutSeconds": 0,
     }
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
 def host_engines(namespace: str) -> list[dict[str, Any]]:
@@ -169,13 +164,7 @@ def many_fleets(kubeconfig: Path, client: kubernetes.client.ApiClient, count: in
                 bench_operator.wait_until(converged, 1800, "every fleet converged", sample)
                 out["converged_s"] = time.monotonic() - t0
             out["rss_peak_mib"] = max(peak)
-            before = bench_operator.api_calls(port)
-            time.sleep(60)
-            after = bench_operator.api_calls(port)
-            out["api_calls_per_min_idle"] = int(sum(after.values()) - sum(before.values()))
-            out["api_calls_idle_by_kind"] = {
-                k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)
-            }
+            out |= bench_operator.idle_minute(port, op.pid)
             for name in names:
                 custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, name)
             bench_operator.wait_until(

@@ -597,30 +597,34 @@ class FleetLoop:
 
     async def _control(self, call: plan.PauseCall | plan.ResumeCall, ip: str, token: str) -> None:
         engines, engine = self.shared.engines.with_token(token), EngineRef(call.name, engine_url(ip))
-        pause = isinstance(call, plan.PauseCall)
+        mode = call.mode if isinstance(call, plan.PauseCall) else None
         try:
-            if isinstance(call, plan.PauseCall):
-                await engines.pause(engine, call.mode)
+            if mode is not None:
+                await engines.pause(engine, mode)
             else:
                 await engines.resume(engine)
         except EngineCallError as err:
             self.event("Warning", "EngineControlFailed", f"{call.name}: {err}")
             self._forget_state(call.name)  # read the state anew on the next pass
         else:
-            self._confirmed(call.name, call.mode if isinstance(call, plan.PauseCall) else None, pause)
+            self._confirmed(call.name, mode)
         finally:
             self._calls.pop(call.name, None)
             self._wake_early = True
 
-    def _confirmed(self, name: str, mode: PauseMode | None, paused: bool) -> None:
-        """The engine answered its pause (or resume) call: its state says so from now on, until its next read.
+    def _confirmed(self, name: str, mode: PauseMode | None) -> None:
+        """The engine answered its pause (`mode`) or resume (None) call: its state says so from now on, until its
+        next read.
         Read anew instead, 2,000 engines' states in the passes that followed a pause held its last calls back
         by seconds (bench_scale)."""
         known = self._states.get(name)
         self._forget_state(name)  # a read under way may predate the call
         # Not after abort or wait: they end requests, and the state's in-flight counts with them.
         if known is not None and known[1] is not None and mode in (None, "keep"):
-            self._states[name] = (time.monotonic(), known[1].model_copy(update={"paused": paused, "pause_mode": mode}))
+            self._states[name] = (
+                time.monotonic(),
+                known[1].model_copy(update={"paused": mode is not None, "pause_mode": mode}),
+            )
 
     async def _pause_bookkeeping(self, request: plan.PauseRequest) -> None:
         if request.invalid_value is not None and request.invalid_value != self._warned_pause:
