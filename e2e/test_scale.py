@@ -1,8 +1,10 @@
 """200 engines on KWOK's fake GPU nodes (`rollfleet cluster kwok up`; every engine answered by
 `rollfleet_dev.engine_host`, the control-plane tier's simulator at each pod's IP): the operator, in its pod,
-brings all of them to Ready, pauses every one and resumes every one, and the status says so at each step.
-Correctness only, no timing: the timings at 200 to 2,000 engines are bench/bench_scale.py's. Local cluster
-only (KWOK and the engine host run beside its control plane); the module stops both again."""
+brings all of them to Ready, pauses every one and resumes every one, and the status says so at each step; then
+the trainer's sync sidecar, in its pod, pushes new weights down its relay tree to every one (each engine stages
+with the engine's own stager and proves the bytes). Correctness only, no timing: the timings at 200 to 2,000
+engines are bench/bench_scale.py's. Local cluster only (KWOK and the engine host run beside its control plane);
+the module stops both again."""
 
 from __future__ import annotations
 
@@ -13,15 +15,20 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.fleet_helpers import Fleet, deploy_operator
+from e2e.fleet_helpers import SIDECAR_MODELS, Fleet, deploy_operator, sync_sidecar_pod
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import ANNOTATION_PAUSE, API_VERSION, engine_pod_name
+from rollfleet.contract import ANNOTATION_PAUSE, API_VERSION, SYNC_API_PORT, engine_pod_name
+from rollfleet.sync.relay import relay_fanout
+from rollfleet_client.sync import SyncClient
+from rollfleet_client.sync_protocol import EngineStep, PushState
 
 pytestmark = pytest.mark.cluster
 NS = "rf-e2e-scale"
 FLEET = "wide"
 ENGINES = 200
 TIMEOUT_S = 600  # 200 pods through a 2-core machine's API server and scheduler
+TRAINER = "trainer"
+PUSHED = "s-2"
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +50,7 @@ def served(url: str) -> dict[str, dict[str, Any]]:
     return {e["pod"]: e for e in httpx.get(url, timeout=30).json() if e["namespace"] == NS}
 
 
-def test_200_engines_are_each_paused_and_resumed_and_none_is_missed(cluster: Cluster, fake_nodes: str) -> None:
+def test_200_engines_are_each_paused_resumed_and_pushed_and_none_is_missed(cluster: Cluster, fake_nodes: str) -> None:
     from rollfleet_dev import kwok
 
     deploy_operator(cluster, [NS])
@@ -93,3 +100,30 @@ def test_200_engines_are_each_paused_and_resumed_and_none_is_missed(cluster: Clu
         if e["paused"] or e["resumed_at"] is None or e["resumed_at"] < e["paused_at"]
     )
     assert not still, f"{len(still)} engines not resumed: {still[:10]}"
+
+    # A push through the trainer's sidecar: every engine staged (down the relay tree), paused, loaded, resumed.
+    assert relay_fanout(ENGINES) > 1, "200 engines relay through a tree, not a chain of 200"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(FLEET, NS, TRAINER)))
+    cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
+    with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as sync:
+        wait_for(lambda: sync.fleet_version().version == "v1", 120, what="the sidecar adopts the engines' version")
+        status = sync.push_dir(SIDECAR_MODELS, PUSHED, timeout_s=TIMEOUT_S)
+    assert status.state is PushState.DONE, status
+    assert {e.name for e in status.engines} == names
+    left = [f"{e.name}: {e.step.value} {e.error}" for e in status.engines if e.step is not EngineStep.RESUMED]
+    assert not left, f"{len(left)} engines left out of the push: {left[:5]}"
+    relayed = [e for e in status.engines if e.source is not None and e.relay_error is None]
+    assert len(relayed) == ENGINES - 1, f"{ENGINES - 1 - len(relayed)} engines did not stage from a relay"
+    engines = served(fake_nodes)
+    manifests = {e["weights_manifest_sha256"] for e in engines.values()}
+    not_pushed = sorted(n for n, e in engines.items() if e["weight_version"] != PUSHED or e["paused"])
+    assert not not_pushed, f"{len(not_pushed)} engines not on {PUSHED} and serving: {not_pushed[:10]}"
+    assert len(manifests) == 1 and None not in manifests, "every engine proves the same bytes"
+    fleet.wait(
+        lambda st: (
+            st.get("weightVersion") == PUSHED
+            and all(e["phase"] == "Ready" and e.get("weightVersion") == PUSHED for e in st["engines"])
+        ),
+        f"every engine Ready on {PUSHED} in the status",
+        timeout=TIMEOUT_S,
+    )

@@ -92,6 +92,7 @@ class Served:
             "paused_at": self.paused_at,
             "resumed_at": self.resumed_at,
             "weight_version": self.engine.weight_version,
+            "weights_manifest_sha256": self.engine.weights.manifest_sha256,
         }
 
 
@@ -138,6 +139,7 @@ class Host:
     async def _stop(self, ip: str) -> None:
         served = self.engines.pop(ip)
         await served.runner.cleanup()
+        served.engine.weights.close()
 
     async def view(self, _: web.Request) -> web.Response:
         return web.json_response([s.view(ip) for ip, s in self.engines.items()])

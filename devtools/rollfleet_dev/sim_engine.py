@@ -17,8 +17,9 @@ Output is deterministic: token i of a greedy request (temperature 0) is `(prompt
 token) and `die_after` (route -> cut the connection after that many tokens, streamed or not,
 like an engine that died); `streamed` holds the ids it was asked to stream; `refuse` holds
 routes answered 404. Without a token file (benchmarks, in-process unit tests) nothing is
-checked. Weight routes (staging, load) are the real engine's only: weight sync is tested on
-real vLLM.
+checked. Weight routes (prefetch, relay, the update session) are the engine's own code with no model
+behind them (`sim_weights`): the sync sidecar pushes to simulated fleets; the loads themselves are tested
+on real vLLM.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import orjson
 from aiohttp import web
 
 from rollfleet_client.protocol import TRACEPARENT_HEADER
+from rollfleet_dev.sim_weights import SimWeights
 from rollfleet_engine.abort import abort_requests
 from rollfleet_engine.access import AccessPolicy, read_token
 from rollfleet_engine.protocol import (
@@ -59,6 +61,7 @@ from rollfleet_engine.protocol import (
     parse_pause_mode,
 )
 from rollfleet_engine.tracker import RequestTracker
+from rollfleet_engine.weights_client import staging_root
 
 Json = dict[str, Any]
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
@@ -94,7 +97,8 @@ class SimEngine:
         # A fault to inject: an aborted request's stream ends ([DONE]) without the chunk that says so (a CI run
         # saw vLLM do this under load; a gateway that asked for the abort must still end its client's answer).
         self.silent_abort = False
-        self.weight_version = weight_version
+        self.instance = secrets.token_hex(4)
+        self.weights = SimWeights(staging_root() / f"sim-{os.getpid()}-{self.instance}", weight_version)
         self.tracker = RequestTracker()
         self.flags: dict[str, asyncio.Event] = {}  # caller id (= its engine id here) -> abort flag
         self.served = 0
@@ -109,7 +113,6 @@ class SimEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._admitted_before_pause: set[str] = set()  # pause=wait: these may go on, the rest wait
-        self.instance = secrets.token_hex(4)
         # What vLLM checks a request against (None: not checked): the model's vocabulary (with it, the
         # model's name too: a simulator of a model) and context.
         self.vocab_size: int | None = None
@@ -118,6 +121,14 @@ class SimEngine:
         # Sampling as vLLM's: a temperature over 0 (1.0 unless given) varies the tokens, reproducibly with a
         # seed. Off, every request decodes greedily: in-process tests want one answer per prompt.
         self.samples = False
+
+    @property
+    def weight_version(self) -> str:
+        return self.weights.version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.weights.version = version
 
     def limit_batch(self, max_num_seqs: int) -> None:
         """Decode at most this many requests at once, as vLLM's `--max-num-seqs`; the others wait."""
@@ -149,6 +160,7 @@ class SimEngine:
         app.router.add_get(READY_PATH, self.ready)
         app.router.add_post(PAUSE_PATH, self.pause)
         app.router.add_post(RESUME_PATH, self.resume)
+        self.weights.add_routes(app)
         return app
 
     @web.middleware
@@ -174,6 +186,7 @@ class SimEngine:
             waiting=waiting,
             instance=self.instance,
             inference_open=self.policy is None or self.policy.inference_token is None,
+            weights_manifest_sha256=self.weights.manifest_sha256,
         )
         return web.json_response(state.model_dump(mode="json"))
 

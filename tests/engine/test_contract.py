@@ -5,12 +5,14 @@ the real engine answers: generation shapes and headers, access (401 and 403, ope
 caller id (answers, partial output, the tracked request, scoped to the sender's attempt), a client
 that goes away, `n` choices and usage, the three pause modes, sampling (greedy and seeded requests
 repeat, other seeds differ), the vLLM metrics tests read, vLLM's refusals (status and error body),
-and its refusal to start with a context longer than the model's. A case runs once per engine
-(`[vllm]`, `[sim]`); a simulator that answers one of them differently fails here.
+its refusal to start with a context longer than the model's, and the weight routes the sync sidecar drives
+(staging, the relay of what is staged, the update session and the manifest the state reports). A case runs once
+per engine (`[vllm]`, `[sim]`); a simulator that answers one of them differently fails here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import threading
@@ -22,9 +24,10 @@ import httpx
 import pytest
 
 from rollfleet_dev.engine_metrics import engine_metric
-from rollfleet_engine.protocol import WEIGHT_VERSION_HEADER
+from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, WEIGHT_VERSION_HEADER, WEIGHTS_MANIFEST_PATH
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
+from rollfleet_engine.weights_server import WeightsServer
 
 from .calls import PROMPT, Stream, complete, control, in_flight_ids, metric_reaches, rid, state, tracked
 from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, sim_command
@@ -336,6 +339,36 @@ def test_n_choices_come_each_with_its_index_and_the_usage_counts_them_all(engine
             finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
     assert tokens == {0: 8, 1: 8} and finish == {0: "length", 1: "length"}, (tokens, finish)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 16, events[-1]
+
+
+def test_weights_are_staged_relayed_and_loaded_with_the_proof_of_their_bytes(engine: Engine) -> None:
+    version = state(engine)["weight_version"]
+    server = WeightsServer(engine.model_dir, host=engine.url.split("//")[1].split(":")[0])
+    server.start()
+    try:
+        info = server.update_info()
+        assert control(engine, STAGE_PATH, json={"url": info["url"]}).status_code == 400  # no manifest to pin
+        started = control(engine, STAGE_PATH, json=info)
+        assert started.status_code == 202 and started.json()["manifest_sha256"] == info["manifest_sha256"]
+        # What it stages, it relays on: the manifest as the weights server serves it, byte for byte.
+        relayed = control(engine, STAGE_RELAY_PATH + WEIGHTS_MANIFEST_PATH, method="GET")
+        assert relayed.status_code == 200 and hashlib.sha256(relayed.content).hexdigest() == info["manifest_sha256"]
+        staged = control(engine, STAGE_PATH, method="GET", params={"wait": 30}).json()
+        assert staged["state"] == "staged" and staged["staged_url"].startswith("file://"), staged
+    finally:
+        server.stop()
+    outside = {"url": f"file://{engine.model_dir}", "manifest_sha256": info["manifest_sha256"]}
+    assert control(engine, "/start_weight_update").status_code == 200
+    assert control(engine, "/update_weights", json={"update_info": outside}).status_code >= 400
+    loaded = {"url": staged["staged_url"], "manifest_sha256": info["manifest_sha256"]}
+    assert control(engine, "/start_weight_update").status_code == 200
+    assert control(engine, "/update_weights", json={"update_info": loaded}).status_code == 200
+    # The same weights under the same label: the cases after this one see the engine as before.
+    assert control(engine, "/finish_weight_update", json={"weight_version": version}).status_code == 200
+    after = state(engine)
+    assert (after["weight_version"], after["weights_manifest_sha256"]) == (version, info["manifest_sha256"])
+    # Loaded, the staged set is released: nothing is left to relay.
+    assert control(engine, STAGE_RELAY_PATH + WEIGHTS_MANIFEST_PATH, method="GET").status_code == 409
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sim"])

@@ -65,6 +65,7 @@ from rollfleet.sync.protocol import (
     should_commit,
     stale_requests,
 )
+from rollfleet.sync.relay import RELAY_CHAIN_MAX, relay_fanout, relay_parents
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.spool import keep_as_spare, open_over_spare
 from rollfleet_client.sync_protocol import (
@@ -137,7 +138,7 @@ class Publisher:
 
 STAGE_WAIT_S = 10.0  # one wait for the end of an engine's staging (GET ...?wait=)
 STAGE_POLL_S = 0.1  # between asks, for an engine image that does not wait
-RELAY_BEGIN_S = 10.0  # an engine that has not begun staging by then is left out of the relay chain
+RELAY_BEGIN_S = 10.0  # an engine that has not begun staging by then is passed over as an upstream
 # A chain costs every engine a second copy of the bytes and a hop; it saves the sidecar's uplink a copy per
 # engine. With a couple of engines the uplink is seldom the limit (and on one host, never): a star, then.
 DEFAULT_RELAY_MIN_ENGINES = 3
@@ -161,14 +162,15 @@ class Orchestrator:
         transfer: CallPolicy = TRANSFER,
         prefetch: bool = True,
         relay_min_engines: int | None = DEFAULT_RELAY_MIN_ENGINES,
+        relay_chain_max: int = RELAY_CHAIN_MAX,
         metrics: PushMetrics | None = None,
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
         self.metrics = metrics or PushMetrics(CollectorRegistry())  # the server passes the one it serves
         self.transfer = transfer  # update_weights and finish_weight_update: the engine pulls the weights
         self.prefetch = prefetch  # engines stage the weights while serving; the pause covers only the load
-        # With prefetch and at least this many engines (None: never), each engine stages from the one before it.
-        self.relay_min_engines = relay_min_engines
+        # With prefetch and at least this many engines (None: never), engines stage from each other (`relay`).
+        self.relay_min_engines, self.relay_chain_max = relay_min_engines, relay_chain_max
         self.spool = spool
         self._pushes_dir = spool / "pushes"  # streamed weights, one directory per version
         self._incoming_dir = spool / SPOOL_INCOMING_DIR  # the trainer's writes (it mounts the spool too)
@@ -421,22 +423,35 @@ class Orchestrator:
         """What each engine loads in the pause: with prefetch, its staged copy of `target` (None: it could not
         stage, and is left out); without, `target` itself, pulled in the pause.
 
-        With relay (`relay_min_engines` or more engines), the engines form a chain: the sidecar serves the
-        first, each engine the next one from what it has received so far, so the sidecar sends each byte
-        about once. The stagings are begun in chain order (an engine is staging before the next one asks
-        it), then run together; an engine that does not begin within RELAY_BEGIN_S is left out of the chain."""
+        With relay (`relay_min_engines` or more engines), each engine stages from its upstream in the relay plan
+        (`relay.relay_parents`: a chain, or a binary tree past `relay_chain_max` engines), from what that one has
+        received so far; the sidecar serves the first, so it sends each byte about once. An engine is asked once
+        its upstream has begun (it can relay from then on), so the stagings begin a level of the tree at a time,
+        then run together. An upstream that does not begin within RELAY_BEGIN_S, or fails to, is passed over for
+        its own upstream (the sidecar at the top)."""
         if not self.prefetch:
             return [target] * len(engines)
         t0 = self.clock()
         relay = self.relay_min_engines is not None and len(engines) >= self.relay_min_engines
-        stagings, upstream = [], None
-        for engine in engines:
-            begun: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            stagings.append(asyncio.create_task(self._stage(engine, target, progress[engine.name], upstream, begun)))
-            with contextlib.suppress(TimeoutError):  # slow to answer: the next engine neither waits nor relays
-                if await asyncio.wait_for(asyncio.shield(begun), RELAY_BEGIN_S) and relay:
-                    upstream = engine
-        refs = list(await asyncio.gather(*stagings))
+        fanout = relay_fanout(len(engines), self.relay_chain_max)
+        parents = relay_parents(len(engines), fanout) if relay else [None] * len(engines)
+        loop = asyncio.get_running_loop()
+        begun: list[asyncio.Future[bool]] = [loop.create_future() for _ in engines]
+
+        async def upstream_of(i: int) -> EngineRef | None:
+            parent = parents[i]
+            while parent is not None:
+                with contextlib.suppress(TimeoutError):  # slow to answer: passed over, as one that failed
+                    if await asyncio.wait_for(asyncio.shield(begun[parent]), RELAY_BEGIN_S):
+                        return engines[parent]
+                parent = parents[parent]
+            return None
+
+        async def one(i: int) -> WeightsRef | None:
+            engine = engines[i]
+            return await self._stage(engine, target, progress[engine.name], await upstream_of(i), begun[i])
+
+        refs = list(await asyncio.gather(*(one(i) for i in range(len(engines)))))
         status.prefetch_s = self.clock() - t0
         return refs
 

@@ -35,6 +35,7 @@ from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.metrics import PushMetrics
 from rollfleet.sync.orchestrator import DEFAULT_RELAY_MIN_ENGINES, Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
+from rollfleet.sync.relay import RELAY_CHAIN_MAX
 from rollfleet.sync.store import ConfigMapStore, FileStore, RecordStore
 from rollfleet_client.sync_protocol import (
     COLLECTIVE_FINISH_PATH,
@@ -112,8 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--relay-min-engines",
         type=int,
         default=DEFAULT_RELAY_MIN_ENGINES,
-        help="with prefetch and at least this many engines, each engine stages from the engine before it in "
-        "a chain, so this sidecar sends each byte about once (default: %(default)s)",
+        help="with prefetch and at least this many engines, engines stage from each other (a chain, or a "
+        "binary tree past --relay-chain-max engines), so this sidecar sends each byte about once "
+        "(default: %(default)s)",
     )
     relay.add_argument(
         "--no-relay",
@@ -121,6 +123,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const=None,
         help="every engine downloads from this sidecar (a star), whatever the fleet's size",
+    )
+    p.add_argument(
+        "--relay-chain-max",
+        type=int,
+        default=RELAY_CHAIN_MAX,
+        help="the most engines a relay chains; more form a binary tree (default: %(default)s)",
     )
     p.add_argument(
         "--max-staleness",
@@ -291,6 +299,7 @@ def build_orchestrator(args: argparse.Namespace) -> Orchestrator:
         default_max_staleness=args.max_staleness,
         prefetch=args.prefetch,
         relay_min_engines=args.relay_min_engines,
+        relay_chain_max=args.relay_chain_max,
         metrics=PushMetrics(CollectorRegistry()),
     )
 

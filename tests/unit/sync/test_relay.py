@@ -1,0 +1,86 @@
+"""The relay plan (rollfleet.sync.relay) and a push through the real sidecar down a relay tree of simulated engines
+(rollfleet_dev.sim_engine: the engine's own stager, relay and proof of the bytes, without a model)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from aiohttp import web
+from bench.bench_sync import free_port, sidecar
+from safetensors.torch import save_file
+
+from rollfleet.sync.relay import RELAY_CHAIN_MAX, depth, relay_fanout, relay_parents
+from rollfleet_client.sync_protocol import EngineStep, PushState
+from rollfleet_dev.sim_engine import SimEngine
+from rollfleet_engine.protocol import STATE_PATH
+
+
+def test_a_chain_up_to_its_length_then_a_binary_tree_whose_upstreams_come_first() -> None:
+    assert relay_parents(4, 1) == [None, 0, 1, 2]
+    assert relay_fanout(RELAY_CHAIN_MAX) == 1 and relay_fanout(RELAY_CHAIN_MAX + 1) == 2
+    assert relay_parents(7, 2) == [None, 0, 0, 1, 1, 2, 2]
+    for n in (1, 2, 17, 2000):
+        parents = relay_parents(n, relay_fanout(n))
+        assert all(p is None or p < i for i, p in enumerate(parents)), "an upstream is asked to stage first"
+        assert max((parents.count(i) for i in range(n)), default=0) <= relay_fanout(n)
+    assert depth(relay_parents(2000, 2)) == 11 and depth(relay_parents(8, 1)) == 8
+    with pytest.raises(ValueError, match="fanout"):
+        relay_parents(3, 0)
+
+
+@contextlib.contextmanager
+def served(sims: list[SimEngine]) -> Iterator[list[str]]:
+    """The simulated engines, each on a port of its own, on a background event loop."""
+    loop = asyncio.new_event_loop()
+    ports = [free_port() for _ in sims]
+    ready, stop = threading.Event(), asyncio.Event()
+
+    async def main() -> None:
+        runners = []
+        for sim, port in zip(sims, ports, strict=True):
+            runners.append(web.AppRunner(sim.app(), access_log=None))
+            await runners[-1].setup()
+            await web.TCPSite(runners[-1], "127.0.0.1", port).start()
+        ready.set()
+        await stop.wait()
+        for runner in runners:
+            await runner.cleanup()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert ready.wait(30), "the simulated engines did not start"
+    try:
+        yield [f"http://127.0.0.1:{p}" for p in ports]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+        for sim in sims:
+            sim.weights.close()
+
+
+def test_a_push_runs_down_a_relay_tree_and_every_engine_proves_the_bytes(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file({"w": torch.randn(256, 256), "b": torch.randn(256)}, str(weights / "model.safetensors"))
+    sims = [SimEngine(f"sim-{i}") for i in range(7)]
+    with served(sims) as urls, sidecar(urls, tmp_path, "--relay-chain-max", "3") as client:
+        status = client.push_dir(weights, "v2")
+        assert status.state is PushState.DONE, status
+        # Past 3 engines, a binary tree: each engine staged from its parent in the heap, none from a failed relay.
+        by_name = {e.name: e for e in status.engines}
+        expected = [None if p is None else urls[p] for p in relay_parents(7, 2)]
+        assert [(by_name[u].source, by_name[u].relay_error) for u in urls] == [(p, None) for p in expected]
+        assert all(e.step is EngineStep.RESUMED for e in status.engines)
+        states = [httpx.get(url + STATE_PATH, timeout=10).json() for url in urls]
+        assert all(s["weight_version"] == "v2" and not s["paused"] for s in states), states
+        # Loaded from what it staged, every tensor verified as it landed against the one manifest of the push.
+        manifests = {s["weights_manifest_sha256"] for s in states}
+        assert len(manifests) == 1 and len(manifests.pop() or "") == 64, states
+    assert not any(sim.weights.stager.root.exists() for sim in sims), "a staging area was left behind"
