@@ -16,9 +16,11 @@ Measured per size, each with a fresh `rollfleet operator` (bench_operator's run)
 - pause keep: annotation -> each engine paused, as the engine saw it (p50, p99, max), and -> the status
   saying every engine is paused; resume the same way.
 And 100 fleets of 20 under one operator: apply -> all created, -> every fleet converged, RSS, API calls
-at rest.
+at rest. And a weight push to 2,000 engines against the push to 8, in simulated time (`push_sim`: the
+sidecar's own orchestrator, 1 Gbit/s links, its CPU per engine call as measured here).
 
-Usage: python -m bench.bench_scale [--sizes 200 1000 2000] [--fleets 100 --fleet-size 20] [--json PATH]
+Usage: python -m bench.bench_scale [--sizes 200 1000 2000] [--fleets 100 --fleet-size 20] [--push-mib 128]
+[--json PATH]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 import httpx
 import kubernetes
 
-from bench import bench_operator
+from bench import bench_operator, push_sim
 from bench.bench_gateway import percentile
 from bench.crds import install_crds
 from rollfleet import contract
@@ -53,6 +55,7 @@ FLOORS = {
     "status_2000_bytes": "<= 262144",
     "weights_record_2000_bytes": "<= 262144",
     "pause_2000_p99_s": "<= 2.0",
+    "push_2000_over_8": "<= 2.0",
 }
 
 
@@ -197,6 +200,7 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[200, 1000, 2000], help="engines of the one fleet")
     parser.add_argument("--fleets", type=int, default=100, help="fleets of the many-fleets part (0: skip it)")
     parser.add_argument("--fleet-size", type=int, default=20)
+    parser.add_argument("--push-mib", type=int, default=128, help="weights pushed in the push part (0: skip it)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     kubeconfig = controlplane.up().kubeconfig
@@ -210,6 +214,9 @@ def main() -> int:
     if args.fleets:
         result["many_fleets"] = many_fleets(kubeconfig, client, args.fleets, args.fleet_size)
     result["headline"] = headline(sizes)
+    if args.push_mib:
+        result["push"] = push_sim.push_part((8, 2000), args.push_mib)
+        result["headline"]["push_2000_over_8"] = result["push"]["push_2000_over_8"]
     result["floors"] = FLOORS
     print(json.dumps(result, indent=2))
     if args.json:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kubernetes
+import orjson
 import prometheus_client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
@@ -213,6 +214,9 @@ class Kube:
     def __init__(self, client: kubernetes.client.ApiClient, concurrency: int = 16) -> None:
         self.client = client
         self._apis: dict[str, Any] = {}
+        # The official client's methods are pydantic validate_call wrappers: looking one up on its API object
+        # builds a new bound wrapper every time (a tenth of the operator's CPU while it patched 2,000 pods).
+        self._methods: dict[tuple[Kind, str, bool], Callable[..., Any]] = {}
         # A pool of its own: the default executor has cpu_count + 4 threads (6 on two cores),
         # which would cap a 200-pod scale-up at 6 requests in flight.
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kube")
@@ -345,12 +349,16 @@ class Kube:
     # --- how ---------------------------------------------------------------------------
     def _method(self, kind: Kind, verb: str, status: bool = False) -> Callable[..., Any]:
         """The official client's method: read_namespaced_pod, list_node, get_namespaced_custom_object, ..."""
+        known = self._methods.get((kind, verb, status))
+        if known is not None:
+            return known
         api = self._api(kind.api)
         if kind.custom:
             name = f"{'get' if verb == 'read' else verb}_namespaced_custom_object"
         else:
             name = f"{verb}_namespaced_{kind.name}" if kind.namespaced else f"{verb}_{kind.name}"
         method: Callable[..., Any] = getattr(api, name + ("_status" if status else ""))
+        self._methods[(kind, verb, status)] = method
         return method
 
     def _api(self, name: str) -> Any:
@@ -391,7 +399,7 @@ class Kube:
             resp = await asyncio.get_running_loop().run_in_executor(self._pool, call)
         except ApiException as err:
             raise _mapped(err) from err
-        return dict(json.loads(resp.data))
+        return dict(orjson.loads(resp.data))
 
     async def _stream(
         self, kind: Kind, namespace: str, selectors: Mapping[str, str | None], version: str, timeout_s: int

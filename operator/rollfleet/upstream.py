@@ -42,7 +42,11 @@ class UpstreamError(OSError):
     """The engine could not be reached, or its answer broke off."""
 
 
-class LocalResourceError(UpstreamError):
+class ConnectFailed(UpstreamError):
+    """No connection could be opened: the peer never saw the request, so even a POST may be sent again."""
+
+
+class LocalResourceError(ConnectFailed):
     """This process could not open a connection for want of its own resources (file descriptors,
     buffers, memory): no fault of the peer, which must not be ejected for it."""
 
@@ -227,7 +231,10 @@ class _Pool:
 
 
 class Upstream:
-    """Keep-alive connections to every peer this process calls (engines from a gateway, gateways from a runner)."""
+    """Keep-alive connections to every peer this process calls (engines from a gateway, gateways from a runner,
+    engines' control routes from `rollfleet.engine_client`)."""
+
+    MAX_PEERS = 8192  # past this many peers, those with no idle connection are forgotten (pods come and go)
 
     def __init__(
         self, connect_timeout_s: float = 5.0, idle_s: float = 4.0, socket_options: Iterable[SocketOption] = ()
@@ -238,10 +245,16 @@ class Upstream:
         self._pools: dict[str, _Pool] = {}
 
     async def request(
-        self, method: str, url: str, body: bytes = b"", headers: Iterable[tuple[str, str]] = ()
+        self,
+        method: str,
+        url: str,
+        body: bytes = b"",
+        headers: Iterable[tuple[str, str]] = (),
+        connect_timeout_s: float | None = None,
     ) -> Response:
         """Send a request and wait for the answer's status and headers; read its body from the Response
-        and `close()` it when done. UpstreamError when the engine cannot be reached or broke off."""
+        and `close()` it when done. ConnectFailed when no connection could be opened (within
+        `connect_timeout_s`, else the client's), UpstreamError when the answer broke off."""
         base, path = _split(url)
         pool = self._pools.get(base) or self._pool(base)
         head = [f"{method} {path} HTTP/1.1\r\nHost: {pool.name}\r\nContent-Length: {len(body)}\r\n"]
@@ -250,7 +263,7 @@ class Upstream:
                 raise ValueError(f"header {k!r}: a line break in a header's name or value")
             head.append(f"{k}: {v}\r\n")
         head.append("\r\n")
-        conn = pool.take(time.monotonic()) or await self._connect(pool)
+        conn = pool.take(time.monotonic()) or await self._connect(pool, connect_timeout_s or self.connect_timeout_s)
         response = Response(conn)
         conn.send("".join(head).encode("latin-1") + body, response)
         try:
@@ -267,22 +280,24 @@ class Upstream:
         parts = urlsplit(base)
         if parts.scheme != "http" or parts.hostname is None:
             raise UpstreamError(f"engine URL {base!r}: only http://host:port is spoken to engines")
+        if len(self._pools) >= self.MAX_PEERS:
+            self._pools = {k: p for k, p in self._pools.items() if p.idle}
         pool = self._pools[base] = _Pool(parts.hostname, parts.port or 80, self.idle_s)
         return pool
 
-    async def _connect(self, pool: _Pool) -> _Connection:
+    async def _connect(self, pool: _Pool, timeout_s: float) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 _, conn = await loop.create_connection(lambda: _Connection(pool), pool.host, pool.port)
         except TimeoutError:
-            raise UpstreamError(f"connecting to {pool.name} took over {self.connect_timeout_s:.0f}s") from None
+            raise ConnectFailed(f"connecting to {pool.name} took over {timeout_s:g}s") from None
         except OSError as err:
             if err.errno in _LOCAL_ERRNOS:
                 raise LocalResourceError(
                     f"cannot open a connection to {pool.name} for want of resources here: {err}"
                 ) from err
-            raise UpstreamError(f"cannot connect to {pool.name}: {err}") from err
+            raise ConnectFailed(f"cannot connect to {pool.name}: {err}") from err
         if self.socket_options and conn.transport is not None:
             sock = conn.transport.get_extra_info("socket")
             for option in self.socket_options:

@@ -1,6 +1,6 @@
 """The engine client: token header, answers parsed, one error type, call policies (deadline, retries).
 
-The HTTP boundary is faked with httpx.MockTransport; the engine's real routes are
+The HTTP boundary is faked with httpx handlers (`tests.unit.engine_send`); the engine's real routes are
 exercised by tests/engine and e2e.
 """
 
@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 
 import httpx
 import pytest
+from tests.unit.engine_send import handler_send
 
 from rollfleet.engine_client import (
     CONTROL,
@@ -24,7 +25,6 @@ from rollfleet.engine_client import (
     EngineCallError,
     EngineClient,
     EngineRef,
-    _Pools,
 )
 from rollfleet.errors import RollfleetError
 from rollfleet_engine.protocol import ABORT_PATH, STATE_PATH, AbortStatus
@@ -35,7 +35,7 @@ Handler = Callable[[httpx.Request], Coroutine[None, None, httpx.Response]]
 
 
 def client(handler: Handler, token: str | None = "admin-token") -> EngineClient:
-    return EngineClient(token, transport=httpx.MockTransport(handler))
+    return EngineClient(token, send=handler_send(handler))
 
 
 def recorder(answer: httpx.Response) -> tuple[list[httpx.Request], Handler]:
@@ -63,38 +63,12 @@ def test_the_admin_token_goes_on_every_call_and_with_token_switches_it_on_the_sa
         await tokenless.resume(ENGINE)
         fleet = tokenless.with_token("fleet-a")
         await fleet.pause(ENGINE, "keep")
-        assert fleet._pools is tokenless._pools  # the same connection pools for every fleet
+        assert fleet._upstream is tokenless._upstream  # the same connections for every fleet
         await tokenless.resume(ENGINE)
 
     asyncio.run(go())
     assert [r.headers.get("authorization") for r in seen] == [None, "Bearer fleet-a", None]
     assert seen[1].url.path == "/pause" and seen[1].url.params["mode"] == "keep"
-
-
-def test_each_engine_has_its_own_pool_and_the_least_recently_used_is_closed_past_the_bound(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """One pool per engine (httpx scans a pool's every connection per request: one pool for 1,000 engines was
-    quadratic), bounded: pods come and go with new addresses."""
-    monkeypatch.setattr(_Pools, "MAX_ENGINES", 2)
-    seen, handler = recorder(httpx.Response(200))
-    engines = [EngineRef(f"e{i}", f"http://10.0.0.{i}:8000") for i in range(3)]
-    api = client(handler)
-
-    async def go() -> None:
-        await api.resume(engines[0])
-        await api.resume(engines[1])
-        first = api._pools.get(engines[0].url)  # e0 is now the most recently used
-        assert first is api._pools.get(engines[0].url) and len(set(map(id, api._pools._clients.values()))) == 2
-        await api.resume(engines[2])  # a third engine: the least recently used, e1, is let go
-        assert list(api._pools._clients) == [engines[0].url, engines[2].url]
-        await api.resume(engines[1])  # back, with a new pool; now e0 is let go, and closed
-        await asyncio.gather(*api._pools._closing)
-        assert list(api._pools._clients) == [engines[2].url, engines[1].url] and first.is_closed
-        await api.aclose()
-
-    asyncio.run(go())
-    assert [r.url.host for r in seen] == ["10.0.0.0", "10.0.0.1", "10.0.0.2", "10.0.0.1"]
 
 
 def test_a_refusal_is_an_engine_call_error_with_status_path_and_the_engines_words() -> None:
@@ -118,7 +92,7 @@ def test_an_unreachable_engine_is_an_engine_call_error_without_status() -> None:
     async def handler(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    with pytest.raises(EngineCallError, match="ConnectError: connection refused") as caught:
+    with pytest.raises(EngineCallError, match="ConnectFailed: connection refused") as caught:
         asyncio.run(client(handler).state(ENGINE))
     assert caught.value.status is None
 
@@ -149,7 +123,7 @@ def test_only_failed_connections_are_retried_and_only_as_often_as_the_policy_say
 
     # The request may have reached the engine: a POST is never sent twice.
     calls, handler = flaky(1, httpx.ReadError)
-    with pytest.raises(EngineCallError, match="ReadError"):
+    with pytest.raises(EngineCallError, match="UpstreamError: down"):
         asyncio.run(client(handler).resume(ENGINE, patient))
     assert calls == [1]
 
@@ -208,7 +182,7 @@ def test_weight_update_bodies() -> None:
 def test_the_connect_limit_of_a_policy_reaches_the_transport() -> None:
     seen, handler = recorder(httpx.Response(200, json={"results": {}}))
     asyncio.run(client(handler).abort(ENGINE, ["a"], wait_s=1.0, policy=GATEWAY_ABORT))
-    assert seen[0].extensions["timeout"]["connect"] == 2.0
+    assert seen[0].extensions["connect_s"] == 2.0
 
 
 def test_the_named_policies_keep_each_components_limits() -> None:

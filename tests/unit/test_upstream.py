@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from rollfleet.upstream import Upstream
+from rollfleet.upstream import ConnectFailed, Upstream
 
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -61,3 +61,34 @@ def test_socket_options_are_set_on_every_new_connection() -> None:
             server.close()
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_peers_without_an_idle_connection_are_forgotten_past_the_bound_and_a_failed_connect_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engines come and go with new pod IPs: the client keeps no state for the gone ones. A connection that
+    cannot be opened is ConnectFailed (the peer never saw the request: the engine client may send it again)."""
+    monkeypatch.setattr(Upstream, "MAX_PEERS", 2)
+
+    async def scenario() -> tuple[str, list[str]]:
+        server, base = await serve([])
+        client = Upstream(connect_timeout_s=2)
+        try:
+            resp = await client.request("GET", base + "/")
+            await resp.read()
+            resp.close()  # read to its end: kept, idle
+            with socket.socket() as unused:
+                unused.bind(("127.0.0.1", 0))
+                closed = f"http://127.0.0.1:{unused.getsockname()[1]}"
+            with pytest.raises(ConnectFailed, match="cannot connect"):
+                await client.request("GET", closed + "/")  # a second peer, with no connection
+            with pytest.raises(ConnectFailed):
+                await client.request("GET", "http://127.0.0.1:1/")  # a third: past the bound
+            return base, list(client._pools)
+        finally:
+            client.close()
+            server.close()
+
+    base, peers = asyncio.run(scenario())
+    # The peer that failed had nothing idle and was forgotten; the one with an idle connection was kept.
+    assert peers == [base, "http://127.0.0.1:1"]

@@ -371,15 +371,16 @@ class FleetLoop:
             )
         )
         by_name = {e.obs.name: e for e in engines}
-        done = await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
-        for type_, reason, message in batched([d for d in done if d is not None]):
-            self.event(type_, reason, message)
-        phase_changes = await self._annotate_engines(engines, actions, fv.engine_generations)
+        # The engines' pause calls first: the pod writes below take seconds at 2,000 engines (bench_scale).
         for call in plan.engine_pause_calls(request.mode, record, engines):
             ip = by_name[call.name].obs.pod_ip
             if call.name not in self._calls and ip is not None:
                 # One call per engine at a time: pause?mode=wait blocks until requests finish.
                 self._calls[call.name] = asyncio.create_task(self._control(call, ip, token))
+        done = await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
+        for type_, reason, message in batched([d for d in done if d is not None]):
+            self.event(type_, reason, message)
+        phase_changes = await self._annotate_engines(engines, actions, fv.engine_generations)
         await self._pause_bookkeeping(request)
 
         status = fleet_status(

@@ -254,7 +254,7 @@ class Proxy:
         self.upstream: Upstream | None = None
         # The admin token opens the engines' control routes (abort, the tracked-request view) and nothing
         # goes to them but control calls; generation carries the inference token (none when the fleet is open).
-        self.engines = EngineClient(token, max_connections_per_engine=None)
+        self.engines = EngineClient(token)
         inference = bearer_header(inference_token).items() if inference_token else ()
         self.upstream_headers = [("Content-Type", "application/json"), *inference]
         self._background: set[asyncio.Task[Any]] = set()

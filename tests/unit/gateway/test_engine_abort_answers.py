@@ -1,6 +1,6 @@
 """The gateway's reading of an engine's abort: any failure to ask is "unconfirmed", never an error.
 
-The engine's HTTP API is faked with httpx.MockTransport; the fan-out and the stop path
+The engine's HTTP API is faked with httpx handlers (`tests.unit.engine_send`); the fan-out and the stop path
 run against simulated engines in test_proxy.
 """
 
@@ -10,6 +10,7 @@ import asyncio
 
 import httpx
 import pytest
+from tests.unit.engine_send import handler_send
 
 from rollfleet.engine_client import EngineClient
 from rollfleet.gateway.abort import Answer, combine
@@ -32,7 +33,7 @@ async def ask(answer: httpx.Response | type[httpx.TransportError]) -> dict[str, 
 
     proxy = Proxy(static_registry([URL]), Router(RoutingPolicy()), InFlightTable(), "token", ProxyConfig(), Metrics())
     await proxy.engines.aclose()
-    proxy.engines = EngineClient("token", transport=httpx.MockTransport(handler))
+    proxy.engines = EngineClient("token", send=handler_send(handler))
     try:
         return await proxy.abort_on_engine(ENGINE, ["a", "b"], 1.0)
     finally:

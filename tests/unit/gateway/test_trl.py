@@ -228,7 +228,7 @@ def test_the_trl_routes_keep_the_inference_key_and_refuse_clearly(locked: TestCl
     )
     r = locked.get(TRL_PREFIX + TRL_WORLD_SIZE_PATH, headers=key)
     assert r.status_code == 502 and r.json()["error"]["message"].startswith(
-        f"{TRL_PREFIX}{TRL_WORLD_SIZE_PATH} failed on http://127.0.0.1:9: ConnectError"
+        f"{TRL_PREFIX}{TRL_WORLD_SIZE_PATH} failed on http://127.0.0.1:9: ConnectFailed: cannot connect to 127.0.0.1:9"
     )
     for path in TRL_WEIGHT_SYNC_PATHS:
         r = locked.post(TRL_PREFIX + path, headers=key)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests.unit.engine_send import handler_send
 
 from rollfleet.engine_client import EngineClient
 from rollfleet.sync import orchestrator
@@ -66,7 +67,7 @@ def test_a_push_to_engines_of_a_collective_backend_is_refused_before_anything_ch
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"")
-    api = EngineClient("token", transport=httpx.MockTransport(engine))
+    api = EngineClient("token", send=handler_send(engine))
     with pytest.raises(PushRefused, match=r"collective backend: http://e0:8000 \(gloo\).*CollectivePusher"):
         submit(tmp_path, weights, ("http://e0:8000",), api)
     assert not (tmp_path / "record.json").exists()
