@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,27 +83,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> None:
-    async with session.post(url + "/v1/completions", json={**BODY, "stream": stream}, headers=AUTH) as resp:
+async def one(session: aiohttp.ClientSession, url: str, stream: bool, auth: Mapping[str, str] = AUTH) -> None:
+    async with session.post(url + "/v1/completions", json={**BODY, "stream": stream}, headers=auth) as resp:
         data = await resp.read()
         if resp.status != 200 or (stream and not data.rstrip().endswith(b"[DONE]")):
             raise RuntimeError(f"{url}: {resp.status} {data[:200]!r}")
 
 
-async def latency(url: str, stream: bool, n: int) -> tuple[float, float]:
+async def latency(url: str, stream: bool, n: int, auth: Mapping[str, str] = AUTH) -> tuple[float, float]:
     async with aiohttp.ClientSession() as session:
         for _ in range(50):  # warm-up: connections, caches
-            await one(session, url, stream)
+            await one(session, url, stream, auth)
         samples = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await one(session, url, stream)
+            await one(session, url, stream, auth)
             samples.append((time.perf_counter() - t0) * 1000)
     return percentile(samples, 0.5), percentile(samples, 0.99)
 
 
 async def throughput(
-    url: str, stream: bool, concurrency: int, duration: float, cpu: Callable[[], float]
+    url: str,
+    stream: bool,
+    concurrency: int,
+    duration: float,
+    cpu: Callable[[], float],
+    auth: Mapping[str, str] = AUTH,
 ) -> tuple[float, float]:
     """Requests/s of a closed loop in its steady state, and the CPU seconds (`cpu()`) per request then."""
     done = 0
@@ -113,7 +118,7 @@ async def throughput(
         async def loop(until: float) -> None:
             nonlocal done
             while time.perf_counter() < until:
-                await one(session, url, stream)
+                await one(session, url, stream, auth)
                 done += 1
 
         # Warm up first (every connection opened, the router's pools filled), then measure.

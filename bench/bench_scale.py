@@ -14,7 +14,9 @@ Measured per size, each with a fresh `rollfleet operator` (bench_operator's run)
 - the operator's RSS (peak) and CPU seconds to converged, its API calls over a minute at rest;
 - the bytes of the fleet's status and of its weights record (etcd keeps at most 1.5 MiB an object);
 - pause keep: annotation -> each engine paused, as the engine saw it (p50, p99, max), and -> the status
-  saying every engine is paused; resume the same way.
+  saying every engine is paused; resume the same way;
+- the fleet's gateway, as a process in Kubernetes mode routing to every engine: requests/s of 32 clients and
+  the p50 of one, JSON and streamed, against the same with a fleet of 2 engines (measured first).
 And 100 fleets of 20 under one operator: apply -> all created, -> every fleet converged, RSS, API calls
 at rest. And a weight push to 2,000 engines against the push to 8, in simulated time (`push_sim`: the
 sidecar's own orchestrator, 1 Gbit/s links, its CPU per engine call as measured here).
@@ -26,9 +28,14 @@ Usage: python -m bench.bench_scale [--sizes 200 1000 2000] [--fleets 100 --fleet
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -37,15 +44,19 @@ from typing import Any
 import httpx
 import kubernetes
 
-from bench import bench_operator, push_sim
+from bench import bench_gateway, bench_operator, push_sim
 from bench.bench_gateway import percentile
 from bench.crds import install_crds
 from rollfleet import contract
 from rollfleet.api.fleet import KIND, PLURAL
+from rollfleet.metrics import GATEWAY_ROUTABLE
 from rollfleet_dev import engine_host, kwok
+from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_dev.localcluster import controlplane
 
 FLEET = "bench"  # bench_operator's fleet name
+GATEWAY_BASELINE = 2  # engines of the fleet whose gateway is the baseline of the largest one's
+GATEWAY_LATENCY_N, GATEWAY_CLIENTS, GATEWAY_SECONDS = 300, 32, 5.0  # as bench_gateway's defaults
 ENGINES_URL = f"http://127.0.0.1:{engine_host.CONTROL_PORT}/engines"
 FLOORS = {
     "create_2000_ratio_vs_kubectl": "<= 0.6",
@@ -55,6 +66,7 @@ FLOORS = {
     "status_2000_bytes": "<= 262144",
     "weights_record_2000_bytes": "<= 262144",
     "pause_2000_p99_s": "<= 2.0",
+    "gateway_rps_2000_over_2": ">= 0.9",
     "push_2000_over_8": "<= 2.0",
 }
 
@@ -116,9 +128,50 @@ def pause_round(client: kubernetes.client.ApiClient, ns: str, engines: int) -> d
     return out
 
 
+def gateway_round(kubeconfig: Path, client: kubernetes.client.ApiClient, ns: str, engines: int) -> dict[str, Any]:
+    """The fleet's gateway as a process in Kubernetes mode (its own watch of the fleet's pods, its own tokens from
+    the fleet's Secrets), once it routes to every engine: bench_gateway's latency (p50) and closed loop (32
+    clients) through it, JSON and streamed, and its CPU per request."""
+    core = kubernetes.client.CoreV1Api(client)
+    with tempfile.TemporaryDirectory(prefix="bench-scale-gw-") as tmp:
+        files = {}
+        for name, secret in (("token", contract.secret_name(FLEET)), ("key", contract.inference_secret_name(FLEET))):
+            files[name] = Path(tmp) / name
+            files[name].write_text(contract.secret_token(core.read_namespaced_secret(secret, ns).data) or "")
+        port = bench_operator.free_port()
+        cmd = [sys.executable, "-m", "rollfleet.gateway", "--fleet", FLEET, "--namespace", ns]
+        cmd += ["--kubeconfig", str(kubeconfig), "--token-file", str(files["token"])]
+        cmd += ["--api-key-file", str(files["key"]), "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--log-level", "warning"]
+        url = f"http://127.0.0.1:{port}"
+        with open(Path(tmp) / "gateway.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+
+                def routes_all() -> bool:
+                    with contextlib.suppress(httpx.HTTPError):
+                        return engine_metric(url, GATEWAY_ROUTABLE.name) == engines
+                    return False
+
+                bench_operator.wait_until(routes_all, 300, f"the gateway routes to {engines} engines")
+                auth = {"Authorization": f"Bearer {files['key'].read_text()}"}
+                cpu = functools.partial(bench_gateway.cpu_seconds, proc.pid)
+                out: dict[str, Any] = {}
+                for mode, stream in (("json", False), ("stream", True)):
+                    out[f"{mode}_p50_ms"], _ = asyncio.run(bench_gateway.latency(url, stream, GATEWAY_LATENCY_N, auth))
+                    rps, cpu_s = asyncio.run(
+                        bench_gateway.throughput(url, stream, GATEWAY_CLIENTS, GATEWAY_SECONDS, cpu, auth)
+                    )
+                    out[f"{mode}_rps"], out[f"{mode}_cpu_us"] = rps, cpu_s * 1e6
+                return out
+            finally:
+                proc.terminate()
+                proc.wait(30)
+
+
 def one_fleet(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int) -> dict[str, Any]:
     def at_rest(ns: str, _pid: int) -> dict[str, Any]:
-        return pause_round(client, ns, engines)
+        return pause_round(client, ns, engines) | {"gateway": gateway_round(kubeconfig, client, ns, engines)}
 
     fleet = bench_operator.fleet_run(kubeconfig, client, engines, scale_spec(engines), at_rest)
     print(json.dumps({f"fleet_{engines}": fleet}), flush=True)
@@ -192,6 +245,12 @@ def headline(sizes: dict[int, dict[str, Any]]) -> dict[str, Any]:
         f"status_{n}_bytes": one["fleet"]["status_bytes"],
         f"weights_record_{n}_bytes": one["fleet"]["weights_record_bytes"] or 0,
         f"pause_{n}_p99_s": one["fleet"]["pause_p99_s"],
+        f"gateway_rps_{n}_over_{GATEWAY_BASELINE}": one["fleet"]["gateway"]["json_rps"]
+        / sizes[GATEWAY_BASELINE]["fleet"]["gateway"]["json_rps"],
+        f"gateway_stream_rps_{n}_over_{GATEWAY_BASELINE}": one["fleet"]["gateway"]["stream_rps"]
+        / sizes[GATEWAY_BASELINE]["fleet"]["gateway"]["stream_rps"],
+        f"gateway_added_p50_ms_{n}_minus_{GATEWAY_BASELINE}": one["fleet"]["gateway"]["json_p50_ms"]
+        - sizes[GATEWAY_BASELINE]["fleet"]["gateway"]["json_p50_ms"],
     }
 
 
@@ -209,7 +268,7 @@ def main() -> int:
     kwok.up(min(kwok.max_nodes(), biggest // per_node + 2))
     install_crds(kubeconfig)
     client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
-    sizes = {n: one_fleet(kubeconfig, client, n) for n in args.sizes}
+    sizes = {n: one_fleet(kubeconfig, client, n) for n in sorted({GATEWAY_BASELINE, *args.sizes})}
     result: dict[str, Any] = {"sizes": {str(n): v for n, v in sizes.items()}}
     if args.fleets:
         result["many_fleets"] = many_fleets(kubeconfig, client, args.fleets, args.fleet_size)
