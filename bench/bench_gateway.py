@@ -109,6 +109,7 @@ async def throughput(
     duration: float,
     cpu: Callable[[], float],
     auth: Mapping[str, str] = AUTH,
+    warm_up_s: float = WARM_UP_S,
 ) -> tuple[float, float]:
     """Requests/s of a closed loop in its steady state, and the CPU seconds (`cpu()`) per request then."""
     done = 0
@@ -122,7 +123,7 @@ async def throughput(
                 done += 1
 
         # Warm up first (every connection opened, the router's pools filled), then measure.
-        await asyncio.gather(*(loop(time.perf_counter() + WARM_UP_S) for _ in range(concurrency)))
+        await asyncio.gather(*(loop(time.perf_counter() + warm_up_s) for _ in range(concurrency)))
         done = 0
         cpu_before, t0 = cpu(), time.perf_counter()
         await asyncio.gather(*(loop(t0 + duration) for _ in range(concurrency)))

@@ -57,6 +57,8 @@ from rollfleet_dev.localcluster import controlplane
 FLEET = "bench"  # bench_operator's fleet name
 GATEWAY_BASELINE = 2  # engines of the fleet whose gateway is the baseline of the largest one's
 GATEWAY_LATENCY_N, GATEWAY_CLIENTS, GATEWAY_SECONDS = 300, 32, 5.0  # as bench_gateway's defaults
+# Warm: every engine has had requests (its connection opened, as with 2): the router takes them in turn.
+GATEWAY_WARM_UP_S = 4.0
 ENGINES_URL = f"http://127.0.0.1:{engine_host.CONTROL_PORT}/engines"
 FLOORS = {
     "create_2000_ratio_vs_kubectl": "<= 0.6",
@@ -160,7 +162,9 @@ def gateway_round(kubeconfig: Path, client: kubernetes.client.ApiClient, ns: str
                 for mode, stream in (("json", False), ("stream", True)):
                     out[f"{mode}_p50_ms"], _ = asyncio.run(bench_gateway.latency(url, stream, GATEWAY_LATENCY_N, auth))
                     rps, cpu_s = asyncio.run(
-                        bench_gateway.throughput(url, stream, GATEWAY_CLIENTS, GATEWAY_SECONDS, cpu, auth)
+                        bench_gateway.throughput(
+                            url, stream, GATEWAY_CLIENTS, GATEWAY_SECONDS, cpu, auth, GATEWAY_WARM_UP_S
+                        )
                     )
                     out[f"{mode}_rps"], out[f"{mode}_cpu_us"] = rps, cpu_s * 1e6
                 return out

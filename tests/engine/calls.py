@@ -142,3 +142,15 @@ def metric_reaches(engine: Engine, name: str, value: float, /, timeout: float = 
     while (seen := engine_metric(engine.url, name, **labels)) != value:
         assert time.monotonic() < deadline, f"{name}{labels or ''} is {seen}, not {value}"
         time.sleep(0.05)  # polling a condition: vLLM updates its gauges once per step
+
+
+def load_staged(engine: Engine, staged_url: str, manifest_sha256: str, version: str) -> None:
+    """The load in the pause of a staged set, as the sync sidecar does it: a load naming a file outside the staging
+    area is refused first, then the staged set loads and finishes as `version`."""
+    outside = {"url": f"file://{engine.model_dir}", "manifest_sha256": manifest_sha256}
+    assert control(engine, "/start_weight_update").status_code == 200
+    assert control(engine, "/update_weights", json={"update_info": outside}).status_code >= 400
+    staged = {"url": staged_url, "manifest_sha256": manifest_sha256}
+    assert control(engine, "/start_weight_update").status_code == 200
+    assert control(engine, "/update_weights", json={"update_info": staged}).status_code == 200
+    assert control(engine, "/finish_weight_update", json={"weight_version": version}).status_code == 200

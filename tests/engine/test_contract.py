@@ -29,7 +29,18 @@ from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 from rollfleet_engine.weights_server import WeightsServer
 
-from .calls import PROMPT, Stream, complete, control, in_flight_ids, metric_reaches, rid, state, tracked
+from .calls import (
+    PROMPT,
+    Stream,
+    complete,
+    control,
+    in_flight_ids,
+    load_staged,
+    metric_reaches,
+    rid,
+    state,
+    tracked,
+)
 from .conftest import START_TIMEOUT_S, TOKEN, Engine, engine_command, free_loopback_address, sim_command
 
 FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"  # requests that produced their first token
@@ -357,14 +368,8 @@ def test_weights_are_staged_relayed_and_loaded_with_the_proof_of_their_bytes(eng
         assert staged["state"] == "staged" and staged["staged_url"].startswith("file://"), staged
     finally:
         server.stop()
-    outside = {"url": f"file://{engine.model_dir}", "manifest_sha256": info["manifest_sha256"]}
-    assert control(engine, "/start_weight_update").status_code == 200
-    assert control(engine, "/update_weights", json={"update_info": outside}).status_code >= 400
-    loaded = {"url": staged["staged_url"], "manifest_sha256": info["manifest_sha256"]}
-    assert control(engine, "/start_weight_update").status_code == 200
-    assert control(engine, "/update_weights", json={"update_info": loaded}).status_code == 200
     # The same weights under the same label: the cases after this one see the engine as before.
-    assert control(engine, "/finish_weight_update", json={"weight_version": version}).status_code == 200
+    load_staged(engine, staged["staged_url"], info["manifest_sha256"], version)
     after = state(engine)
     assert (after["weight_version"], after["weights_manifest_sha256"]) == (version, info["manifest_sha256"])
     # Loaded, the staged set is released: nothing is left to relay.

@@ -15,7 +15,7 @@ from rollfleet_engine.protocol import STAGE_PATH, WEIGHT_VERSION_HEADER
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR
 from rollfleet_engine.weights_server import WeightsServer
 
-from .calls import CACHED_PROMPT, GREEDY_PROMPTS, PROMPT, ask_cached, complete, control, state
+from .calls import CACHED_PROMPT, GREEDY_PROMPTS, PROMPT, ask_cached, complete, control, load_staged, state
 from .conftest import Engine
 
 pytestmark = pytest.mark.engine
@@ -118,13 +118,7 @@ def test_prefetched_weights_load_from_the_staging_area(engine: Engine) -> None:
         assert complete(engine, PROMPT, 2).headers[WEIGHT_VERSION_HEADER] == state(engine)["weight_version"]
     finally:
         server.stop()  # the load below reads the staging area: the weights server is not needed any more
-    outside = {"url": f"file://{engine.model_dir}", "manifest_sha256": info["manifest_sha256"]}
-    assert control(engine, "/start_weight_update").status_code == 200
-    assert control(engine, "/update_weights", json={"update_info": outside}).status_code >= 400
-    staged_info = {"url": staged["staged_url"], "manifest_sha256": info["manifest_sha256"]}
-    assert control(engine, "/start_weight_update").status_code == 200
-    assert control(engine, "/update_weights", json={"update_info": staged_info}).status_code == 200
-    assert control(engine, "/finish_weight_update", json={"weight_version": "a-staged"}).status_code == 200
+    load_staged(engine, staged["staged_url"], info["manifest_sha256"], "a-staged")
     assert state(engine)["weight_version"] == "a-staged"
     assert [
         complete(engine, p, max_tokens, ignore_eos=True).json()["choices"][0]["token_ids"] for p in prompts

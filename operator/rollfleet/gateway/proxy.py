@@ -511,7 +511,7 @@ class _Exchange:
         entry.engines.append(engine.key)
         entry.tried.add(engine.instance)
         # Tokens are counted as they pass (a live view sees a long stream's), under the engine's lag at its start.
-        self._tokens_key = (engine.key, lag_label(engine, p.registry.routable()))
+        self._tokens_key = (engine.key, lag_label(engine, p.registry.newest_generation()))
         # The exchange runs in this task (no task per attempt: the hot path); a stop reaches it through
         # the watch, which aborts the id on the engine and, past the grace period, cancels this task.
         watch = _StopWatch(self, engine)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from aiohttp import web
+from tests.unit.sim_serving import serve_sims, stop_sims
 
 from rollfleet.gateway.app import GatewayConfig, serving
 from rollfleet.gateway.httpserver import HttpServer
@@ -86,20 +86,14 @@ def serve_gateway(
     stop = asyncio.Event()
 
     async def main() -> None:
-        runners = []
-        for sim, port in zip(sims, ports, strict=True):
-            runner = web.AppRunner(sim.app(), access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
+        runners = await serve_sims(sims, ports)
         engines = [f"http://127.0.0.1:{p}" for p in ports] + list(engine_urls)
         gateway = GatewayConfig(**{"token": TOKEN, **config}, engines=engines, proxy=proxy)
         async with serving(gateway, "127.0.0.1", gw_port) as server:
             SERVED[f"http://127.0.0.1:{gw_port}"] = (server, loop)
             ready.set()
             await stop.wait()
-        for runner in runners:
-            await runner.cleanup()
+        await stop_sims(runners)
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()

@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from rollfleet.gateway.registry import Engine, Registry, engine_from_pod, lag_label, within_weight_lag
+from rollfleet.gateway.registry import (
+    Engine,
+    Registry,
+    engine_from_pod,
+    lag_label,
+    newest_generation,
+    within_weight_lag,
+)
 
 
 def pod(
@@ -113,8 +120,15 @@ def test_a_served_request_s_lag_is_a_bounded_label() -> None:
 
     newest, one, far, unknown = at("a", 7), at("b", 6), at("c", 2), at("d", None)
     routable = [newest, one, far, unknown]
-    assert [lag_label(e, routable) for e in routable] == ["0", "1", "3+", "unknown"]
-    assert lag_label(at("e", 5), routable) == "2"
-    assert lag_label(newest, [unknown]) == "unknown"  # nothing known to measure from
-    assert lag_label(None, routable) == "unknown"  # its engine left the table
-    assert lag_label(at("f", 9), routable) == "0"  # newer than every routable one (they were just replaced)
+    top = newest_generation(routable)
+    assert [lag_label(e, top) for e in routable] == ["0", "1", "3+", "unknown"]
+    assert lag_label(at("e", 5), top) == "2"
+    assert lag_label(newest, newest_generation([unknown])) == "unknown"  # nothing known to measure from
+    assert lag_label(None, top) == "unknown"  # its engine left the table
+    assert lag_label(at("f", 9), top) == "0"  # newer than every routable one (they were just replaced)
+    # The registry's newest, kept until its routable list changes.
+    registry = Registry()
+    registry.replace_all(routable)
+    assert registry.newest_generation() == 7
+    registry.upsert(at("g", 8))
+    assert registry.newest_generation() == 8

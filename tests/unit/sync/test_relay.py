@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from aiohttp import web
 from bench.bench_sync import free_port, sidecar
 from safetensors.torch import save_file
+from tests.unit.sim_serving import serve_sims, stop_sims
 
 from rollfleet.sync.relay import RELAY_CHAIN_MAX, depth, relay_fanout, relay_parents
 from rollfleet_client.sync_protocol import EngineStep, PushState
@@ -43,15 +43,10 @@ def served(sims: list[SimEngine]) -> Iterator[list[str]]:
     ready, stop = threading.Event(), asyncio.Event()
 
     async def main() -> None:
-        runners = []
-        for sim, port in zip(sims, ports, strict=True):
-            runners.append(web.AppRunner(sim.app(), access_log=None))
-            await runners[-1].setup()
-            await web.TCPSite(runners[-1], "127.0.0.1", port).start()
+        runners = await serve_sims(sims, ports)
         ready.set()
         await stop.wait()
-        for runner in runners:
-            await runner.cleanup()
+        await stop_sims(runners)
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
