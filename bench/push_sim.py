@@ -34,7 +34,6 @@ from typing import Any
 from rollfleet.engine_client import CONTROL, EngineCallError, EngineClient, EngineRef
 from rollfleet.sync.engines import StaticDiscovery
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
-from rollfleet.sync.relay import RELAY_CHAIN_MAX
 from rollfleet.sync.store import FileStore
 from rollfleet_client.sync_protocol import PushState
 from rollfleet_engine.protocol import (
@@ -45,10 +44,10 @@ from rollfleet_engine.protocol import (
     StageState,
     StageStatus,
 )
+from rollfleet_engine.safetensors_stream import PIECE_BYTES
 
 MIB = 1 << 20
 LINK_BYTES_PER_S = 1e9 / 8  # netsim's "1gbit"
-PIECE_BYTES = MIB  # rollfleet_engine.safetensors_stream's receive piece
 RTT_S = 100e-6  # one round trip inside a datacenter
 LOAD_BYTES_PER_S = (1 << 30) / 0.11  # the load in the pause: a memory copy from the staging area
 SIDECAR_URL = "http://sidecar:8472"
@@ -223,9 +222,7 @@ class PushResult:
     wall_s: float  # what simulating it took here
 
 
-def simulated_push(
-    engines: int, total_bytes: int, call_cpu_s: float, relay_chain_max: int = RELAY_CHAIN_MAX
-) -> PushResult:
+def simulated_push(engines: int, total_bytes: int, call_cpu_s: float, relay_chain_max: int | None = None) -> PushResult:
     """One push of `total_bytes` to `engines` simulated engines, through the sidecar's orchestrator."""
     loop = VirtualLoop()
     t0 = time.monotonic()
@@ -240,7 +237,7 @@ def simulated_push(
 
 
 async def _push(
-    engines: int, total_bytes: int, call_cpu_s: float, relay_chain_max: int, tmp: Path, t0: float
+    engines: int, total_bytes: int, call_cpu_s: float, relay_chain_max: int | None, tmp: Path, t0: float
 ) -> PushResult:
     pieces = max(1, -(-total_bytes // PIECE_BYTES))
     sims = {f"http://engine-{i}:8000": SimEngine(Node(pieces)) for i in range(engines)}

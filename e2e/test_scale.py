@@ -9,6 +9,7 @@ the module stops both again."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,6 @@ import pytest
 from e2e.fleet_helpers import SIDECAR_MODELS, Fleet, deploy_operator, sync_sidecar_pod
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import ANNOTATION_PAUSE, API_VERSION, SYNC_API_PORT, engine_pod_name
-from rollfleet.sync.relay import relay_fanout
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState
 
@@ -102,7 +102,6 @@ def test_200_engines_are_each_paused_resumed_and_pushed_and_none_is_missed(clust
     assert not still, f"{len(still)} engines not resumed: {still[:10]}"
 
     # A push through the trainer's sidecar: every engine staged (down the relay tree), paused, loaded, resumed.
-    assert relay_fanout(ENGINES) > 1, "200 engines relay through a tree, not a chain of 200"
     cluster.kubectl("apply", "-f", "-", input=json.dumps(sync_sidecar_pod(FLEET, NS, TRAINER)))
     cluster.kubectl("-n", NS, "wait", "--for=condition=Ready", f"pod/{TRAINER}", "--timeout=120s", timeout=130)
     with cluster.reach(NS, TRAINER, SYNC_API_PORT) as url, SyncClient(url) as sync:
@@ -114,6 +113,8 @@ def test_200_engines_are_each_paused_resumed_and_pushed_and_none_is_missed(clust
     assert not left, f"{len(left)} engines left out of the push: {left[:5]}"
     relayed = [e for e in status.engines if e.source is not None and e.relay_error is None]
     assert len(relayed) == ENGINES - 1, f"{ENGINES - 1 - len(relayed)} engines did not stage from a relay"
+    # 200 engines and a model of a few 1 MiB pieces: a binary tree, each upstream relaying to two.
+    assert max(Counter(e.source for e in relayed).values()) == 2
     engines = served(fake_nodes)
     manifests = {e["weights_manifest_sha256"] for e in engines.values()}
     not_pushed = sorted(n for n, e in engines.items() if e["weight_version"] != PUSHED or e["paused"])

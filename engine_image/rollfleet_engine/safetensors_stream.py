@@ -246,7 +246,7 @@ def read_shard(
 
 # Bytes are received into a staging file in pieces of at most this much, each reported as it lands:
 # a relay forwards them on as they arrive, not a whole tensor (hundreds of MiB in a large model) at once.
-_PIECE = 1 << 20
+PIECE_BYTES = 1 << 20
 
 
 def receive_shard(read_into: ReadInto, shard: Shard, into: memoryview, progress: Callable[[int], object]) -> None:
@@ -263,7 +263,7 @@ def receive_shard(read_into: ReadInto, shard: Shard, into: memoryview, progress:
     def take_until(end: int, what: str) -> None:
         nonlocal position
         while position < end:
-            piece = min(_PIECE, end - position)
+            piece = min(PIECE_BYTES, end - position)
             _read_exact(read_into, into[position : position + piece], what)
             position += piece
             progress(position)

@@ -65,7 +65,7 @@ from rollfleet.sync.protocol import (
     should_commit,
     stale_requests,
 )
-from rollfleet.sync.relay import RELAY_CHAIN_MAX, relay_fanout, relay_parents
+from rollfleet.sync.relay import relay_fanout, relay_parents
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.spool import keep_as_spare, open_over_spare
 from rollfleet_client.sync_protocol import (
@@ -162,7 +162,7 @@ class Orchestrator:
         transfer: CallPolicy = TRANSFER,
         prefetch: bool = True,
         relay_min_engines: int | None = DEFAULT_RELAY_MIN_ENGINES,
-        relay_chain_max: int = RELAY_CHAIN_MAX,
+        relay_chain_max: int | None = None,
         metrics: PushMetrics | None = None,
     ) -> None:
         self.store, self.discovery, self.api, self.publisher = store, discovery, api, publisher
@@ -424,8 +424,9 @@ class Orchestrator:
         stage, and is left out); without, `target` itself, pulled in the pause.
 
         With relay (`relay_min_engines` or more engines), each engine stages from its upstream in the relay plan
-        (`relay.relay_parents`: a chain, or a binary tree past `relay_chain_max` engines), from what that one has
-        received so far; the sidecar serves the first, so it sends each byte about once. An engine is asked once
+        (`relay.relay_parents`: a chain, or a binary tree for more engines than the weights have receive pieces,
+        `relay.relay_fanout`), from what that one has received so far; the sidecar serves the first, so it sends
+        each byte about once. An engine is asked once
         its upstream has begun (it can relay from then on), so the stagings begin a level of the tree at a time,
         then run together. An upstream that does not begin within RELAY_BEGIN_S, or fails to, is passed over for
         its own upstream (the sidecar at the top)."""
@@ -433,7 +434,7 @@ class Orchestrator:
             return [target] * len(engines)
         t0 = self.clock()
         relay = self.relay_min_engines is not None and len(engines) >= self.relay_min_engines
-        fanout = relay_fanout(len(engines), self.relay_chain_max)
+        fanout = relay_fanout(len(engines), status.bytes, self.relay_chain_max)
         parents = relay_parents(len(engines), fanout) if relay else [None] * len(engines)
         loop = asyncio.get_running_loop()
         begun: list[asyncio.Future[bool]] = [loop.create_future() for _ in engines]

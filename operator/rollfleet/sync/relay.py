@@ -1,24 +1,27 @@
 """Which engine stages a push from which (pure): the relay plan of `Orchestrator._stage_all`.
 
 An engine that stages relays what it has received so far to the engines below it, so the sidecar's uplink
-carries each byte once. Up to `RELAY_CHAIN_MAX` engines the plan is a chain: every engine receives at its link's
-full rate, and each one adds a hop (a relay piece's time, and a thread's hand-off in the engine that relays it).
-Past that, the hops of a chain cost more than its rate buys: at 2,000 engines the last one waits on 1,999 before
-it, and any slow engine slows every one after it. So larger fleets get a binary tree: an engine's uplink is
-shared by two, each receives at half the rate, but at most log2(n) hops from the sidecar, and a slow engine
-delays only the ones below it. docs/weight-sync.md ("Relay") has the measurements behind the choice.
+carries each byte once. In a chain every engine receives at its link's full rate, and each engine adds a hop:
+the receive piece it must have before it forwards it (`PIECE_BYTES`, 1 MiB) at the link's rate. A binary tree
+shares each uplink between two engines, so each receives at half the rate, but none is more than log2(n) + 1
+hops from the sidecar. So a chain takes about (pieces + n) piece-times and a tree about 2 x pieces + 2 log2(n):
+the chain is the faster while the engines are no more than the pieces of the weights (a 16 GiB model: 16,384),
+and the tree past that (128 MiB to 2,000 engines). Measured on a simulated network by bench/push_sim.py
+(docs/architecture.md, "Scale"). A tree also bounds what a slow engine delays to the engines below it.
 """
 
 from __future__ import annotations
 
-# Where a chain stops paying: n hops of a relay piece (at most 4 MiB) against half the rate over the whole set.
-RELAY_CHAIN_MAX = 16
+from rollfleet_engine.safetensors_stream import PIECE_BYTES
+
 TREE_FANOUT = 2
 
 
-def relay_fanout(engines: int, chain_max: int = RELAY_CHAIN_MAX) -> int:
-    """How many engines each one relays to: 1 (a chain) up to `chain_max` engines, else a binary tree."""
-    return 1 if engines <= chain_max else TREE_FANOUT
+def relay_fanout(engines: int, total_bytes: int, chain_max: int | None = None) -> int:
+    """How many engines each one relays to: 1 (a chain) while `engines` are no more than the weights' receive
+    pieces, else a binary tree; `chain_max` (the sidecar's --relay-chain-max) sets the bound instead."""
+    bound = chain_max if chain_max is not None else -(-total_bytes // PIECE_BYTES)
+    return 1 if engines <= bound else TREE_FANOUT
 
 
 def relay_parents(engines: int, fanout: int) -> list[int | None]:

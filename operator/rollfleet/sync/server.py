@@ -35,7 +35,6 @@ from rollfleet.sync.engines import Discovery, PodDiscovery, StaticDiscovery
 from rollfleet.sync.metrics import PushMetrics
 from rollfleet.sync.orchestrator import DEFAULT_RELAY_MIN_ENGINES, Orchestrator, Publisher
 from rollfleet.sync.protocol import PushRefused
-from rollfleet.sync.relay import RELAY_CHAIN_MAX
 from rollfleet.sync.store import ConfigMapStore, FileStore, RecordStore
 from rollfleet_client.sync_protocol import (
     COLLECTIVE_FINISH_PATH,
@@ -114,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_RELAY_MIN_ENGINES,
         help="with prefetch and at least this many engines, engines stage from each other (a chain, or a "
-        "binary tree past --relay-chain-max engines), so this sidecar sends each byte about once "
-        "(default: %(default)s)",
+        "binary tree for more engines than the weights have 1 MiB pieces), so this sidecar sends each byte "
+        "about once (default: %(default)s)",
     )
     relay.add_argument(
         "--no-relay",
@@ -127,8 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--relay-chain-max",
         type=int,
-        default=RELAY_CHAIN_MAX,
-        help="the most engines a relay chains; more form a binary tree (default: %(default)s)",
+        default=None,
+        help="the most engines a relay chains; more form a binary tree (default: as many as the weights have "
+        "1 MiB pieces, where a chain stops being the faster)",
     )
     p.add_argument(
         "--max-staleness",

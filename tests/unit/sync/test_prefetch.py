@@ -45,7 +45,9 @@ def test_engines_relay_the_weights_down_a_chain_and_each_verifies_them(tmp_path:
     weights = tmp_path / "weights"
     weights.mkdir()
     save_file({"w": torch.randn(512, 512), "b": torch.randn(512)}, str(weights / "model.safetensors"))
-    with receivers(3, tmp_path) as urls, sidecar(urls, tmp_path, "--relay-min-engines", "3") as client:
+    # A chain of 3 whatever the size of the weights (2 receive pieces here: a tree by default).
+    flags = ("--relay-min-engines", "3", "--relay-chain-max", "3")
+    with receivers(3, tmp_path) as urls, sidecar(urls, tmp_path, *flags) as client:
         status = client.push_dir(weights, "v2")
         assert status.state is PushState.DONE, status
         assert [(e.source, e.relay_error) for e in status.engines] == [(None, None), (urls[0], None), (urls[1], None)]

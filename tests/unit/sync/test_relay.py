@@ -16,20 +16,24 @@ from bench.bench_sync import free_port, sidecar
 from safetensors.torch import save_file
 from tests.unit.sim_serving import serve_sims, stop_sims
 
-from rollfleet.sync.relay import RELAY_CHAIN_MAX, depth, relay_fanout, relay_parents
+from rollfleet.sync.relay import depth, relay_fanout, relay_parents
 from rollfleet_client.sync_protocol import EngineStep, PushState
 from rollfleet_dev.sim_engine import SimEngine
 from rollfleet_engine.protocol import STATE_PATH
+from rollfleet_engine.safetensors_stream import PIECE_BYTES
 
 
 def test_a_chain_up_to_its_length_then_a_binary_tree_whose_upstreams_come_first() -> None:
     assert relay_parents(4, 1) == [None, 0, 1, 2]
-    assert relay_fanout(RELAY_CHAIN_MAX) == 1 and relay_fanout(RELAY_CHAIN_MAX + 1) == 2
+    # A chain while the engines are no more than the weights' receive pieces (each is a hop of the chain).
+    assert relay_fanout(128, 128 * PIECE_BYTES) == 1 and relay_fanout(129, 128 * PIECE_BYTES) == 2
+    assert relay_fanout(2000, 16 << 30) == 1 and relay_fanout(200, 5 << 20) == 2
+    assert relay_fanout(4, 16 << 30, chain_max=3) == 2  # the sidecar's --relay-chain-max
     assert relay_parents(7, 2) == [None, 0, 0, 1, 1, 2, 2]
     for n in (1, 2, 17, 2000):
-        parents = relay_parents(n, relay_fanout(n))
+        parents = relay_parents(n, relay_fanout(n, 8 * PIECE_BYTES))
         assert all(p is None or p < i for i, p in enumerate(parents)), "an upstream is asked to stage first"
-        assert max((parents.count(i) for i in range(n)), default=0) <= relay_fanout(n)
+        assert max((parents.count(i) for i in range(n)), default=0) <= relay_fanout(n, 8 * PIECE_BYTES)
     assert depth(relay_parents(2000, 2)) == 11 and depth(relay_parents(8, 1)) == 8
     with pytest.raises(ValueError, match="fanout"):
         relay_parents(3, 0)
