@@ -113,9 +113,10 @@ class Registry:
         self._versions: dict[str, str] = {}
         self._version_epochs: dict[str, int] = {}
         # routable(), kept until the table changes or an ejection ends: the proxy asks once per request.
+        # With it, what each request derives from it: its keys (the router's load index) and the newest generation.
         self._routable: list[Engine] | None = None
-        self._routable_keys: tuple[list[Engine] | None, list[str]] = (None, [])
-        self._newest: tuple[list[Engine] | None, int | None] = (None, None)
+        self._routable_keys: list[str] = []
+        self._newest: int | None = None
         self._routable_until = 0.0
 
     # --- fed by a source ------------------------------------------------------------
@@ -167,24 +168,22 @@ class Registry:
         if self._routable is None or now >= self._routable_until:
             ejected = {k: until for k, until in self._ejected_until.items() if until > now}
             self._routable = [e for e in self._engines.values() if e.routable and e.url and e.key not in ejected]
+            self._routable_keys = [e.key for e in self._routable]
+            self._newest = newest_generation(self._routable)
             self._routable_until = min(ejected.values(), default=float("inf"))
         return self._routable
 
     def routable_keys(self) -> list[str]:
         """The keys of `routable()`: the same list object until the routable engines change (the router keeps
         its load index for it)."""
-        routable = self.routable()
-        if self._routable_keys[0] is not routable:
-            self._routable_keys = (routable, [e.key for e in routable])
-        return self._routable_keys[1]
+        self.routable()
+        return self._routable_keys
 
     def newest_generation(self) -> int | None:
         """`newest_generation(routable())`, computed once per routable list (each request asks: at 2,000 engines
         a scan per request was a sixth of the gateway's CPU, bench_scale)."""
-        routable = self.routable()
-        if self._newest[0] is not routable:
-            self._newest = (routable, newest_generation(routable))
-        return self._newest[1]
+        self.routable()
+        return self._newest
 
     def get(self, key: str) -> Engine | None:
         return self._engines.get(key)

@@ -426,10 +426,9 @@ class Orchestrator:
         With relay (`relay_min_engines` or more engines), each engine stages from its upstream in the relay plan
         (`relay.relay_parents`: a chain, or a binary tree for more engines than the weights have receive pieces,
         `relay.relay_fanout`), from what that one has received so far; the sidecar serves the first, so it sends
-        each byte about once. An engine is asked once
-        its upstream has begun (it can relay from then on), so the stagings begin a level of the tree at a time,
-        then run together. An upstream that does not begin within RELAY_BEGIN_S, or fails to, is passed over for
-        its own upstream (the sidecar at the top)."""
+        each byte about once. An engine is asked once its upstream has begun (it can relay from then on), so the
+        stagings begin a level of the tree at a time, then run together. An upstream that does not begin within
+        RELAY_BEGIN_S, or fails to, is passed over for its own upstream (the sidecar at the top)."""
         if not self.prefetch:
             return [target] * len(engines)
         t0 = self.clock()
