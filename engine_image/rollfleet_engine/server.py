@@ -47,6 +47,10 @@ CPU_ENV_DEFAULTS = {
     # needs a C++ compiler, which the CPU image lacks (the engine crashed on the first request for
     # logprobs), and compiling costs each new engine seconds. Eager runs the same arithmetic.
     "TORCHDYNAMO_DISABLE": "1",
+    # vLLM's own default on Linux: the engine core and its worker are forked, and so inherit torch and vLLM
+    # imported. Spawned, each imports them again: an engine's start took 44 CPU-seconds against 31 forked
+    # (docs/engine.md). A GPU engine spawns (below): CUDA cannot be used in a forked child.
+    "VLLM_WORKER_MULTIPROC_METHOD": "fork",
 }
 
 
@@ -212,19 +216,19 @@ def serve(opts: ServeOptions) -> None:
         raise SystemExit(f"rollfleet engine: {problem}")
     if opts.group_leader is not None:
         wait_for_address(opts.group_leader, LEADER_RESOLVE_TIMEOUT_S)
-    # Both must be set before vLLM reads its environment: the RL control routes exist
-    # only in dev mode, and the engine core must be spawned, not forked.
+    # These must be set before vLLM reads its environment: the RL control routes exist only in dev mode,
+    # and on a GPU the engine core must be spawned, not forked (CUDA cannot be used in a forked child).
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     on_cpu = _on_cpu(opts.device)
     if on_cpu:
         for key, value in CPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         # Telling the platform apart imported torch, whose OpenMP read its thread count then; the engine
-        # core, spawned later, reads the environment.
+        # core, started later, reads the environment.
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
