@@ -31,9 +31,10 @@ def test_a_chain_up_to_its_length_then_a_binary_tree_whose_upstreams_come_first(
     assert relay_fanout(4, 16 << 30, chain_max=3) == 2  # the sidecar's --relay-chain-max
     assert relay_parents(7, 2) == [None, 0, 0, 1, 1, 2, 2]
     for n in (1, 2, 17, 2000):
-        parents = relay_parents(n, relay_fanout(n, 8 * PIECE_BYTES))
+        fanout = relay_fanout(n, 8 * PIECE_BYTES)
+        parents = relay_parents(n, fanout)
         assert all(p is None or p < i for i, p in enumerate(parents)), "an upstream is asked to stage first"
-        assert max((parents.count(i) for i in range(n)), default=0) <= relay_fanout(n, 8 * PIECE_BYTES)
+        assert max((parents.count(i) for i in range(n)), default=0) <= fanout
     assert depth(relay_parents(2000, 2)) == 11 and depth(relay_parents(8, 1)) == 8
     with pytest.raises(ValueError, match="fanout"):
         relay_parents(3, 0)
