@@ -47,9 +47,10 @@ CPU_ENV_DEFAULTS = {
     # needs a C++ compiler, which the CPU image lacks (the engine crashed on the first request for
     # logprobs), and compiling costs each new engine seconds. Eager runs the same arithmetic.
     "TORCHDYNAMO_DISABLE": "1",
-    # vLLM's own default on Linux: the engine core and its worker are forked, and so inherit torch and vLLM
-    # imported. Spawned, each imports them again: an engine's start took 44 CPU-seconds against 31 forked
-    # (docs/engine.md). A GPU engine spawns (below): CUDA cannot be used in a forked child.
+    # The engine core and its worker are forked, and so inherit torch and vLLM imported; spawned, each imports
+    # them again: an engine's start took 30 CPU-seconds spawned and 14 forked (docs/engine.md). vLLM's CPU
+    # platform sets spawn whatever the environment says; `keep_start_method` puts this back. A GPU engine
+    # spawns (below): CUDA cannot be used in a forked child.
     "VLLM_WORKER_MULTIPROC_METHOD": "fork",
 }
 
@@ -209,6 +210,24 @@ def _on_cpu(device: str) -> bool:
     return bool(current_platform.is_cpu())
 
 
+def keep_start_method() -> None:
+    """Start the engine core and workers as VLLM_WORKER_MULTIPROC_METHOD says, on a CPU host too.
+
+    vLLM's CPU platform overwrites the variable with "spawn" when it checks the engine's config, after the
+    environment was read; this puts the engine's choice back once that check is done.
+    """
+    from vllm.platforms.cpu import CpuPlatform
+
+    method = os.environ["VLLM_WORKER_MULTIPROC_METHOD"]
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def check_then_keep(cls: type[CpuPlatform], vllm_config: Any) -> None:
+        check(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+
+    CpuPlatform.check_and_update_config = classmethod(check_then_keep)
+
+
 def serve(opts: ServeOptions) -> None:
     """Run the engine until SIGTERM/SIGINT."""
     problem = pipeline_problem(opts.model, opts.vllm_args)
@@ -228,6 +247,7 @@ def serve(opts: ServeOptions) -> None:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        keep_start_method()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
     import uvloop
