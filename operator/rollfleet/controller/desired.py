@@ -247,9 +247,12 @@ def _engine_container(spec: RolloutFleetSpec, mounts: list[Manifest], rank: bool
     if not rank:
         container |= {
             "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-            # The engine only listens once the model is loaded, so startup allows the whole load time.
-            "startupProbe": _http_probe("/health", "http", 5, max(1, engine.startup_timeout_seconds // 5)),
-            "readinessProbe": _http_probe(READY_PATH, "http", 5, 3),
+            # The engine only listens once the model is loaded, so startup allows the whole load time. Probed
+            # every second (a refused connection until then): an engine serves as soon as it can, not up to a
+            # period later, then readiness every 2 s, like the gateway's. A replacement or a rolling update
+            # waits on each of these.
+            "startupProbe": _http_probe("/health", "http", 1, max(1, engine.startup_timeout_seconds)),
+            "readinessProbe": _http_probe(READY_PATH, "http", 2, 3),
             "livenessProbe": _http_probe("/health", "http", 10, 6),
         }
     if engine.command:
