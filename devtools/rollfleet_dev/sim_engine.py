@@ -118,6 +118,7 @@ class SimEngine:
         self.vocab_size: int | None = None
         self.max_model_len: int | None = None
         self._slots: asyncio.Semaphore | None = None  # vLLM's --max-num-seqs, when given
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it serves on, once it serves
         # Sampling as vLLM's: a temperature over 0 (1.0 unless given) varies the tokens, reproducibly with a
         # seed. Off, every request decodes greedily: in-process tests want one answer per prompt.
         self.samples = False
@@ -135,16 +136,36 @@ class SimEngine:
         self._slots = asyncio.Semaphore(max_num_seqs)
 
     # --- views the unit tests read -----------------------------------------------------
+    def _on_own_loop(self, read: Callable[[], Any]) -> Any:
+        """`read()` where the tracker changes, on the engine's event loop: read from another thread while the
+        engine serves, a view could see a dict change size under it."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or loop is here or not loop.is_running():
+            return read()
+
+        async def on_loop() -> Any:
+            return read()
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(10)
+
     @property
     def running(self) -> set[str]:
         """Caller ids in flight."""
-        return {t.request_id for t in self.tracker.view(recent=0).in_flight}
+        view = self._on_own_loop(lambda: self.tracker.view(recent=0))
+        return {t.request_id for t in view.in_flight}
 
     @property
     def finished(self) -> dict[str, str]:
         """Caller id -> finish reason, for the requests that ended (the tracker's bounded memory of them)."""
-        view = self.tracker.view(recent=1 << 30)
+        view = self._on_own_loop(lambda: self.tracker.view(recent=1 << 30))
         return {t.request_id: t.finish_reason or "" for t in view.recently_finished}
+
+    async def _serving(self, app: web.Application) -> None:
+        self._loop = asyncio.get_running_loop()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._access] if self.policy else [])
@@ -161,6 +182,7 @@ class SimEngine:
         app.router.add_post(PAUSE_PATH, self.pause)
         app.router.add_post(RESUME_PATH, self.resume)
         self.weights.add_routes(app)
+        app.on_startup.append(self._serving)
         return app
 
     @web.middleware
