@@ -120,11 +120,17 @@ class LiveFleet:
 
     def in_flight(self, prefix: str = "") -> dict[str, list[str]]:
         """Request ids each engine is running now (its own tracker), those starting with `prefix`."""
-        out = {}
+        return self.requests(prefix)[0]
+
+    def requests(self, prefix: str = "") -> tuple[dict[str, list[str]], int]:
+        """Request ids each engine is running now, and how many have ended on them (their own trackers, which
+        remember the last 50 each), of those starting with `prefix`."""
+        running, ended = {}, 0
         for e in self.engines:
             tracked = httpx.get(e.url + "/rollfleet/v1/requests", timeout=10).raise_for_status().json()
-            out[e.key] = [t["request_id"] for t in tracked["in_flight"] if t["request_id"].startswith(prefix)]
-        return out
+            running[e.key] = [t["request_id"] for t in tracked["in_flight"] if t["request_id"].startswith(prefix)]
+            ended += sum(t["request_id"].startswith(prefix) for t in tracked["recently_finished"])
+        return running, ended
 
     def tracked(self, request_id: str) -> dict[str, object] | None:
         """The engine's record of a request (it ended or runs there), from whichever engine ran it."""
