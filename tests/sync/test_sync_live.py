@@ -72,14 +72,13 @@ def state(engine: Engine) -> dict[str, object]:
     return httpx.get(engine.url + "/rollfleet/v1/state", timeout=10).raise_for_status().json()
 
 
+def tracked(engine: Engine, request_id: str) -> dict[str, Any]:
+    """The engine's record of a request."""
+    return dict(httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}", timeout=10).raise_for_status().json())
+
+
 def tracked_versions(engine: Engine, request_id: str) -> list[str]:
-    resp = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}", timeout=10).raise_for_status()
-    return resp.json()["weight_versions"]
-
-
-def segments(engine: Engine, request_id: str) -> list[dict[str, Any]]:
-    resp = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}", timeout=10).raise_for_status()
-    return list(resp.json()["weight_segments"])
+    return list(tracked(engine, request_id)["weight_versions"])
 
 
 def end_after_the_swap(rollouts: list[tuple[Stream, Engine]], old_label: str, version: str) -> None:
@@ -94,7 +93,7 @@ def end_after_the_swap(rollouts: list[tuple[Stream, Engine]], old_label: str, ve
     for r, e in rollouts:
         r.join(timeout=60)
         assert r.finish_reason == "abort" and len(r.tokens) < ROLLOUT_TOKENS, (r.request_id, r.finish_reason)
-        segs = segments(e, r.request_id)
+        segs = tracked(e, r.request_id)["weight_segments"]
         assert [s["version"] for s in segs] == [old_label, version], segs
         assert segs[0]["start"] == 0 and segs[0]["end"] == segs[1]["start"] > 0, segs
         assert segs[1]["end"] == len(r.tokens), (segs, len(r.tokens))
