@@ -1,4 +1,4 @@
-"""Command line: ``python -m rollfleet_engine serve|tiny-model``."""
+"""Command line: ``python -m rollfleet_engine serve|tiny-model|model-info|wait-idle``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ commands:
               serve --model DIR --headless [...] -- vLLM args: a rank of a multi-pod engine
   tiny-model  build (once) the deterministic tiny test model and print its directory
               tiny-model [--out DIR]
+  model-info  fill vLLM's model-info cache for a model's architectures (an image's build: engines then
+              start without vLLM's inspection subprocess)
+              model-info (--model DIR | --architecture NAME ...)
   wait-idle   wait until the engine on this host holds no request (an engine pod's preStop hook)
               wait-idle [--port P] [--timeout-s S]
 """
@@ -37,6 +40,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="python -m rollfleet_engine tiny-model")
         parser.add_argument("--out", type=Path, default=None, help="default: $ROLLFLEET_CACHE/models/tiny-v2")
         print(ensure_tiny_model(parser.parse_args(rest).out))
+        return 0
+    if command == "model-info":
+        from rollfleet_engine.model_info import architectures, cache_model_info
+
+        parser = argparse.ArgumentParser(prog="python -m rollfleet_engine model-info")
+        parser.add_argument("--model", type=Path, help="a model directory: the architectures its config.json names")
+        parser.add_argument("--architecture", action="append", default=[], help="an architecture by name (repeatable)")
+        opts = parser.parse_args(rest)
+        if opts.model is None and not opts.architecture:
+            parser.error("name a model directory (--model) or an architecture (--architecture)")
+        names = [*(architectures(opts.model) if opts.model else []), *opts.architecture]
+        print("\n".join(cache_model_info(names)))
         return 0
     if command == "wait-idle":
         from rollfleet_engine.drain import wait_idle
