@@ -4,7 +4,7 @@ fleet guarantee checked at the engines: the leader serves and is the engine; abo
 pause keep holds the group and loses no token; a weight push loads on both ranks and the version is one per
 engine; a rank killed restarts its whole group, whose requests continue on the other engine from their tokens,
 and which is PendingSync until the sidecar brings it to the fleet's version. Then what users run works
-unchanged on such engines: a RolloutRequest, TRL's client, and the GRPO example for 2 steps.
+unchanged on such engines: a RolloutRequest, TRL's client, and the GRPO example for 3 steps.
 
 On kind only (the fixture `lws_on_kind`): the local cluster has no DNS, by which a group's ranks find their
 leader. e2e/test_groups_dp.py runs a data parallel engine across pods. docs/engine.md, "Engines across pods";
@@ -261,7 +261,7 @@ def test_trl_client_generates_on_two_pod_engines_and_counts_every_rank(fleet: Fl
 
 
 def test_the_grpo_example_trains_on_two_pod_engines(cluster: Cluster, fleet: Fleet, sync: SyncClient) -> None:
-    steps = 2  # two show each step moving both groups on by one generation; its learning is e2e/test_examples.py's
+    steps = 3  # issue 34, item 6: the example's 3 steps; its learning is e2e/test_examples.py's
     # The example starts from the weights the engines run (A, as its fleet file has them): the cases before pushed B.
     assert sync.push_dir(SIDECAR_MODELS, "a-2").state is PushState.DONE
     fleet.wait(on_version("a-2"), "both engines back on A", timeout=120)
