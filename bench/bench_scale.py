@@ -16,7 +16,8 @@ Measured per size, each with a fresh `rollfleet operator` (bench_operator's run)
 - pause keep: annotation -> each engine paused, as the engine saw it (p50, p99, max), and -> the status
   saying every engine is paused; resume the same way;
 - the fleet's gateway, as a process in Kubernetes mode routing to every engine: requests/s of 32 clients and
-  the p50 of one, JSON and streamed, against the same with a fleet of 2 engines (measured first).
+  the p50 of one, JSON and streamed, against the gateway of a fleet of 2 engines applied beside it, the two
+  measured in turns (3 rounds, medians).
 And 100 fleets of 20 under one operator: apply -> all created, -> every fleet converged, RSS, API calls
 at rest. And a weight push to 2,000 engines against the push to 8, in simulated time (`push_sim`: the
 sidecar's own orchestrator, 1 Gbit/s links, its CPU per engine call as measured here).
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,9 @@ from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_dev.localcluster import controlplane
 
 FLEET = "bench"  # bench_operator's fleet name
-GATEWAY_BASELINE = 2  # engines of the fleet whose gateway is the baseline of the largest one's
+BASELINE_FLEET = "bench-base"  # beside it: the fleet whose gateway is the baseline of its gateway
+GATEWAY_BASELINE = 2  # the baseline fleet's engines
+GATEWAY_ROUNDS = 3
 GATEWAY_LATENCY_N, GATEWAY_CLIENTS, GATEWAY_SECONDS = 300, 32, 5.0  # as bench_gateway's defaults
 # Warm: every engine has had requests (its connection opened, as with 2): the router takes them in turn.
 GATEWAY_WARM_UP_S = 4.0
@@ -105,12 +109,15 @@ def _status_paused(custom: kubernetes.client.CustomObjectsApi, ns: str, engines:
 def _engine_latencies(ns: str, engines: int, key: str, since: float, timeout_s: float) -> list[float]:
     """Seconds from `since` to each engine's own `key` time (paused_at, resumed_at), once all have one."""
     deadline = time.monotonic() + timeout_s
+    late: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
-        times = [e[key] - since for e in host_engines(ns) if e[key] is not None and e[key] >= since]
+        seen = host_engines(ns)
+        times = [e[key] - since for e in seen if e[key] is not None and e[key] >= since]
         if len(times) >= engines:
             return times
+        late = [e for e in seen if e[key] is None or e[key] < since]
         time.sleep(0.2)
-    raise TimeoutError(f"{key}: not every one of {engines} engines within {timeout_s:.0f}s")
+    raise TimeoutError(f"{key}: {engines - len(late)} of {engines} engines within {timeout_s:.0f}s; not: {late[:5]}")
 
 
 def pause_round(client: kubernetes.client.ApiClient, ns: str, engines: int) -> dict[str, Any]:
@@ -130,18 +137,19 @@ def pause_round(client: kubernetes.client.ApiClient, ns: str, engines: int) -> d
     return out
 
 
-def gateway_round(kubeconfig: Path, client: kubernetes.client.ApiClient, ns: str, engines: int) -> dict[str, Any]:
-    """The fleet's gateway as a process in Kubernetes mode (its own watch of the fleet's pods, its own tokens from
-    the fleet's Secrets), once it routes to every engine: bench_gateway's latency (p50) and closed loop (32
-    clients) through it, JSON and streamed, and its CPU per request."""
-    core = kubernetes.client.CoreV1Api(client)
+@contextlib.contextmanager
+def fleet_gateway(
+    kubeconfig: Path, core: kubernetes.client.CoreV1Api, ns: str, fleet: str, engines: int
+) -> Iterator[tuple[str, dict[str, str], Callable[[], float]]]:
+    """The fleet's gateway as a process in Kubernetes mode (its own watch of the fleet's pods, its own tokens from the
+    fleet's Secrets), once it routes to every engine: its URL, the headers it asks for, and its CPU seconds."""
     with tempfile.TemporaryDirectory(prefix="bench-scale-gw-") as tmp:
         files = {}
-        for name, secret in (("token", contract.secret_name(FLEET)), ("key", contract.inference_secret_name(FLEET))):
+        for name, secret in (("token", contract.secret_name(fleet)), ("key", contract.inference_secret_name(fleet))):
             files[name] = Path(tmp) / name
             files[name].write_text(contract.secret_token(core.read_namespaced_secret(secret, ns).data) or "")
         port = bench_operator.free_port()
-        cmd = [sys.executable, "-m", "rollfleet.gateway", "--fleet", FLEET, "--namespace", ns]
+        cmd = [sys.executable, "-m", "rollfleet.gateway", "--fleet", fleet, "--namespace", ns]
         cmd += ["--kubeconfig", str(kubeconfig), "--token-file", str(files["token"])]
         cmd += ["--api-key-file", str(files["key"]), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--log-level", "warning"]
@@ -157,25 +165,71 @@ def gateway_round(kubeconfig: Path, client: kubernetes.client.ApiClient, ns: str
 
                 bench_operator.wait_until(routes_all, 300, f"the gateway routes to {engines} engines")
                 auth = {"Authorization": f"Bearer {files['key'].read_text()}"}
-                cpu = functools.partial(bench_gateway.cpu_seconds, proc.pid)
-                out: dict[str, Any] = {}
-                for mode, stream in (("json", False), ("stream", True)):
-                    out[f"{mode}_p50_ms"], _ = asyncio.run(bench_gateway.latency(url, stream, GATEWAY_LATENCY_N, auth))
-                    rps, cpu_s = asyncio.run(
-                        bench_gateway.throughput(
-                            url, stream, GATEWAY_CLIENTS, GATEWAY_SECONDS, cpu, auth, GATEWAY_WARM_UP_S
-                        )
-                    )
-                    out[f"{mode}_rps"], out[f"{mode}_cpu_us"] = rps, cpu_s * 1e6
-                return out
+                yield url, auth, functools.partial(bench_gateway.cpu_seconds, proc.pid)
             finally:
                 proc.terminate()
                 proc.wait(30)
 
 
+def gateway_measure(url: str, auth: dict[str, str], cpu: Callable[[], float]) -> dict[str, float]:
+    """bench_gateway's latency (p50 of one client) and closed loop (32 clients) through a gateway, JSON and streamed,
+    and its CPU per request."""
+    out: dict[str, float] = {}
+    for mode, stream in (("json", False), ("stream", True)):
+        out[f"{mode}_p50_ms"], _ = asyncio.run(bench_gateway.latency(url, stream, GATEWAY_LATENCY_N, auth))
+        rps, cpu_s = asyncio.run(
+            bench_gateway.throughput(url, stream, GATEWAY_CLIENTS, GATEWAY_SECONDS, cpu, auth, GATEWAY_WARM_UP_S)
+        )
+        out[f"{mode}_rps"], out[f"{mode}_cpu_us"] = rps, cpu_s * 1e6
+    return out
+
+
+def gateway_rounds(kubeconfig: Path, client: kubernetes.client.ApiClient, ns: str, engines: int) -> dict[str, Any]:
+    """The gateway of the fleet of `engines` against the gateway of a fleet of GATEWAY_BASELINE engines applied beside
+    it (same operator, cluster and engine host): GATEWAY_ROUNDS rounds, the two measured in turn (the order swapped
+    each round), each figure the median of its rounds. In turns, because this machine's speed drifts over minutes:
+    a baseline measured minutes apart, on its own fleet, made the ratio vary from 0.6 to 1.0."""
+    core = kubernetes.client.CoreV1Api(client)
+    custom = kubernetes.client.CustomObjectsApi(client)
+    body = {"apiVersion": contract.API_VERSION, "kind": KIND, "metadata": {"name": BASELINE_FLEET}}
+    custom.create_namespaced_custom_object(
+        contract.GROUP, contract.VERSION, ns, PLURAL, body | {"spec": scale_spec(GATEWAY_BASELINE)}
+    )
+
+    def baseline_ready() -> bool:
+        f = custom.get_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, BASELINE_FLEET)
+        return (f.get("status") or {}).get("readyReplicas") == GATEWAY_BASELINE
+
+    bench_operator.wait_until(baseline_ready, 300, f"the fleet of {GATEWAY_BASELINE} engines Ready")
+    rounds: dict[str, list[dict[str, float]]] = {"gateway": [], "gateway_baseline": []}
+    with (
+        fleet_gateway(kubeconfig, core, ns, FLEET, engines) as big,
+        fleet_gateway(kubeconfig, core, ns, BASELINE_FLEET, GATEWAY_BASELINE) as base,
+    ):
+        for r in range(GATEWAY_ROUNDS):
+            turns = (("gateway_baseline", base), ("gateway", big))
+            for key, gateway in turns if r % 2 == 0 else reversed(turns):
+                rounds[key].append(gateway_measure(*gateway))
+    custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, BASELINE_FLEET)
+    # Gone before the operator's minute at rest is counted.
+    selector = contract.engine_selector(BASELINE_FLEET)
+    bench_operator.wait_until(
+        lambda: not core.list_namespaced_pod(ns, label_selector=selector).items, 300, "the baseline fleet's pods gone"
+    )
+    return {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in rounds.items()}
+
+
+def fresh_kwok(nodes: int) -> None:
+    """KWOK and the engine host started anew, with `nodes` fake nodes. KWOK recycles the addresses of deleted pods,
+    and after a fleet of 2,000 was deleted it gave 8 addresses of the next one to two pods each: the engine host
+    served one engine for both, and the fleet's figures were the wrong engines'."""
+    kwok.down()
+    kwok.up(nodes)
+
+
 def one_fleet(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int) -> dict[str, Any]:
     def at_rest(ns: str, _pid: int) -> dict[str, Any]:
-        return pause_round(client, ns, engines) | {"gateway": gateway_round(kubeconfig, client, ns, engines)}
+        return pause_round(client, ns, engines) | gateway_rounds(kubeconfig, client, ns, engines)
 
     fleet = bench_operator.fleet_run(kubeconfig, client, engines, scale_spec(engines), at_rest)
     print(json.dumps({f"fleet_{engines}": fleet}), flush=True)
@@ -241,6 +295,7 @@ def headline(sizes: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The floors' keys, from the largest size measured (named by it)."""
     n = max(sizes)
     one = sizes[n]
+    gateway, baseline = one["fleet"]["gateway"], one["fleet"]["gateway_baseline"]
     return {
         f"create_{n}_ratio_vs_kubectl": one["create_ratio_vs_kubectl"],
         f"ready_{n}_ratio_vs_raw": one["ready_ratio_vs_raw"],
@@ -249,12 +304,9 @@ def headline(sizes: dict[int, dict[str, Any]]) -> dict[str, Any]:
         f"status_{n}_bytes": one["fleet"]["status_bytes"],
         f"weights_record_{n}_bytes": one["fleet"]["weights_record_bytes"] or 0,
         f"pause_{n}_p99_s": one["fleet"]["pause_p99_s"],
-        f"gateway_rps_{n}_over_{GATEWAY_BASELINE}": one["fleet"]["gateway"]["json_rps"]
-        / sizes[GATEWAY_BASELINE]["fleet"]["gateway"]["json_rps"],
-        f"gateway_stream_rps_{n}_over_{GATEWAY_BASELINE}": one["fleet"]["gateway"]["stream_rps"]
-        / sizes[GATEWAY_BASELINE]["fleet"]["gateway"]["stream_rps"],
-        f"gateway_added_p50_ms_{n}_minus_{GATEWAY_BASELINE}": one["fleet"]["gateway"]["json_p50_ms"]
-        - sizes[GATEWAY_BASELINE]["fleet"]["gateway"]["json_p50_ms"],
+        f"gateway_rps_{n}_over_{GATEWAY_BASELINE}": gateway["json_rps"] / baseline["json_rps"],
+        f"gateway_stream_rps_{n}_over_{GATEWAY_BASELINE}": gateway["stream_rps"] / baseline["stream_rps"],
+        f"gateway_added_p50_ms_{n}_minus_{GATEWAY_BASELINE}": gateway["json_p50_ms"] - baseline["json_p50_ms"],
     }
 
 
@@ -269,12 +321,16 @@ def main() -> int:
     kubeconfig = controlplane.up().kubeconfig
     biggest = max([*args.sizes, args.fleets * args.fleet_size])
     per_node = int(kwok.node_manifest(0)["status"]["capacity"]["pods"])
-    kwok.up(min(kwok.max_nodes(), biggest // per_node + 2))
+    nodes = min(kwok.max_nodes(), biggest // per_node + 2)
     install_crds(kubeconfig)
     client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
-    sizes = {n: one_fleet(kubeconfig, client, n) for n in sorted({GATEWAY_BASELINE, *args.sizes})}
+    sizes = {}
+    for n in sorted(set(args.sizes)):
+        fresh_kwok(nodes)
+        sizes[n] = one_fleet(kubeconfig, client, n)
     result: dict[str, Any] = {"sizes": {str(n): v for n, v in sizes.items()}}
     if args.fleets:
+        fresh_kwok(nodes)
         result["many_fleets"] = many_fleets(kubeconfig, client, args.fleets, args.fleet_size)
     result["headline"] = headline(sizes)
     if args.push_mib:

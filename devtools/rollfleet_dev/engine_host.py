@@ -102,16 +102,30 @@ class Host:
     engines: dict[str, Served] = field(default_factory=dict)  # pod IP -> engine
 
     async def on_pod(self, kind: str, pod: Obj) -> None:
+        meta = pod["metadata"]
         ip = (pod.get("status") or {}).get("podIP")
         node = pod["spec"].get("nodeName") or ""
         served = self.engines.get(ip) if ip else None
-        if ip and served is not None and (kind == "DELETED" or pod["metadata"].get("deletionTimestamp")):
+        gone = kind == "DELETED" or bool(meta.get("deletionTimestamp"))
+        if ip and served is not None and (served.namespace, served.pod) != (meta["namespace"], meta["name"]):
+            if not gone:
+                # KWOK gave one address to two pods (it recycles deleted pods' addresses): this pod's callers reach
+                # the other's engine, so its fleet's figures would be wrong.
+                log.warning(
+                    "pod %s/%s not served: %s is %s/%s's",
+                    meta["namespace"],
+                    meta["name"],
+                    ip,
+                    served.namespace,
+                    served.pod,
+                )
+        elif ip and served is not None and gone:
             await self._stop(ip)
         elif ip and node.startswith(NODE_PREFIX) and served is None and kind != "DELETED":
             try:
                 await self._start(pod, ip)
             except (PodSpecError, SystemExit, OSError, KeyError) as err:
-                log.warning("pod %s/%s not served: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], err)
+                log.warning("pod %s/%s not served: %s", meta["namespace"], meta["name"], err)
 
     async def _read_secret_file(self, pod: Obj, container: Obj, path: str) -> str:
         name, key = secret_file(pod, container, path)
@@ -130,7 +144,9 @@ class Host:
                 files[path] = await self._read_secret_file(pod, container, path)
         engine = sim_engine.engine_from_args(args, files.__getitem__)
         app = engine.app()
-        served = Served(pod["metadata"]["namespace"], pod["metadata"]["name"], web.AppRunner(app), engine)
+        # No access log: 2,000 engines' requests, a line each, were an eighth of this process's CPU (py-spy).
+        runner = web.AppRunner(app, access_log=None)
+        served = Served(pod["metadata"]["namespace"], pod["metadata"]["name"], runner, engine)
         app.middlewares.append(_timestamps(served))
         await served.runner.setup()
         await web.TCPSite(served.runner, ip, args.port, reuse_address=True).start()

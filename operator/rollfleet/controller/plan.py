@@ -13,7 +13,7 @@ phase annotation. Talks to nobody.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -31,6 +31,14 @@ DRAIN_SETTLE_SECONDS = 2.0
 class Create:
     index: int
     reason: str
+
+
+def awaited_creations(
+    created: Mapping[int, float], seen: Collection[int], now: float, patience_s: float
+) -> dict[int, float]:
+    """The engines created (index -> when) whose pods the watch has not shown yet, each for at most `patience_s`: a
+    plan's creations at these indexes are in flight already (the expectations of Kubernetes' ReplicaSet controller)."""
+    return {i: at for i, at in created.items() if i not in seen and now - at < patience_s}
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -86,6 +86,9 @@ IDLE_STATE_READS_PER_S = 50.0
 # How long an engine that missed a state read keeps its last one: a busy engine (2,000 on one host) is not a
 # starting one, and its readiness probe, not one slow answer, says when it stops serving.
 KEEP_S = 30.0
+# How long an engine created is awaited in the watch before its index counts as free again: a pass that ran before
+# the watch delivered the pods of the last one created them again (364 conflicts in 2,000 creates, bench_scale).
+CREATED_AWAIT_S = 60.0
 REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
 ABSENT = "absent"  # the digest recorded for an object the spec switched off (deleted, not applied)
 NODE_REFRESH_S = 5.0
@@ -192,6 +195,7 @@ class FleetLoop:
         self._spec_error: str | None = None
         self._written: RolloutFleetStatus | None = None
         self._wake_early = False  # an engine call ended: pass again without waiting for the timer
+        self._created: dict[int, float] = {}  # engines created (index -> when) that the watch has not shown yet
         # Crash counts of deleted crashed engines, by index, until their replacement carries it.
         self._crashes: dict[int, int] = {}
 
@@ -212,7 +216,7 @@ class FleetLoop:
             self.shared.metrics.passed(time.monotonic() - started)
             await self._wait(stopped, seen, earliest=started + PASS_MIN_INTERVAL_S, latest=started + interval)
 
-    async def _wait(self, stopped: Stop, seen: Hashable, earliest: float, latest: float) -> None:
+    async def _wait(self, stopped: Stop, seen: tuple[object, ...], earliest: float, latest: float) -> None:
         while not stopped:
             now = time.monotonic()
             if now >= latest or (now >= earliest and (self._wake_early or self._fingerprint() != seen)):
@@ -220,9 +224,14 @@ class FleetLoop:
                 return
             await stopped.wait(max(0.01, min(INDEX_POLL_S, latest - now)))
 
-    def _fingerprint(self) -> Hashable:
-        """What the watch has delivered for this fleet, in a form that changes with any of it."""
-        pods = frozenset((p["metadata"].get("uid"), p["metadata"].get("resourceVersion")) for p in self._index_pods())
+    def _fingerprint(self) -> tuple[object, ...]:
+        """What the watch has delivered for this fleet, in a form that changes with any of it (compared, not hashed).
+
+        The pods are the index's own objects: kopf stores a new one for each change, and a tuple compares them by
+        identity first, in C; holding them keeps their ids from being reused meanwhile. Polled every INDEX_POLL_S:
+        a set of (uid, resourceVersion) built in Python was most of an operator's CPU at rest with 2,000 engines
+        (bench_scale)."""
+        pods = tuple(self._pod_index.get(self.key, ()))
         gateway, record = self._gateway(), self._weights_record()
         return self.body["metadata"].get("resourceVersion"), pods, gateway, record and record.resource_version
 
@@ -302,6 +311,12 @@ class FleetLoop:
         states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else idle_age)
         return [dataclasses.replace(o, state=states.get(o.name)) for o in observed], busy
 
+    def _not_in_flight(self, actions: list[plan.PodAction], observed: Sequence[EngineObs]) -> list[plan.PodAction]:
+        """The pass's actions less the creations of engines created already whose pods the watch has not shown."""
+        seen = {o.index for o in observed}
+        self._created = plan.awaited_creations(self._created, seen, time.monotonic(), CREATED_AWAIT_S)
+        return [a for a in actions if not (isinstance(a, plan.Create) and a.index in self._created)]
+
     async def _annotate_engines(
         self, engines: Sequence[Engine], actions: Sequence[plan.PodAction], generations: Mapping[str, int | None]
     ) -> bool:
@@ -370,6 +385,7 @@ class FleetLoop:
                 now=now,
             )
         )
+        actions = self._not_in_flight(actions, observed)
         by_name = {e.obs.name: e for e in engines}
         # The engines' pause calls first: the pod writes below take seconds at 2,000 engines (bench_scale).
         for call in plan.engine_pause_calls(request.mode, record, engines):
@@ -562,6 +578,7 @@ class FleetLoop:
                 await kube.create(engine)
             except Conflict:  # names are stable: one of that name exists already, no duplicate
                 return None
+            self._created[action.index] = time.monotonic()
             what = "" if engine["kind"] == "Pod" else f" ({engine['kind']} of {spec.engine.pods_per_engine} pods)"
             return "Normal", "EngineCreated", f"{engine['metadata']['name']}{what} created ({action.reason})"
         if isinstance(action, plan.Drain):

@@ -57,6 +57,24 @@ def test_a_pod_change_wakes_the_loop_but_not_before_the_minimum_interval() -> No
     assert PASS_MIN_INTERVAL_S <= took < 2.0
 
 
+def test_a_pod_replaced_in_the_index_wakes_the_loop_and_one_stored_again_unchanged_does_not() -> None:
+    """kopf stores a new object for each change of a pod: the loop wakes on it. An object equal to the one it
+    replaces (a re-list's copy) is no change."""
+    pods = {KEY: [pod("f-engine-0", "1"), pod("f-engine-1", "1")]}
+    loop = loop_with(pods, {})
+    took = asyncio.run(waited(loop, lambda: pods[KEY].__setitem__(1, pod("f-engine-1", "2")), latest_s=10.0))
+    assert PASS_MIN_INTERVAL_S <= took < 2.0
+    took = asyncio.run(waited(loop, lambda: pods[KEY].__setitem__(1, pod("f-engine-1", "2")), latest_s=1.0))
+    assert took >= 1.0  # the timer, not the copy
+
+
+def test_a_deleted_pod_wakes_the_loop() -> None:
+    pods = {KEY: [pod("f-engine-0", "1"), pod("f-engine-1", "1")]}
+    loop = loop_with(pods, {})
+    took = asyncio.run(waited(loop, lambda: pods[KEY].pop(), latest_s=10.0))
+    assert took < 2.0
+
+
 def test_a_gateway_change_wakes_the_loop() -> None:
     gateways = {KEY: [GatewayObs(1, 0)]}
     loop = loop_with({}, gateways)

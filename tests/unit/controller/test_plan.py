@@ -216,3 +216,11 @@ def test_the_weight_generation_annotation_follows_what_each_engine_reports() -> 
     generations = {"f-engine-0": 2, "f-engine-1": 2, "f-engine-2": None, "f-engine-4": 2}
     updates = plan.generation_updates([moved, same, unknown, unread, going], generations)
     assert updates == {"f-engine-0": "2", "f-engine-2": None}
+
+
+def test_a_created_engine_is_awaited_until_the_watch_shows_it_or_patience_runs_out() -> None:
+    """A pass that runs before the watch delivers the pods the last one created must not create them again; one
+    the watch never shows (deleted meanwhile) is created again after `patience_s`."""
+    created = {0: 100.0, 1: 100.0, 2: 40.0}
+    assert plan.awaited_creations(created, seen={1}, now=110.0, patience_s=60.0) == {0: 100.0}
+    assert plan.awaited_creations(created, seen=set(), now=170.0, patience_s=60.0) == {}
