@@ -43,6 +43,7 @@ from rollfleet.contract import (
     STATE_PATH,
     disruption_budget_name,
     engine_pod_name,
+    gateway_name,
 )
 from rollfleet.controller.status import CRASH_BACKOFF_START_S, ENGINES_PAUSED_ALONE, parse_time
 from rollfleet_dev.engine_metrics import engine_metric
@@ -607,6 +608,31 @@ def test_operator_restart_mid_scale_converges_without_duplicates(cluster: Cluste
     assert len(everything) == 3
     uid = fleet.get()["metadata"]["uid"]
     assert all(p["metadata"]["ownerReferences"][0]["uid"] == uid for p in everything)
+
+
+def test_what_the_fleet_owns_is_put_back_when_someone_else_edits_or_deletes_it(cluster: Cluster, fleet: Fleet) -> None:
+    """The operator watches what a fleet owns (controller-runtime's `Owns()`): an edit or a deletion is undone in
+    seconds, where a timed re-apply took up to 5 minutes and made calls at rest."""
+    role, budget = gateway_name(NAME), disruption_budget_name(NAME)
+
+    def current(kind: str, name: str) -> dict[str, Any] | None:
+        proc = cluster.kubectl("-n", NS, "get", kind, name, "-o", "json", check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    rules, old_uid = (current("role", role) or {})["rules"], (current("role", role) or {})["metadata"]["uid"]
+    wanted = (current("pdb", budget) or {})["spec"]["maxUnavailable"]
+    cluster.kubectl("-n", NS, "delete", "role", role)
+    cluster.kubectl(
+        "-n", NS, "patch", "pdb", budget, "--type=merge", "-p", json.dumps({"spec": {"maxUnavailable": 99}})
+    )
+
+    def put_back() -> bool:
+        made, edited = current("role", role), current("pdb", budget)
+        return bool(made and made["metadata"]["uid"] != old_uid and made["rules"] == rules) and bool(
+            edited and edited["spec"]["maxUnavailable"] == wanted
+        )
+
+    wait_for(put_back, timeout=30, interval=0.5, what=f"the Role {role} made again and the PDB {budget} restored")
 
 
 def test_deleting_the_fleet_removes_everything_it_created(cluster: Cluster, shared: SharedFleet) -> None:

@@ -68,17 +68,18 @@ holds the same rules; a test compares them).
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [create, delete]
-# The fleet's gateway and the identities it and the engines run as (server-side apply).
+# The fleet's gateway and the identities it and the engines run as (server-side apply). What a fleet
+# owns is watched too: the operator puts back what someone else changed or deleted.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [list, watch, create, patch]
 - apiGroups: [""]
   resources: [serviceaccounts]
-  verbs: [create, patch]
+  verbs: [list, watch, create, patch]
 # The fleet's gateway Service; a RolloutRequest's runner reads its ClusterIP (the operator grants that).
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 # Each running RolloutRequest's runner Job, watched for pods that cannot start or keep failing.
 - apiGroups: [batch]
   resources: [jobs]
@@ -90,16 +91,16 @@ holds the same rules; a test compares them).
 # The gateway's, the trainers' and each request runner's Roles and RoleBindings.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [create, patch]
+  verbs: [list, watch, create, patch]
 # The NetworkPolicy of a fleet's engines (server-side apply creates and converges it);
 # deleted when the fleet's spec.networkPolicy.enabled turns false.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [create, patch, delete]
+  verbs: [list, watch, create, patch, delete]
 # The PodDisruptionBudget of a fleet's engines (server-side apply creates and converges it).
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [create, patch]
+  verbs: [list, watch, create, patch]
 # The fleet's admin token: created once. Never read back: the operator derives it from its key
 # (the key's Role), so it can read no Secret but that one.
 - apiGroups: [""]

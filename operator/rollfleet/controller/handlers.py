@@ -1,11 +1,13 @@
-"""kopf registration for RolloutFleet: each fleet's task, fed by three indexes.
+"""kopf registration for RolloutFleet: each fleet's task, fed by three indexes and the watches of what fleets own.
 
 Fleet events start, feed and stop the fleet's task (`tasks.ObjectTasks`), which runs its
 `reconciler.FleetLoop`. The loop reads the fleet's engine pods, gateway Deployment and
 weight-sync record (ConfigMap) from kopf's indexes (kopf fills them before it hands over any
 event, so a restarted operator never decides on a partial view) and wakes when they change.
-The watches behind the indexes carry server-side label selectors: the operator is sent
-Rollfleet's own pods, Deployments and ConfigMaps, not the cluster's. No finalizer: a deleted fleet never
+The other kinds a fleet owns (ServiceAccounts, RBAC, its PodDisruptionBudget, NetworkPolicy and
+gateway Service) are watched into `owned.OwnedObjects`, so that the loop puts back what someone else
+changed or deleted. Every watch carries a server-side label selector: the operator is sent
+Rollfleet's own objects, not the cluster's. No finalizer: a deleted fleet never
 waits for the operator; the garbage collector removes what it owns. The shared clients and
 the tasks live in kopf's memo from startup to cleanup. Talks to nobody itself.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import kopf
@@ -28,13 +31,16 @@ from rollfleet.contract import (
     GROUP,
     LABEL_COMPONENT,
     LABEL_FLEET,
+    LABEL_MANAGED_BY,
     LABEL_NAME,
+    MANAGER,
     VERSION,
     component_labels,
     selector,
 )
 from rollfleet.controller.metrics import FleetMetrics
-from rollfleet.controller.reconciler import FleetLoop, Key, NodeHealth, Shared, WeightsRecord
+from rollfleet.controller.owned import Key, object_key, version_of
+from rollfleet.controller.reconciler import FleetLoop, NodeHealth, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
 from rollfleet.controller.tasks import ObjectTasks
 from rollfleet.engine_client import EngineClient
@@ -51,6 +57,8 @@ async def start_fleets(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: An
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     for resource, component in _INDEXED.items():
         settings.watching.label_selectors[resource] = selector({LABEL_NAME: APP_NAME, LABEL_COMPONENT: component})
+    for resource in _OWNED_ONLY:
+        settings.watching.label_selectors[resource] = selector({LABEL_NAME: APP_NAME, LABEL_MANAGED_BY: MANAGER})
     # The downward API's namespace (manifests/base/operator.yaml): fleets' NetworkPolicies
     # admit this operator's pods to the engines by it.
     namespace = os.environ.get("POD_NAMESPACE") or None
@@ -82,6 +90,16 @@ def _owned(component: str) -> dict[str, Any]:
 # The indexed resources (as kopf's decorators name them) and the component each watch is cut to.
 _PODS, _DEPLOYMENTS, _CONFIG_MAPS = ("", "v1", "pods"), ("apps", "v1", "deployments"), ("", "v1", "configmaps")
 _INDEXED = {_PODS: COMPONENT_ENGINE, _DEPLOYMENTS: COMPONENT_GATEWAY, _CONFIG_MAPS: COMPONENT_WEIGHTS}
+# The other kinds a fleet owns (desired.owned_objects): watched only so that the loop puts back what someone else
+# changed or deleted.
+_OWNED_ONLY = (
+    ("", "v1", "serviceaccounts"),
+    ("", "v1", "services"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+)
 
 
 # The indexers are coroutines: kopf runs a plain function in its thread pool, a hop per watch event (2,000
@@ -103,6 +121,31 @@ async def gateways(
 async def weight_records(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[Key, WeightsRecord]:
     record = WeightsRecord(dict(body.get("data") or {}), str(body["metadata"]["resourceVersion"]), _owner(body))
     return {(namespace, labels[LABEL_FLEET]): record}
+
+
+OWNED_WATCHED = (*_OWNED_ONLY, _DEPLOYMENTS, _CONFIG_MAPS)  # every kind desired.owned_objects makes
+
+
+def _watch_owned(fn: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    for resource in OWNED_WATCHED:
+        fn = kopf.on.event(*resource, labels={LABEL_MANAGED_BY: MANAGER, LABEL_FLEET: kopf.PRESENT})(fn)
+    return fn
+
+
+@_watch_owned
+async def owned_object(
+    event: kopf.RawEvent,
+    resource: kopf.Resource,
+    name: str,
+    namespace: str,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """What the watch shows of an object some fleet owns: its loop applies it again if it is not as left."""
+    shared: Shared = memo.fleets
+    version = None if event.get("type") == "DELETED" else version_of(event["object"]["metadata"])
+    shared.owned.saw((namespace, labels[LABEL_FLEET]), object_key(resource.kind, name), version)
 
 
 def _owner(body: kopf.Body) -> str | None:

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -43,6 +43,7 @@ from rollfleet.contract import (
 from rollfleet.controller import desired, groups, plan
 from rollfleet.controller.events import batched, event_manifest, rfc3339
 from rollfleet.controller.metrics import FleetMetrics, FleetSnapshot
+from rollfleet.controller.owned import ABSENT, Applied, Key, ObjectKey, OwnedObjects, must_write, object_key, version_of
 from rollfleet.controller.owner import FleetRef
 from rollfleet.controller.status import (
     ENGINES_PAUSED_ALONE,
@@ -89,13 +90,9 @@ KEEP_S = 30.0
 # How long an engine created is awaited in the watch before its index counts as free again: a pass that ran before
 # the watch delivered the pods of the last one created them again (364 conflicts in 2,000 creates, bench_scale).
 CREATED_AWAIT_S = 60.0
-REAPPLY_S = 300.0  # re-apply owned objects this often, healing manual edits
-ABSENT = "absent"  # the digest recorded for an object the spec switched off (deleted, not applied)
 NODE_REFRESH_S = 5.0
 # Phases that change only by outside action.
 SETTLED = frozenset({EnginePhase.READY, EnginePhase.PAUSED, EnginePhase.PENDING_SYNC})
-
-Key = tuple[str, str]  # (namespace, fleet name)
 
 
 def now_utc() -> datetime:
@@ -167,6 +164,7 @@ class Shared:
     operator_namespace: str | None  # where this operator's pod runs; None outside a pod
     key: OperatorKey  # fleets' admin tokens derive from it
     metrics: FleetMetrics
+    owned: OwnedObjects = field(default_factory=OwnedObjects)  # fed by the watches of what fleets own
 
 
 class FleetLoop:
@@ -188,7 +186,7 @@ class FleetLoop:
         self._refreshing: dict[str, asyncio.Task[None]] = {}  # engine -> a state read in the background
         self._sync_record: str | None = None  # the sync sidecar's record (its JSON) last seen
         self._calls: dict[str, asyncio.Task[None]] = {}
-        self._applied: dict[str, tuple[str, float]] = {}
+        self._applied: dict[ObjectKey, Applied] = {}
         self._last_status_at = -1e9
         self._warned_pause: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -198,6 +196,7 @@ class FleetLoop:
         self._created: dict[int, float] = {}  # engines created (index -> when) that the watch has not shown yet
         # Crash counts of deleted crashed engines, by index, until their replacement carries it.
         self._crashes: dict[int, int] = {}
+        shared.owned.track(self.key)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -233,7 +232,8 @@ class FleetLoop:
         (bench_scale)."""
         pods = tuple(self._pod_index.get(self.key, ()))
         gateway, record = self._gateway(), self._weights_record()
-        return self.body["metadata"].get("resourceVersion"), pods, gateway, record and record.resource_version
+        owned = self.shared.owned.changes(self.key)
+        return self.body["metadata"].get("resourceVersion"), pods, gateway, record and record.resource_version, owned
 
     def _weights_record(self) -> WeightsRecord | None:
         return self._own(self._record_index.get(self.key, ()))
@@ -257,6 +257,7 @@ class FleetLoop:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._calls.clear()
         self.shared.metrics.forget(self.key)
+        self.shared.owned.forget(self.key)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -485,28 +486,31 @@ class FleetLoop:
         return merged
 
     async def _ensure_owned(self, spec: RolloutFleetSpec) -> None:
-        """Apply ServiceAccounts, RBAC, the NetworkPolicy and the gateway when their manifest changed (or now
-        and then); delete what the spec switched off."""
+        """Apply ServiceAccounts, RBAC, the NetworkPolicy and the gateway when their manifest changed, or when the
+        watch showed them edited or deleted by someone else; delete what the spec switched off."""
+        owned = self.shared.owned
         for manifest in desired.owned_objects(self.ref, spec, self.shared.operator_namespace):
-            key = f"{manifest['kind']}/{manifest['metadata']['name']}"
+            key = object_key(manifest["kind"], manifest["metadata"]["name"])
             digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
             last = self._applied.get(key)
-            if last is not None and last[0] == digest and time.monotonic() - last[1] < REAPPLY_S:
+            if not must_write(last, digest, owned.seen(self.key, key)):
                 continue
-            await self.shared.kube.apply(manifest)
-            if last is None or last[0] != digest:
+            applied = await self.shared.kube.apply(manifest)
+            if last is None or last.digest != digest:
                 log.info("%s/%s applied %s", *self.key, key)
-            self._applied[key] = (digest, time.monotonic())
+            else:  # at debug: a trainer's push changes the weights record (its data, not what is applied)
+                log.debug("%s/%s %s changed or deleted by someone else: applied again", *self.key, key)
+            self._applied[key] = Applied(digest, version_of(applied["metadata"]))
         for kind, name in desired.absent_objects(self.ref, spec):
-            key = f"{kind}/{name}"
+            key = object_key(kind, name)
             last = self._applied.get(key)
-            if last is not None and last[0] == ABSENT and time.monotonic() - last[1] < REAPPLY_S:
+            if not must_write(last, ABSENT, owned.seen(self.key, key)):
                 continue
             with contextlib.suppress(NotFound):  # gone already: fine
                 await self.shared.kube.delete(kind_named(kind), self.ref.namespace, name)
-            if last is not None and last[0] != ABSENT:
+            if last is not None and last.digest != ABSENT:
                 log.info("%s/%s deleted %s", *self.key, key)
-            self._applied[key] = (ABSENT, time.monotonic())
+            self._applied[key] = Applied(ABSENT, None)
 
     # ---- engines ---------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from tests.unit.controller.fleet_fixtures import obs, state
 
+from rollfleet.controller.owned import OwnedObjects
 from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
 from rollfleet.controller.tasks import MAX_BACKOFF_S, Stop, backoff_s
@@ -33,7 +34,7 @@ def loop_with(
     gateways: dict[Any, list[GatewayObs]],
     records: dict[Any, list[WeightsRecord]] | None = None,
 ) -> FleetLoop:
-    shared: Shared = None  # type: ignore[assignment]  # waiting touches no client
+    shared: Shared = SimpleNamespace(owned=OwnedObjects())  # type: ignore[assignment]  # waiting touches no client
     return FleetLoop(shared, FLEET, pods, gateways, {} if records is None else records)
 
 
@@ -90,6 +91,15 @@ def test_a_weight_sync_record_change_wakes_the_loop() -> None:
     assert took < 2.0
 
 
+def test_an_owned_object_changed_by_someone_else_wakes_the_loop() -> None:
+    loop = loop_with({}, {})
+    owned = loop.shared.owned
+    took = asyncio.run(waited(loop, lambda: owned.saw(KEY, "Role/f-gateway", "9"), latest_s=10.0))
+    assert took < 2.0
+    took = asyncio.run(waited(loop, lambda: owned.saw(("ns", "g"), "Role/g-gateway", "9"), latest_s=1.0))
+    assert took >= 1.0  # another fleet's: the timer
+
+
 def test_another_fleets_pods_do_not_wake_the_loop() -> None:
     pods: dict[tuple[str, str], list[dict[str, Any]]] = {KEY: [pod("f-engine-0", "1")]}
     loop = loop_with(pods, {})
@@ -141,7 +151,8 @@ def test_stale_states_are_read_in_the_background_and_a_missed_read_keeps_the_las
                 raise answer
             return answer
 
-    loop = FleetLoop(SimpleNamespace(engines=Engines()), FLEET, {}, {}, {})  # type: ignore[arg-type]
+    shared = SimpleNamespace(engines=Engines(), owned=OwnedObjects())
+    loop = FleetLoop(shared, FLEET, {}, {}, {})  # type: ignore[arg-type]
     engines = [obs(0), obs(1)]
     busy = EngineCallError(EngineRef("f-engine-1", "http://x"), "GET", "/state", "no answer within 5s")
 
