@@ -518,6 +518,7 @@ class _Exchange:
         entry.stopping.add_done_callback(watch.stop)
         running = p._attempts.setdefault(engine.key, set())
         running.add(watch)
+        result = None
         try:
             result = await self._exchange(engine, path, body, cont)
         except asyncio.CancelledError:
@@ -532,7 +533,8 @@ class _Exchange:
             running.discard(watch)
             if not running:
                 p._attempts.pop(engine.key, None)
-            p.router.finish(decision, self.loop.time(), end_session=self.req.end_session)
+            failed = result is not None and result.outcome is Outcome.FAILED
+            p.router.finish(decision, self.loop.time(), end_session=self.req.end_session, served=not failed)
         return result
 
     async def _exchange(self, engine: Engine, path: str, body: Json, cont: ContinuationState | None) -> AttemptResult:

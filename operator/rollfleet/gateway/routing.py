@@ -12,6 +12,7 @@ its engine stops being routable or the load gap passes the imbalance threshold.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -54,37 +55,54 @@ class Decision:
 class LoadIndex:
     """Routable engines by outstanding requests, so that the least loaded is found in O(1) and kept as loads
     change: a scan of every engine per request cost the gateway most of its throughput at 2,000 engines.
-    Ties go round: an engine taken moves to the end of its new load's bucket."""
+
+    Within a load, engines are ordered by when they were last freed. A request without a session takes the one
+    freed last: its connection and state are warm, where ties going round touched all 2,000 engines' connections
+    and served 0.48-0.64 of 2 engines' requests/s against 0.97-1.03 (docs/architecture.md, "Scale"). A new session
+    takes the one freed longest ago, so sessions spread over the engines (their prefix caches). An engine whose
+    attempt failed goes to that end too, so that a fast-failing engine is not the first tried by every request."""
 
     def __init__(self, keys: Sequence[str], outstanding: Mapping[str, int], rotation: int) -> None:
         self.keys = frozenset(keys)
         self._load: dict[str, int] = {}
-        self._buckets: dict[int, dict[str, None]] = {}
+        self._buckets: dict[int, OrderedDict[str, None]] = {}  # first: freed last
         n = len(keys)
         for i in range(n):  # from `rotation` on: a list built anew for each request still spreads ties
             key = keys[(i + rotation) % n]
             if key not in self._load:
                 self._load[key] = load = outstanding.get(key, 0)
-                self._buckets.setdefault(load, {})[key] = None
+                self._buckets.setdefault(load, OrderedDict())[key] = None
         self._low = min(self._buckets, default=0)
 
     def __bool__(self) -> bool:
         return bool(self._load)
 
     def least(self) -> str:
+        """A least-loaded engine, the one freed last."""
         return next(iter(self._buckets[self._low]))
 
-    def moved(self, key: str, load: int) -> None:
-        """`key`'s outstanding count is now `load` (no-op for an engine not in the index)."""
+    def least_cold(self) -> str:
+        """A least-loaded engine, the one freed longest ago (or failed last)."""
+        return next(reversed(self._buckets[self._low]))
+
+    def moved(self, key: str, load: int, warm: bool = False) -> None:
+        """`key`'s outstanding count is now `load` (no-op for an engine not in the index); `warm`: it was just freed
+        by a request that it served, so it goes first among its load's engines, else last."""
         old = self._load.get(key)
-        if old is None or old == load:
+        if old is None:
             return
         bucket = self._buckets[old]
+        if old == load:
+            bucket.move_to_end(key, last=not warm)
+            return
         del bucket[key]
         if not bucket:
             del self._buckets[old]
         self._load[key] = load
-        self._buckets.setdefault(load, {})[key] = None
+        bucket = self._buckets.setdefault(load, OrderedDict())
+        bucket[key] = None
+        if warm:
+            bucket.move_to_end(key, last=False)
         if load < self._low:
             self._low = load
         elif old == self._low and old not in self._buckets:
@@ -122,9 +140,10 @@ class Router:
             self._start(least)  # the table is full: no stickiness rather than unbounded memory
             return Decision(least, None)
         if entry is None:
-            self.sessions[session] = Session(least, now, active=1)
-            self._start(least)
-            return Decision(least, session)
+            engine = index.least_cold()  # new sessions spread over the engines
+            self.sessions[session] = Session(engine, now, active=1)
+            self._start(engine)
+            return Decision(engine, session)
         moved_from = None
         if entry.engine not in index.keys or self._imbalanced(entry.engine, least):
             moved_from, entry.engine = entry.engine, least
@@ -133,9 +152,9 @@ class Router:
         self._start(entry.engine)
         return Decision(entry.engine, session, moved_from)
 
-    def finish(self, decision: Decision, now: float, end_session: bool = False) -> None:
-        """The request routed by `decision` is over (any outcome)."""
-        self._set(decision.engine, max(0, self.load(decision.engine) - 1))
+    def finish(self, decision: Decision, now: float, end_session: bool = False, served: bool = True) -> None:
+        """The request routed by `decision` is over; `served`: its engine did not fail it."""
+        self._set(decision.engine, max(0, self.load(decision.engine) - 1), warm=served)
         if decision.session is None:
             return
         entry = self.sessions.get(decision.session)
@@ -160,10 +179,10 @@ class Router:
     def _start(self, engine: str) -> None:
         self._set(engine, self.load(engine) + 1)
 
-    def _set(self, engine: str, load: int) -> None:
+    def _set(self, engine: str, load: int, warm: bool = False) -> None:
         self.outstanding[engine] = load
         if self._index is not None:
-            self._index.moved(engine, load)
+            self._index.moved(engine, load, warm)
 
     def _imbalanced(self, engine: str, least: str) -> bool:
         mine, low = self.load(engine), self.load(least)

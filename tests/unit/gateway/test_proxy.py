@@ -51,8 +51,8 @@ def test_non_streaming_answer_has_token_ids_and_a_report(gw: Stack, path: str, t
 
 def test_a_short_non_streaming_request_whose_engine_dies_starts_over_on_the_other(gw: Stack) -> None:
     probe = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
-    # Sequential requests alternate between idle engines: the next one goes to the other.
-    victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u != probe["rollfleet"]["engines"][0])
+    # A request without a session goes to the idle engine freed last: the probe's.
+    victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u == probe["rollfleet"]["engines"][0])
     victim.die_after = {"/v1/completions": 2}
     r = httpx.post(
         gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 5}, headers={"X-Request-Id": "short"}
@@ -112,8 +112,8 @@ def test_a_continued_stream_ends_with_the_usage_of_the_whole_request(gw: Stack, 
 
 def test_without_the_generate_route_a_non_streaming_request_starts_over_on_the_other_engine(gw: Stack) -> None:
     probe = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
-    # Sequential requests alternate between idle engines: the next one goes to the other.
-    victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u != probe["rollfleet"]["engines"][0])
+    # A request without a session goes to the idle engine freed last: the probe's.
+    victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u == probe["rollfleet"]["engines"][0])
     victim.die_after = {"/v1/completions": 4}
     for sim in gw.sims:
         sim.refuse = {"/inference/v1/generate"}
