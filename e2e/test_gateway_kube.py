@@ -31,6 +31,7 @@ from rollfleet.contract import (
     LABEL_COMPONENT,
     component_labels,
 )
+from rollfleet_client.protocol import SESSION_HEADER
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,9 +158,12 @@ def routable(url: str) -> int:
 
 
 def served_by(url: str, n: int) -> set[str]:
+    """The engines `n` requests went to, each a new session: new sessions spread over the routable engines, where
+    requests without one stay on the engine freed last."""
     engines = set()
     for i in range(n):
-        r = httpx.post(url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4}, timeout=30)
+        session = {SESSION_HEADER: f"served-by-{uuid.uuid4().hex[:8]}"}
+        r = httpx.post(url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4}, headers=session, timeout=30)
         assert r.status_code == 200, r.text
         engines.update(r.json()["rollfleet"]["engines"])
     return engines

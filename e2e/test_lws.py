@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from e2e.fleet_helpers import Fleet, deploy_operator, fleet_manifest, sim_engine
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import GATEWAY_PORT, LABEL_FLEET, LWS_LABEL_NAME, engine_group_leader, engine_pod_name
 from rollfleet.controller.groups import LWS_CRD
+from rollfleet_client.protocol import SESSION_HEADER
 
 pytestmark = pytest.mark.cluster
 NS = "rf-e2e-lws"
@@ -108,12 +110,14 @@ def lws_uids(cluster: Cluster) -> set[str]:
 
 
 def gateway_engines(cluster: Cluster, fleet: Fleet, requests: int) -> set[str]:
-    """The engines the gateway sent `requests` completions to (its upstream attempts by engine)."""
+    """The engines the gateway sent `requests` completions to (its upstream attempts by engine), each a new session:
+    new sessions spread over the routable engines, where requests without one stay on the engine freed last."""
     [gateway] = [p["metadata"]["name"] for p in fleet.pods("gateway") if p["status"].get("phase") == "Running"]
     with cluster.reach(NS, gateway, GATEWAY_PORT) as url:
         for i in range(requests):
             body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
-            r = httpx.post(f"{url}/v1/completions", json=body, headers=fleet.inference(), timeout=30)
+            session = {SESSION_HEADER: f"gateway-engines-{i}-{uuid.uuid4().hex[:8]}"}
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=fleet.inference() | session, timeout=30)
             assert r.status_code == 200, (i, r.status_code, r.text)
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     return {m.group(1) for m in re.finditer(r'rollfleet_gateway_upstream_attempts_total\{engine="([^"]+)"', metrics)}
