@@ -619,8 +619,9 @@ def test_what_the_fleet_owns_is_put_back_when_someone_else_edits_or_deletes_it(c
         proc = cluster.kubectl("-n", NS, "get", kind, name, "-o", "json", check=False)
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
-    rules, old_uid = (current("role", role) or {})["rules"], (current("role", role) or {})["metadata"]["uid"]
-    wanted = (current("pdb", budget) or {})["spec"]["maxUnavailable"]
+    before, pdb = current("role", role), current("pdb", budget)
+    assert before is not None and pdb is not None, "the fleet's gateway Role and PodDisruptionBudget"
+    rules, old_uid, wanted = before["rules"], before["metadata"]["uid"], pdb["spec"]["maxUnavailable"]
     cluster.kubectl("-n", NS, "delete", "role", role)
     cluster.kubectl(
         "-n", NS, "patch", "pdb", budget, "--type=merge", "-p", json.dumps({"spec": {"maxUnavailable": 99}})

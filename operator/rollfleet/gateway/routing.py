@@ -89,12 +89,9 @@ class LoadIndex:
         """`key`'s outstanding count is now `load` (no-op for an engine not in the index); `warm`: it was just freed
         by a request that it served, so it goes first among its load's engines, else last."""
         old = self._load.get(key)
-        if old is None:
+        if old is None or old == load:
             return
         bucket = self._buckets[old]
-        if old == load:
-            bucket.move_to_end(key, last=not warm)
-            return
         del bucket[key]
         if not bucket:
             del self._buckets[old]
