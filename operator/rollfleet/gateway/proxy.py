@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import re
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -55,7 +55,7 @@ from rollfleet.gateway.dialects import (
 )
 from rollfleet.gateway.inflight import ABORT, InFlight, InFlightTable, StopReason, segments_report
 from rollfleet.gateway.metrics import Metrics
-from rollfleet.gateway.registry import Engine, Registry, lag_label, lag_summary, within_weight_lag
+from rollfleet.gateway.registry import Engine, Registry, lag_floor, lag_label, lag_summary, within_lag
 from rollfleet.gateway.routing import Decision, NoEngine, Router
 from rollfleet.upstream import LocalResourceError, Response, Upstream, UpstreamError
 from rollfleet_client.protocol import TRACEPARENT_HEADER, TRACESTATE_HEADER
@@ -479,18 +479,13 @@ class _Exchange:
         loop, p, entry = self.loop, self.proxy, self.entry
         deadline = min(self.req.deadline, loop.time() + p.config.queue_timeout_s)
         while entry.stop is None:
-            if not entry.tried and self.req.max_weight_lag is None:
-                keys = p.registry.routable_keys()  # a request's first try: no list built per request
-            else:
-                routable = p.registry.routable()
-                candidates = [e for e in routable if e.instance not in entry.tried]
-                if self.req.max_weight_lag is not None and candidates:
-                    candidates = within_weight_lag(candidates, routable, self.req.max_weight_lag)
-                    self.lag_bound_left_none = not candidates
-                keys = [e.key for e in candidates]
             try:
-                decision = p.router.choose(keys, self.req.session, loop.time())
+                # The registry's list, the same object until its engines change: the router keeps its index.
+                decision = p.router.choose(p.registry.routable_keys(), self.req.session, loop.time(), self._admits())
             except NoEngine:
+                self.lag_bound_left_none = self.req.max_weight_lag is not None and any(
+                    e.instance not in entry.tried for e in p.registry.routable()
+                )
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return None
@@ -502,6 +497,20 @@ class _Exchange:
             assert engine is not None
             return engine, decision
         return None
+
+    def _admits(self) -> Callable[[str], bool] | None:
+        """Which engines this try may take (None: any): none that this id has run on, and within the request's
+        weight-lag bound of the newest routable weights."""
+        tried, max_lag, registry = self.entry.tried, self.req.max_weight_lag, self.proxy.registry
+        if not tried and max_lag is None:
+            return None
+        floor = None if max_lag is None else lag_floor(registry.newest_generation(), max_lag)
+
+        def admits(key: str) -> bool:
+            engine = registry.get(key)
+            return engine is not None and engine.instance not in tried and within_lag(engine, floor)
+
+        return admits
 
     async def _attempt(
         self, engine: Engine, decision: Decision, path: str, body: Json, cont: ContinuationState | None

@@ -68,14 +68,15 @@ def engine_from_pod(pod: Mapping[str, Any], port: int = ENGINE_PORT) -> Engine:
     return Engine(meta["name"], url, routable, phase, instance, leaving=terminating, generation=known)
 
 
-def within_weight_lag(candidates: Sequence[Engine], routable: Sequence[Engine], max_lag: int) -> list[Engine]:
-    """The candidates whose weights are at most `max_lag` generations behind the newest of the routable engines.
-    Where no routable engine's generation is known (static mode), there is nothing to bound by: all of them."""
-    known = [e.generation for e in routable if e.generation is not None]
-    if not known:
-        return list(candidates)
-    floor = max(known) - max_lag
-    return [e for e in candidates if e.generation is not None and e.generation >= floor]
+def lag_floor(newest: int | None, max_lag: int) -> int | None:
+    """The oldest weight generation within `max_lag` generations of `newest` (the newest routable engine's,
+    `newest_generation`); None where no generation is known (static mode): there is nothing to bound by."""
+    return None if newest is None else newest - max_lag
+
+
+def within_lag(engine: Engine, floor: int | None) -> bool:
+    """Whether `engine`'s weights are at `floor` (`lag_floor`) or newer; unknown weights are within no bound."""
+    return floor is None or (engine.generation is not None and engine.generation >= floor)
 
 
 def newest_generation(routable: Sequence[Engine]) -> int | None:

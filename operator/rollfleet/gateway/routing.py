@@ -13,7 +13,7 @@ its engine stops being routable or the load gap passes the imbalance threshold.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollfleet.errors import RollfleetError
@@ -60,7 +60,8 @@ class LoadIndex:
     freed last: its connection and state are warm, where ties going round touched all 2,000 engines' connections
     and served 0.48-0.64 of 2 engines' requests/s against 0.97-1.03 (docs/architecture.md, "Scale"). A new session
     takes the one freed longest ago, so sessions spread over the engines (their prefix caches). An engine whose
-    attempt failed goes to that end too, so that a fast-failing engine is not the first tried by every request."""
+    attempt failed goes to that end too, so that a fast-failing engine is not the first tried by every request, and
+    a new session passes over it there (`Router`)."""
 
     def __init__(self, keys: Sequence[str], outstanding: Mapping[str, int], rotation: int) -> None:
         self.keys = frozenset(keys)
@@ -74,16 +75,36 @@ class LoadIndex:
                 self._buckets.setdefault(load, OrderedDict())[key] = None
         self._low = min(self._buckets, default=0)
 
-    def __bool__(self) -> bool:
-        return bool(self._load)
+    def pick(
+        self, allowed: Callable[[str], bool] | None = None, cold: bool = False, avoid: Container[str] = ()
+    ) -> str | None:
+        """A least-loaded engine that `allowed` admits (None: every one): the one freed last, or with `cold` the one
+        freed longest ago; one in `avoid` only where its load has no other. None if `allowed` admits none.
 
-    def least(self) -> str:
-        """A least-loaded engine, the one freed last."""
-        return next(iter(self._buckets[self._low]))
+        O(1) for a request's first try; a retry or a weight-lag bound passes over the engines it does not admit
+        (a few) in load order, instead of building an index of the admitted ones per request, which cost O(n) and
+        lost the order in which engines were freed."""
+        if allowed is None and not cold:  # a request's first try: the hot path
+            return next(iter(self._buckets[self._low])) if self._buckets else None
+        for load in self._loads():
+            bucket = self._buckets[load]
+            fallback = None
+            for key in reversed(bucket) if cold else bucket:
+                if allowed is not None and not allowed(key):
+                    continue
+                if key not in avoid:
+                    return key
+                if fallback is None:
+                    fallback = key
+            if fallback is not None:
+                return fallback
+        return None
 
-    def least_cold(self) -> str:
-        """A least-loaded engine, the one freed longest ago (or failed last)."""
-        return next(reversed(self._buckets[self._low]))
+    def _loads(self) -> Iterator[int]:
+        if not self._buckets:
+            return
+        yield self._low
+        yield from sorted(load for load in self._buckets if load != self._low)  # distinct loads: a handful
 
     def moved(self, key: str, load: int, warm: bool = False) -> None:
         """`key`'s outstanding count is now `load` (no-op for an engine not in the index); `warm`: it was just freed
@@ -117,18 +138,28 @@ class Router:
     # registry's, unchanged until its engine table changes).
     _index: LoadIndex | None = None
     _indexed: Sequence[str] | None = None
+    # Engines whose last attempt failed (until one serves): a new session, which takes the engine freed longest
+    # ago, would otherwise take the one that failed last, which the index puts at that same end.
+    _failed: set[str] = field(default_factory=set)
 
     def load(self, engine: str) -> int:
         return self.outstanding.get(engine, 0)
 
-    def choose(self, routable: Sequence[str], session: str | None, now: float) -> Decision:
-        """Pick an engine among `routable` and count the request as started there. `routable` is read as it is
-        now: a list changed in place after a call is a new one only if it is a new object."""
+    def choose(
+        self,
+        routable: Sequence[str],
+        session: str | None,
+        now: float,
+        allowed: Callable[[str], bool] | None = None,
+    ) -> Decision:
+        """Pick an engine among `routable` that `allowed` admits (None: any; a retry leaves out the engines it
+        tried) and count the request as started there. `routable` is read as it is now: a list changed in place
+        after a call is a new one only if it is a new object."""
         index = self._index_of(routable)
-        if not index:
+        least = index.pick(allowed)
+        if least is None:
             raise NoEngine("no routable engine")
         self._maybe_sweep(now)
-        least = index.least()
         if session is None:
             self._start(least)
             return Decision(least, None)
@@ -137,12 +168,14 @@ class Router:
             self._start(least)  # the table is full: no stickiness rather than unbounded memory
             return Decision(least, None)
         if entry is None:
-            engine = index.least_cold()  # new sessions spread over the engines
+            engine = index.pick(allowed, cold=True, avoid=self._failed)  # new sessions spread over the engines
+            assert engine is not None  # `least` is admitted
             self.sessions[session] = Session(engine, now, active=1)
             self._start(engine)
             return Decision(engine, session)
         moved_from = None
-        if entry.engine not in index.keys or self._imbalanced(entry.engine, least):
+        admitted = entry.engine in index.keys and (allowed is None or allowed(entry.engine))
+        if not admitted or self._imbalanced(entry.engine, least):
             moved_from, entry.engine = entry.engine, least
         entry.last_used = now
         entry.active += 1
@@ -152,6 +185,10 @@ class Router:
     def finish(self, decision: Decision, now: float, end_session: bool = False, served: bool = True) -> None:
         """The request routed by `decision` is over; `served`: its engine did not fail it."""
         self._set(decision.engine, max(0, self.load(decision.engine) - 1), warm=served)
+        if served:
+            self._failed.discard(decision.engine)
+        else:
+            self._failed.add(decision.engine)
         if decision.session is None:
             return
         entry = self.sessions.get(decision.session)
@@ -165,6 +202,7 @@ class Router:
     def forget_engine(self, engine: str) -> None:
         """An engine left the fleet: its sessions re-stick on their next request."""
         self.outstanding.pop(engine, None)
+        self._failed.discard(engine)
         self._index = self._indexed = None
 
     def _index_of(self, routable: Sequence[str]) -> LoadIndex:

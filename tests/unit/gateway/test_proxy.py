@@ -484,8 +484,11 @@ def test_a_request_with_a_weight_lag_bound_goes_only_to_engines_within_it_and_th
             assert r.json()["rollfleet"]["engines"] == [keys[0]]  # never the engine a generation behind
             tracked = gw.sims[0].tracker.get(f"lag0-{i}")
             assert tracked is not None and tracked.max_weight_lag == 0  # the engine's pause checks it at a push
-        served = {
-            _complete(gw, {"X-Rollfleet-Max-Weight-Lag": "1"}).json()["rollfleet"]["engines"][0] for _ in range(6)
+        served = {  # new sessions, which spread over the engines the bound admits
+            _complete(gw, {"X-Rollfleet-Max-Weight-Lag": "1", "X-Session-Id": f"lag1-{i}"}).json()["rollfleet"][
+                "engines"
+            ][0]
+            for i in range(6)
         }
         assert served == set(keys)  # a bound of 1 takes the engine a generation behind too
         generations(None, 2)  # an engine of unknown weights is out; the bound counts from the newest known

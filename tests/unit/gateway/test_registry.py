@@ -11,9 +11,10 @@ from rollfleet.gateway.registry import (
     Engine,
     Registry,
     engine_from_pod,
+    lag_floor,
     lag_label,
     newest_generation,
-    within_weight_lag,
+    within_lag,
 )
 
 
@@ -107,11 +108,12 @@ def test_an_engine_s_weight_generation_comes_from_its_pod_and_bounds_a_request_s
     e0, e1, e2, odd = at("e0", "4"), at("e1", "3"), at("e2", None), at("e3", "-1")
     assert (e0.generation, e1.generation, e2.generation, odd.generation) == (4, 3, None, None)
     routable = [e0, e1, e2]
-    assert within_weight_lag(routable, routable, 0) == [e0]  # unknown weights are never within a bound
-    assert within_weight_lag(routable, routable, 1) == [e0, e1]
-    assert within_weight_lag([e1], routable, 0) == []  # measured from the newest routable engine, tried or not
+    newest = newest_generation(routable)
+    assert [e for e in routable if within_lag(e, lag_floor(newest, 0))] == [e0]  # unknown weights: within no bound
+    assert [e for e in routable if within_lag(e, lag_floor(newest, 1))] == [e0, e1]
     static = [at("s0", None), at("s1", None)]
-    assert within_weight_lag(static, static, 0) == static  # no generation known anywhere: nothing to bound by
+    floor = lag_floor(newest_generation(static), 0)  # no generation known anywhere: nothing to bound by
+    assert floor is None and all(within_lag(e, floor) for e in static)
 
 
 def test_a_served_request_s_lag_is_a_bounded_label() -> None:

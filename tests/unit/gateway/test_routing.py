@@ -57,6 +57,47 @@ def test_an_engine_that_failed_a_request_is_not_the_next_ones_first_try() -> Non
         router.finish(decision, now=i)
 
 
+def test_a_new_session_passes_over_the_engine_that_failed_last() -> None:
+    """New sessions take the engine freed longest ago, the end where a failed engine is put too."""
+    router = Router()
+    engines = ["e0", "e1", "e2"]
+    bad = router.choose(engines, None, now=0)
+    router.finish(bad, now=0, served=False)
+    for i in range(2):
+        decision = router.choose(engines, f"new-{i}", now=1)
+        assert decision.engine != bad.engine
+    router.finish(router.choose(engines, "third", now=2), now=2)  # only the failed engine was idle
+    assert router.choose(engines, None, now=3).engine == bad.engine  # it served: freed last, warm again
+
+
+def test_a_retry_leaves_out_what_it_tried_and_keeps_the_order_engines_were_freed_in() -> None:
+    """A retry or a weight-lag bound filters the kept index: no index built per request, which cost O(n) at
+    2,000 engines and forgot which engine was freed last."""
+    router = Router()
+    engines = [f"e{i}" for i in range(5)]
+    warm = router.choose(engines, None, now=0)
+    router.finish(warm, now=0)
+    retry = router.choose(engines, None, now=1, allowed=lambda key: key != warm.engine)
+    assert retry.engine != warm.engine
+    router.finish(retry, now=1, served=False)
+    assert router._indexed is engines
+    assert router.choose(engines, None, now=2).engine == warm.engine
+    # Where every idle engine is left out, a busy one is taken; where every engine is, there is none.
+    only_busy = router.choose(engines, None, now=3, allowed=lambda key: key == warm.engine)
+    assert only_busy.engine == warm.engine and router.load(warm.engine) == 2
+    with pytest.raises(NoEngine):
+        router.choose(engines, None, now=4, allowed=lambda key: False)
+
+
+def test_a_session_moves_off_an_engine_the_try_leaves_out() -> None:
+    router = Router()
+    first = router.choose(ENGINES, "s", now=0)
+    router.finish(first, now=0, served=False)
+    retry = router.choose(ENGINES, "s", now=1, allowed=lambda key: key != first.engine)
+    assert retry.moved_from == first.engine and retry.engine != first.engine
+    assert router.choose(ENGINES, "s", now=2).engine == retry.engine  # it sticks where it moved
+
+
 def test_a_new_session_goes_to_the_least_loaded_engine_and_then_sticks() -> None:
     router = Router()
     busy = [router.choose(ENGINES, None, now=0) for _ in range(3)]
