@@ -8,7 +8,9 @@ as the engine the pod describes (the control-plane tier's simulator, with the fl
 operator, the API server and the scheduler do all of their real work for every engine, and the machine
 runs one process for the engines instead of 2,000.
 
-Measured per size, each with a fresh `rollfleet operator` (bench_operator's run):
+First, unmeasured, `kubectl apply` of the largest size's bare pods (`warm_up`: a cluster creates its first
+pods at half the rate of the next ones). Then, per size, each with a fresh `rollfleet operator` (bench_operator's
+run):
 - apply -> all engine pods created, -> fleet converged (every engine Ready in the status); against
   `kubectl apply` of the same bare pods to all Ready, on the same cluster and nodes (the ratios);
 - the operator's RSS (peak) and CPU seconds to converged, its API calls over a minute at rest;
@@ -230,6 +232,18 @@ def fresh_kwok(nodes: int) -> None:
     kwok.up(nodes)
 
 
+def warm_up(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int, nodes: int) -> float:
+    """One unmeasured `kubectl apply` of `engines` bare pods, before anything is measured; the seconds to create
+    them. A cluster creates its first thousands of pods at about half the rate of the next ones, whoever creates
+    them: fresh operators made 4 fleets of 2,000 in turn, the first in 90.7 s and the next in 39.3-43.8 s
+    (docs/architecture.md, "Scale"). The first size's fleet, which runs before its kubectl baseline, paid that
+    alone."""
+    fresh_kwok(nodes)
+    created_s = float(bench_operator.baseline_run(kubeconfig, client, engines, scale_spec(engines))["created_s"])
+    print(json.dumps({f"warm_up_kubectl_{engines}_created_s": round(created_s, 1)}), flush=True)
+    return created_s
+
+
 def one_fleet(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int) -> dict[str, Any]:
     def at_rest(ns: str, _pid: int) -> dict[str, Any]:
         return pause_round(client, ns, engines) | gateway_rounds(kubeconfig, client, ns, engines)
@@ -330,11 +344,12 @@ def main() -> int:
     nodes = min(kwok.max_nodes(), biggest // per_node + 2)
     install_crds(kubeconfig)
     client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+    warm_up_s = warm_up(kubeconfig, client, max(args.sizes), nodes)
     sizes = {}
     for n in sorted(set(args.sizes)):
         fresh_kwok(nodes)
         sizes[n] = one_fleet(kubeconfig, client, n)
-    result: dict[str, Any] = {"sizes": {str(n): v for n, v in sizes.items()}}
+    result: dict[str, Any] = {"warm_up_created_s": warm_up_s, "sizes": {str(n): v for n, v in sizes.items()}}
     if args.fleets:
         fresh_kwok(nodes)
         result["many_fleets"] = many_fleets(kubeconfig, client, args.fleets, args.fleet_size)

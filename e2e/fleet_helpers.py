@@ -51,6 +51,7 @@ from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet.kube import FLEET
 from rollfleet_client.protocol import TRL_PREFIX
 from rollfleet_client.sync import SyncClient
+from rollfleet_dev import oneshot
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, TINY_MODEL_CONTEXT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,7 +293,7 @@ class Fleet:
 
     def engine_state(self, pod: str) -> dict[str, Any]:
         with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
-            return dict(httpx.get(f"{url}{STATE_PATH}", timeout=10).json())
+            return dict(oneshot.get(f"{url}{STATE_PATH}", timeout=10).json())
 
     def admin_token(self) -> str:
         return read_token(self.cluster, self.namespace, secret_name(self.name))
@@ -308,7 +309,7 @@ class Fleet:
     def engine_control(self, pod: str, path: str) -> None:
         """A control call (pause, resume) made straight to one engine, with the fleet's token."""
         with self.cluster.reach(self.namespace, pod, ENGINE_PORT) as url:
-            r = httpx.post(url + path, headers={"Authorization": f"Bearer {self.admin_token()}"}, timeout=60)
+            r = oneshot.post(url + path, headers={"Authorization": f"Bearer {self.admin_token()}"}, timeout=60)
             assert r.status_code == 200, (path, r.status_code, r.text)
 
 
@@ -435,7 +436,7 @@ class Stream:
         }
         try:
             headers = ({REQUEST_ID_HEADER: self.request_id} if self.request_id else {}) | self.auth
-            with httpx.stream(
+            with oneshot.stream(
                 "POST", f"{self.url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(600)
             ) as r:
                 r.raise_for_status()
@@ -526,7 +527,7 @@ def greedy(url: str, auth: dict[str, str], prompts: list[list[int]], max_tokens:
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        resp = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120).raise_for_status()
+        resp = oneshot.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120).raise_for_status()
         out.append(resp.json()["choices"][0]["token_ids"])
     return out
 
@@ -633,7 +634,7 @@ def run_grpo_example(cluster: Cluster, namespace: str, steps: int, max_staleness
 
 def in_flight(engine_url: str) -> list[str]:
     """The request ids an engine runs now (its own tracker)."""
-    tracked = httpx.get(engine_url + REQUESTS_PATH, timeout=10).raise_for_status().json()
+    tracked = oneshot.get(engine_url + REQUESTS_PATH, timeout=10).raise_for_status().json()
     return [r["request_id"] for r in tracked["in_flight"]]
 
 

@@ -46,6 +46,7 @@ from rollfleet.contract import (
     secret_name,
 )
 from rollfleet.kube import REQUEST
+from rollfleet_dev import oneshot
 from rollfleet_dev.localcluster import claims
 
 NAME = "live"
@@ -127,7 +128,7 @@ class LiveFleet:
         remember the last 50 each), of those starting with `prefix`."""
         running, ended = {}, 0
         for e in self.engines:
-            tracked = httpx.get(e.url + "/rollfleet/v1/requests", timeout=10).raise_for_status().json()
+            tracked = oneshot.get(e.url + "/rollfleet/v1/requests", timeout=10).raise_for_status().json()
             running[e.key] = [t["request_id"] for t in tracked["in_flight"] if t["request_id"].startswith(prefix)]
             ended += sum(t["request_id"].startswith(prefix) for t in tracked["recently_finished"])
         return running, ended
@@ -135,7 +136,7 @@ class LiveFleet:
     def tracked(self, request_id: str) -> dict[str, object] | None:
         """The engine's record of a request (it ended or runs there), from whichever engine ran it."""
         for e in self.engines:
-            r = httpx.get(f"{e.url}/rollfleet/v1/requests/{request_id}", timeout=10)
+            r = oneshot.get(f"{e.url}/rollfleet/v1/requests/{request_id}", timeout=10)
             if r.status_code == 200:
                 return dict(r.json())
         return None
@@ -235,14 +236,14 @@ def running(fleet: LiveFleet, uid: str) -> list[str]:
 def _warm(url: str, headers: dict[str, str]) -> bool:
     body = {"model": "tiny", "prompt": "warm", "max_tokens": 2}
     try:
-        return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=300).status_code == 200
+        return oneshot.post(url + "/v1/completions", json=body, headers=headers, timeout=300).status_code == 200
     except httpx.TransportError:
         return False
 
 
 def _ok(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=5).status_code == 200
+        return oneshot.get(url, timeout=5).status_code == 200
     except httpx.TransportError:
         return False
 

@@ -27,6 +27,7 @@ import kubernetes
 import urllib3
 
 from rollfleet.kubectl import Kubectl
+from rollfleet_dev import oneshot
 
 T = TypeVar("T")
 
@@ -174,7 +175,7 @@ class _PortForward:
 
 def _answers(url: str) -> bool:
     try:
-        httpx.get(url + "/", timeout=5)
+        oneshot.get(url + "/", timeout=5)
     except httpx.TransportError:
         return False
     return True

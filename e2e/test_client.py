@@ -16,7 +16,6 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 from bench.bench_sync import free_port, process
 
@@ -43,6 +42,7 @@ from rollfleet_client.protocol import (
     VLLM_RESUME_PATH,
     VLLM_WEIGHT_INFO_PATH,
 )
+from rollfleet_dev import oneshot
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -60,7 +60,7 @@ def connect(fleet: LiveFleet, token: str | None = None) -> AsyncRolloutClient:
 
 def engine_pause(engine: Endpoint) -> str | None:
     """The pause mode the engine itself reports (None: running)."""
-    state = httpx.get(engine.url + STATE_PATH, timeout=10).raise_for_status().json()
+    state = oneshot.get(engine.url + STATE_PATH, timeout=10).raise_for_status().json()
     return state["pause_mode"] if state["paused"] else None
 
 
@@ -164,30 +164,30 @@ def test_vllms_own_pause_route_at_the_gateway_is_the_fleets_pause(fleet: LiveFle
     update), called on the gateway: the fleet's annotation, checked at every engine."""
     url, admin = fleet.gateways[0].url, {**fleet.admin, CALLER_HEADER: "e2e-framework"}
     try:
-        r = httpx.post(url + VLLM_PAUSE_PATH, params={"mode": "keep"}, headers=admin, timeout=330)
+        r = oneshot.post(url + VLLM_PAUSE_PATH, params={"mode": "keep"}, headers=admin, timeout=330)
         assert (r.status_code, r.json()) == (200, {"status": "paused"}), r.text
         assert fleet.fleet.get()["metadata"]["annotations"][ANNOTATION_PAUSE] == "keep"
         assert (fleet.fleet.get()["status"].get("pause") or {}).get("requestedBy") == "rollfleet-client/e2e-framework"
         assert [engine_pause(e) for e in fleet.engines] == ["keep", "keep"]
-        assert httpx.get(url + VLLM_IS_PAUSED_PATH, headers=fleet.inference, timeout=30).json() == {"is_paused": True}
+        assert oneshot.get(url + VLLM_IS_PAUSED_PATH, headers=fleet.inference, timeout=30).json() == {"is_paused": True}
     finally:
-        r = httpx.post(url + VLLM_RESUME_PATH, headers=admin, timeout=330)
+        r = oneshot.post(url + VLLM_RESUME_PATH, headers=admin, timeout=330)
     assert (r.status_code, r.json()) == (200, {"status": "resumed"}), r.text
     assert [engine_pause(e) for e in fleet.engines] == [None, None]
-    assert httpx.get(url + VLLM_IS_PAUSED_PATH, headers=fleet.inference, timeout=30).json() == {"is_paused": False}
+    assert oneshot.get(url + VLLM_IS_PAUSED_PATH, headers=fleet.inference, timeout=30).json() == {"is_paused": False}
     version = fleet.fleet.get()["status"]["weightVersion"]
-    info = httpx.get(url + VLLM_WEIGHT_INFO_PATH, headers=fleet.inference, timeout=30).json()
+    info = oneshot.get(url + VLLM_WEIGHT_INFO_PATH, headers=fleet.inference, timeout=30).json()
     assert info == {"weight_version": version}
 
 
 def test_control_calls_refuse_bad_input_with_the_field_and_what_is_allowed(fleet: LiveFleet) -> None:
     admin = {**fleet.admin}
     url = fleet.gateways[0].url
-    bad = httpx.post(url + FLEET_PAUSE_PATH, json={"mode": "soon"}, headers=admin, timeout=30)
+    bad = oneshot.post(url + FLEET_PAUSE_PATH, json={"mode": "soon"}, headers=admin, timeout=30)
     assert bad.status_code == 400 and "keep" in bad.text and "soon" in bad.text
-    unknown = httpx.post(url + FLEET_RESUME_PATH, json={"mode": "keep"}, headers=admin, timeout=30)
+    unknown = oneshot.post(url + FLEET_RESUME_PATH, json={"mode": "keep"}, headers=admin, timeout=30)
     assert unknown.status_code == 400 and "mode" in unknown.text
-    assert httpx.get(url + FLEET_PATH, timeout=30).status_code == 401
+    assert oneshot.get(url + FLEET_PATH, timeout=30).status_code == 401
     assert ANNOTATION_PAUSE not in (fleet.fleet.get()["metadata"].get("annotations") or {})  # nothing changed
 
 

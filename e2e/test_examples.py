@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from tests.engine.calls import GREEDY_PROMPTS
 from tests.engine.test_engine_live import _reference_greedy
@@ -44,6 +43,7 @@ from e2e.provider import Cluster, wait_for
 from rollfleet.contract import ENGINE_PORT, GATEWAY_PORT, SYNC_API_PORT
 from rollfleet_client.protocol import ABORT_PATH, FLEET_PATH
 from rollfleet_client.sync import SyncClient
+from rollfleet_dev import oneshot
 from rollfleet_engine.tiny_model import ensure_tiny_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.engine]
@@ -164,7 +164,7 @@ def test_trl_grpo_trainer_trains_on_the_fleet_from_its_own_environment(
 
 
 def fleet_state(gateway_url: str, token: str) -> dict[str, Any]:
-    r = httpx.get(gateway_url + FLEET_PATH, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    r = oneshot.get(gateway_url + FLEET_PATH, headers={"Authorization": f"Bearer {token}"}, timeout=30)
     return dict(r.raise_for_status().json())
 
 
@@ -227,7 +227,7 @@ def _verl_batch_aborting_det_0(
         if proc.poll() is not None:
             out, err = proc.communicate()
             raise AssertionError(f"verl's batch exited {proc.returncode} before det-0 ran: {(out + err)[-4000:]}")
-        r = httpx.post(
+        r = oneshot.post(
             url + ABORT_PATH,
             json={"request_ids": ["det-0"]},
             headers={"Authorization": f"Bearer {admin_token}"},

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import kubernetes
 import pytest
 
@@ -41,6 +40,7 @@ from rollfleet.contract import (
     disruption_budget_name,
 )
 from rollfleet.kube import FLEET
+from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 
@@ -352,7 +352,7 @@ def test_an_abort_storm_stops_exactly_the_named_requests(fleet: LiveFleet) -> No
         body = {"model": "tiny", "prompt": rid, "max_tokens": tokens[rid], "ignore_eos": True, "stream": True}
         started.wait()
         headers = {"X-Request-Id": rid} | fleet.inference
-        r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers=headers, timeout=900)
+        r = oneshot.post(fleet.gateways[0].url + "/v1/completions", json=body, headers=headers, timeout=900)
         assert r.status_code == 200, r.text[:300]
         bodies[rid] = r.text
 
@@ -363,7 +363,7 @@ def test_an_abort_storm_stops_exactly_the_named_requests(fleet: LiveFleet) -> No
         for n in range(1000):
             batch = rng.sample(named, 2) + rng.sample(never_sent, 3)
             gateway = fleet.gateways[n % len(fleet.gateways)]
-            r = httpx.post(gateway.url + "/v1/abort", json={"request_ids": batch}, headers=fleet.admin, timeout=60)
+            r = oneshot.post(gateway.url + "/v1/abort", json={"request_ids": batch}, headers=fleet.admin, timeout=60)
             assert r.status_code == 200, r.text[:300]
             answers.append(r.json())
 

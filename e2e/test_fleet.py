@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import kubernetes
 import pytest
 
@@ -46,6 +45,7 @@ from rollfleet.contract import (
     gateway_name,
 )
 from rollfleet.controller.status import CRASH_BACKOFF_START_S, ENGINES_PAUSED_ALONE, parse_time
+from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION, TINY_MODEL_CONTEXT
 
@@ -274,8 +274,8 @@ def test_generation_needs_the_inference_token_unless_the_spec_opens_it_and_the_s
         st = fleet.wait_ready(1)
         assert st["auth"] == "Open", st
         with cluster.reach(NS, pod, ENGINE_PORT) as url:
-            assert httpx.get(url + STATE_PATH, timeout=10).json()["inference_open"] is True
-            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+            assert oneshot.get(url + STATE_PATH, timeout=10).json()["inference_open"] is True
+            assert oneshot.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         [before] = fleet.pods()
 
         token = {"spec": {"auth": {"inference": "Token"}}}
@@ -288,9 +288,9 @@ def test_generation_needs_the_inference_token_unless_the_spec_opens_it_and_the_s
 
         fleet.wait(replaced_and_locked, "the engine replaced, asking for the inference token", ENGINE_START_S)
         with cluster.reach(NS, pod, ENGINE_PORT) as url:
-            assert httpx.get(url + STATE_PATH, timeout=10).json()["inference_open"] is False
-            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
-            r = httpx.post(url + "/v1/completions", json=body, headers=fleet.inference(), timeout=60)
+            assert oneshot.get(url + STATE_PATH, timeout=10).json()["inference_open"] is False
+            assert oneshot.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
+            r = oneshot.post(url + "/v1/completions", json=body, headers=fleet.inference(), timeout=60)
             assert r.status_code == 200, r.text
     finally:
         cluster.kubectl("-n", NS, "delete", "rf", fleet.name, "--wait=true", "--timeout=120s", check=False, timeout=150)
@@ -459,7 +459,7 @@ def test_pause_abort_ends_in_flight_requests_checked_at_the_engines(cluster: Clu
         assert st["pause"]["mode"] == "abort"
         stream.wait(timeout=120)
         assert stream.finish == {0: "abort"} and 0 < stream.tokens() < LONG_GENERATION, (stream.finish, stream.tokens())
-        seen = httpx.get(f"{url}{REQUESTS_PATH}/{request_id}", timeout=10).raise_for_status().json()
+        seen = oneshot.get(f"{url}{REQUESTS_PATH}/{request_id}", timeout=10).raise_for_status().json()
         assert seen["phase"] == "finished" and seen["finish_reason"] == "abort", seen
         assert fleet.engine_state("e2e-engine-0")["running"] == 0
     cluster.kubectl("-n", NS, "annotate", "rf", NAME, "rollfleet.dev/pause-")

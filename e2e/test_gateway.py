@@ -29,6 +29,7 @@ from e2e.live_fleet import ON_BOTH, REAL_ONLY, Endpoint, LiveFleet, shared
 from e2e.provider import wait_for
 from rollfleet.contract import ANNOTATION_PAUSE
 from rollfleet.gateway.app import OPEN_PATHS
+from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT
@@ -47,7 +48,7 @@ def fleet(request: pytest.FixtureRequest) -> LiveFleet:
 
 
 def tracked(engine: Endpoint, request_id: str) -> dict[str, Any] | None:
-    r = httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}")
+    r = oneshot.get(f"{engine.url}/rollfleet/v1/requests/{request_id}")
     return r.json() if r.status_code == 200 else None
 
 
@@ -62,7 +63,7 @@ class Stream:
 
     def _run(self, fleet: LiveFleet, request_id: str, max_tokens: int) -> None:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        with httpx.stream(
+        with oneshot.stream(
             "POST",
             fleet.gateways[0].url + "/v1/completions",
             json=body,
@@ -88,7 +89,7 @@ def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
     a, b = f"abort-a-{uuid.uuid4().hex[:6]}", f"abort-b-{uuid.uuid4().hex[:6]}"
     sa, sb = Stream(fleet, a, LONG), Stream(fleet, b, 200)
     assert sa.first.wait(60)
-    r = httpx.post(
+    r = oneshot.post(
         fleet.gateways[0].url + "/v1/abort",
         json={"request_ids": [a, "never-sent-xyz"]},
         headers=fleet.admin,
@@ -100,7 +101,7 @@ def test_abort_one_of_two_streams_by_id(fleet: LiveFleet) -> None:
     engine = fleet.engine(ca[-1]["rollfleet"]["engines"][-1])
     seen = tracked(engine, a)
     assert seen is not None and seen["phase"] == "finished" and seen["finish_reason"] == "abort"
-    in_flight = {t["request_id"] for t in httpx.get(engine.url + "/rollfleet/v1/requests").json()["in_flight"]}
+    in_flight = {t["request_id"] for t in oneshot.get(engine.url + "/rollfleet/v1/requests").json()["in_flight"]}
     assert a not in in_flight
     assert 0 < len(tokens_of(ca)) < LONG  # the partial output reached the client
     cb = sb.chunks()
@@ -111,7 +112,7 @@ def test_abort_through_another_gateway_replica(fleet: LiveFleet) -> None:
     rid = f"other-replica-{uuid.uuid4().hex[:6]}"
     stream = Stream(fleet, rid, LONG)  # through the first replica
     assert stream.first.wait(60)
-    r = httpx.post(fleet.gateways[1].url + "/v1/abort", json={"request_ids": [rid]}, headers=fleet.admin, timeout=30)
+    r = oneshot.post(fleet.gateways[1].url + "/v1/abort", json={"request_ids": [rid]}, headers=fleet.admin, timeout=30)
     assert r.json() == {"results": {rid: "aborted"}, "reasons": {}}
     chunks = stream.chunks()
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and 0 < len(tokens_of(chunks)) < LONG
@@ -124,7 +125,7 @@ def test_a_disconnected_non_streaming_client_frees_the_engine_request(fleet: Liv
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         headers = {"X-Request-Id": rid} | fleet.inference
-        httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, headers=headers, timeout=1.5)
+        oneshot.post(fleet.gateways[0].url + "/v1/completions", json=body, headers=headers, timeout=1.5)
 
     def freed() -> bool:
         seen = [tracked(e, rid) for e in fleet.engines]
@@ -155,7 +156,7 @@ def test_a_disconnected_streaming_client_frees_the_engine_at_once(fleet: LiveFle
     rid = f"gone-stream-{uuid.uuid4().hex[:6]}"
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     received = 0
-    with httpx.stream(
+    with oneshot.stream(
         "POST", gateway + "/v1/completions", json=body, headers={"X-Request-Id": rid} | fleet.inference, timeout=60
     ) as r:
         engine = fleet.engine(r.headers["x-rollfleet-engine"])
@@ -181,7 +182,7 @@ def test_a_disconnected_streaming_client_frees_the_engine_at_once(fleet: LiveFle
 
 
 def _chat(fleet: LiveFleet, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    r = httpx.post(
+    r = oneshot.post(
         fleet.gateways[0].url + "/v1/chat/completions",
         timeout=120,
         headers={"X-Session-Id": session} | fleet.inference,
@@ -245,7 +246,7 @@ def test_sessionless_load_spreads_evenly(fleet: LiveFleet) -> None:
     before = [engine_metric(e.url, "vllm:request_success_total") for e in fleet.engines]
 
     def one(i: int) -> str:
-        r = httpx.post(
+        r = oneshot.post(
             fleet.gateways[0].url + "/v1/completions",
             timeout=120,
             headers={"X-Request-Id": f"{prefix}-{i}"} | fleet.inference,
@@ -256,7 +257,7 @@ def test_sessionless_load_spreads_evenly(fleet: LiveFleet) -> None:
 
     def control(path: str) -> None:
         for e in fleet.engines:
-            assert httpx.post(e.url + path, headers=fleet.admin, timeout=60).status_code == 200, (e.key, path)
+            assert oneshot.post(e.url + path, headers=fleet.admin, timeout=60).status_code == 200, (e.key, path)
 
     control("/pause?mode=keep")
     try:
@@ -313,10 +314,12 @@ def test_malformed_oversized_and_unauthenticated_requests_get_clear_4xx(
 ) -> None:
     gateway = fleet.gateways[0].url
     headers = {INFERENCE: fleet.inference, NONE: {}, WRONG: {"Authorization": "Bearer not-the-token"}}[auth]
-    r = httpx.post(gateway + path, content=content, timeout=60, headers={"Content-Type": "application/json", **headers})
+    r = oneshot.post(
+        gateway + path, content=content, timeout=60, headers={"Content-Type": "application/json", **headers}
+    )
     assert r.status_code == status
     assert r.json()["error"]["message"]
-    ok = httpx.post(
+    ok = oneshot.post(
         gateway + "/v1/completions",
         json={"model": "tiny", "prompt": "still there?", "max_tokens": 2, "ignore_eos": True},
         headers=fleet.inference,
@@ -332,7 +335,7 @@ def test_a_fleet_with_default_settings_answers_401_without_a_credential_but_on_h
     gateway = fleet.gateways[0].url
     assert fleet.fleet.status()["auth"] == "Token"
     for method, path in gateway_routes():
-        r = httpx.request(method, gateway + path, json={}, timeout=30)
+        r = oneshot.request(method, gateway + path, json={}, timeout=30)
         assert r.status_code == (200 if path in OPEN_PATHS else 401), (method, path, r.status_code, r.text[:200])
 
 
@@ -351,7 +354,7 @@ def test_an_engine_refusal_reaches_the_caller_with_its_status_and_no_failover(
     fleet: LiveFleet, body: dict[str, Any], needle: str, stream: bool
 ) -> None:
     rid = f"refused-{uuid.uuid4().hex[:6]}"
-    r = httpx.post(
+    r = oneshot.post(
         fleet.gateways[0].url + "/v1/completions",
         json={"model": "tiny", **body, "stream": stream},
         headers={"X-Request-Id": rid} | fleet.inference,
@@ -361,7 +364,7 @@ def test_an_engine_refusal_reaches_the_caller_with_its_status_and_no_failover(
     assert needle in r.json()["error"]["message"].lower(), r.text
     assert len(r.headers["x-rollfleet-engine"].split(",")) == 1, "a refusal was failed over to another engine"
     engine = fleet.engine(r.headers["x-rollfleet-engine"])
-    in_flight = httpx.get(engine.url + "/rollfleet/v1/requests", timeout=10).json()["in_flight"]
+    in_flight = oneshot.get(engine.url + "/rollfleet/v1/requests", timeout=10).json()["in_flight"]
     assert rid not in {t["request_id"] for t in in_flight}
 
 
@@ -378,7 +381,7 @@ def test_a_request_past_the_gateways_bounds_is_refused_before_any_engine(
     fleet: LiveFleet, sampling: dict[str, int], needle: str
 ) -> None:
     """Once engines' refusals, now the gateway's own bounds (issue 32): no engine is asked."""
-    r = httpx.post(
+    r = oneshot.post(
         fleet.gateways[0].url + "/v1/completions",
         json={"model": "tiny", "prompt": "Hi", **sampling},
         headers=fleet.inference,
@@ -389,7 +392,7 @@ def test_a_request_past_the_gateways_bounds_is_refused_before_any_engine(
 
 
 def engine_paused(engine: Endpoint) -> bool:
-    return bool(httpx.get(engine.url + "/rollfleet/v1/state", timeout=10).raise_for_status().json()["paused"])
+    return bool(oneshot.get(engine.url + "/rollfleet/v1/state", timeout=10).raise_for_status().json()["paused"])
 
 
 def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveFleet) -> None:
@@ -411,7 +414,7 @@ def test_a_paused_fleet_holds_requests_and_serves_them_after_resume(fleet: LiveF
             ]
 
             def held() -> int:
-                views = [httpx.get(e.url + "/rollfleet/v1/requests").json()["in_flight"] for e in fleet.engines]
+                views = [oneshot.get(e.url + "/rollfleet/v1/requests").json()["in_flight"] for e in fleet.engines]
                 return sum(1 for v in views for t in v if t["output_tokens"] == 0)
 
             wait_for(lambda: held() == 4, 30, what="the engines to hold the 4 requests")
@@ -436,7 +439,7 @@ def whole_completion(
     gateway's report."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     headers = {"X-Request-Id": request_id} | fleet.inference
-    r = httpx.post(fleet.gateways[0].url + "/v1/completions", json=body, timeout=600, headers=headers)
+    r = oneshot.post(fleet.gateways[0].url + "/v1/completions", json=body, timeout=600, headers=headers)
     assert r.status_code == 200, (request_id, r.status_code, r.text[:500])
     if stream:
         chunks = sse(r.text)

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import kubernetes
 import pytest
 
@@ -32,6 +31,7 @@ from rollfleet.contract import (
     component_labels,
 )
 from rollfleet_client.protocol import SESSION_HEADER
+from rollfleet_dev import oneshot
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def gateway(cluster: Cluster, core: kubernetes.client.CoreV1Api, ns: str) -> Ite
 
 
 def routable(url: str) -> int:
-    return int(httpx.get(url + "/ready").json()["routable_engines"])
+    return int(oneshot.get(url + "/ready").json()["routable_engines"])
 
 
 def served_by(url: str, n: int) -> set[str]:
@@ -163,7 +163,9 @@ def served_by(url: str, n: int) -> set[str]:
     engines = set()
     for i in range(n):
         session = {SESSION_HEADER: f"served-by-{uuid.uuid4().hex[:8]}"}
-        r = httpx.post(url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4}, headers=session, timeout=30)
+        r = oneshot.post(
+            url + "/v1/completions", json={"prompt": f"p{i}", "max_tokens": 4}, headers=session, timeout=30
+        )
         assert r.status_code == 200, r.text
         engines.update(r.json()["rollfleet"]["engines"])
     return engines
@@ -206,7 +208,7 @@ def test_the_gateway_as_deployed_reads_pods_with_its_own_service_account(
     with cluster.reach(ns, deploy_gateway(cluster, core, ns, "g"), GATEWAY_PORT) as url:
         wait_for(lambda: routable(url) == 1, 90, what="the engine pod to be routable through the pod watch")
         assert served_by(url, 2) == {"g-engine-0"}
-        r = httpx.post(
+        r = oneshot.post(
             url + "/v1/abort", json={"request_ids": ["nothing-here"]}, headers={"Authorization": f"Bearer {TOKEN}"}
         )
         assert r.json() == {

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 from tests.engine.calls import GREEDY_PROMPTS
@@ -56,6 +55,7 @@ from rollfleet.contract import (
 from rollfleet_client.protocol import ABORT_PATH as GATEWAY_ABORT_PATH
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import PushState
+from rollfleet_dev import oneshot
 from rollfleet_engine.protocol import REQUESTS_PATH, STATE_PATH
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
 
@@ -109,7 +109,7 @@ def group_pods(cluster: Cluster, group: str) -> list[dict[str, Any]]:
 
 def engine_get(cluster: Cluster, leader: str, path: str) -> Any:
     with cluster.reach(NS, leader, ENGINE_PORT) as url:
-        return httpx.get(url + path, timeout=30).raise_for_status().json()
+        return oneshot.get(url + path, timeout=30).raise_for_status().json()
 
 
 def test_each_engine_is_a_group_across_the_pool_and_its_leader_serves_it(
@@ -125,7 +125,7 @@ def test_each_engine_is_a_group_across_the_pool_and_its_leader_serves_it(
     # The model split over two pods gives transformers' greedy tokens, through the gateway.
     assert greedy(gateway, fleet.inference(), GREEDY_PROMPTS, GREEDY_TOKENS) == references[A]
     # The gateway sent them to the leaders only: the headless ranks serve nothing.
-    metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
+    metrics = oneshot.get(f"{gateway}/metrics", timeout=10).text
     routed = set(re.findall(r'rollfleet_gateway_upstream_attempts_total\{engine="([^"]+)"', metrics))
     assert routed and routed <= set(LEADERS), routed
 
@@ -135,7 +135,7 @@ def test_abort_by_id_frees_the_request_at_the_engine(cluster: Cluster, fleet: Fl
     wait_for(lambda: stream.tokens() >= 3, timeout=120, what="the request decoding")
     admin = {"Authorization": f"Bearer {fleet.admin_token()}"}
     t0 = time.monotonic()
-    r = httpx.post(
+    r = oneshot.post(
         f"{gateway}{GATEWAY_ABORT_PATH}", json={"request_ids": [stream.request_id]}, headers=admin, timeout=60
     )
     assert r.status_code == 200 and r.json()["results"] == {stream.request_id: "aborted"}, r.text
@@ -146,7 +146,7 @@ def test_abort_by_id_frees_the_request_at_the_engine(cluster: Cluster, fleet: Fl
     ran = {}
     for leader in LEADERS:
         with cluster.reach(NS, leader, ENGINE_PORT) as url:
-            r = httpx.get(f"{url}{REQUESTS_PATH}/{stream.request_id}", timeout=30)
+            r = oneshot.get(f"{url}{REQUESTS_PATH}/{stream.request_id}", timeout=30)
         if r.status_code == 200:
             ran[leader] = r.json()
     assert len(ran) == 1, ran  # known at exactly one engine: the one that ran it

@@ -48,6 +48,7 @@ from rollfleet.contract import (
 )
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import PushState
+from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import ABORT_PATH, REQUESTS_PATH, STATE_PATH
 from rollfleet_engine.tiny_model import WEIGHTS_B_DIR, ensure_tiny_model
@@ -116,7 +117,7 @@ def running_at(engine: str, rank: str) -> float:
 
 
 def tracked(engine: str, request_id: str) -> dict[str, Any]:
-    return dict(httpx.get(f"{engine}{REQUESTS_PATH}/{request_id}", timeout=30).raise_for_status().json())
+    return dict(oneshot.get(f"{engine}{REQUESTS_PATH}/{request_id}", timeout=30).raise_for_status().json())
 
 
 def test_both_ranks_serve_transformers_tokens_behind_one_engine(
@@ -139,7 +140,7 @@ def test_abort_by_id_ends_requests_on_both_ranks_without_deadlock(fleet: Fleet, 
     assert all(running_at(engine, rank) == 1 for rank in RANKS)
     ids = [s.request_id for s in streams.values()]
     t0 = time.monotonic()
-    r = httpx.post(
+    r = oneshot.post(
         engine + ABORT_PATH,
         json={"request_ids": ids},
         headers={"Authorization": f"Bearer {fleet.admin_token()}"},
@@ -159,7 +160,7 @@ def test_a_client_that_leaves_frees_its_rank(fleet: Fleet, engine: str, gateway:
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     received = 0
     headers = {REQUEST_ID_HEADER: rid} | fleet.inference()
-    with httpx.stream("POST", gateway + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+    with oneshot.stream("POST", gateway + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         for piece in r.iter_text():
             received += piece.count('"token_ids":[') - piece.count('"token_ids":[]')
             if received >= 20:

@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from e2e.fleet_helpers import Fleet, deploy_operator, fleet_manifest, sim_engine
@@ -20,6 +19,7 @@ from e2e.provider import Cluster, wait_for
 from rollfleet.contract import GATEWAY_PORT, LABEL_FLEET, LWS_LABEL_NAME, engine_group_leader, engine_pod_name
 from rollfleet.controller.groups import LWS_CRD
 from rollfleet_client.protocol import SESSION_HEADER
+from rollfleet_dev import oneshot
 
 pytestmark = pytest.mark.cluster
 NS = "rf-e2e-lws"
@@ -117,9 +117,9 @@ def gateway_engines(cluster: Cluster, fleet: Fleet, requests: int) -> set[str]:
         for i in range(requests):
             body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
             session = {SESSION_HEADER: f"gateway-engines-{i}-{uuid.uuid4().hex[:8]}"}
-            r = httpx.post(f"{url}/v1/completions", json=body, headers=fleet.inference() | session, timeout=30)
+            r = oneshot.post(f"{url}/v1/completions", json=body, headers=fleet.inference() | session, timeout=30)
             assert r.status_code == 200, (i, r.status_code, r.text)
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        metrics = oneshot.get(f"{url}/metrics", timeout=10).text
     return {m.group(1) for m in re.finditer(r'rollfleet_gateway_upstream_attempts_total\{engine="([^"]+)"', metrics)}
 
 

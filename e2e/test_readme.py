@@ -33,13 +33,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
 from e2e.fleet_helpers import ENGINE_START_S, REPO, Fleet, deploy_operator
 from e2e.provider import Cluster, wait_for
 from rollfleet.controller.requests.plan import SampleResult
+from rollfleet_dev import oneshot
 from rollfleet_engine.protocol import REQUESTS_PATH, STATE_PATH, RequestsView
 
 pytestmark = [
@@ -168,7 +168,7 @@ class Walk:
 
     def engine_get(self, fleet: Fleet, pod: str, path: str) -> Any:
         with self.cluster.reach(fleet.namespace, pod, 8000) as url:
-            return httpx.get(url + path, timeout=10).json()
+            return oneshot.get(url + path, timeout=10).json()
 
     def request_in(self, namespace: str, name: str, phases: tuple[str, ...], timeout: float) -> dict[str, Any]:
         """Wait until the RolloutRequest's phase is one of `phases`; its status then."""

@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from e2e.fleet_helpers import SIDECAR_MODELS, Fleet, deploy_operator, sync_sidecar_pod
@@ -21,6 +20,7 @@ from e2e.provider import Cluster, wait_for
 from rollfleet.contract import ANNOTATION_PAUSE, API_VERSION, SYNC_API_PORT, engine_pod_name
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState
+from rollfleet_dev import oneshot
 
 pytestmark = pytest.mark.cluster
 NS = "rf-e2e-scale"
@@ -47,7 +47,7 @@ def fake_nodes(cluster: Cluster) -> Iterator[str]:
 
 def served(url: str) -> dict[str, dict[str, Any]]:
     """The engines the host serves in this module's namespace, by pod name."""
-    return {e["pod"]: e for e in httpx.get(url, timeout=30).json() if e["namespace"] == NS}
+    return {e["pod"]: e for e in oneshot.get(url, timeout=30).json() if e["namespace"] == NS}
 
 
 def test_200_engines_are_each_paused_resumed_and_pushed_and_none_is_missed(cluster: Cluster, fake_nodes: str) -> None:

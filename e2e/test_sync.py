@@ -70,6 +70,7 @@ from rollfleet.sync.protocol import PushPhase, WeightsRef, decode_record
 from rollfleet_client import AsyncRolloutClient, Generation
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
+from rollfleet_dev import oneshot
 from rollfleet_dev import prometheus as prom
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import LONG_GENERATION, WEIGHTS_B_DIR, ensure_tiny_model
@@ -270,7 +271,7 @@ def test_a_real_prometheus_has_data_for_every_dashboard_panel_and_alert(
     stream = Stream(live.gateways[0].url, max_tokens=LONG_GENERATION, request_id=rid, auth=live.inference).start()
     wait_for(lambda: stream.tokens() >= 2, 120, what=f"{rid} decoding")
     body = {"request_ids": [rid]}
-    aborted = httpx.post(f"{live.gateways[0].url}/v1/abort", json=body, headers=live.admin, timeout=60)
+    aborted = oneshot.post(f"{live.gateways[0].url}/v1/abort", json=body, headers=live.admin, timeout=60)
     assert aborted.json()["results"] == {rid: "aborted"}, aborted.text
     stream.wait(60)
     assert stream.finish == {0: "abort"}, stream.finish
@@ -363,7 +364,7 @@ def test_sidecar_killed_mid_push_ends_with_the_whole_fleet_on_one_version(
     with cluster.reach(live_ns, ENGINES[0], 8000) as e0, cluster.reach(live_ns, ENGINES[1], 8000) as e1:
 
         def serving_final() -> bool:  # as the engines themselves report it
-            states = [httpx.get(f"{u}/rollfleet/v1/state", timeout=10).json() for u in (e0, e1)]
+            states = [oneshot.get(f"{u}/rollfleet/v1/state", timeout=10).json() for u in (e0, e1)]
             return all((s["weight_version"], s["paused"]) == (final, False) for s in states)
 
         wait_for(serving_final, timeout=300, what=f"both engines serving {final}")

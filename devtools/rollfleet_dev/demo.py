@@ -38,6 +38,7 @@ from rollfleet.contract import (
 )
 from rollfleet.errors import RollfleetError
 from rollfleet.kubectl import Kubectl, KubectlError
+from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.tiny_model import NODE_MODEL_DIR, WEIGHTS_B_DIR
 
@@ -125,7 +126,7 @@ def _engines_running(w: Walkthrough) -> dict[str, int]:
     """Requests each engine itself says are running or waiting (its own view, not the operator's)."""
     out = {}
     for name, url in _engine_urls(w).items():
-        state = httpx.get(url + STATE_PATH, timeout=5).json()
+        state = oneshot.get(url + STATE_PATH, timeout=5).json()
         out[name] = int(state["running"]) + int(state["waiting"])
     return out
 
@@ -152,7 +153,7 @@ class _Stream:
 
     def _run(self, url: str, body: dict[str, Any]) -> None:
         try:
-            with httpx.stream(
+            with oneshot.stream(
                 "POST",
                 url + "/v1/completions",
                 json=body,

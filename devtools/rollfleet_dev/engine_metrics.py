@@ -7,12 +7,13 @@ engine's /metrics.
 
 from __future__ import annotations
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from rollfleet_dev import oneshot
 
 
 def _samples(engine_url: str, name: str, timeout: float) -> list[tuple[dict[str, str], float]]:
-    text = httpx.get(engine_url + "/metrics", timeout=timeout).raise_for_status().text
+    text = oneshot.get(engine_url + "/metrics", timeout=timeout).raise_for_status().text
     return [
         (s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples if s.name == name
     ]

@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
+from rollfleet_dev import oneshot
+
 SCRAPE_INTERVAL_S = 1
 
 
@@ -40,7 +42,7 @@ class Prometheus:
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query's result vector (Prometheus' own evaluation of `expr`)."""
-        r = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=30)
+        r = oneshot.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=30)
         body = r.json()
         if body.get("status") != "success":
             raise AssertionError(f"Prometheus refused {expr!r}: {body.get('error')}")
@@ -53,7 +55,7 @@ class Prometheus:
 
     def targets_up(self) -> dict[str, bool]:
         """Each target's scrape health, by `job/instance`."""
-        active = httpx.get(f"{self.url}/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
+        active = oneshot.get(f"{self.url}/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
         return {f"{t['labels']['job']}/{t['labels']['instance']}": t["health"] == "up" for t in active}
 
 
@@ -101,7 +103,7 @@ def running(targets: list[Target], interval_s: float = SCRAPE_INTERVAL_S) -> Ite
         deadline = time.monotonic() + 60
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                if oneshot.get(f"{url}/-/ready", timeout=2).status_code == 200:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"Prometheus did not start: {(work / 'prometheus.log').read_text()[-2000:]}")

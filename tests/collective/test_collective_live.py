@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from rollfleet_client.collective import CollectivePusher, state_dict_source
 from rollfleet_client.errors import PushFailed
 from rollfleet_client.sync_protocol import EngineStep, PushState, PushStatus
+from rollfleet_dev import oneshot
 from tests.sync.conftest import EngineProcess, Sidecar
 from tests.sync.test_sync_live import fresh_version, greedy, state, wait_until
 
@@ -109,7 +109,7 @@ def test_weights_that_do_not_fit_the_model_fail_the_push_and_no_engine_serves_th
         s = state(e.engine)
         assert (s["paused"], s["weights_intact"]) == (True, False), s
         # Checked at the engine: it refuses to serve its mixed weights.
-        resumed = httpx.post(e.engine.url + "/resume", headers=e.engine.auth, timeout=10)
+        resumed = oneshot.post(e.engine.url + "/resume", headers=e.engine.auth, timeout=10)
         assert resumed.status_code == 409 and "partly updated" in resumed.text
 
     push_and_check(collective_sidecar, collective_engines, weights_dirs["A"], references["A"])

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from rollfleet import jsonl
+from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import ATTEMPT_HEADER
 
@@ -62,7 +63,7 @@ class Stream:
 
     def _run(self, url: str, body: dict[str, Any]) -> None:
         try:
-            with httpx.stream("POST", url, json=body, headers=self.sent_headers, timeout=120) as r:
+            with oneshot.stream("POST", url, json=body, headers=self.sent_headers, timeout=120) as r:
                 self.headers = r.headers
                 r.raise_for_status()
                 for line in jsonl.iter_lines(r.iter_bytes()):

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
 from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, WEIGHT_VERSION_HEADER, WEIGHTS_MANIFEST_PATH
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
@@ -61,7 +62,7 @@ def test_completions_and_chat_stream_and_complete(engine: Engine) -> None:
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 8
     assert r.headers[WEIGHT_VERSION_HEADER] == "a-0"
 
-    chat = httpx.post(
+    chat = oneshot.post(
         engine.url + "/v1/chat/completions",
         json={"model": engine.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
         headers={"X-Request-Id": "chat-plain"},
@@ -95,14 +96,14 @@ def test_control_calls_without_token_get_401_and_change_nothing(engine: Engine) 
     ]
     for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": engine.token}):
         for path, body in calls:
-            r = httpx.post(engine.url + path, json=body, headers=headers, timeout=30)
+            r = oneshot.post(engine.url + path, json=body, headers=headers, timeout=30)
             assert r.status_code == 401, (path, headers, r.status_code)
     assert state(engine) == before
     assert state(engine)["paused"] is False and state(engine)["weight_version"] == "a-0"
     # Arbitrary code stays off even with the token.
     assert control(engine, "/collective_rpc", json={"method": "get_model"}).status_code == 403
     for path in ("/health", "/metrics", "/v1/models", "/rollfleet/v1/state", "/rollfleet/v1/ready"):
-        assert httpx.get(engine.url + path, timeout=30).status_code == 200, path
+        assert oneshot.get(engine.url + path, timeout=30).status_code == 200, path
 
 
 def test_abort_by_caller_id_ends_that_request_only(engine: Engine) -> None:
@@ -153,7 +154,7 @@ def test_abort_non_streaming_returns_partial_output(engine: Engine) -> None:
 
     def call() -> None:
         body = {"model": engine.model, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
-        result["response"] = httpx.post(
+        result["response"] = oneshot.post(
             engine.url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=120
         )
 
@@ -315,11 +316,11 @@ def test_a_client_that_goes_away_frees_its_request(engine: Engine) -> None:
         request_id = rid(f"gone-{stream}")
         headers = {"X-Request-Id": request_id}
         if stream:
-            with httpx.stream("POST", url, json={**body, "stream": True, "ignore_eos": True}, headers=headers) as r:
+            with oneshot.stream("POST", url, json={**body, "stream": True, "ignore_eos": True}, headers=headers) as r:
                 next(r.iter_lines())  # one event, then the connection closes
         else:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url, json={**body, "ignore_eos": True}, headers=headers, timeout=httpx.Timeout(60, read=1))
+                oneshot.post(url, json={**body, "ignore_eos": True}, headers=headers, timeout=httpx.Timeout(60, read=1))
         deadline = time.monotonic() + 30
         while (view := tracked(engine, request_id))["phase"] != "finished":
             assert time.monotonic() < deadline, view

@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from safetensors.torch import load_file
 
 from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import SPOOL_INCOMING_DIR, EngineStep, PushState, PushStatus
+from rollfleet_dev import oneshot
 from rollfleet_engine.protocol import MAX_WEIGHT_LAG_HEADER
 from tests.engine.calls import CACHED_PROMPT, GREEDY_PROMPTS, Stream, ask_cached, complete, control
 from tests.engine.conftest import Engine
@@ -69,12 +69,12 @@ def serving(engine: Engine, references: dict[str, list[list[int]]]) -> str:
 
 
 def state(engine: Engine) -> dict[str, object]:
-    return httpx.get(engine.url + "/rollfleet/v1/state", timeout=10).raise_for_status().json()
+    return oneshot.get(engine.url + "/rollfleet/v1/state", timeout=10).raise_for_status().json()
 
 
 def tracked(engine: Engine, request_id: str) -> dict[str, Any]:
     """The engine's record of a request."""
-    return dict(httpx.get(f"{engine.url}/rollfleet/v1/requests/{request_id}", timeout=10).raise_for_status().json())
+    return dict(oneshot.get(f"{engine.url}/rollfleet/v1/requests/{request_id}", timeout=10).raise_for_status().json())
 
 
 def tracked_versions(engine: Engine, request_id: str) -> list[str]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from rollfleet_dev import oneshot
 from rollfleet_engine import weights_server
 from rollfleet_engine.protocol import WEIGHTS_SLICES_PATH, SlicePlan, TensorCut, WeightManifest
 from rollfleet_engine.safetensors_stream import TransferError
@@ -139,9 +139,9 @@ def test_a_plan_that_is_wrong_is_refused_with_the_reason(served: tuple[WeightsSe
         ("{", 400, "not a slice plan"),
     ]
     for body, status, said in cases:
-        r = httpx.post(server.url + WEIGHTS_SLICES_PATH, content=body)
+        r = oneshot.post(server.url + WEIGHTS_SLICES_PATH, content=body)
         assert r.status_code == status and said in r.json()["error"], (body, r.text)
-    assert httpx.get(server.url + WEIGHTS_SLICES_PATH + "/0123").status_code == 404  # no plan made it
+    assert oneshot.get(server.url + WEIGHTS_SLICES_PATH + "/0123").status_code == 404  # no plan made it
 
 
 def test_weights_written_over_after_hashing_are_refused_not_sliced(

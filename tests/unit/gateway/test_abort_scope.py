@@ -13,6 +13,7 @@ from tests.unit.gateway.conftest import Stack, serve_gateway, sse_chunks
 from tests.unit.gateway.test_proxy import wait_until
 
 from rollfleet.gateway.proxy import ENGINE_HEADER, ProxyConfig
+from rollfleet_dev import oneshot
 
 # About 5 s at 5 ms a token: the victim outlasts the second replica's start and the attack on a loaded host.
 VICTIM_TOKENS = 1000
@@ -28,7 +29,7 @@ def test_a_stop_on_another_replica_under_a_victims_id_does_not_stop_the_victim(g
     def victim() -> None:
         body = {"prompt": "x", "max_tokens": VICTIM_TOKENS, "stream": True}
         headers = {"X-Request-Id": "victim-1"}
-        with httpx.stream("POST", gw.url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+        with oneshot.stream("POST", gw.url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
             out["engine"] = r.headers[ENGINE_HEADER]  # in static mode, the engine's URL
             started.set()
             out["text"] = r.read().decode()
@@ -48,14 +49,14 @@ def test_a_stop_on_another_replica_under_a_victims_id_does_not_stop_the_victim(g
         attack = {"json": {"prompt": "x", "max_tokens": 5, "stream": True}, "url": second + "/v1/completions"}
         if stop == "deadline":
             headers = {"X-Request-Id": "victim-1", "X-Rollfleet-Timeout": "0.1"}
-            r = httpx.post(**attack, headers=headers, timeout=10)
+            r = oneshot.post(**attack, headers=headers, timeout=10)
             # Its own stream, ended by its deadline; or the engine's refusal of an id in flight.
             assert r.status_code in (200, 409), r.text
         else:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(**attack, headers={"X-Request-Id": "victim-1"}, timeout=0.1)
+                oneshot.post(**attack, headers={"X-Request-Id": "victim-1"}, timeout=0.1)
             # The replica's stop of the request (an abort at the engine, then the engine's 409) is over.
-            wait_until(lambda: "rollfleet_gateway_in_flight 0.0" in httpx.get(second + "/metrics").text)
+            wait_until(lambda: "rollfleet_gateway_in_flight 0.0" in oneshot.get(second + "/metrics").text)
         assert "victim-1" in sim.running, "the victim was stopped by another caller's deadline"
     thread.join(30)
     choices = [c for chunk in sse_chunks(out["text"]) for c in chunk["choices"]]

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import httpx
 import pytest
 from e2e.fleet_helpers import gateway_routes
 from tests.unit.gateway.conftest import TOKEN, serve_gateway, sse_chunks
@@ -18,6 +17,7 @@ from tests.unit.gateway.test_proxy import wait_until
 from rollfleet.gateway.app import OPEN_PATHS
 from rollfleet.gateway.proxy import ProxyConfig
 from rollfleet_client.protocol import ABORT_PATH, COMPLETIONS_PATH
+from rollfleet_dev import oneshot
 from rollfleet_dev.sim_engine import SimEngine
 from rollfleet_engine.access import AccessPolicy, RouteClass, classify
 
@@ -51,7 +51,7 @@ def test_without_a_credential_every_route_but_health_ready_and_metrics_is_refuse
 ) -> None:
     url, _, _ = locked
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        r = httpx.request(method, url + path, json={}, headers=headers, timeout=10)
+        r = oneshot.request(method, url + path, json={}, headers=headers, timeout=10)
         if path in OPEN_PATHS:
             assert r.status_code == 200, (path, r.text)
         else:
@@ -62,15 +62,17 @@ def test_the_token_may_come_as_the_password_of_basic_auth(locked: tuple[str, Rec
     """TRL's client carries a credential only in its URL (`http://trl:<token>@host/trl`): requests sends Basic."""
     url, _, _ = locked
     body = {"prompt": "x", "max_tokens": 2}
-    assert httpx.post(url + COMPLETIONS_PATH, json=body, auth=("trl", INFERENCE), timeout=10).status_code == 200
+    assert oneshot.post(url + COMPLETIONS_PATH, json=body, auth=("trl", INFERENCE), timeout=10).status_code == 200
     for auth in (("trl", "wrong"), (INFERENCE, "")):
-        assert httpx.post(url + COMPLETIONS_PATH, json=body, auth=auth, timeout=10).status_code == 401
-    assert httpx.post(url + ABORT_PATH, json={"request_ids": ["x"]}, auth=("trl", TOKEN), timeout=10).status_code == 200
+        assert oneshot.post(url + COMPLETIONS_PATH, json=body, auth=auth, timeout=10).status_code == 401
+    assert (
+        oneshot.post(url + ABORT_PATH, json={"request_ids": ["x"]}, auth=("trl", TOKEN), timeout=10).status_code == 200
+    )
 
 
 def test_an_unknown_path_is_refused_as_well(locked: tuple[str, RecordingPolicy, SimEngine]) -> None:
     url, _, _ = locked
-    assert httpx.post(url + "/v1/not-a-route", json={}, timeout=10).status_code == 401  # deny by default
+    assert oneshot.post(url + "/v1/not-a-route", json={}, timeout=10).status_code == 401  # deny by default
 
 
 def test_generation_carries_the_inference_token_and_only_control_carries_the_admin_token(
@@ -79,7 +81,7 @@ def test_generation_carries_the_inference_token_and_only_control_carries_the_adm
     url, policy, sim = locked
     policy.seen.clear()
     for caller in (KEY, ADMIN):  # the admin token opens generation at the gateway too
-        r = httpx.post(url + COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 3}, headers=caller, timeout=10)
+        r = oneshot.post(url + COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 3}, headers=caller, timeout=10)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
     # A stream stopped once it runs at the engine: the gateway aborts it there, a control call.
     out: dict[str, str] = {}
@@ -87,12 +89,12 @@ def test_generation_carries_the_inference_token_and_only_control_carries_the_adm
     def stream() -> None:
         body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
         headers = KEY | {"X-Request-Id": "creds-1"}
-        out["text"] = httpx.post(url + COMPLETIONS_PATH, json=body, headers=headers, timeout=30).text
+        out["text"] = oneshot.post(url + COMPLETIONS_PATH, json=body, headers=headers, timeout=30).text
 
     thread = threading.Thread(target=stream)
     thread.start()
     wait_until(lambda: "creds-1" in sim.running)
-    r = httpx.post(url + ABORT_PATH, json={"request_ids": ["creds-1"]}, headers=ADMIN, timeout=30)
+    r = oneshot.post(url + ABORT_PATH, json={"request_ids": ["creds-1"]}, headers=ADMIN, timeout=30)
     assert r.json()["results"] == {"creds-1": "aborted"}, r.text
     thread.join(30)
     assert sse_chunks(out["text"])[-1]["choices"][0]["finish_reason"] == "abort"

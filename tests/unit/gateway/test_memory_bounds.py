@@ -17,6 +17,7 @@ from e2e.provider import wait_for
 from tests.unit.gateway.conftest import free_port, sse_chunks
 
 from rollfleet.gateway.dialects import MAX_N
+from rollfleet_dev import oneshot
 
 MAX_GROWTH_MIB = 50
 KEY = "memory-test-key"
@@ -41,7 +42,7 @@ def _serving(url: str, proc: subprocess.Popen[bytes]) -> None:
     def health() -> bool:
         assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
         try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
+            return oneshot.get(url + "/health", timeout=2).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -67,7 +68,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         # Warm: the first requests import and allocate what every later one reuses.
         for stream in (False, True):
             body = {"prompt": "x", "max_tokens": 4, "n": 2, "stream": stream}
-            assert httpx.post(gw.url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+            assert oneshot.post(gw.url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
         yield gw
     finally:
         for proc in procs:
@@ -102,7 +103,7 @@ def test_a_64_mib_header_value_leaves_the_gateways_peak_memory_under_50_mib_high
         answer += _rest(sock)
     assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
     assert _growth_mib(gateway, gw_baseline) < MAX_GROWTH_MIB
-    assert httpx.get(gateway.url + "/health", timeout=5).status_code == 200
+    assert oneshot.get(gateway.url + "/health", timeout=5).status_code == 200
 
 
 def _rest(sock: socket.socket) -> bytes:
@@ -119,16 +120,16 @@ def test_a_million_choices_are_refused_and_the_most_admitted_stays_under_50_mib(
     gw_baseline: int, gateway: Gateway
 ) -> None:
     huge = {"prompt": "x", "n": 1_000_000, "stream": True, "max_tokens": 100_000}
-    r = httpx.post(gateway.url + "/v1/completions", json=huge, headers=AUTH, timeout=30)
+    r = oneshot.post(gateway.url + "/v1/completions", json=huge, headers=AUTH, timeout=30)
     assert r.status_code == 400 and f"from 1 to {MAX_N}" in r.json()["error"]["message"], r.text
     # The most it admits, stopped by a deadline: every choice gets its closing chunk.
     most = {"prompt": "x", "n": MAX_N, "stream": True, "max_tokens": 100_000}
     headers = AUTH | {"X-Rollfleet-Timeout": "1"}
-    r = httpx.post(gateway.url + "/v1/completions", json=most, headers=headers, timeout=60)
+    r = oneshot.post(gateway.url + "/v1/completions", json=most, headers=headers, timeout=60)
     finished = {c["index"]: c["finish_reason"] for chunk in sse_chunks(r.text) for c in chunk["choices"]}
     assert len(finished) == MAX_N and set(finished.values()) <= {"abort", "length"}
     assert _growth_mib(gateway, gw_baseline) < MAX_GROWTH_MIB
-    assert httpx.get(gateway.url + "/health", timeout=5).status_code == 200
+    assert oneshot.get(gateway.url + "/health", timeout=5).status_code == 200
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import pytest
 from tests.unit.gateway.conftest import serve_gateway, sse_chunks
 
 from rollfleet.gateway.proxy import ProxyConfig
+from rollfleet_dev import oneshot
 from rollfleet_dev.sim_engine import SimEngine
 
 EJECT_S = 600.0
@@ -28,7 +29,7 @@ def one() -> Iterator[tuple[str, SimEngine]]:
 
 
 def _still_served(url: str) -> None:
-    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    r = oneshot.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, f"the engine was ejected: {r.status_code} {r.text}"
 
 
@@ -42,7 +43,7 @@ def test_an_answer_short_of_the_choices_asked_fails_the_request_and_ejects_no_en
     try:
         served = sim.served
         body = {"prompt": "x", "max_tokens": max_tokens, "n": 4, "stream": stream}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        r = oneshot.post(url + "/v1/completions", json=body, timeout=30)
         assert sim.served == served + 1  # no other attempt
         if stream:
             error = sse_chunks(r.text)[-1]["error"]  # the stream had begun: its last event says why it ended

@@ -17,6 +17,7 @@ from tests.unit.gateway.conftest import TOKEN, Stack, sse_chunks
 
 from rollfleet.gateway.dialects import MAX_JSON_DEPTH
 from rollfleet.gateway.proxy import trace_context
+from rollfleet_dev import oneshot
 from rollfleet_dev.sim_engine import SimEngine
 from rollfleet_engine.protocol import TrackedRequest
 
@@ -36,7 +37,7 @@ def test_non_streaming_answer_has_token_ids_and_a_report(gw: Stack, path: str, t
     body = {"model": "m", "max_tokens": tokens}
     body |= {"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     rid = f"whole-{path[-5:]}-{tokens}"
-    r = httpx.post(gw.url + path, json=body, headers={"X-Request-Id": rid})
+    r = oneshot.post(gw.url + path, json=body, headers={"X-Request-Id": rid})
     assert r.status_code == 200, r.text
     out = r.json()
     choice = out["choices"][0]
@@ -50,11 +51,11 @@ def test_non_streaming_answer_has_token_ids_and_a_report(gw: Stack, path: str, t
 
 
 def test_a_short_non_streaming_request_whose_engine_dies_starts_over_on_the_other(gw: Stack) -> None:
-    probe = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
+    probe = oneshot.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
     # A request without a session goes to the idle engine freed last: the probe's.
     victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u == probe["rollfleet"]["engines"][0])
     victim.die_after = {"/v1/completions": 2}
-    r = httpx.post(
+    r = oneshot.post(
         gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 5}, headers={"X-Request-Id": "short"}
     )
     assert r.status_code == 200, r.text
@@ -68,7 +69,7 @@ def test_a_short_non_streaming_request_whose_engine_dies_starts_over_on_the_othe
 def test_an_engine_dying_mid_stream_is_continued_on_the_other_from_its_tokens(gw: Stack, stream: bool) -> None:
     for sim in gw.sims:
         sim.die_after = {"/v1/completions": 4}  # first attempts die; continuations (generate route) do not
-    r = httpx.post(
+    r = oneshot.post(
         gw.url + "/v1/completions",
         json={"prompt": "abc", "max_tokens": 10, "stream": stream},
         headers={"X-Request-Id": f"failover-{stream}"},
@@ -93,7 +94,7 @@ def test_a_continued_stream_ends_with_the_usage_of_the_whole_request(gw: Stack, 
         sim.die_after = {path: 4}  # first attempts die; continuations (generate route) do not
     body = {"model": "m", "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
     body |= {"prompt": "abc"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(gw.url + path, json=body, headers={"X-Request-Id": f"usage-{path[-5:]}"})
+    r = oneshot.post(gw.url + path, json=body, headers={"X-Request-Id": f"usage-{path[-5:]}"})
     assert r.status_code == 200, r.text
     chunks = sse_chunks(r.text)
     assert chunks[-1]["choices"] == [] and all("usage" not in c for c in chunks[:-1])
@@ -111,13 +112,13 @@ def test_a_continued_stream_ends_with_the_usage_of_the_whole_request(gw: Stack, 
 
 
 def test_without_the_generate_route_a_non_streaming_request_starts_over_on_the_other_engine(gw: Stack) -> None:
-    probe = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
+    probe = oneshot.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 1}).json()
     # A request without a session goes to the idle engine freed last: the probe's.
     victim = next(s for s, u in zip(gw.sims, gw.sim_urls, strict=True) if u == probe["rollfleet"]["engines"][0])
     victim.die_after = {"/v1/completions": 4}
     for sim in gw.sims:
         sim.refuse = {"/inference/v1/generate"}
-    r = httpx.post(
+    r = oneshot.post(
         gw.url + "/v1/completions",
         json={"prompt": "abc", "max_tokens": 10},
         headers={"X-Request-Id": "no-generate-route"},
@@ -131,9 +132,9 @@ def test_without_the_generate_route_a_non_streaming_request_starts_over_on_the_o
 def test_failover_is_bounded_and_answers_a_clear_error(gw: Stack) -> None:
     for sim in gw.sims:
         sim.die_after = {"/v1/completions": 0, "/inference/v1/generate": 0}
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10}, timeout=10)
+    r = oneshot.post(gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10}, timeout=10)
     assert r.status_code == 503 and "no routable engine" in r.json()["error"]["message"]
-    r = httpx.get(gw.url + "/metrics")
+    r = oneshot.get(gw.url + "/metrics")
     assert "rollfleet_gateway_failovers_total" in r.text
 
 
@@ -144,7 +145,7 @@ def test_a_request_spanning_a_weight_update_reports_both_versions(gw: Stack, str
     out: dict = {}
 
     def run() -> None:
-        out["r"] = httpx.post(
+        out["r"] = oneshot.post(
             gw.url + "/v1/completions",
             json={"prompt": "x", "max_tokens": 120, "stream": stream},
             headers={"X-Request-Id": f"span-{stream}"},
@@ -172,13 +173,13 @@ def _in_flight(sim: SimEngine, rid: str) -> list[TrackedRequest]:
 
 
 def test_short_requests_trust_the_engines_header(gw: Stack) -> None:
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    r = oneshot.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.json()["rollfleet"]["weight_versions"] == ["v1"]
 
 
 def _start_stream(gw: Stack, rid: str, out: dict) -> threading.Thread:
     def run() -> None:
-        with httpx.stream(
+        with oneshot.stream(
             "POST",
             gw.url + "/v1/completions",
             headers={"X-Request-Id": rid},
@@ -194,7 +195,7 @@ def _start_stream(gw: Stack, rid: str, out: dict) -> threading.Thread:
 
 def scraped(gw: Stack, name: str) -> dict[frozenset[tuple[str, str]], float]:
     """One metric's samples at the gateway's /metrics, by their labels."""
-    text = httpx.get(gw.url + "/metrics").text
+    text = oneshot.get(gw.url + "/metrics").text
     return {
         frozenset(s.labels.items()): s.value
         for family in text_string_to_metric_families(text)
@@ -210,13 +211,13 @@ def test_abort_by_id_ends_the_stream_with_abort_at_the_engine_and_answers_per_id
     out: dict = {}
     thread = _start_stream(gw, "ab-1", out)
     wait_until(lambda: any("ab-1" in s.running for s in gw.sims))
-    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1", "never-seen"]}, headers=ADMIN)
+    r = oneshot.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1", "never-seen"]}, headers=ADMIN)
     assert r.json() == {"results": {"ab-1": "aborted", "never-seen": "unknown"}, "reasons": {}}
     thread.join(10)
     chunks = sse_chunks(out["text"])
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
     assert any(s.finished.get("ab-1") == "abort" for s in gw.sims)
-    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1"]}, headers=ADMIN)
+    r = oneshot.post(gw.url + "/v1/abort", json={"request_ids": ["ab-1"]}, headers=ADMIN)
     assert r.json() == {"results": {"ab-1": "aborted"}, "reasons": {}}  # remembered after the end
     # Each `aborted` answer is timed, from the call to the engine's word; `unknown` is not.
     assert sum(scraped(gw, "rollfleet_gateway_abort_seconds_count").values()) == timed_before + 2
@@ -224,7 +225,7 @@ def test_abort_by_id_ends_the_stream_with_abort_at_the_engine_and_answers_per_id
 
 def test_tokens_served_are_counted_by_engine_and_weight_lag(gw: Stack) -> None:
     before = scraped(gw, "rollfleet_gateway_tokens_total")
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "ignore_eos": True})
+    r = oneshot.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "ignore_eos": True})
     [engine] = r.json()["rollfleet"]["engines"]
     after = scraped(gw, "rollfleet_gateway_tokens_total")
     # A static gateway knows no engine's weight generation: its lag is unknown, not 0.
@@ -237,7 +238,7 @@ def test_abort_of_an_id_served_elsewhere_fans_out_to_the_engines(gw: Stack) -> N
     out: dict = {}
 
     def run() -> None:  # straight to an engine, as another gateway replica would have sent it
-        r = httpx.post(
+        r = oneshot.post(
             gw.sim_urls[1] + "/v1/completions",
             json={"prompt": "x", "max_tokens": 2000, "stream": True},
             headers={"X-Request-Id": "elsewhere-1"},
@@ -248,7 +249,7 @@ def test_abort_of_an_id_served_elsewhere_fans_out_to_the_engines(gw: Stack) -> N
     thread = threading.Thread(target=run)
     thread.start()
     wait_until(lambda: "elsewhere-1" in gw.sims[1].running)
-    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["elsewhere-1"]}, headers=ADMIN)
+    r = oneshot.post(gw.url + "/v1/abort", json={"request_ids": ["elsewhere-1"]}, headers=ADMIN)
     assert r.json() == {"results": {"elsewhere-1": "aborted"}, "reasons": {}}
     thread.join(10)
     assert sse_chunks(out["text"])[-1]["choices"][0]["finish_reason"] == "abort"
@@ -261,7 +262,7 @@ def test_an_abort_the_engines_do_not_confirm_is_answered_unconfirmed_with_the_re
     out: dict = {}
     thread = _start_stream(gw, "deaf-1", out)
     wait_until(lambda: any("deaf-1" in s.running for s in gw.sims))
-    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["deaf-1", "nowhere-1"]}, headers=ADMIN)
+    r = oneshot.post(gw.url + "/v1/abort", json={"request_ids": ["deaf-1", "nowhere-1"]}, headers=ADMIN)
     body = r.json()
     assert body["results"] == {"deaf-1": "unconfirmed", "nowhere-1": "unconfirmed"}, body
     # In flight here: its engine refused the abort and the gateway cut the stream after the grace.
@@ -272,7 +273,7 @@ def test_an_abort_the_engines_do_not_confirm_is_answered_unconfirmed_with_the_re
     assert sse_chunks(out["text"])[-1]["choices"][0]["finish_reason"] == "abort"
     # The cut connection stopped it at the engine all the same (as vLLM does when its client leaves).
     wait_until(lambda: not any("deaf-1" in s.running for s in gw.sims))
-    again = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["deaf-1"]}, headers=ADMIN).json()
+    again = oneshot.post(gw.url + "/v1/abort", json={"request_ids": ["deaf-1"]}, headers=ADMIN).json()
     assert again["results"] == {"deaf-1": "unconfirmed"}  # remembered as unconfirmed, not as aborted
 
 
@@ -291,7 +292,7 @@ def test_a_non_streaming_client_that_disconnects_frees_the_engine_request(
         sim.token_delay_ms = delay_ms
     rid = f"gone-{max_tokens}"
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
+        oneshot.post(
             gw.url + "/v1/completions",
             json={"prompt": "x", "max_tokens": max_tokens},
             headers={"X-Request-Id": rid},
@@ -308,7 +309,7 @@ def test_a_request_past_its_deadline_returns_its_partial_output_with_abort(
     for sim in gw.sims:
         sim.token_delay_ms = delay_ms
     rid = f"late-{max_tokens}"
-    r = httpx.post(
+    r = oneshot.post(
         gw.url + "/v1/completions",
         json={"prompt": "x", "max_tokens": max_tokens},
         headers={"X-Request-Id": rid, "X-Rollfleet-Timeout": "0.3"},
@@ -325,9 +326,9 @@ def test_an_id_still_in_flight_is_refused_not_resent(gw: Stack) -> None:
     out: dict = {}
     thread = _start_stream(gw, "dup-1", out)
     wait_until(lambda: any("dup-1" in s.running for s in gw.sims))
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "dup-1"})
+    r = oneshot.post(gw.url + "/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": "dup-1"})
     assert r.status_code == 409 and "still in flight" in r.json()["error"]["message"]
-    httpx.post(gw.url + "/v1/abort", json={"request_ids": ["dup-1"]}, headers=ADMIN)
+    oneshot.post(gw.url + "/v1/abort", json={"request_ids": ["dup-1"]}, headers=ADMIN)
     thread.join(10)
 
 
@@ -348,19 +349,19 @@ def test_an_id_still_in_flight_is_refused_not_resent(gw: Stack) -> None:
 def test_bad_requests_get_clear_4xx_and_the_gateway_keeps_serving(
     gw: Stack, path: str, content: bytes, headers: dict, status: int, needle: str
 ) -> None:
-    r = httpx.post(gw.url + path, content=content, headers={"Content-Type": "application/json", **headers})
+    r = oneshot.post(gw.url + path, content=content, headers={"Content-Type": "application/json", **headers})
     assert r.status_code == status and needle in r.json()["error"]["message"], r.text
-    ok = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    ok = oneshot.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
 
 
 def test_health_ready_models_and_metrics(gw: Stack) -> None:
-    assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
-    assert httpx.get(gw.url + "/ready").json() == {"ready": True, "routable_engines": 2}
-    assert httpx.get(gw.url + "/v1/models").json()["data"][0]["id"].startswith("sim-")
-    httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-    httpx.post(gw.url + "/v1/completions", content=b"x" * 70000)
-    text = httpx.get(gw.url + "/metrics").text
+    assert oneshot.get(gw.url + "/health").json() == {"status": "ok"}
+    assert oneshot.get(gw.url + "/ready").json() == {"ready": True, "routable_engines": 2}
+    assert oneshot.get(gw.url + "/v1/models").json()["data"][0]["id"].startswith("sim-")
+    oneshot.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    oneshot.post(gw.url + "/v1/completions", content=b"x" * 70000)
+    text = oneshot.get(gw.url + "/metrics").text
     assert 'rollfleet_gateway_requests_total{outcome="length",route="/v1/completions"}' in text
     assert 'rollfleet_gateway_request_seconds_count{route="/v1/completions"}' in text
     assert 'rollfleet_gateway_rejected_total{status="413"}' in text
@@ -387,7 +388,7 @@ def test_an_api_key_guards_inference_routes_and_the_admin_token_passes_too() -> 
 
 def test_a_deep_body_gets_a_400_from_the_gateway(gw: Stack) -> None:
     deep = b'{"prompt": "x", "max_tokens": 1, "extra": ' + b"[" * 299 + b"]" * 299 + b"}"
-    r = httpx.post(f"{gw.url}/v1/completions", content=deep, headers={"content-type": "application/json"})
+    r = oneshot.post(f"{gw.url}/v1/completions", content=deep, headers={"content-type": "application/json"})
     assert r.status_code == 400 and f"deeper than {MAX_JSON_DEPTH} levels" in r.json()["error"]["message"], r.text
 
 
@@ -395,9 +396,9 @@ def test_a_session_key_longer_than_the_limit_is_refused(gw: Stack) -> None:
     from rollfleet.gateway.app import MAX_SESSION_KEY
 
     body = {"prompt": "x", "max_tokens": 1}
-    r = httpx.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * (MAX_SESSION_KEY + 1)})
+    r = oneshot.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * (MAX_SESSION_KEY + 1)})
     assert r.status_code == 400 and f"longer than {MAX_SESSION_KEY} characters" in r.json()["error"]["message"]
-    r = httpx.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * MAX_SESSION_KEY})
+    r = oneshot.post(f"{gw.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * MAX_SESSION_KEY})
     assert r.status_code == 200, r.text
 
 
@@ -411,7 +412,7 @@ def test_requests_on_an_engine_whose_pod_goes_move_to_the_other_from_their_token
 
     def run() -> None:
         body = {"prompt": "abc", "max_tokens": 300, "stream": stream}
-        out["r"] = httpx.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=30)
+        out["r"] = oneshot.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=30)
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -437,7 +438,7 @@ def test_requests_on_an_engine_whose_pod_goes_move_to_the_other_from_their_token
     assert ids == [(3 + i) % 97 + 3 for i in range(300)]
     assert finish == "length" and report["engines"] == [key, gw.sim_urls[1 - leaving]]
     assert gw.sims[leaving].finished[rid] == "abort"  # freed where it left, not run to its end there
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = oneshot.get(gw.url + "/metrics").text
     assert "rollfleet_gateway_moves_total" in metrics
 
 
@@ -450,7 +451,7 @@ def test_a_stopped_request_whose_engine_ends_the_stream_unsaid_ends_with_abort(g
     out: dict = {}
     thread = _start_stream(gw, "silent-1", out)
     wait_until(lambda: any("silent-1" in s.running for s in gw.sims))
-    r = httpx.post(gw.url + "/v1/abort", json={"request_ids": ["silent-1"]}, headers=ADMIN)
+    r = oneshot.post(gw.url + "/v1/abort", json={"request_ids": ["silent-1"]}, headers=ADMIN)
     assert r.status_code == 200, r.text
     thread.join(10)
     chunks = sse_chunks(out["text"])
@@ -459,7 +460,7 @@ def test_a_stopped_request_whose_engine_ends_the_stream_unsaid_ends_with_abort(g
 
 
 def _complete(gw: Stack, headers: dict[str, str], timeout: float = 30) -> httpx.Response:
-    return httpx.post(
+    return oneshot.post(
         gw.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, headers=headers, timeout=timeout
     )
 
@@ -532,7 +533,7 @@ def test_a_callers_trace_context_reaches_the_engine_only_when_well_formed(
 ) -> None:
     rid = f"trace-{abs(hash(traceparent))}"
     headers = {"X-Request-Id": rid} | ({"traceparent": traceparent} if traceparent else {})
-    r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+    r = oneshot.post(gw.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
     assert r.status_code == 200, r.text  # a malformed trace context is ignored, as W3C says, not refused
     seen = next(sim.traces[rid] for sim in gw.sims if rid in sim.traces)
     assert seen == (traceparent if forwarded else None)

@@ -31,6 +31,7 @@ from rollfleet_client.protocol import (
     TRL_RESET_PREFIX_CACHE_PATH,
     TRL_WORLD_SIZE_PATH,
 )
+from rollfleet_dev import oneshot
 from rollfleet_dev.sim_engine import SimEngine
 
 pytest.importorskip("trl")
@@ -93,8 +94,12 @@ class Fleet:
     def running(self, suffix: str = "") -> list[str]:
         return [rid for sim in self.sims for rid in sim.running if rid.endswith(suffix)]
 
+    def tokens(self, request_id: str) -> int:
+        """The tokens the engine running `request_id` has made of it so far."""
+        return max((t.output_tokens for sim in self.sims if (t := sim.tracker.get(request_id))), default=0)
+
     def failovers(self) -> float:
-        metrics = httpx.get(self.url + "/metrics").text.splitlines()
+        metrics = oneshot.get(self.url + "/metrics").text.splitlines()
         return float(next(ln.split()[1] for ln in metrics if ln.startswith("rollfleet_gateway_failovers_total")))
 
 
@@ -169,7 +174,8 @@ def test_aborting_one_sample_by_its_id_gives_back_its_partial_completion(gw: Fle
     thread.start()
     wait_until(lambda: len(gw.running("-p0-s1")) == 1 and len(gw.running("-p0-s0")) == 1)
     rid = gw.running("-p0-s1")[0]
-    r = httpx.post(gw.url + ABORT_PATH, json={"request_ids": [rid]}, headers=ADMIN)
+    wait_until(lambda: gw.tokens(rid) > 0)  # a partial completion to give back
+    r = oneshot.post(gw.url + ABORT_PATH, json={"request_ids": [rid]}, headers=ADMIN)
     assert r.json()["results"] == {rid: "aborted"}
     thread.join(30)
     whole, partial = out["completion_ids"]
@@ -184,12 +190,14 @@ def test_aborting_the_batch_id_or_leaving_stops_every_sample_at_its_engine(gw: F
     out: dict[str, httpx.Response] = {}
 
     def run() -> None:
-        out["r"] = httpx.post(gw.trl + COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: "batch-ab"}, timeout=30)
+        out["r"] = oneshot.post(
+            gw.trl + COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: "batch-ab"}, timeout=30
+        )
 
     thread = threading.Thread(target=run)
     thread.start()
     wait_until(lambda: len(gw.running()) == 4)
-    r = httpx.post(gw.url + ABORT_PATH, json={"request_ids": ["batch-ab"]}, headers=ADMIN)
+    r = oneshot.post(gw.url + ABORT_PATH, json={"request_ids": ["batch-ab"]}, headers=ADMIN)
     assert r.json()["results"] == {"batch-ab": "aborted"}
     thread.join(30)
     answer = out["r"].json()
@@ -199,7 +207,7 @@ def test_aborting_the_batch_id_or_leaving_stops_every_sample_at_its_engine(gw: F
     assert [gw.ended(rid) for rid in ids] == ["abort"] * 4
     # A client that leaves: its samples are stopped at their engines too.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(gw.trl + COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: "batch-gone"}, timeout=1.0)
+        oneshot.post(gw.trl + COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: "batch-gone"}, timeout=1.0)
     ids = [f"batch-gone-p{p}-s{s}" for p in range(2) for s in range(2)]
     wait_until(lambda: [gw.ended(rid) for rid in ids] == ["abort"] * 4)
 
@@ -212,7 +220,7 @@ def test_a_failing_sample_fails_the_batch_with_the_engines_reason(gw: Fleet, cli
 
 
 def test_health_prefix_cache_reset_and_world_size_answer_for_the_fleet(gw: Fleet, client: VLLMClient) -> None:
-    assert httpx.get(gw.trl + TRL_HEALTH_PATH).json() == {"status": "ok", "routable_engines": 2}
+    assert oneshot.get(gw.trl + TRL_HEALTH_PATH).json() == {"status": "ok", "routable_engines": 2}
     before = [len(sim.resets) for sim in gw.sims]
     client.reset_prefix_cache()
     assert [len(sim.resets) - b for sim, b in zip(gw.sims, before, strict=True)] == [1, 1]
@@ -227,7 +235,7 @@ def test_weight_sync_and_image_features_are_refused_with_what_to_do_instead(gw: 
         client.init_communicator(device="cpu")
     with pytest.raises(Exception, match=r"501.*/trl/start_weight_update.*sync sidecar"):
         client.update_named_param("w", torch.zeros(2))
-    r = httpx.post(gw.trl + GENERATE_PATH, json={"token_ids": [1], "features": {}})
+    r = oneshot.post(gw.trl + GENERATE_PATH, json={"token_ids": [1], "features": {}})
     assert r.status_code == 501 and "multimodal" in r.json()["error"]["message"]
 
 
@@ -243,7 +251,7 @@ def test_the_batchs_deadline_stops_every_sample_with_what_it_made(gw: Fleet) -> 
     started = time.monotonic()
     # 3 s: on a loaded host (the tier's other worker, kind's image loads) a sample may wait a second for its
     # engine before its first token; a 0.5 s deadline could end one with nothing made (seen in a CI run).
-    r = httpx.post(
+    r = oneshot.post(
         gw.trl + COMPLETIONS_PATH,
         json={"prompt": [[1]], "n": 2, "max_tokens": 5000},
         headers={TIMEOUT_HEADER: "3"},

@@ -7,17 +7,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from bench.bench_sync import RELAY_DIES_AFTER_ENV, receivers, sidecar
 from safetensors.torch import save_file
 
 from rollfleet_client.sync_protocol import EngineStep, PushState
+from rollfleet_dev import oneshot
 from rollfleet_engine.protocol import STAGING_MAX_BYTES_ENV
 
 
 def version_of(url: str) -> str:
-    return str(httpx.get(url + "/rollfleet/v1/state", timeout=10).json()["weight_version"])
+    return str(oneshot.get(url + "/rollfleet/v1/state", timeout=10).json()["weight_version"])
 
 
 def test_an_engine_that_cannot_stage_is_not_paused_and_is_caught_up_after_the_commit(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from rollfleet.sync.orchestrator import Publisher
 from rollfleet_client.sync_protocol import PushState
+from rollfleet_dev import oneshot
 from rollfleet_engine.protocol import WEIGHTS_MANIFEST_PATH
 from rollfleet_engine.safetensors_stream import tensor_checksum
 
@@ -55,4 +56,4 @@ def test_a_checkpoint_written_over_in_place_is_pushed_as_its_new_weights(tmp_pat
         status = client.push_dir(ckpt, "step-2")
         assert status.state is PushState.DONE, status
         assert client.fleet_version().pending_sync == []
-        assert {httpx.get(u + "/rollfleet/v1/state", timeout=10).json()["weight_version"] for u in urls} == {"step-2"}
+        assert {oneshot.get(u + "/rollfleet/v1/state", timeout=10).json()["weight_version"] for u in urls} == {"step-2"}

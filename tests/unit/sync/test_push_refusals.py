@@ -9,7 +9,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from bench.bench_sync import receivers, sidecar
@@ -19,10 +18,11 @@ from rollfleet_client.errors import SidecarError
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import PUSH_SPOOLED_PATH, PUSH_STREAM_PATH, PushState
 from rollfleet_client.tensors import tensor_file
+from rollfleet_dev import oneshot
 
 
 def version_of(url: str) -> str:
-    return str(httpx.get(url + "/rollfleet/v1/state", timeout=10).json()["weight_version"])
+    return str(oneshot.get(url + "/rollfleet/v1/state", timeout=10).json()["weight_version"])
 
 
 def checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -84,7 +84,7 @@ def test_a_trainer_that_stops_sending_mid_stream_pushes_nothing(
 
     headers = {"Content-Length": str(out.size)}
     with pytest.raises(ConnectionResetError):
-        httpx.put(client.url + PUSH_STREAM_PATH, params={"version": "v1"}, content=stops_halfway(), headers=headers)
+        oneshot.put(client.url + PUSH_STREAM_PATH, params={"version": "v1"}, content=stops_halfway(), headers=headers)
     assert half.is_set()
     fv = client.fleet_version()
     assert fv.last_push is None and {version_of(u) for u in urls} == {"initial"}

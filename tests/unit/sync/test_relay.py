@@ -9,7 +9,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from bench.bench_sync import free_port, sidecar
@@ -18,6 +17,7 @@ from tests.unit.sim_serving import serve_sims, stop_sims
 
 from rollfleet.sync.relay import depth, relay_fanout, relay_parents
 from rollfleet_client.sync_protocol import EngineStep, PushState
+from rollfleet_dev import oneshot
 from rollfleet_dev.sim_engine import SimEngine
 from rollfleet_engine.protocol import STATE_PATH
 from rollfleet_engine.safetensors_stream import PIECE_BYTES
@@ -78,7 +78,7 @@ def test_a_push_runs_down_a_relay_tree_and_every_engine_proves_the_bytes(tmp_pat
         expected = [None if p is None else urls[p] for p in relay_parents(7, 2)]
         assert [(by_name[u].source, by_name[u].relay_error) for u in urls] == [(p, None) for p in expected]
         assert all(e.step is EngineStep.RESUMED for e in status.engines)
-        states = [httpx.get(url + STATE_PATH, timeout=10).json() for url in urls]
+        states = [oneshot.get(url + STATE_PATH, timeout=10).json() for url in urls]
         assert all(s["weight_version"] == "v2" and not s["paused"] for s in states), states
         # Loaded from what it staged, every tensor verified as it landed against the one manifest of the push.
         manifests = {s["weights_manifest_sha256"] for s in states}
