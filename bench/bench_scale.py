@@ -224,30 +224,34 @@ def gateway_rounds(kubeconfig: Path, client: kubernetes.client.ApiClient, ns: st
     return {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in rounds.items()}
 
 
-def fresh_kwok(nodes: int) -> None:
-    """KWOK and the engine host started anew, with `nodes` fake nodes. KWOK recycles the addresses of deleted pods,
-    and after a fleet of 2,000 was deleted it gave 8 addresses of the next one to two pods each: the engine host
-    served one engine for both, and the fleet's figures were the wrong engines'."""
+def fresh_kwok(client: kubernetes.client.ApiClient, nodes: int) -> None:
+    """KWOK and the engine host started anew, with `nodes` fake nodes, once the last run's engine pods are gone. KWOK
+    recycles the addresses of deleted pods, and after a fleet of 2,000 was deleted it gave 8 addresses of the next one
+    to two pods each: the engine host served one engine for both, and the fleet's figures were the wrong engines'."""
+    pods_gone(client, "the last run's engine pods gone")
     kwok.down()
     kwok.up(nodes)
+
+
+def pods_gone(client: kubernetes.client.ApiClient, what: str) -> None:
+    """Wait until no engine pod is left, in any namespace: a run that starts while thousands are still being deleted
+    shares the API server with their deletions."""
+    core = kubernetes.client.CoreV1Api(client)
+    engines = contract.selector({contract.LABEL_COMPONENT: contract.COMPONENT_ENGINE})
+    bench_operator.wait_until(
+        lambda: not core.list_pod_for_all_namespaces(label_selector=engines, limit=1).items, 600, what
+    )
 
 
 def warm_up(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: int, nodes: int) -> float:
     """One unmeasured `kubectl apply` of `engines` bare pods, before anything is measured; the seconds to create
     them. A fresh cluster's first fleet is created at about half the rate of the next: fresh operators made 4
     fleets of 2,000 in turn, the first in 90.7 s and the next in 39.3-43.8 s; after this warm-up, the first took
-    48.6 s (docs/architecture.md, "Scale"). kubectl's apply of bare pods is not slower on a
-    fresh cluster (71-82 s, against 96-118 s as the baseline after a fleet), and the first size's fleet, measured
-    before its baseline, paid the difference alone."""
-    fresh_kwok(nodes)
+    48.6-50.0 s (docs/architecture.md, "Scale", runs I and J). The first size's fleet, measured before its
+    baseline, paid that alone."""
+    fresh_kwok(client, nodes)
     created_s = float(bench_operator.baseline_run(kubeconfig, client, engines, scale_spec(engines))["created_s"])
     print(json.dumps({f"warm_up_kubectl_{engines}_created_s": round(created_s, 1)}), flush=True)
-    # Gone before KWOK starts anew: its new nodes give out the addresses the terminating pods still hold.
-    core = kubernetes.client.CoreV1Api(client)
-    selector = contract.engine_selector("bench")
-    bench_operator.wait_until(
-        lambda: not core.list_pod_for_all_namespaces(label_selector=selector, limit=1).items, 600, "warm-up pods gone"
-    )
     return created_s
 
 
@@ -257,6 +261,7 @@ def one_fleet(kubeconfig: Path, client: kubernetes.client.ApiClient, engines: in
 
     fleet = bench_operator.fleet_run(kubeconfig, client, engines, scale_spec(engines), at_rest)
     print(json.dumps({f"fleet_{engines}": fleet}), flush=True)
+    pods_gone(client, "the fleet's pods gone")  # the baseline was measured beside their deletion until run J
     raw = bench_operator.baseline_run(kubeconfig, client, engines, scale_spec(engines))
     print(json.dumps({f"kubectl_{engines}": raw}), flush=True)
     return {
@@ -354,11 +359,11 @@ def main() -> int:
     warm_up_s = warm_up(kubeconfig, client, max(args.sizes), nodes)
     sizes = {}
     for n in sorted(set(args.sizes)):
-        fresh_kwok(nodes)
+        fresh_kwok(client, nodes)
         sizes[n] = one_fleet(kubeconfig, client, n)
     result: dict[str, Any] = {"warm_up_created_s": warm_up_s, "sizes": {str(n): v for n, v in sizes.items()}}
     if args.fleets:
-        fresh_kwok(nodes)
+        fresh_kwok(client, nodes)
         result["many_fleets"] = many_fleets(kubeconfig, client, args.fleets, args.fleet_size)
     result["headline"] = headline(sizes)
     if args.push_mib:
