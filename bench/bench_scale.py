@@ -217,11 +217,11 @@ def gateway_rounds(kubeconfig: Path, client: kubernetes.client.ApiClient, ns: st
                 rounds[key].append(gateway_measure(*gateway))
     custom.delete_namespaced_custom_object(contract.GROUP, contract.VERSION, ns, PLURAL, BASELINE_FLEET)
     # Gone before the operator's minute at rest is counted.
-    selector = contract.engine_selector(BASELINE_FLEET)
-    bench_operator.wait_until(
-        lambda: not core.list_namespaced_pod(ns, label_selector=selector).items, 300, "the baseline fleet's pods gone"
-    )
+    pods_gone(client, "the baseline fleet's pods gone", contract.engine_selector(BASELINE_FLEET), 300)
     return {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for key, runs in rounds.items()}
+
+
+ENGINE_PODS = contract.selector({contract.LABEL_COMPONENT: contract.COMPONENT_ENGINE})
 
 
 def fresh_kwok(client: kubernetes.client.ApiClient, nodes: int) -> None:
@@ -233,13 +233,14 @@ def fresh_kwok(client: kubernetes.client.ApiClient, nodes: int) -> None:
     kwok.up(nodes)
 
 
-def pods_gone(client: kubernetes.client.ApiClient, what: str) -> None:
-    """Wait until no engine pod is left, in any namespace: a run that starts while thousands are still being deleted
-    shares the API server with their deletions."""
+def pods_gone(
+    client: kubernetes.client.ApiClient, what: str, selector: str = ENGINE_PODS, timeout_s: float = 600
+) -> None:
+    """Wait until no pod that `selector` matches (by default every engine pod) is left, in any namespace: a run that
+    starts while thousands are still being deleted shares the API server with their deletions."""
     core = kubernetes.client.CoreV1Api(client)
-    engines = contract.selector({contract.LABEL_COMPONENT: contract.COMPONENT_ENGINE})
     bench_operator.wait_until(
-        lambda: not core.list_pod_for_all_namespaces(label_selector=engines, limit=1).items, 600, what
+        lambda: not core.list_pod_for_all_namespaces(label_selector=selector, limit=1).items, timeout_s, what
     )
 
 
