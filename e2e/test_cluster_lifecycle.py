@@ -40,6 +40,7 @@ def _pids_with_arg(marker: str) -> list[int]:
 
 def test_down_leaves_no_process_or_port(cluster: Cluster) -> None:
     from rollfleet_dev.localcluster import controlplane
+    from rollfleet_dev.localcluster.nodeagent.processes import start_ticks
 
     marker = f"rollfleet-e2e-{uuid.uuid4().hex[:8]}"
     cluster.kubectl(
@@ -62,14 +63,13 @@ spec:
     pod_pids = wait_for(lambda: _pids_with_arg(marker), 30, what="the pod's process")
     cluster_pids = [controlplane.running_pid(controlplane.Layout(), c) for c in controlplane.START_ORDER]
     assert all(cluster_pids)
+    # A pid with its start time names one process: pids here wrap at 32,768, and a busy host reuses a freed
+    # one within seconds.
+    started = [(pid, start_ticks(pid)) for pid in [*pod_pids, *cluster_pids]]
 
     subprocess.run([sys.executable, "-m", "rollfleet.cli", "cluster", "down"], check=True, timeout=120)
 
-    alive = [
-        p
-        for p in [*pod_pids, *cluster_pids]
-        if p and Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    ]
+    alive = [pid for pid, ticks in started if ticks is not None and start_ticks(pid) == ticks]
     assert alive == [], f"processes left behind: {alive}"
     busy = [port for port in controlplane.PORTS.values() if controlplane.port_in_use(port)]
     assert busy == [], f"ports left in use: {busy}"

@@ -171,20 +171,6 @@ def component_args(layout: Layout, bins: build.Binaries, pools: Path) -> dict[st
     }
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie has exited: treat it as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def running_pid(layout: Layout, component: str) -> int | None:
     """The component's process, if the one its pid file names still runs. The file names it by pid and start
     time: it outlives its process, and the host reuses pids (a kind container's first process leads its own
@@ -228,7 +214,11 @@ def health_checks(layout: Layout) -> dict[str, Callable[[], bool]]:
         "etcd": lambda: _get(f"http://{HOST}:{PORTS['etcd']}/health")[0] == 200,
         "kube-apiserver": lambda: admin_get("/readyz")[0] == 200,
         "kube-scheduler": lambda: _get(f"https://{HOST}:{PORTS['kube-scheduler']}/healthz")[0] == 200,
-        "kube-controller-manager": lambda: _get(f"https://{HOST}:{PORTS['kube-controller-manager']}/healthz")[0] == 200,
+        # Ready once it has made the default ServiceAccount: a pod created before then is refused.
+        "kube-controller-manager": lambda: (
+            _get(f"https://{HOST}:{PORTS['kube-controller-manager']}/healthz")[0] == 200
+            and admin_get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
+        ),
         "node-agent": lambda: _nodes_ready(admin_get),
     }
 
@@ -379,14 +369,19 @@ def _spawn(argv: list[str], out: BinaryIO, layout: Layout) -> subprocess.Popen[b
 
 
 def stop_process(pid: int, grace: float) -> None:
+    """SIGTERM the process group `pid` leads; SIGKILL it after `grace` seconds. The process is followed by pid
+    and start time: pids here wrap at 32,768, and a freed one soon names a stranger."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _pid_alive(pid):
+    while time.monotonic() < deadline and start_ticks(pid) == ticks:
         time.sleep(0.1)
-    if _pid_alive(pid):
+    if start_ticks(pid) == ticks:
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -409,7 +404,7 @@ def leftover_processes(root: Path) -> list[int]:
         if proc.name.isdigit()
         and int(proc.name) != os.getpid()
         and _of_cluster(int(proc.name), root)
-        and _pid_alive(int(proc.name))
+        and start_ticks(int(proc.name)) is not None
     ]
 
 

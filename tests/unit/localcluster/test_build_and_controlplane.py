@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +97,25 @@ def test_a_pid_file_names_its_process_from_the_fork_on_and_never_a_later_process
     assert controlplane.running_pid(layout, "etcd") is None
     layout.pid_file("etcd").write_text(str(os.getpid()))
     assert controlplane.running_pid(layout, "etcd") is None
+
+
+def test_stop_process_waits_for_a_process_that_exits_on_sigterm_and_kills_one_that_ignores_it() -> None:
+    """`rollfleet cluster down` stops each component this way, following it by pid and start time."""
+    run = "import signal, sys, time; signal.signal(signal.SIGTERM, {}); print(flush=True); time.sleep(30)"
+    procs = []
+    for handler in ("lambda *_: sys.exit(0)", "signal.SIG_IGN"):  # exits on SIGTERM; ignores it
+        code = run.format(handler)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None
+        proc.stdout.readline()  # its handler is in place
+        procs.append(proc)
+    try:
+        t0 = time.monotonic()
+        controlplane.stop_process(procs[0].pid, grace=20)
+        assert time.monotonic() - t0 < 10 and procs[0].wait(5) == 0
+        controlplane.stop_process(procs[1].pid, grace=0.5)
+        assert procs[1].wait(5) == -signal.SIGKILL
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
