@@ -42,7 +42,7 @@ import kubernetes
 
 from bench.crds import install_crds
 from bench.processes import stop
-from rollfleet import contract
+from rollfleet import contract, metrics
 from rollfleet.api.fleet import KIND, PLURAL, RolloutFleetSpec
 from rollfleet.controller import desired
 from rollfleet.controller.owner import FleetRef
@@ -146,6 +146,45 @@ def api_calls(metrics_port: int) -> dict[str, float]:
     }
 
 
+def reconcile_passes(metrics_port: int) -> dict[str, float]:
+    """The operator's reconcile passes so far, every fleet's: how many, and their seconds in all."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    name = metrics.OPERATOR_PASS_SECONDS.name
+    return {
+        key: sum(float(v) for v in re.findall(rf"^{name}_{suffix}(?:\{{.*\}})? (\S+)$", text, re.M))
+        for key, suffix in (("passes", "count"), ("seconds", "sum"))
+    }
+
+
+_APISERVER_COUNT = re.compile(r"^apiserver_(request|watch_events)_total\{([^}]*)\} (\S+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def apiserver_requests(client: kubernetes.client.ApiClient) -> dict[str, float]:
+    """The API server's own count of the requests it served, by verb and resource ("PATCH pods", "PUT
+    pods/status"), and of the watch events it sent, by resource ("watch events pods"): every client's, the operator's
+    and KWOK's alike, which the operator's own count cannot show."""
+    method, url, headers, _, _ = client.param_serialize("GET", "/metrics", auth_settings=["BearerToken"])
+    resp = client.call_api(method, url, headers)
+    resp.read()
+    text = resp.data.decode()
+    counts: dict[str, float] = {}
+    for m in _APISERVER_COUNT.finditer(text):
+        labels = dict(_LABEL.findall(m.group(2)))
+        if m.group(1) == "watch_events":
+            key = f"watch events {labels.get('resource')}"
+        else:
+            key = f"{labels.get('verb')} {labels.get('resource')}/{labels.get('subresource')}".rstrip("/")
+        counts[key] = counts.get(key, 0) + float(m.group(3))
+    return counts
+
+
+def counts_since(before: dict[str, float], after: dict[str, float], least: int = 10) -> dict[str, int]:
+    """What each count grew by, the largest first; those under `least` are left out."""
+    grew = {k: int(v - before.get(k, 0)) for k, v in after.items()}
+    return {k: v for k, v in sorted(grew.items(), key=lambda kv: -kv[1]) if v >= least}
+
+
 def idle_minute(port: int, pid: int) -> dict[str, Any]:
     """What a converged operator costs a minute at rest: API calls (in all and by kind), CPU seconds (it re-reads
     each settled engine's state now and then), and its RSS after it."""
@@ -231,7 +270,9 @@ def fleet_run(
             time.sleep(2)  # let kopf finish its initial listing before the clock starts
             out["rss_idle_mib"] = rss_mib(op.pid)
             peak = [out["rss_idle_mib"]]
-            calls_before = sum(api_calls(port).values())
+            calls_at_start, passes_at_start = api_calls(port), reconcile_passes(port)
+            calls_before = sum(calls_at_start.values())
+            served_before = apiserver_requests(client)
             cpu_before = process_cpu_seconds(op.pid)
             with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
                 t0 = time.monotonic()
@@ -267,6 +308,11 @@ def fleet_run(
 
                 wait_until(converged, 1800, "status converged", sample)
                 out["converged_s"] = time.monotonic() - t0
+                # What the API server served from apply to converged, and the operator's share of it.
+                out["apiserver_requests_to_converged"] = counts_since(served_before, apiserver_requests(client))
+                out["operator_calls_to_converged"] = counts_since(calls_at_start, api_calls(port))
+                passes = reconcile_passes(port)
+                out["reconcile_passes_to_converged"] = {k: round(v - passes_at_start[k], 1) for k, v in passes.items()}
                 out["all_ready_s"] = max(pw.ready.values()) - t0 if len(pw.ready) >= engines else None
             # What grows with engines in single objects (etcd takes at most 1.5 MiB an object): the fleet's
             # status, and its weights record when it has one.
@@ -339,6 +385,7 @@ def baseline_run(
         del secret["metadata"]["ownerReferences"]
         core.create_namespaced_secret(ns, secret)
     out: dict[str, Any] = {}
+    served_before = apiserver_requests(client)
     try:
         with PodWatch(core, ns, contract.engine_selector("bench")) as pw:
             t0 = time.monotonic()
@@ -356,6 +403,7 @@ def baseline_run(
             wait_until(lambda: len(pw.ready.keys() | pw.failed.keys()) >= engines, 1800, "all pods Ready or failed")
             out["all_ready_or_failed_s"] = max([*pw.ready.values(), *pw.failed.values()]) - t0
             out["ready"], out["failed"] = len(pw.ready), len(pw.failed.keys() - pw.ready.keys())
+            out["apiserver_requests_to_ready"] = counts_since(served_before, apiserver_requests(client))
     finally:
         core.delete_namespace(ns)
     return out

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -282,7 +282,7 @@ class FleetLoop:
 
     async def _observe_engines(self, spec: RolloutFleetSpec, record: Mapping[str, str]) -> tuple[list[EngineObs], bool]:
         """The fleet's engine pods as observations with the engines' own state, and whether the
-        fleet is busy (engines coming and going: 1 s passes; settled engines are re-read every 10 s)."""
+        fleet is busy (engines coming and going: 1 s passes). Engines are re-read as `plan.state_max_age` says."""
         pods = self._index_pods()
         if any(p["metadata"].get("deletionTimestamp") for p in pods):
             # kopf re-lists after a watch gap (a namespace deleted and made again, an API server
@@ -307,9 +307,11 @@ class FleetLoop:
             self._forget_state()
             self._sync_record = sync_record
         # At rest a fleet's engines are re-read at most IDLE_STATE_READS_PER_S a second (2,000 engines every 10 s
-        # were 200 reads a second: 40% of a core, bench_scale); busy, every second, as engines come and go.
+        # were 200 reads a second: 40% of a core, bench_scale); busy, those not Ready or Paused every second.
         idle_age = max(IDLE_RESYNC_S, len(observed) / IDLE_STATE_READS_PER_S)
-        states = await self._poll_states(observed, max_age=BUSY_RESYNC_S if busy else idle_age)
+        states = await self._poll_states(
+            observed, functools.partial(plan.state_max_age, busy=busy, busy_s=BUSY_RESYNC_S, idle_s=idle_age)
+        )
         return [dataclasses.replace(o, state=states.get(o.name)) for o in observed], busy
 
     def _not_in_flight(self, actions: list[plan.PodAction], observed: Sequence[EngineObs]) -> list[plan.PodAction]:
@@ -514,9 +516,11 @@ class FleetLoop:
 
     # ---- engines ---------------------------------------------------------------------------
 
-    async def _poll_states(self, obs: list[EngineObs], max_age: float) -> dict[str, EngineState | None]:
+    async def _poll_states(
+        self, obs: list[EngineObs], max_age: Callable[[EngineObs], float]
+    ) -> dict[str, EngineState | None]:
         """Engine states. Read now: an engine's first, one that did not answer, a draining one's (every pass: its
-        in-flight count decides when it goes). Read in the background once older than `max_age`: the older
+        in-flight count decides when it goes). Read in the background once older than its `max_age`: the older
         state serves until the new one is in, so a pass never waits for a thousand engines' answers (that held
         a pause back by seconds at 1,000 engines, bench_scale)."""
         now = time.monotonic()
@@ -546,7 +550,7 @@ class FleetLoop:
             known = self._states.get(o.name)
             if known is None or known[1] is None or o.draining:
                 due.append(o)
-            elif now - known[0] >= max_age and o.name not in self._refreshing:
+            elif now - known[0] >= max_age(o) and o.name not in self._refreshing:
                 stale.append(o)
         await asyncio.gather(*(fetch(o) for o in due))
         for o in stale:

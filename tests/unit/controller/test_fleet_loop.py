@@ -7,6 +7,7 @@ against plain dicts standing in for kopf's indexes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from tests.unit.controller.fleet_fixtures import obs, state
 
+from rollfleet.controller import plan
 from rollfleet.controller.owned import OwnedObjects
 from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
@@ -154,19 +156,20 @@ def test_stale_states_are_read_in_the_background_and_a_missed_read_keeps_the_las
     shared = SimpleNamespace(engines=Engines(), owned=OwnedObjects())
     loop = FleetLoop(shared, FLEET, {}, {}, {})  # type: ignore[arg-type]
     engines = [obs(0), obs(1)]
+    ten_s = functools.partial(plan.state_max_age, busy=False, busy_s=1.0, idle_s=10.0)  # at rest
     busy = EngineCallError(EngineRef("f-engine-1", "http://x"), "GET", "/state", "no answer within 5s")
 
     async def go() -> None:
         answers.update({"f-engine-0": state(version="v1"), "f-engine-1": state(version="v1")})
-        first = await loop._poll_states(engines, max_age=10)  # an engine's first state: read in the pass
+        first = await loop._poll_states(engines, max_age=ten_s)  # an engine's first state: read in the pass
         assert {n: s and s.weight_version for n, s in first.items()} == {"f-engine-0": "v1", "f-engine-1": "v1"}
         for name, (at, st) in list(loop._states.items()):
             loop._states[name] = (at - 11, st)  # both stale now
         answers.update({"f-engine-0": state(version="v2"), "f-engine-1": busy})
-        second = await loop._poll_states(engines, max_age=10)
+        second = await loop._poll_states(engines, max_age=ten_s)
         assert {s and s.weight_version for s in second.values()} == {"v1"}  # the pass did not wait for them
         await asyncio.gather(*loop._refreshing.values())
-        third = await loop._poll_states(engines, max_age=10)
+        third = await loop._poll_states(engines, max_age=ten_s)
         assert third["f-engine-0"] is not None and third["f-engine-0"].weight_version == "v2"
         assert loop._wake_early  # a version changed: pass again soon
         assert third["f-engine-1"] is not None and third["f-engine-1"].weight_version == "v1"  # kept, asked again

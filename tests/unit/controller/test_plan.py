@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from tests.unit.controller.fleet_fixtures import HASH, NOW, draining, engine, state
+from tests.unit.controller.fleet_fixtures import HASH, NOW, draining, engine, obs, state
 
 from rollfleet.api.fleet import PauseStatus, UpdateStrategy
 from rollfleet.contract import ANNOTATION_PAUSE, ANNOTATION_RESUME
@@ -224,3 +224,21 @@ def test_a_created_engine_is_awaited_until_the_watch_shows_it_or_patience_runs_o
     created = {0: 100.0, 1: 100.0, 2: 40.0}
     assert plan.awaited_creations(created, seen={1}, now=110.0, patience_s=60.0) == {0: 100.0}
     assert plan.awaited_creations(created, seen=set(), now=170.0, patience_s=60.0) == {}
+
+
+def test_a_busy_fleet_re_reads_every_second_only_the_engines_whose_state_may_change_on_its_own() -> None:
+    """A converging fleet of 2,000 re-read every Ready engine each second; only those loading or syncing need it."""
+    ages = {
+        phase: plan.state_max_age(obs(0, annotated=phase), busy=True, busy_s=1.0, idle_s=40.0)
+        for phase in (None, "Starting", "PendingSync", "Syncing", "Draining", "Ready", "Paused")
+    }
+    assert ages == {
+        None: 1.0,
+        "Starting": 1.0,
+        "PendingSync": 1.0,
+        "Syncing": 1.0,
+        "Draining": 1.0,
+        "Ready": 40.0,
+        "Paused": 40.0,
+    }
+    assert plan.state_max_age(obs(0, annotated="Starting"), busy=False, busy_s=1.0, idle_s=40.0) == 40.0
