@@ -289,8 +289,8 @@ STEADY_PHASES = frozenset({EnginePhase.READY, EnginePhase.PAUSED})
 def state_max_age(obs: EngineObs, busy: bool, busy_s: float, idle_s: float) -> float:
     """How old an engine's last read state may be before it is read again: `busy_s` while the fleet is busy, but
     only for an engine whose state may change on its own (loading, syncing); a steady engine waits `idle_s` even
-    then. Re-reading all 2,000 of a converging fleet's engines every second took the operator half a core, beside
-    the API server the fleet waited on (bench_scale)."""
+    then. A converging fleet of 2,000 re-read every engine each second: the operator spent 58-60 CPU-seconds to
+    converge, and 49-53 reading only these (bench_scale, docs/architecture.md "Scale", runs I and J against L and M)."""
     return busy_s if busy and obs.annotated_phase not in STEADY_PHASES else idle_s
 
 
