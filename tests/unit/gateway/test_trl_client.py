@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -35,7 +35,8 @@ from rollfleet_dev import oneshot
 from rollfleet_dev.sim_engine import SimEngine
 
 pytest.importorskip("trl")
-from trl.generation.vllm_client import VLLMClient
+if TYPE_CHECKING:
+    from trl.generation.vllm_client import VLLMClient
 
 Json = dict[str, Any]
 
@@ -121,6 +122,10 @@ def gw(fleet: Fleet) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def client(fleet: Fleet) -> VLLMClient:
+    # Imported here: TRL's client imports vLLM and transformers (8 s), which every collection of the suite
+    # (each unit worker, the lint's tier check) would otherwise pay.
+    from trl.generation.vllm_client import VLLMClient
+
     client = VLLMClient(base_url=fleet.trl, connection_timeout=10)
     client.session.headers["Authorization"] = f"Bearer {TOKEN}"  # the trainer's: reset_prefix_cache is control
     return client
