@@ -68,10 +68,13 @@ class LiveFleet:
     fleet: Fleet
     token: str  # the admin token
     inference_token: str  # what generation needs (the fleet's default: spec.auth.inference Token)
-    stack: contextlib.ExitStack  # holds the ways in to pods (port-forwards on kind)
+    stack: contextlib.ExitStack  # holds the ways in to pods (port-forwards on kind) until the session ends
     real: bool = True  # real vLLM engines (the `live` fleet), else simulated ones (`sim_live`)
     gateways: list[Endpoint] = field(default_factory=list)  # one per replica (session tables are per replica)
     engines: list[Endpoint] = field(default_factory=list)
+    # The way in to each pod, by (component, pod uid), kept across `ready()` calls: one made per pod and per call
+    # left 92 kubectl port-forwards running by the middle of the acceptance tier, and each took a second to make.
+    ways_in: dict[tuple[str, str], tuple[str, contextlib.ExitStack]] = field(default_factory=dict)
 
     @property
     def admin(self) -> dict[str, str]:
@@ -112,9 +115,21 @@ class LiveFleet:
             "json",
         )
         pods = sorted(
-            p["metadata"]["name"] for p in json.loads(out.stdout)["items"] if not p["metadata"].get("deletionTimestamp")
+            (p["metadata"]["name"], p["metadata"]["uid"])
+            for p in json.loads(out.stdout)["items"]
+            if not p["metadata"].get("deletionTimestamp")
         )
-        return [Endpoint(pod, self.stack.enter_context(self.cluster.reach(self.namespace, pod, port))) for pod in pods]
+        # A pod replaced (a new uid, even under the same name: the local cluster reaches it by its IP) gets a new
+        # way in; those of pods gone are closed.
+        for key in [k for k in self.ways_in if k[0] == component and k[1] not in {uid for _, uid in pods}]:
+            self.ways_in.pop(key)[1].close()
+        for pod, uid in pods:
+            if (component, uid) not in self.ways_in:
+                own = contextlib.ExitStack()
+                url = own.enter_context(self.cluster.reach(self.namespace, pod, port))
+                self.stack.push(own)
+                self.ways_in[(component, uid)] = (url, own)
+        return [Endpoint(pod, self.ways_in[(component, uid)][0]) for pod, uid in pods]
 
     def kill_engine(self, key: str) -> None:
         kill_engine_process(self.cluster, self.namespace, key)

@@ -83,6 +83,9 @@ class FleetRollouts:
                         group_id=f"trl-s{step}-{zlib.crc32(text.encode()):08x}",
                         max_tokens=a.max_tokens,
                         temperature=1.0,
+                        # Each sample's own seed (vLLM's per-request generator): a run is repeatable, whatever
+                        # engine or batch a sample lands in.
+                        seed=zlib.crc32(f"{a.seed}/{step}/{i}".encode()),
                         logprobs=0,
                         ignore_eos=True,
                     )
