@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 
 import httpx
 import kubernetes
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.crds import install_crds
 from bench.processes import stop
@@ -138,45 +138,60 @@ def operator(kubeconfig: Path, namespace: str, metrics_port: int) -> Iterator[su
         stop(proc)
 
 
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """A Prometheus scrape's samples: (name, labels, value), as prometheus_client's parser reads them."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            yield s.name, s.labels, s.value
+
+
+def _operator_samples(metrics_port: int) -> Iterator[tuple[str, dict[str, str], float]]:
+    return samples(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text)
+
+
 def api_calls(metrics_port: int) -> dict[str, float]:
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r'^rollfleet_operator_api_calls_total\{call="([^"]+)"\} (\S+)$', text, re.M)
+        labels["call"]: value
+        for name, labels, value in _operator_samples(metrics_port)
+        if name == "rollfleet_operator_api_calls_total"
     }
 
 
 def reconcile_passes(metrics_port: int) -> dict[str, float]:
     """The operator's reconcile passes so far, every fleet's: how many, and their seconds in all."""
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-    name = metrics.OPERATOR_PASS_SECONDS.name
-    return {
-        key: sum(float(v) for v in re.findall(rf"^{name}_{suffix}(?:\{{.*\}})? (\S+)$", text, re.M))
+    wanted = {
+        f"{metrics.OPERATOR_PASS_SECONDS.name}_{suffix}": key
         for key, suffix in (("passes", "count"), ("seconds", "sum"))
     }
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for name, _, value in _operator_samples(metrics_port):
+        if name in wanted:
+            out[wanted[name]] += value
+    return out
 
 
-_APISERVER_COUNT = re.compile(r"^apiserver_(request|watch_events)_total\{([^}]*)\} (\S+)$", re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def apiserver_requests(client: kubernetes.client.ApiClient) -> dict[str, float]:
+def apiserver_counts(text: str) -> dict[str, float]:
     """The API server's own count of the requests it served, by verb and resource ("PATCH pods", "PUT
     pods/status"), and of the watch events it sent, by resource ("watch events pods"): every client's, the operator's
     and KWOK's alike, which the operator's own count cannot show."""
+    counts: dict[str, float] = {}
+    for name, labels, value in samples(text):
+        if name == "apiserver_watch_events_total":
+            key = f"watch events {labels.get('resource')}"
+        elif name == "apiserver_request_total":
+            key = f"{labels.get('verb')} {labels.get('resource')}/{labels.get('subresource')}".rstrip("/")
+        else:
+            continue
+        counts[key] = counts.get(key, 0) + value
+    return counts
+
+
+def apiserver_requests(client: kubernetes.client.ApiClient) -> dict[str, float]:
+    """`apiserver_counts` of the API server's /metrics now."""
     method, url, headers, _, _ = client.param_serialize("GET", "/metrics", auth_settings=["BearerToken"])
     resp = client.call_api(method, url, headers)
     resp.read()
-    text = resp.data.decode()
-    counts: dict[str, float] = {}
-    for m in _APISERVER_COUNT.finditer(text):
-        labels = dict(_LABEL.findall(m.group(2)))
-        if m.group(1) == "watch_events":
-            key = f"watch events {labels.get('resource')}"
-        else:
-            key = f"{labels.get('verb')} {labels.get('resource')}/{labels.get('subresource')}".rstrip("/")
-        counts[key] = counts.get(key, 0) + float(m.group(3))
-    return counts
+    return apiserver_counts(resp.data.decode())
 
 
 def counts_since(before: dict[str, float], after: dict[str, float], least: int = 10) -> dict[str, int]:
