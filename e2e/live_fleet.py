@@ -121,7 +121,8 @@ class LiveFleet:
         )
         # A pod replaced (a new uid, even under the same name: the local cluster reaches it by its IP) gets a new
         # way in; those of pods gone are closed.
-        for key in [k for k in self.ways_in if k[0] == component and k[1] not in {uid for _, uid in pods}]:
+        live = {(component, uid) for _, uid in pods}
+        for key in [k for k in self.ways_in if k[0] == component and k not in live]:
             self.ways_in.pop(key)[1].close()
         for pod, uid in pods:
             if (component, uid) not in self.ways_in:
