@@ -104,6 +104,19 @@ class Sidecar:
         self.proc.wait()
         self.proc = None
 
+    def stop(self) -> None:
+        """SIGTERM, as kubelet stops a container, then SIGKILL after 30 s: a sidecar left running after a failed
+        test holds its ports, and every later sidecar of the session fails to bind them."""
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
     def client(self, spool: Path | None = None) -> SyncClient:
         """A trainer's client; with `spool` (the sidecar's), one in a container that mounts the spool."""
         c = SyncClient(self.url, spool=spool)
@@ -158,14 +171,17 @@ def running_fleet(tmp: Path, token_file: Path, backend: str = HTTP_WEIGHT_BACKEN
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 @contextlib.contextmanager
 def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -> Iterator[Sidecar]:
     """``rollfleet sync`` in static mode over `engines`, on a loopback address of its own."""
     host, port = free_loopback_address()
     spool = tmp / "spool"
-    with socket.socket() as s:  # the weights server binds the same loopback address, on its own port
-        s.bind((host, 0))
-        weights_port = s.getsockname()[1]
     cmd = [
         sys.executable,
         "-m",
@@ -184,7 +200,10 @@ def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -
         "--weights-host",
         host,
         "--weights-port",
-        str(weights_port),
+        str(_free_port(host)),  # the weights server binds the same loopback address, on its own port
+        # Its health server listens on every address: a local cluster's sidecars on this host hold the default port.
+        "--health-port",
+        str(_free_port("0.0.0.0")),
         "--spool-dir",
         str(spool),
         "--reconcile-interval",
@@ -202,9 +221,7 @@ def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -
     finally:
         for c in car.clients:
             c.close()
-        if car.proc is not None:
-            car.proc.terminate()
-            car.proc.wait(timeout=30)
+        car.stop()
 
 
 @pytest.fixture(scope="package")

@@ -112,7 +112,8 @@ def wait_engine_step(client: SyncClient, generation: int, engine: Engine, step: 
     def reached() -> bool:
         nonlocal status
         status = client.progress(generation)
-        assert status.state is PushState.RUNNING, status
+        steps = "; ".join(f"{e.name} {e.step.value}{f' ({e.error})' if e.error else ''}" for e in status.engines)
+        assert status.state is PushState.RUNNING, f"push {status.state.value}: {status.message}; engines: {steps}"
         return any(e.name == engine.url and e.step is step for e in status.engines)
 
     wait_until(f"{engine.url} {step.value}", reached)
@@ -284,19 +285,22 @@ def test_sidecar_killed_mid_push_is_restarted_and_the_fleet_ends_on_one_version(
     sidecar.kill()
     pulling = Sidecar([*sidecar.cmd, "--no-prefetch"], sidecar.url, sidecar.log, sidecar.spool)
     pulling.start()
-    client = pulling.client()
     first, second = engines
-    old_label = str(state(first.engine)["weight_version"])
-    old = serving(first.engine, references)
-    new, version = other(old), fresh_version(other(old))
-    state_dict = load_file(weights_dirs[new] / "model.safetensors")
-    second.signal_server(signal.SIGSTOP)
     try:
-        started = client.push(state_dict, version, wait=False)  # streamed into the sidecar's spool
-        wait_engine_step(client, started.generation, first.engine, EngineStep.VERIFIED)
-        pulling.kill()
+        client = pulling.client()
+        old_label = str(state(first.engine)["weight_version"])
+        old = serving(first.engine, references)
+        new, version = other(old), fresh_version(other(old))
+        state_dict = load_file(weights_dirs[new] / "model.safetensors")
+        second.signal_server(signal.SIGSTOP)
+        try:
+            started = client.push(state_dict, version, wait=False)  # streamed into the sidecar's spool
+            wait_engine_step(client, started.generation, first.engine, EngineStep.VERIFIED)
+            pulling.kill()
+        finally:
+            second.signal_server(signal.SIGCONT)
     finally:
-        second.signal_server(signal.SIGCONT)
+        pulling.stop()  # killed above; after a failure, it must not hold the sidecar's ports for the later tests
 
     # No sidecar: the engine that has the new weights is paused; nothing serves them yet.
     s = state(first.engine)

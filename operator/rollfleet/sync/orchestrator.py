@@ -278,9 +278,11 @@ class Orchestrator:
         return status
 
     async def _refuse_collective_engines(self) -> None:
-        """Engines of a collective backend receive from the trainer's broadcast, not from this weights server."""
+        """Engines of a collective backend receive from the trainer's broadcast, not from this weights server. A state
+        read (STATE_POLL): an engine that does not answer in time is not refused here, and a hung one holds the
+        trainer's push back seconds, not the 30 s of a control call (the push itself then leaves it out)."""
         engines = await self.discovery.engines()
-        states = await asyncio.gather(*(self.api.state(e, CONTROL) for e in engines), return_exceptions=True)
+        states = await asyncio.gather(*(self.api.state(e) for e in engines), return_exceptions=True)
         collective = [
             f"{e.name} ({s.weight_backend})"
             for e, s in zip(engines, states, strict=True)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 from tests.unit.engine_send import handler_send
 
-from rollfleet.engine_client import EngineClient
+from rollfleet.engine_client import CONTROL, STATE_POLL, EngineClient
 from rollfleet.sync import orchestrator
 from rollfleet.sync.engines import StaticDiscovery
 from rollfleet.sync.orchestrator import Orchestrator, Publisher
@@ -87,3 +90,24 @@ def test_only_writes_idle_for_long_in_the_spool_are_abandoned(tmp_path: Path) ->
     (tmp_path / SPOOL_SPARE_FILE).write_bytes(b"x")  # kept on purpose, for the next push
     os.utime(tmp_path / SPOOL_SPARE_FILE, (now - 3600, now - 3600))
     assert sorted(p.name for p in orchestrator.abandoned_writes(tmp_path, now)) == ["old", "stray-file"]
+
+
+def test_an_engine_that_does_not_answer_holds_a_push_back_no_longer_than_a_state_read(tmp_path: Path) -> None:
+    """The collective-backend check before a push reads each engine's state: one engine hung (SIGSTOPped, its node
+    lost) delays the trainer's push by a state read's timeout, not a control call's."""
+    hung = asyncio.Event()  # never set: the stopped engine never answers
+    state = {"model": "tiny", "weight_version": "v1", "paused": False, "running": 0, "waiting": 0}
+
+    async def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "hung":
+            await hung.wait()
+        return httpx.Response(200, json={**state, "weight_backend": "http"})
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file({"w": torch.zeros(4)}, str(weights / "model.safetensors"))
+    api = EngineClient("token", send=handler_send(engine))
+    t0 = time.monotonic()
+    submit(tmp_path, weights, ("http://hung:8000", "http://e1:8000"), api)  # accepted: nothing refused it
+    took = time.monotonic() - t0
+    assert STATE_POLL.timeout_s <= took < CONTROL.timeout_s / 2, took
