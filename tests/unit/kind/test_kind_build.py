@@ -116,9 +116,9 @@ def test_every_node_gets_the_node_image_etcd_tag_cgroup_v1_allowance_and_the_mod
     assert {"kind": "KubeletConfiguration", "failCgroupV1": False} in patches
     etcd = next(p for p in patches if p["kind"] == "ClusterConfiguration")["etcd"]
     assert etcd == {"local": {"imageTag": tools.ETCD_IMAGE_TAG}}
-    # The pools of e2e/kind/cluster.yaml are kept: the control plane (the CPU pool) and two GPU workers.
+    # The pools of e2e/kind/cluster.yaml are kept: a control plane, two GPU workers, one CPU worker.
     pools = [(n["role"], (n.get("labels") or {}).get("rollfleet.dev/pool")) for n in config["nodes"]]
-    assert pools == [("control-plane", "cpu"), ("worker", "gpu"), ("worker", "gpu")]
+    assert pools == [("control-plane", None), ("worker", "gpu"), ("worker", "gpu"), ("worker", "cpu")]
 
 
 def test_layer_blobs_of_a_docker_manifest_are_its_layers_not_its_config() -> None:
