@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from bench.bench_sync import free_port
+from bench.processes import stop
 
 from rollfleet_client.sync import SyncClient
 from rollfleet_engine import weights_client
@@ -109,12 +110,7 @@ class Sidecar:
         test holds its ports, and every later sidecar of the session fails to bind them."""
         if self.proc is None:
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc, timeout_s=30)
         self.proc = None
 
     def client(self, spool: Path | None = None) -> SyncClient:
@@ -171,12 +167,6 @@ def running_fleet(tmp: Path, token_file: Path, backend: str = HTTP_WEIGHT_BACKEN
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -> Iterator[Sidecar]:
     """``rollfleet sync`` in static mode over `engines`, on a loopback address of its own."""
@@ -200,10 +190,10 @@ def running_sidecar(tmp: Path, engines: list[EngineProcess], token_file: Path) -
         "--weights-host",
         host,
         "--weights-port",
-        str(_free_port(host)),  # the weights server binds the same loopback address, on its own port
+        str(free_port(host)),  # the weights server binds the same loopback address, on its own port
         # Its health server listens on every address: a local cluster's sidecars on this host hold the default port.
         "--health-port",
-        str(_free_port("0.0.0.0")),
+        str(free_port("0.0.0.0")),
         "--spool-dir",
         str(spool),
         "--reconcile-interval",
