@@ -34,6 +34,7 @@ from e2e.fleet_helpers import (
     all_engines_on,
     deploy_operator,
     greedy,
+    group_pods,
     nothing_running,
     run_grpo_example,
     sidecar_client,
@@ -48,7 +49,6 @@ from rollfleet.contract import (
     ENGINE_PORT,
     GATEWAY_PORT,
     LABEL_COMPONENT,
-    LWS_LABEL_NAME,
     engine_group_leader,
     engine_pod_name,
 )
@@ -102,11 +102,6 @@ def gateway(cluster: Cluster, fleet: Fleet) -> Iterator[str]:
         yield url
 
 
-def group_pods(cluster: Cluster, group: str) -> list[dict[str, Any]]:
-    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={group}", "-o", "json").stdout
-    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
-
-
 def engine_get(cluster: Cluster, leader: str, path: str) -> Any:
     with cluster.reach(NS, leader, ENGINE_PORT) as url:
         return oneshot.get(url + path, timeout=30).raise_for_status().json()
@@ -118,7 +113,7 @@ def test_each_engine_is_a_group_across_the_pool_and_its_leader_serves_it(
     st = fleet.status()
     assert sorted(e["name"] for e in st["engines"]) == LEADERS  # one engine per group, named by its leader
     for group in GROUPS:
-        pods = group_pods(cluster, group)
+        pods = group_pods(cluster, NS, group)
         assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2, "one pod per GPU-pool node"
         ranks = [p for p in pods if p["metadata"]["labels"][LABEL_COMPONENT] == COMPONENT_ENGINE_RANK]
         assert [p["metadata"]["name"] for p in ranks] == [f"{engine_group_leader(group)}-1"]
@@ -214,14 +209,14 @@ def test_a_killed_rank_restarts_its_group_which_syncs_before_it_serves_and_reque
     ]
     k = max(range(len(LEADERS)), key=lambda i: len(running[i]))
     assert running[k], f"none of the requests runs on either engine any more: {[s.tokens() for s in streams]} tokens"
-    before = {p["metadata"]["uid"] for p in group_pods(cluster, GROUPS[k])}
+    before = {p["metadata"]["uid"] for p in group_pods(cluster, NS, GROUPS[k])}
 
     signal_container(cluster, NS, f"{LEADERS[k]}-1", "engine", signal.SIGKILL)
 
     # LWS recreates the whole group; the engine is not Ready until both its pods are up and it has the
     # fleet's version (it starts on A, the sidecar brings it to B: PendingSync meanwhile).
     def restarted(st: dict[str, Any]) -> bool:
-        pods = group_pods(cluster, GROUPS[k])
+        pods = group_pods(cluster, NS, GROUPS[k])
         return len(pods) == 2 and not {p["metadata"]["uid"] for p in pods} & before
 
     seen: set[str] = set()

@@ -33,6 +33,7 @@ from e2e.fleet_helpers import (
     deploy_operator,
     fleet_manifest,
     greedy,
+    group_pods,
     sidecar_client,
 )
 from e2e.live_fleet import INITIAL_VERSION
@@ -41,7 +42,6 @@ from rollfleet.contract import (
     ANNOTATION_PAUSE,
     ENGINE_PORT,
     GATEWAY_PORT,
-    LWS_LABEL_NAME,
     REQUEST_ID_HEADER,
     engine_group_leader,
     engine_pod_name,
@@ -107,11 +107,6 @@ def references() -> dict[str, list[list[int]]]:
     }
 
 
-def group_pods(cluster: Cluster) -> list[dict[str, Any]]:
-    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={GROUP}", "-o", "json").stdout
-    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
-
-
 def running_at(engine: str, rank: str) -> float:
     return engine_metric(engine, RUNNING, engine=rank)
 
@@ -124,7 +119,7 @@ def test_both_ranks_serve_transformers_tokens_behind_one_engine(
     cluster: Cluster, fleet: Fleet, engine: str, gateway: str, references: dict[str, list[list[int]]]
 ) -> None:
     assert [e["name"] for e in fleet.status()["engines"]] == [LEADER]  # one engine, named by its leader
-    pods = group_pods(cluster)
+    pods = group_pods(cluster, NS, GROUP)
     assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2, "one pod per GPU-pool node"
     for rank in RANKS:
         assert greedy(engine, fleet.inference() | pin(rank), GREEDY_PROMPTS, GREEDY_TOKENS) == references[A], rank
@@ -215,7 +210,7 @@ def test_a_rolling_update_drains_the_group_and_replaces_it_whole(
     cluster: Cluster, fleet: Fleet, gateway: str, sync: SyncClient, references: dict[str, list[list[int]]]
 ) -> None:
     fleet.wait(on_version(B), f"the engine on {B}", timeout=120)
-    old = {p["metadata"]["uid"] for p in group_pods(cluster)}
+    old = {p["metadata"]["uid"] for p in group_pods(cluster, NS, GROUP)}
     tokens = 400
     stream = Stream(gateway, max_tokens=tokens, request_id="dp-roll", auth=fleet.inference()).start()
     wait_for(lambda: stream.tokens() >= 3, timeout=120, what="the request decoding")
@@ -226,7 +221,7 @@ def test_a_rolling_update_drains_the_group_and_replaces_it_whole(
 
     def rolled(st: dict[str, Any]) -> bool:
         phases.update(e["phase"] for e in st.get("engines", []))
-        pods = group_pods(cluster)
+        pods = group_pods(cluster, NS, GROUP)
         fresh = len(pods) == 2 and not {p["metadata"]["uid"] for p in pods} & old
         return fresh and st.get("updatedReplicas") == 1 and on_version(B)(st)
 

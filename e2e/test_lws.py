@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from e2e.fleet_helpers import Fleet, deploy_operator, fleet_manifest, sim_engine
+from e2e.fleet_helpers import Fleet, deploy_operator, fleet_manifest, group_pods, sim_engine
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import GATEWAY_PORT, LABEL_FLEET, LWS_LABEL_NAME, engine_group_leader, engine_pod_name
+from rollfleet.contract import GATEWAY_PORT, LABEL_FLEET, engine_group_leader, engine_pod_name
 from rollfleet.controller.groups import LWS_CRD
 from rollfleet_client.protocol import SESSION_HEADER
 from rollfleet_dev import oneshot
@@ -39,11 +39,6 @@ def lws(cluster: Cluster) -> Iterator[None]:
     yield
     cluster.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=300s", check=False, timeout=320)
     lws_install.uninstall_local()
-
-
-def group_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
-    out = cluster.kubectl("-n", NS, "get", "pods", "-l", f"{LWS_LABEL_NAME}={name}", "-o", "json").stdout
-    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, str]:
@@ -73,7 +68,7 @@ def test_lws_runs_a_group_of_two_pods_and_recreates_it_whole_when_one_goes(clust
     cluster.kubectl("apply", "-f", "-", input=json.dumps(group))
 
     def running() -> list[dict[str, Any]] | None:
-        pods = group_pods(cluster, "pair")
+        pods = group_pods(cluster, NS, "pair")
         return pods if len(pods) == 2 and all(p["status"].get("phase") == "Running" for p in pods) else None
 
     pods = wait_for(running, timeout=120, what="LWS's group of two pods running")
@@ -137,7 +132,7 @@ def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(
     assert sorted(e["name"] for e in st["engines"]) == [engine_group_leader(g) for g in groups], st["engines"]
     assert lws_names(cluster) == groups
     for group in groups:
-        pods = {p["metadata"]["name"]: p for p in group_pods(cluster, group)}
+        pods = {p["metadata"]["name"]: p for p in group_pods(cluster, NS, group)}
         leader, rank = pods[engine_group_leader(group)], pods[f"{engine_group_leader(group)}-1"]
         assert len(pods) == 2 and leader["spec"]["nodeName"] != rank["spec"]["nodeName"], "one pod per node"
         assert rank["metadata"]["labels"]["app.kubernetes.io/component"] == "engine-rank"
@@ -149,11 +144,11 @@ def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(
 
     # A rank lost: LWS recreates its whole group, a fresh engine the operator waits for as for any other.
     leader = engine_group_leader(groups[0])
-    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in group_pods(cluster, groups[0])}
+    before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in group_pods(cluster, NS, groups[0])}
     cluster.kubectl("-n", NS, "delete", "pod", f"{leader}-1", "--wait=false")
 
     def restarted(st: dict[str, Any]) -> bool:
-        pods = group_pods(cluster, groups[0])
+        pods = group_pods(cluster, NS, groups[0])
         fresh = len(pods) == 2 and all(p["metadata"]["uid"] != before.get(p["metadata"]["name"]) for p in pods)
         return fresh and st.get("readyReplicas") == 2
 
@@ -161,11 +156,15 @@ def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(
     assert lws_names(cluster) == groups  # the same group, not a second one
 
     # Scale down: the last engine's group goes whole; the other is not touched.
-    kept = {p["metadata"]["uid"] for p in group_pods(cluster, groups[0])}
+    kept = {p["metadata"]["uid"] for p in group_pods(cluster, NS, groups[0])}
     cluster.kubectl("-n", NS, "patch", "rf", fleet.name, "--type=merge", "-p", '{"spec":{"replicas":1}}')
     fleet.wait_ready(1, timeout=120)
-    wait_for(lambda: lws_names(cluster) == groups[:1] and not group_pods(cluster, groups[1]), 60, what="group 1 gone")
-    assert {p["metadata"]["uid"] for p in group_pods(cluster, groups[0])} == kept
+
+    def gone() -> bool:
+        return lws_names(cluster) == groups[:1] and not group_pods(cluster, NS, groups[1])
+
+    wait_for(gone, 60, what="group 1 gone")
+    assert {p["metadata"]["uid"] for p in group_pods(cluster, NS, groups[0])} == kept
 
     # A rolling update: the engine's group is drained and deleted whole, and a new one made (the same index, as
     # the fleet's update strategy has no surge: a new LeaderWorkerSet of the same name).
@@ -179,7 +178,7 @@ def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(
 
     fleet.wait(rolled, "rolled to a new group", timeout=120)
     [group] = lws_names(cluster)
-    pods = group_pods(cluster, group)
+    pods = group_pods(cluster, NS, group)
     assert len(pods) == 2 and all(p["metadata"]["uid"] not in kept for p in pods)
     assert all(env_of(p).get("ROLLED") == "1" for p in pods)
     cluster.kubectl("-n", NS, "delete", "rf", fleet.name, "--wait=true", "--timeout=120s", timeout=130)
