@@ -88,15 +88,22 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+def started(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """`cmd` running, its output in `log`; stopped on exit."""
     with log.open("wb") as out:
         environ = {**os.environ, **(env or {})}
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=environ)
     try:
-        wait_http(ready_url, proc)
-        yield
+        yield proc
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def process(cmd: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+    with started(cmd, log, env) as proc:
+        wait_http(ready_url, proc)
+        yield
 
 
 @contextlib.contextmanager
@@ -447,15 +454,20 @@ def receivers(
     tmp.mkdir(parents=True, exist_ok=True)
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // count))}
     with contextlib.ExitStack() as stack:
-        urls = []
+        urls, procs = [], []
         for i in range(count):
             address = f"{nodes[i].address}:{ENGINE_PORT}" if nodes else f"127.0.0.1:{free_port()}"
+            while not nodes and f"http://{address}" in urls:  # not bound yet: the next free port may be its own
+                address = f"127.0.0.1:{free_port()}"
             cmd = [sys.executable, "-m", "bench.bench_sync", "--receiver", address]
-            log = tmp / f"receiver-{i}.log"
-            url = f"http://{address}"
             extra = threads | (env or {}).get(i, {})
-            stack.enter_context(process(nodes[i].command(cmd) if nodes else cmd, url + STATE_PATH, log, extra))
-            urls.append(url)
+            procs.append(
+                stack.enter_context(started(nodes[i].command(cmd) if nodes else cmd, tmp / f"receiver-{i}.log", extra))
+            )
+            urls.append(f"http://{address}")
+        # Started together, then waited for: each spends its first seconds importing torch, one core each.
+        for url, proc in zip(urls, procs, strict=True):
+            wait_http(url + STATE_PATH, proc)
         yield urls
 
 

@@ -14,12 +14,12 @@ this and against real vLLM, so the two cannot drift apart unnoticed.
 Output is deterministic: token i of a greedy request (temperature 0) is `(prompt_len + i) % 97 + 3`
 (a sampled one adds its seed, or a random one), its text is
 `t<id> ` and its logprob (when asked) `-(id % 7) / 4`. Knobs: `token_delay_ms` (before each
-token) and `die_after` (route -> cut the connection after that many tokens, streamed or not,
-like an engine that died); `streamed` holds the ids it was asked to stream; `refuse` holds
-routes answered 404. Without a token file (benchmarks, in-process unit tests) nothing is
-checked. Weight routes (prefetch, relay, the update session) are the engine's own code with no model
-behind them (`sim_weights`): the sync sidecar pushes to simulated fleets; the loads themselves are tested
-on real vLLM.
+token, read at each: lowered, it speeds up the requests in flight too) and `die_after` (route -> cut
+the connection after that many tokens, streamed or not, like an engine that died); `streamed` holds
+the ids it was asked to stream; `refuse` holds routes answered 404. Without a token file (benchmarks,
+in-process unit tests) nothing is checked. Weight routes (prefetch, relay, the update session) are the
+engine's own code with no model behind them (`sim_weights`): the sync sidecar pushes to simulated fleets;
+the loads themselves are tested on real vLLM.
 """
 
 from __future__ import annotations
@@ -353,7 +353,6 @@ class SimEngine:
 
     async def _generate(self, request: web.Request, path: str, body: Json, rid: str) -> web.StreamResponse:
         self.served += 1
-        delay = self.token_delay_ms / 1000
         die_after = self.die_after.get(path, -1)
         if path == "/inference/v1/generate":
             prompt = list(body["token_ids"])
@@ -387,13 +386,9 @@ class SimEngine:
         async with self._batch_slot(flag):
             if body.get("stream"):
                 self.streamed.add(rid)
-                return await self._stream(
-                    request, path, body, rid, prompt, max_tokens, delay, die_after, flag, want, seed
-                )
+                return await self._stream(request, path, body, rid, prompt, max_tokens, die_after, flag, want, seed)
             as_ids = bool(body.get("return_tokens_as_token_ids"))
-            return await self._whole(
-                request, path, body, rid, prompt, max_tokens, delay, die_after, flag, want, as_ids, seed
-            )
+            return await self._whole(request, path, body, rid, prompt, max_tokens, die_after, flag, want, as_ids, seed)
 
     @contextlib.asynccontextmanager
     async def _batch_slot(self, flag: asyncio.Event) -> AsyncIterator[None]:
@@ -459,7 +454,6 @@ class SimEngine:
         rid: str,
         prompt: list[int],
         n: int,
-        delay: float,
         die_after: int,
         flag: asyncio.Event,
         want: bool,
@@ -476,8 +470,8 @@ class SimEngine:
             await self._gate(rid, flag)
             if flag.is_set():
                 break
-            if delay:
-                await asyncio.sleep(delay)
+            if self.token_delay_ms:
+                await asyncio.sleep(self.token_delay_ms / 1000)
             for tokens, s in zip(outputs, seeds, strict=True):
                 tokens.append(self.token(prompt, i, s))
             self._produced(rid, len(seeds), first=i == 0)
@@ -526,7 +520,6 @@ class SimEngine:
         rid: str,
         prompt: list[int],
         n: int,
-        delay: float,
         die_after: int,
         flag: asyncio.Event,
         want: bool,
@@ -544,8 +537,8 @@ class SimEngine:
                 request.transport.close()  # an engine that died mid-stream
                 return resp
             await self._gate(rid, flag)
-            if delay and not flag.is_set():
-                await asyncio.sleep(delay)
+            if self.token_delay_ms and not flag.is_set():
+                await asyncio.sleep(self.token_delay_ms / 1000)
             if flag.is_set():
                 reason = "abort"
                 if self.silent_abort:

@@ -58,6 +58,7 @@ def test_a_stop_on_another_replica_under_a_victims_id_does_not_stop_the_victim(g
             # The replica's stop of the request (an abort at the engine, then the engine's 409) is over.
             wait_until(lambda: "rollfleet_gateway_in_flight 0.0" in oneshot.get(second + "/metrics").text)
         assert "victim-1" in sim.running, "the victim was stopped by another caller's deadline"
+    sim.token_delay_ms = 0  # the victim runs on to its end, now without waiting
     thread.join(30)
     choices = [c for chunk in sse_chunks(out["text"]) for c in chunk["choices"]]
     assert choices[-1]["finish_reason"] == "length"
