@@ -30,6 +30,21 @@ def test_a_record_holding_every_line_break_character_is_one_line_for_every_reade
     assert "é 漢字 🙂" in text  # non-ASCII stays readable; only line breaks are escaped
 
 
+def test_dumps_writes_the_standard_librarys_compact_text_but_for_exponents() -> None:
+    """orjson writes the lines (for speed); they must read back the same and be the same text as json's."""
+    result = SampleResult(
+        prompt=3, sample=1, request_id="u-3-1", finish_reason="length", text=f"t5 {BREAKS} é 漢字 🙂\x00\"\\",
+        token_ids=[5, 6, 70000], logprobs=[-0.25, -1.5e-7, 0.0], weight_version="v1", weight_versions=["v1"],
+        started_at=1796104951.1234, finished_at=1796104951.5678,
+    )  # fmt: skip
+    records = [json.loads(result.line()), {1: "int key", "nested": {"a": [[], {}], "b": [True, False, None]}}]
+    for record in records:
+        theirs = jsonl.safe_line(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
+        ours = jsonl.dumps(record)
+        assert json.loads(ours) == json.loads(theirs)
+        assert ours == theirs.replace("e-07", "e-7")  # the one difference: the shortest exponent
+
+
 def test_safe_line_leaves_json_meaning_unchanged_and_is_idempotent() -> None:
     raw = json.dumps({"t": "x\u2028y\x85z"}, ensure_ascii=False)
     assert len(raw.splitlines()) == 3  # what broke `rollfleet results` readers
