@@ -31,6 +31,7 @@ from e2e.fleet_helpers import (
     deploy_operator,
     fleet_manifest,
     kill_engine_process,
+    live_pods,
     read_token,
 )
 from e2e.provider import Cluster, wait_for
@@ -40,6 +41,7 @@ from rollfleet.contract import (
     GATEWAY_PORT,
     GROUP,
     LABEL_COMPONENT,
+    LABEL_FLEET,
     LABEL_REQUEST_UID,
     VERSION,
     inference_secret_name,
@@ -104,20 +106,9 @@ class LiveFleet:
         self.fleet.wait_ready(2)
 
     def _reach(self, component: str, port: int) -> list[Endpoint]:
-        out = self.cluster.kubectl(
-            "-n",
-            self.namespace,
-            "get",
-            "pods",
-            "-l",
-            f"rollfleet.dev/fleet={NAME},app.kubernetes.io/component={component}",
-            "-o",
-            "json",
-        )
+        selector = f"{LABEL_FLEET}={NAME},{LABEL_COMPONENT}={component}"
         pods = sorted(
-            (p["metadata"]["name"], p["metadata"]["uid"])
-            for p in json.loads(out.stdout)["items"]
-            if not p["metadata"].get("deletionTimestamp")
+            (p["metadata"]["name"], p["metadata"]["uid"]) for p in live_pods(self.cluster, self.namespace, selector)
         )
         # A pod replaced (a new uid, even under the same name: the local cluster reaches it by its IP) gets a new
         # way in; those of pods gone are closed.
@@ -238,10 +229,7 @@ def _fleet(on: LiveFleet | Fleet) -> Fleet:
 
 def runner_pods(fleet: LiveFleet, uid: str) -> list[dict[str, Any]]:
     """The request's runner pods (its Job's) that are not being deleted."""
-    selector = f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={uid}"
-    list_pods = kubernetes.client.CoreV1Api(fleet.cluster.api_client()).list_namespaced_pod
-    pods = fleet.cluster.read(list_pods, fleet.namespace, label_selector=selector)
-    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+    return live_pods(fleet.cluster, fleet.namespace, f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={uid}")
 
 
 def running(fleet: LiveFleet, uid: str) -> list[str]:
