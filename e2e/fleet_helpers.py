@@ -610,16 +610,18 @@ GRPO_EXAMPLE = REPO / "examples" / "grpo_tiny"
 GRPO_TRAINER = "grpo-tiny-trainer"  # the pod in examples/grpo_tiny/trainer-pod.yaml
 
 
-def run_grpo_example(cluster: Cluster, namespace: str, steps: int, max_staleness: int) -> list[dict[str, Any]]:
+def run_grpo_example(
+    cluster: Cluster, namespace: str, steps: int, max_staleness: int, *args: str
+) -> list[dict[str, Any]]:
     """examples/grpo_tiny as its README says (train.py from a ConfigMap, its trainer pod beside the sync
-    sidecar, against the fleet grpo-tiny), for `steps` steps; it must succeed. The JSON lines it logged, one
-    per step."""
+    sidecar, against the fleet grpo-tiny), for `steps` steps with train.py's further `args`; it must succeed.
+    The JSON lines it logged, one per step."""
     cluster.kubectl(
         "-n", namespace, "create", "configmap", "grpo-tiny-train", f"--from-file={GRPO_EXAMPLE / 'train.py'}"
     )
     pod = dict(yaml.safe_load((GRPO_EXAMPLE / "trainer-pod.yaml").read_text()))
     trainer = next(c for c in pod["spec"]["containers"] if c["name"] == "trainer")
-    trainer["command"] += [f"--steps={steps}", f"--max-staleness={max_staleness}"]
+    trainer["command"] += [f"--steps={steps}", f"--max-staleness={max_staleness}", *args]
     cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(pod))
 
     def ended() -> dict[str, Any] | None:

@@ -57,6 +57,11 @@ NS = f"grpo-e2e-{uuid.uuid4().hex[:6]}"
 FRAMEWORK_SYNC = "framework-sync"  # the sync sidecar's pod that the frameworks' trainers push through
 STEPS = 5
 MAX_STALENESS = 2
+# The long group's length: more than the deadline (train.py's 8 s) lets any CPU engine here make, so it is a
+# straggler however fast the machine. train.py's own 1,500 tokens raced the decoding: the engines made them
+# within 8 s on a fast host, there was no straggler, and the case failed (official CI of 64d6d05). Within the
+# fleet's maxModelLen (8,192) with the prompt and the tokens a resumed sample carries.
+LONG_TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +80,7 @@ def fleet(cluster: Cluster) -> Iterator[Fleet]:
 
 
 def test_grpo_trains_against_the_fleet_and_leaves_nothing_running(cluster: Cluster, fleet: Fleet) -> None:
-    steps = run_grpo_example(cluster, NS, STEPS, MAX_STALENESS)
+    steps = run_grpo_example(cluster, NS, STEPS, MAX_STALENESS, f"--long-tokens={LONG_TOKENS}")
 
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     # The policy learns the toy task from the fleet's samples.

@@ -223,7 +223,9 @@ class WeightsServer:
     def __init__(self, source: Mapping[str, Any] | str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
         self._snapshot = _Snapshot(source)
         self._host, self._port = host, port
-        self.bytes_sent = 0  # weights' bytes (shards and slice sets) sent since the start, all versions
+        # Weights' bytes (shards and slice sets) sent since the start, all versions. Counted as each write
+        # starts: a client that has the bytes then always sees them counted, never a moment before.
+        self.bytes_sent = 0
         self._count_lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -309,10 +311,10 @@ class _Handler(BaseHTTPRequestHandler):
             file = snap.files[self.path]
             size = file.stat().st_size
             self._head(size, "application/octet-stream")
+            self.sent(size)
             with file.open("rb") as f:
                 # Zero-copy from the page cache to the socket.
                 self.connection.sendfile(f, 0, size)
-            self.sent(size)
         elif (planned := snap.slice_stream(self.path)) is not None:
             shard, chunks = planned
             self._head(shard.size, "application/octet-stream")
@@ -342,9 +344,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _write(self, chunks: Iterable[memoryview | bytes]) -> None:
         for chunk in chunks:
             view = memoryview(chunk)
+            self.sent(view.nbytes)
             for start in range(0, view.nbytes, _SEND_CHUNK):
                 self.wfile.write(view[start : start + _SEND_CHUNK])
-            self.sent(view.nbytes)
 
     def _refuse(self, status: HTTPStatus, message: str) -> None:
         body = json.dumps({"error": message}).encode()
