@@ -1,7 +1,9 @@
-"""The scale harness's pure parts: KWOK's fake nodes, and how the engine host reads an operator's engine pod."""
+"""The scale harness: KWOK's fake nodes, and how the engine host reads an operator's engine pod and its Secrets."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import ipaddress
 
 import pytest
@@ -10,7 +12,7 @@ from rollfleet import contract
 from rollfleet.api.fleet import RolloutFleetSpec
 from rollfleet.controller import desired
 from rollfleet.controller.owner import FleetRef
-from rollfleet_dev import kwok, sim_engine
+from rollfleet_dev import engine_host, kwok, sim_engine
 from rollfleet_dev.engine_host import PodSpecError, engine_argv, secret_file
 from rollfleet_dev.localcluster.nodeagent import ipam
 
@@ -61,3 +63,34 @@ def test_the_engine_host_reads_an_operator_engine_pod_as_the_simulator_would() -
     pod["spec"]["containers"][0]["name"] = "other"
     with pytest.raises(PodSpecError, match="no container named 'engine'"):
         engine_argv(pod)
+
+
+class CountingApi:
+    """The API server's Secret reads, counted: the engine host's only other call (its pod watch is not used here)."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+
+    async def get(self, path: str) -> dict[str, object]:
+        self.reads.append(path)
+        return {"data": {"token": base64.b64encode(f"secret of {path}".encode()).decode()}}
+
+
+def test_the_engine_host_reads_a_fleets_secrets_once_for_its_pods_and_again_once_they_may_have_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api, now = CountingApi(), [100.0]
+    monkeypatch.setattr(engine_host.time, "monotonic", lambda: now[0])
+    host = engine_host.Host(api)  # type: ignore[arg-type]
+    pod = engine_pod()
+    container, argv = engine_argv(pod)
+    token_file = sim_engine.parse_args(argv).token_file
+
+    async def read_for(pods: int) -> set[str]:
+        return {await host._read_secret_file(pod, container, token_file) for _ in range(pods)}
+
+    assert asyncio.run(read_for(2000)) == {f"secret of /api/v1/namespaces/ns/secrets/{contract.secret_name('f')}"}
+    assert len(api.reads) == 1
+    now[0] += engine_host.SECRET_CACHE_S + 1  # a token rotated meanwhile is read anew
+    asyncio.run(read_for(1))
+    assert len(api.reads) == 2
