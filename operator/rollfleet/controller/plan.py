@@ -41,6 +41,25 @@ def awaited_creations(
     return {i: at for i, at in created.items() if i not in seen and now - at < patience_s}
 
 
+Annotations = Mapping[str, str | None]  # a pod's annotation writes: None removes one
+
+
+def awaited_annotations(
+    changes: Mapping[str, Annotations],
+    written: Mapping[str, tuple[str | None, Annotations]],
+    versions: Mapping[str, str | None],
+) -> tuple[dict[str, Annotations], dict[str, tuple[str | None, Annotations]]]:
+    """The annotation writes a pass still has to make, and the writes still awaited in the watch. `written` has the
+    last writes (pod -> the pod's resourceVersion they were made over, what they wrote); `versions` the pods'
+    resourceVersions as the watch shows them now. A write is awaited while its pod is still at that version: the
+    same write again is left out (a pass that ran before the watch delivered the last pass's patches made them all
+    again: 2,896 pod patches for 2,000 engines coming up, bench_scale). Once the watch shows the pod changed, what it
+    shows is the truth, whoever wrote it."""
+    awaited = {name: w for name, w in written.items() if name in versions and versions[name] == w[0]}
+    todo = {name: a for name, a in changes.items() if name not in awaited or awaited[name][1] != a}
+    return todo, awaited
+
+
 @dataclass(frozen=True)
 class Drain:
     name: str

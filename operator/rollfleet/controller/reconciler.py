@@ -194,6 +194,8 @@ class FleetLoop:
         self._written: RolloutFleetStatus | None = None
         self._wake_early = False  # an engine call ended: pass again without waiting for the timer
         self._created: dict[int, float] = {}  # engines created (index -> when) that the watch has not shown yet
+        # Annotation writes the watch has not shown yet: pod -> (its resourceVersion then, what was written).
+        self._annotated: dict[str, tuple[str | None, plan.Annotations]] = {}
         # Crash counts of deleted crashed engines, by index, until their replacement carries it.
         self._crashes: dict[int, int] = {}
         shared.owned.track(self.key)
@@ -331,8 +333,11 @@ class FleetLoop:
             changes.setdefault(name, {})[ANNOTATION_PHASE] = phase
         for name, generation in plan.generation_updates(engines, generations).items():
             changes.setdefault(name, {})[ANNOTATION_WEIGHT_GENERATION] = generation
+        versions = {e.obs.name: e.obs.resource_version for e in engines}
+        todo, self._annotated = plan.awaited_annotations(changes, self._annotated, versions)
         kube, ns = self.shared.kube, self.ref.namespace
-        await asyncio.gather(*(annotate_pod(kube, ns, name, a) for name, a in changes.items()))
+        await asyncio.gather(*(annotate_pod(kube, ns, name, a) for name, a in todo.items()))
+        self._annotated.update((name, (versions[name], a)) for name, a in todo.items())
         return bool(phases)
 
     async def reconcile(self) -> float:

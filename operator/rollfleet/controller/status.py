@@ -89,6 +89,7 @@ class EngineObs:
     exited: Exited | None = None  # when its engine container ended, if it did
     group: str | None = None  # the LeaderWorkerSet of a multi-pod engine, whose leader this pod is
     annotated_generation: str | None = None  # rollfleet.dev/weight-generation as last written
+    resource_version: str | None = None  # the pod's, as the watch last showed it
 
     @property
     def failed(self) -> bool:
@@ -137,6 +138,7 @@ def observe_pod(pod: Mapping[str, Any], fleet: str, node_lost: bool, state: Engi
         terminating=meta.get("deletionTimestamp") is not None,
         annotated_phase=annotations.get(ANNOTATION_PHASE),
         annotated_generation=annotations.get(ANNOTATION_WEIGHT_GENERATION),
+        resource_version=meta.get("resourceVersion"),
         draining_since=parse_time(annotations.get(ANNOTATION_DRAINING_SINCE)),
         node=(pod.get("spec") or {}).get("nodeName"),
         node_lost=node_lost,

@@ -226,6 +226,18 @@ def test_a_created_engine_is_awaited_until_the_watch_shows_it_or_patience_runs_o
     assert plan.awaited_creations(created, seen=set(), now=170.0, patience_s=60.0) == {}
 
 
+def test_an_annotation_write_is_not_made_again_until_the_watch_shows_its_pod_changed() -> None:
+    """A pass that runs before the watch delivers the last pass's patches must not make them again; a new value is
+    written at once, and once the watch shows the pod changed, it is believed, whoever changed it."""
+    ready = {"rollfleet.dev/phase": "Ready", "rollfleet.dev/weight-generation": "0"}
+    written = {"e-0": ("10", ready), "e-1": ("11", ready), "e-2": ("12", ready), "gone": ("13", ready)}
+    versions = {"e-0": "10", "e-1": "11", "e-2": "20"}  # e-2: the watch has shown it since
+    changes = {"e-0": ready, "e-1": {"rollfleet.dev/phase": "Paused"}, "e-2": ready, "e-3": ready}
+    todo, awaited = plan.awaited_annotations(changes, written, versions)
+    assert todo == {"e-1": {"rollfleet.dev/phase": "Paused"}, "e-2": ready, "e-3": ready}
+    assert awaited == {"e-0": ("10", ready), "e-1": ("11", ready)}  # e-2 shown, "gone" gone: forgotten
+
+
 def test_a_busy_fleet_re_reads_every_second_only_the_engines_whose_state_may_change_on_its_own() -> None:
     """A converging fleet of 2,000 re-read every Ready engine each second; only those loading or syncing need it."""
     ages = {
