@@ -133,7 +133,10 @@ class SimApi(EngineClient):
 
     async def state(self, engine: EngineRef, policy: Any = CONTROL) -> EngineState:
         await self._exchange()
-        e = self.engines[engine.url]
+        return self._state(self.engines[engine.url])
+
+    @staticmethod
+    def _state(e: SimEngine) -> EngineState:
         return EngineState(
             model="sim",
             weight_version=e.version,
@@ -198,6 +201,13 @@ class SimApi(EngineClient):
     async def finish_weight_update(self, engine: EngineRef, version: str, policy: Any = CONTROL) -> None:
         await self._exchange()
         self.engines[engine.url].version = version
+
+    async def load(self, engine: EngineRef, update_info: Any, version: str, policy: Any = CONTROL) -> EngineState:
+        await self._exchange()
+        await asyncio.sleep(self.total_bytes / LOAD_BYTES_PER_S)
+        e = self.engines[engine.url]
+        e.manifest, e.version = update_info.get("manifest_sha256"), version
+        return self._state(e)
 
 
 class SimPublisher(Publisher):

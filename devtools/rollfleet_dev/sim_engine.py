@@ -181,7 +181,7 @@ class SimEngine:
         app.router.add_get(READY_PATH, self.ready)
         app.router.add_post(PAUSE_PATH, self.pause)
         app.router.add_post(RESUME_PATH, self.resume)
-        self.weights.add_routes(app)
+        self.weights.add_routes(app, self.state)
         app.on_startup.append(self._serving)
         return app
 

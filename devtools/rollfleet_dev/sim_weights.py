@@ -1,7 +1,8 @@
 """The simulator's weight routes, with the engine's own code: prefetch and relay (`rollfleet_engine.staging.Stager`:
 every tensor checked against the manifest as it lands, its bytes served on to the next engine as they arrive) and
-vLLM's update session (`/start_weight_update`, `/update_weights`, `/finish_weight_update`) with the engine's
-bookkeeping of the proof of the bytes (`middleware.verified_manifest`, `one_manifest`).
+vLLM's update session (`/start_weight_update`, `/update_weights`, `/finish_weight_update`, and the engine's one call
+for all three, `LOAD_PATH`) with the engine's bookkeeping of the proof of the bytes (`middleware.verified_manifest`,
+`one_manifest`).
 
 What the simulator leaves out is the model: a load checks that what it names is staged and verified (or pulls and
 verifies it, for an engine asked to pull in the pause) and copies it nowhere. The control-plane tier and the scale
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 from rollfleet_engine.middleware import one_manifest, verified_manifest
 from rollfleet_engine.protocol import (
     FINISH_WEIGHT_UPDATE_PATH,
+    LOAD_PATH,
     STAGE_PATH,
     STAGE_RELAY_PATH,
     STAGE_WAIT_MAX_S,
@@ -34,6 +36,7 @@ from rollfleet_engine.protocol import (
     START_WEIGHT_UPDATE_PATH,
     UPDATE_WEIGHTS_PATH,
     WEIGHTS_MANIFEST_PATH,
+    LoadRequest,
     WeightUpdateInfo,
 )
 from rollfleet_engine.safetensors_stream import TransferError, receive_shard
@@ -41,6 +44,7 @@ from rollfleet_engine.staging import RelayUnavailable, Stager
 from rollfleet_engine.weights_client import MANIFEST_FILE, check_length, check_manifest, fetch_manifest, http_get
 
 T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 # What blocks (a wait for the end of a staging, a relay's wait for the next bytes, a pull) runs here, not in the
 # event loop's default pool: a host of many engines (the engine host) has hundreds of such waits at once, where
 # each real engine has its own process and pool; 6 threads (the default on 2 cores) held them all back.
@@ -61,7 +65,13 @@ class SimWeights:
         self.manifest_sha256: str | None = None
         self._loading: list[str | None] = []
 
-    def add_routes(self, app: web.Application) -> None:
+    def add_routes(self, app: web.Application, state: Handler) -> None:
+        """The weight routes on `app`; `state` answers the engine's state (the answer of a load in one call)."""
+
+        async def load(request: web.Request) -> web.Response:
+            return await self.load(request, state)
+
+        app.router.add_post(LOAD_PATH, load)
         app.router.add_post(STAGE_PATH, self.stage)
         app.router.add_get(STAGE_PATH, self.stage_status)
         app.router.add_get(STAGE_RELAY_PATH + WEIGHTS_MANIFEST_PATH, self.relay_manifest)
@@ -114,7 +124,9 @@ class SimWeights:
         return web.json_response({})
 
     async def update(self, request: web.Request) -> web.Response:
-        raw = await request.read()
+        return await self._update(await request.read())
+
+    async def _update(self, raw: bytes) -> web.Response:
         try:
             info = WeightUpdateInfo.model_validate(orjson.loads(raw)["update_info"])
             await _blocking(self._load, info)
@@ -128,10 +140,26 @@ class SimWeights:
             version = str(orjson.loads(await request.read())["weight_version"])
         except (ValueError, KeyError, TypeError) as err:
             return _error(400, f"finish_weight_update needs a weight_version: {err}")
+        self._finish(version)
+        return web.json_response({})
+
+    def _finish(self, version: str) -> None:
         self.version, self.manifest_sha256 = version, one_manifest(self._loading)
         self._loading = []
         self.stager.release()
-        return web.json_response({})
+
+    async def load(self, request: web.Request, state: Handler) -> web.Response:
+        """LOAD_PATH: start, update and finish as the engine runs them, then the state."""
+        try:
+            load = LoadRequest.model_validate_json(await request.read())
+        except ValidationError as err:
+            return _error(400, f"a load needs update_info and weight_version: {err}")
+        self._loading = []
+        updated = await self._update(orjson.dumps({"update_info": load.update_info.model_dump(mode="json")}))
+        if updated.status != 200:
+            return updated
+        self._finish(load.weight_version)
+        return await state(request)
 
     def _load(self, info: WeightUpdateInfo) -> None:
         """Check what a load names: a set staged here (verified as it landed), or one pulled and verified now."""

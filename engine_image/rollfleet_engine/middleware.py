@@ -18,18 +18,23 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from pydantic import ValidationError
+
 from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.protocol import (
     ATTEMPT_HEADER,
     FINISH_WEIGHT_UPDATE_PATH,
+    LOAD_PATH,
     MAX_WEIGHT_LAG_HEADER,
     MIXED_WEIGHTS_MARK,
     PAUSE_PATH,
     REQUEST_ID_HEADER,
     RESUME_PATH,
     START_WEIGHT_UPDATE_PATH,
+    STATE_PATH,
     UPDATE_WEIGHTS_PATH,
     WEIGHT_VERSION_HEADER,
+    LoadRequest,
     parse_max_weight_lag,
     parse_pause_mode,
 )
@@ -75,6 +80,9 @@ class RollfleetMiddleware:
         if method == "POST" and path in TRACKED_PATHS:
             await self._tracked(scope, receive, send, headers)
             return
+        if method == "POST" and path == LOAD_PATH:
+            await self._load(scope, receive, send)
+            return
         if path == RESUME_PATH and not self.runtime.weights_intact:
             await _json(send, 409, {"error": _NOT_INTACT})
             return
@@ -114,6 +122,53 @@ class RollfleetMiddleware:
                 rt.loading_manifests = []
                 if rt.stager is not None:
                     rt.stager.release()  # loaded: the staged copy is not needed any more
+
+    async def _load(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """LOAD_PATH: vLLM's three calls of a load, each through this middleware as if sent on its own (the same
+        access rule and bookkeeping), then the state; the first failure (a refused start aside) answers."""
+        try:
+            load = LoadRequest.model_validate_json(await _read_body(receive))
+        except ValidationError as err:
+            await _json(send, 400, {"error": f"a load needs update_info and weight_version: {err}"})
+            return
+        update = {"update_info": load.update_info.model_dump(mode="json")}
+        steps = [
+            ("POST", START_WEIGHT_UPDATE_PATH, b""),
+            ("POST", UPDATE_WEIGHTS_PATH, json.dumps(update).encode()),
+            ("POST", FINISH_WEIGHT_UPDATE_PATH, json.dumps({"weight_version": load.weight_version}).encode()),
+            ("GET", STATE_PATH, b""),
+        ]
+        for method, path, body in steps:
+            status, answer = await self._inner(scope, receive, method, path, body)
+            if status != 200 and path != START_WEIGHT_UPDATE_PATH:
+                break
+        await _raw_json(send, status, answer)
+
+    async def _inner(self, scope: Scope, receive: Receive, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        """One call of `path` made by this engine to itself, with the caller's credential; its status and body."""
+        authorization = [(k, v) for k, v in scope["headers"] if k.lower() == b"authorization"]
+        inner = dict(scope, method=method, path=path, raw_path=path.encode(), query_string=b"")
+        inner["headers"] = [
+            *authorization,
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        answer: dict[str, Any] = {"status": None, "body": b""}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                answer["body"] += message.get("body", b"")
+
+        try:
+            await self(inner, _replay(body, receive), capture)
+        except Exception as err:  # vLLM's error middleware answers 500, then re-raises: its answer stands
+            log.exception("%s %s, in a load", method, path)
+            if answer["status"] is None:
+                error = f"{method} {path}: {type(err).__name__}: {err}"
+                answer = {"status": 500, "body": json.dumps({"error": error}).encode()}
+        return answer["status"], answer["body"]
 
     async def _drop_caches(self) -> bool:
         try:
@@ -244,7 +299,10 @@ def _body_request_id(body: bytes) -> str | None:
 
 
 async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload).encode()
+    await _raw_json(send, status, json.dumps(payload).encode())
+
+
+async def _raw_json(send: Send, status: int, data: bytes) -> None:
     await send(
         {
             "type": "http.response.start",

@@ -30,6 +30,13 @@ WEIGHTS_MANIFEST_PATH = "/manifest"  # under a weights server's base URL; the ma
 # Shard-aware pull: POST a SlicePlan here (under a weights server's base URL) for the manifest of one
 # rank's slices, one shard whose path the answer names (rollfleet_engine.tp_slices).
 WEIGHTS_SLICES_PATH = "/slices"
+# The load in a pause, in one call (the sync sidecar's, per engine, at each push): a LoadRequest; the engine runs
+# vLLM's /start_weight_update, /update_weights with its update_info and /finish_weight_update with its
+# weight_version, in that order and each as if called on its own, then answers its EngineState (what the sidecar
+# verifies). A refused start is passed over, as the sidecar passes it over: an update session that a sidecar which
+# died left open is continued. The first of the others that fails answers for the call. Four calls in one: at
+# thousands of engines the sidecar's CPU per call, not the network, made the pause window (docs/weight-sync.md).
+LOAD_PATH = f"{API_PREFIX}/weights/load"
 # Where an engine stages weights (a memory-backed emptyDir in the engine pod), and its bound in bytes.
 STAGING_DIR_ENV = "ROLLFLEET_STAGING_DIR"
 STAGING_MAX_BYTES_ENV = "ROLLFLEET_STAGING_MAX_BYTES"
@@ -203,6 +210,13 @@ class WeightUpdateInfo(BaseModel):
         default=None, description="Expected sha256 of the manifest; pins the exact weights the trainer meant."
     )
     timeout_s: float = Field(default=300.0, gt=0)
+
+
+class LoadRequest(BaseModel):
+    """The body of LOAD_PATH."""
+
+    update_info: WeightUpdateInfo
+    weight_version: str = Field(min_length=1, description="What the engine reports once loaded.")
 
 
 class TensorEntry(BaseModel):

@@ -31,6 +31,7 @@ from rollfleet_engine.protocol import (
     ABORT_PATH,
     FINISH_WEIGHT_UPDATE_PATH,
     INIT_WEIGHT_TRANSFER_PATH,
+    LOAD_PATH,
     PAUSE_PATH,
     REQUESTS_PATH,
     RESET_PREFIX_CACHE_PATH,
@@ -45,6 +46,7 @@ from rollfleet_engine.protocol import (
     AbortResult,
     AbortStatus,
     EngineState,
+    LoadRequest,
     PauseMode,
     RequestsView,
     StageStatus,
@@ -200,6 +202,14 @@ class EngineClient:
     async def stage_status(self, engine: EngineRef, wait_s: float = 0.0) -> StageStatus:
         """The engine's staging status; with `wait_s`, once it is no longer staging (or after `wait_s`)."""
         return await self._answer(StageStatus, "GET", engine, STAGE_PATH, CONTROL, wait_s, params={"wait": wait_s})
+
+    async def load(
+        self, engine: EngineRef, update_info: Mapping[str, Any], version: str, policy: CallPolicy = TRANSFER
+    ) -> EngineState:
+        """The load in a pause in one call (start, update with `update_info`, finish as `version`); the engine's
+        state after it. HTTP 404 from an engine image older than the route (`EngineCallError.status`)."""
+        body = LoadRequest.model_validate({"update_info": dict(update_info), "weight_version": version})
+        return await self._answer(EngineState, "POST", engine, LOAD_PATH, policy, json=body.model_dump(mode="json"))
 
     # --- vLLM's RL routes ------------------------------------------------------------
 

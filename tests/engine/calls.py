@@ -14,7 +14,7 @@ import httpx
 from rollfleet import jsonl
 from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
-from rollfleet_engine.protocol import ATTEMPT_HEADER
+from rollfleet_engine.protocol import ATTEMPT_HEADER, LOAD_PATH
 
 from .conftest import Engine
 
@@ -145,13 +145,22 @@ def metric_reaches(engine: Engine, name: str, value: float, /, timeout: float = 
         time.sleep(0.05)  # polling a condition: vLLM updates its gauges once per step
 
 
-def load_staged(engine: Engine, staged_url: str, manifest_sha256: str, version: str) -> None:
+def load_staged(engine: Engine, staged_url: str, manifest_sha256: str, version: str, one_call: bool = False) -> None:
     """The load in the pause of a staged set, as the sync sidecar does it: a load naming a file outside the staging
-    area is refused first, then the staged set loads and finishes as `version`."""
+    area is refused first, then the staged set loads and finishes as `version`. With `one_call`, each load is
+    the engine's one call (LOAD_PATH), whose answer is the state after it; else vLLM's three calls."""
     outside = {"url": f"file://{engine.model_dir}", "manifest_sha256": manifest_sha256}
+    staged = {"url": staged_url, "manifest_sha256": manifest_sha256}
+    if one_call:
+        before = state(engine)
+        refused = control(engine, LOAD_PATH, json={"update_info": outside, "weight_version": version})
+        assert refused.status_code >= 400 and state(engine) == before, refused.text
+        loaded = control(engine, LOAD_PATH, json={"update_info": staged, "weight_version": version})
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json() == state(engine)
+        return
     assert control(engine, "/start_weight_update").status_code == 200
     assert control(engine, "/update_weights", json={"update_info": outside}).status_code >= 400
-    staged = {"url": staged_url, "manifest_sha256": manifest_sha256}
     assert control(engine, "/start_weight_update").status_code == 200
     assert control(engine, "/update_weights", json={"update_info": staged}).status_code == 200
     assert control(engine, "/finish_weight_update", json={"weight_version": version}).status_code == 200

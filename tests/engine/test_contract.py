@@ -6,8 +6,9 @@ caller id (answers, partial output, the tracked request, scoped to the sender's 
 that goes away, `n` choices and usage, the three pause modes, sampling (greedy and seeded requests
 repeat, other seeds differ), the vLLM metrics tests read, vLLM's refusals (status and error body),
 its refusal to start with a context longer than the model's, and the weight routes the sync sidecar drives
-(staging, the relay of what is staged, the update session and the manifest the state reports). A case runs once
-per engine (`[vllm]`, `[sim]`); a simulator that answers one of them differently fails here.
+(staging, the relay of what is staged, the update session in the engine's one call, and the manifest the state
+reports; the engine's own tests load in vLLM's three calls). A case runs once per engine (`[vllm]`, `[sim]`); a
+simulator that answers one of them differently fails here.
 """
 
 from __future__ import annotations
@@ -370,7 +371,7 @@ def test_weights_are_staged_relayed_and_loaded_with_the_proof_of_their_bytes(eng
     finally:
         server.stop()
     # The same weights under the same label: the cases after this one see the engine as before.
-    load_staged(engine, staged["staged_url"], info["manifest_sha256"], version)
+    load_staged(engine, staged["staged_url"], info["manifest_sha256"], version, one_call=True)
     after = state(engine)
     assert (after["weight_version"], after["weights_manifest_sha256"]) == (version, info["manifest_sha256"])
     # Loaded, the staged set is released: nothing is left to relay.

@@ -27,7 +27,7 @@ from rollfleet.engine_client import (
     EngineRef,
 )
 from rollfleet.errors import RollfleetError
-from rollfleet_engine.protocol import ABORT_PATH, STATE_PATH, AbortStatus
+from rollfleet_engine.protocol import ABORT_PATH, LOAD_PATH, STATE_PATH, AbortStatus
 
 ENGINE = EngineRef("fleet-engine-0", "http://10.0.0.7:8000/")
 STATE = {"model": "tiny", "weight_version": "v3", "paused": True, "pause_mode": "keep", "running": 2, "waiting": 0}
@@ -177,6 +177,21 @@ def test_weight_update_bodies() -> None:
         ("/update_weights", {"update_info": {"url": "http://10.0.0.9:8472", "manifest_sha256": None}}),
         ("/finish_weight_update", {"weight_version": "v4"}),
     ]
+
+
+def test_a_load_in_one_call_sends_the_update_and_the_version_and_reads_the_state_it_answers() -> None:
+    state = {"model": "m", "weight_version": "v4", "paused": True, "running": 0, "waiting": 0}
+    seen, handler = recorder(httpx.Response(200, json=state | {"weights_manifest_sha256": "aa11"}))
+    info = {"url": "file:///dev/shm/staged/aa11", "manifest_sha256": "aa11"}
+    answer = asyncio.run(client(handler).load(ENGINE, info, "v4"))
+    assert (answer.served_version, answer.weights_manifest_sha256) == ("v4", "aa11")
+    assert [(r.url.path, json.loads(r.content)) for r in seen] == [
+        (LOAD_PATH, {"update_info": info | {"timeout_s": 300.0}, "weight_version": "v4"}),
+    ]
+    seen, handler = recorder(httpx.Response(404, json={"detail": "Not Found"}))  # an engine image without it
+    with pytest.raises(EngineCallError) as caught:
+        asyncio.run(client(handler).load(ENGINE, info, "v4"))
+    assert caught.value.status == 404
 
 
 def test_the_connect_limit_of_a_policy_reaches_the_transport() -> None:

@@ -35,7 +35,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -402,7 +402,7 @@ class Orchestrator:
         else:
             status.message = reason or "no engine verified the new weights"
             record = await update(self.store, lambda r: roll_back(_ours(r, target), status.message))
-        await self.settle(record, engines, progress)
+        await self.settle(record, engines, progress, verified=succeeded if committing else ())
         status.pause_window_s = self.clock() - t_pause
         if committing:
             record = await update(self.store, lambda r: complete(_ours(r, target)))
@@ -554,14 +554,8 @@ class Orchestrator:
         progress.step = EngineStep.TRANSFERRING
         await self.notify()
         t0 = self.clock()
-        info = {"url": ref.url, "manifest_sha256": ref.manifest_sha256}
         try:
-            # A sidecar that died mid-push may have left an update session open; then start
-            # is refused and update/finish continue that session with verified weights.
-            with contextlib.suppress(EngineCallError):
-                await self.api.start_weight_update(engine)
-            await self.api.update_weights(engine, info, self.transfer)
-            await self.finish_and_verify(engine, ref.version, ref.manifest_sha256)
+            await self._load(engine, ref)
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
@@ -569,34 +563,52 @@ class Orchestrator:
         await self.notify()
         return True
 
+    async def _load(self, engine: EngineRef, ref: WeightsRef) -> None:
+        """Load `ref` on the paused engine and verify it: in one call (`EngineClient.load`), or, on an engine image
+        older than that route, in vLLM's three and a state read. EngineCallError if it does not serve `ref` then."""
+        info = {"url": ref.url, "manifest_sha256": ref.manifest_sha256}
+        try:
+            state = await self.api.load(engine, info, ref.version, self.transfer)
+        except EngineCallError as err:
+            if err.status != 404:
+                raise
+        else:
+            _verify(engine, state, ref.version, ref.manifest_sha256)
+            return
+        # A sidecar that died mid-push may have left an update session open; then start
+        # is refused and update/finish continue that session with verified weights.
+        with contextlib.suppress(EngineCallError):
+            await self.api.start_weight_update(engine)
+        await self.api.update_weights(engine, info, self.transfer)
+        await self.finish_and_verify(engine, ref.version, ref.manifest_sha256)
+
     async def finish_and_verify(self, engine: EngineRef, version: str, manifest_sha256: str | None = None) -> None:
         """Finish the engine's update as `version`, then check it serves that version, and the bytes of
         `manifest_sha256` where the push pinned them (the proof of the bytes); EngineCallError if not."""
         await self.api.finish_weight_update(engine, version, self.transfer)
-        state = await self.api.state(engine, CONTROL)
-        if state.served_version != version:
-            raise EngineCallError(
-                engine, "GET", STATE_PATH, f"reports version {state.served_version!r} after finishing {version!r}"
-            )
-        if manifest_sha256 is not None and state.weights_manifest_sha256 != manifest_sha256:
-            raise EngineCallError(
-                engine,
-                "GET",
-                STATE_PATH,
-                f"loaded {version!r} verified against manifest {state.weights_manifest_sha256!r}, not the pushed "
-                f"{manifest_sha256!r}",
-            )
+        _verify(engine, await self.api.state(engine, CONTROL), version, manifest_sha256)
 
     async def settle(
-        self, record: FleetRecord, engines: Sequence[EngineRef], progress: dict[str, EngineProgress]
+        self,
+        record: FleetRecord,
+        engines: Sequence[EngineRef],
+        progress: dict[str, EngineProgress],
+        verified: Collection[str] = (),
     ) -> None:
-        """Resume exactly the engines on the fleet's version; take the others out of routing."""
+        """Resume exactly the engines on the fleet's version; take the others out of routing. The engines named
+        in `verified` were just seen serving the committed version (the state read that verified their load):
+        they are resumed without another look, one call fewer each in the pause window."""
         committed = record.committed.version if record.committed else None
+        verified = frozenset(verified)
 
         async def one(engine: EngineRef) -> None:
             p = progress.setdefault(engine.name, EngineProgress(name=engine.name))
-            obs = await observe(self.api, engine)
-            if obs.reachable and obs.intact and (committed is None or obs.version == committed):
+            if engine.name in verified:
+                on_committed = True
+            else:
+                obs = await observe(self.api, engine)
+                on_committed = obs.reachable and obs.intact and (committed is None or obs.version == committed)
+            if on_committed:
                 try:
                     await self.api.resume(engine)
                     p.step = EngineStep.RESUMED
@@ -818,3 +830,20 @@ def relay_url(engine: EngineRef) -> str:
 
 def _has_weights(source: str | None) -> bool:
     return source is not None and any(Path(source).glob("*.safetensors"))
+
+
+def _verify(engine: EngineRef, state: EngineState, version: str, manifest_sha256: str | None) -> None:
+    """EngineCallError unless the engine's state after a load says it serves `version`, and the bytes of
+    `manifest_sha256` where the push pinned them (the proof of the bytes)."""
+    if state.served_version != version:
+        raise EngineCallError(
+            engine, "GET", STATE_PATH, f"reports version {state.served_version!r} after finishing {version!r}"
+        )
+    if manifest_sha256 is not None and state.weights_manifest_sha256 != manifest_sha256:
+        raise EngineCallError(
+            engine,
+            "GET",
+            STATE_PATH,
+            f"loaded {version!r} verified against manifest {state.weights_manifest_sha256!r}, not the pushed "
+            f"{manifest_sha256!r}",
+        )

@@ -10,7 +10,7 @@ from typing import Any
 from rollfleet_engine.access import AccessPolicy
 from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.middleware import RollfleetMiddleware
-from rollfleet_engine.protocol import MIXED_WEIGHTS_MARK
+from rollfleet_engine.protocol import LOAD_PATH, MIXED_WEIGHTS_MARK, STATE_PATH
 from rollfleet_engine.runtime import Runtime
 
 
@@ -282,3 +282,80 @@ def test_tokens_in_flight_carry_the_version_served_when_they_came_out() -> None:
     assert tracked is not None
     segments = [(s.version, s.start, s.end) for s in tracked.weight_segments]
     assert segments == [("A", 0, 1), ("B", 1, 4)]  # the token counts add up to the 4 tokens out
+
+
+class ScriptedApp:
+    """vLLM's routes as a load in one call meets them: each path's answer (status, body), and whether it raises
+    after answering (as vLLM's error middleware does); every call recorded with its body."""
+
+    def __init__(self, answers: dict[str, tuple[int, bytes]], raises: frozenset[str] = frozenset()) -> None:
+        self.answers, self.raises = answers, raises
+        self.calls: list[tuple[str, str, bytes, str | None]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        authorization = dict(scope["headers"]).get(b"authorization", b"").decode()
+        self.calls.append((scope["method"], scope["path"], message["body"], authorization))
+        status, body = self.answers.get(scope["path"], (200, b"{}"))
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+        if scope["path"] in self.raises:
+            raise RuntimeError(body.decode())
+
+
+def load(mw: RollfleetMiddleware, body: Any, headers: dict[str, str] = CONTROL) -> tuple[int, Any]:
+    sent: list[dict[str, Any]] = []
+    answer = call(mw, LOAD_PATH, headers, body, sent)
+    return answer["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def scripted(app: ScriptedApp) -> tuple[RollfleetMiddleware, Runtime]:
+    runtime = Runtime(engine=Engine(), policy=AccessPolicy("ctl"), model_name="m", weight_backend="http")
+    return RollfleetMiddleware(app, runtime), runtime
+
+
+LOAD = {"update_info": {"url": "file:///dev/shm/staged/aa11", "manifest_sha256": "aa11"}, "weight_version": "v9"}
+STATE = json.dumps({"weight_version": "v9", "weights_manifest_sha256": "aa11"}).encode()
+
+
+def test_a_load_in_one_call_runs_vllms_three_in_order_with_their_bookkeeping_then_answers_the_state() -> None:
+    app = ScriptedApp({STATE_PATH: (200, STATE)})
+    mw, runtime = scripted(app)
+    assert load(mw, LOAD) == (200, json.loads(STATE))
+    assert [(m, p) for m, p, _, _ in app.calls] == [
+        ("POST", "/start_weight_update"),
+        ("POST", "/update_weights"),
+        ("POST", "/finish_weight_update"),
+        ("GET", STATE_PATH),
+    ]
+    assert json.loads(app.calls[1][2])["update_info"]["manifest_sha256"] == "aa11"
+    assert json.loads(app.calls[2][2]) == {"weight_version": "v9"}
+    assert {auth for *_, auth in app.calls} == {"Bearer ctl"}  # each step with the caller's credential
+    # The steps' own bookkeeping ran: the proof of the bytes, the caches dropped before the answer.
+    assert runtime.weights_manifest_sha256 == "aa11" and runtime.weights_intact
+    assert [name for name, *_ in runtime.engine.calls] == ["prefix", "mm", "encoder"]
+
+
+def test_a_load_in_one_call_passes_over_a_refused_start_and_answers_the_first_failure_after_it() -> None:
+    # A session a dead sidecar left open: start is refused, update and finish continue it.
+    app = ScriptedApp({"/start_weight_update": (409, b'{"error": "open"}'), STATE_PATH: (200, STATE)})
+    mw, _ = scripted(app)
+    assert load(mw, LOAD)[0] == 200 and len(app.calls) == 4
+
+    # An update that fails answers for the call; nothing is finished.
+    error = json.dumps({"error": {"message": "sha256 mismatch"}}).encode()
+    app = ScriptedApp({"/update_weights": (500, error)}, raises=frozenset({"/update_weights"}))
+    mw, runtime = scripted(app)
+    assert load(mw, LOAD) == (500, json.loads(error))
+    assert [p for _, p, _, _ in app.calls] == ["/start_weight_update", "/update_weights"]
+    assert runtime.engine.calls == []  # not finished: the old weights and their caches stand
+
+
+def test_a_load_in_one_call_is_refused_without_the_token_or_a_whole_body_and_changes_nothing() -> None:
+    app = ScriptedApp({})
+    mw, _ = scripted(app)
+    assert load(mw, LOAD, {"Authorization": "Bearer wrong"})[0] == 401
+    for bad in ({"weight_version": "v9"}, {"update_info": LOAD["update_info"]}, dict(LOAD, weight_version="")):
+        status, answer = load(mw, bad)
+        assert status == 400 and "a load needs update_info and weight_version" in answer["error"], bad
+    assert app.calls == []
