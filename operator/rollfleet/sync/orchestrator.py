@@ -543,12 +543,19 @@ class Orchestrator:
     async def _pause_and_sync(
         self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress, stale: StaleCheck
     ) -> bool:
-        return await self.pause_engine(engine, progress, stale) and await self._sync_engine(engine, ref, progress)
+        # A set this engine staged in this push is loaded without a look first: it cannot serve it yet, or (a
+        # roll-forward of a push it had loaded) serves these very bytes, and loading them again changes nothing.
+        staged = ref.url != stale.target.url
+        return await self.pause_engine(engine, progress, stale) and await self._sync_engine(
+            engine, ref, progress, look_first=not staged
+        )
 
-    async def _sync_engine(self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress) -> bool:
-        """Bring one paused engine to ``ref``; True once it reports that version."""
-        obs = await observe(self.api, engine)
-        if obs.serves(ref):
+    async def _sync_engine(
+        self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress, look_first: bool = True
+    ) -> bool:
+        """Bring one paused engine to ``ref``; True once it reports that version. `look_first`: one that
+        serves it already is not loaded again."""
+        if look_first and (await observe(self.api, engine)).serves(ref):
             progress.step = EngineStep.VERIFIED
             return True
         progress.step = EngineStep.TRANSFERRING
@@ -714,7 +721,7 @@ class Orchestrator:
         # What it still holds (from before it fell behind) runs on the fleet's weights next: bounds apply.
         stale = StaleCheck(record, ref, await self._bound_now())
         if await self._pause_and_sync(engine, ref, progress, stale):
-            await self.settle(record, [engine], {engine.name: progress})
+            await self.settle(record, [engine], {engine.name: progress}, verified=[engine.name])
             log.info("caught %s up to %s in %.2fs", engine.name, ref.version, progress.transfer_s or 0.0)
         else:
             log.warning("catching %s up failed: %s", engine.name, progress.error)

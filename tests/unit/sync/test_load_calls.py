@@ -1,5 +1,6 @@
 """The load in a push's pause: one call to each engine (LOAD_PATH) where the engine has the route, vLLM's three
-and a state read where it does not (an older engine image), and the verified engines resumed without another look."""
+and a state read where it does not (an older engine image); no look before loading a set the push staged, and the
+verified engines resumed without another look."""
 
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ from rollfleet_engine.protocol import (
 
 
 class Engine:
-    """An engine's weight routes as the sidecar meets them; `one_call`: an image with LOAD_PATH. It stages nothing
-    (an image without prefetch: 404), so it pulls in the pause."""
+    """An engine's weight routes as the sidecar meets them; `one_call`: an image with LOAD_PATH; `stages`: one with
+    prefetch (it stages at once), else it pulls in the pause (404)."""
 
-    def __init__(self, one_call: bool) -> None:
-        self.one_call = one_call
+    def __init__(self, one_call: bool, stages: bool) -> None:
+        self.one_call, self.stages = one_call, stages
         self.version, self.manifest, self.pending, self.paused = "v0", None, None, False
+        self.staging: str | None = None
         self.calls: list[str] = []
 
     def state(self) -> httpx.Response:
@@ -64,7 +66,12 @@ class Engine:
         elif path == FINISH_WEIGHT_UPDATE_PATH:
             self.version, self.manifest = body["weight_version"], self.pending
         elif path == STAGE_PATH:
-            return httpx.Response(404, json={"detail": "Not Found"})
+            if not self.stages:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            if request.method == "POST":
+                self.staging = body["manifest_sha256"]
+            url = f"file:///dev/shm/staged/{self.staging}"
+            return httpx.Response(200, json={"state": "staged", "manifest_sha256": self.staging, "staged_url": url})
         return httpx.Response(200, json={})
 
 
@@ -96,18 +103,24 @@ def push(tmp_path: Path, engines: dict[str, Engine]) -> PushState:
     return asyncio.run(run())
 
 
+@pytest.mark.parametrize("stages", [True, False], ids=["staged", "pulled-in-the-pause"])
 @pytest.mark.parametrize("one_call", [True, False], ids=["load-route", "older-image"])
 def test_each_engine_loads_in_one_call_where_it_can_and_in_vllms_three_where_it_cannot(
-    tmp_path: Path, one_call: bool
+    tmp_path: Path, one_call: bool, stages: bool
 ) -> None:
-    engines = {"e0": Engine(one_call), "e1": Engine(one_call)}
+    engines = {"e0": Engine(one_call, stages), "e1": Engine(one_call, stages)}
     assert push(tmp_path, engines) is PushState.DONE
     for engine in engines.values():
         assert (engine.version, engine.paused) == ("v1", False)
         assert engine.manifest is not None  # the load named the pushed manifest, and the state showed it
         window = engine.calls[engine.calls.index(PAUSE_PATH) :]
+        # Its state is looked at before a load only where the push did not stage it: one that serves the target
+        # already is not loaded again. One staged in this push cannot serve it yet.
+        look = [] if stages else [STATE_PATH]
         load = [LOAD_PATH] if one_call else [LOAD_PATH, START_WEIGHT_UPDATE_PATH, UPDATE_WEIGHTS_PATH]
         load += [] if one_call else [FINISH_WEIGHT_UPDATE_PATH, STATE_PATH]
-        # Paused, its requests looked at (staleness), its state (one that serves the target is not loaded again),
-        # the load, resumed at once: the state that verified the load is the look that resuming needs.
-        assert window == [PAUSE_PATH, REQUESTS_PATH, STATE_PATH, *load, RESUME_PATH]
+        # Paused, its requests looked at (staleness), the load, resumed at once: the state that verified the
+        # load is the look that resuming needs.
+        assert window == [PAUSE_PATH, REQUESTS_PATH, *look, *load, RESUME_PATH]
+        if stages:
+            assert engine.manifest == engine.staging
