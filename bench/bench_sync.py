@@ -491,6 +491,7 @@ def receiver(address: str) -> None:
     from rollfleet_engine.staging import RelayUnavailable
     from rollfleet_engine.tp_slices import RankShard, rank_plan
     from rollfleet_engine.weights_client import fetch_slices, fetch_weights
+    from rollfleet_engine.weights_server import content_range
 
     host, port = address.rsplit(":", 1)
     tp_rank = os.environ.get(TP_RANK_ENV)
@@ -562,11 +563,18 @@ def receiver(address: str) -> None:
             return web.json_response({"error": str(err)}, status=409)
 
     async def relay_shard(request: web.Request) -> web.StreamResponse:
+        asked = request.headers.get("Range")
         try:
-            shard, chunks = stager.relay_shard("/" + request.match_info["path"])
+            path = "/" + request.match_info["path"]
+            shard, (begin, end), chunks = await asyncio.to_thread(stager.relay_shard, path, asked)
         except RelayUnavailable as err:
             return web.json_response({"error": str(err)}, status=409)
-        resp = web.StreamResponse(headers={"Content-Length": str(shard.size)})
+        except ValueError as err:  # a Range past the shard
+            return web.json_response({"error": str(err)}, status=416)
+        headers = {"Content-Length": str(end - begin)}
+        if asked is not None:
+            headers["Content-Range"] = content_range(begin, end, shard.size)
+        resp = web.StreamResponse(status=200 if asked is None else 206, headers=headers)
         await resp.prepare(request)
         relayed = 0
         with contextlib.suppress(RelayUnavailable):  # the stream breaks off, as the engine's does

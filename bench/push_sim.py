@@ -7,8 +7,8 @@ simulation charges for:
 
 - the network: every engine's link is `LINK_BYTES_PER_S` each way (netsim's 1 Gbit/s, as bench_sync's fan-out part),
   the sidecar's too; a stream moves the weights in relay pieces (`PIECE_BYTES`, the engine's receive piece: a relay
-  forwards a piece once it has landed), an uplink shared evenly by the streams it feeds at each piece; each call
-  costs a round trip (`RTT_S`);
+  forwards a piece once it has landed), an uplink shared evenly by the streams it feeds and a downlink by the streams
+  into it (two, from two relay trees), at each piece; each call costs a round trip (`RTT_S`);
 - the sidecar's CPU: each call to an engine holds the sidecar's one event loop for `call_cpu_s`, measured in the
   same run on this machine with the real engine client against a real simulated engine (`measure_call_cpu`);
 - the load in the pause: a copy from the staging area at `LOAD_BYTES_PER_S` (1 GiB in 0.11 s, docs/weight-sync.md).
@@ -44,7 +44,7 @@ from rollfleet_engine.protocol import (
     StageState,
     StageStatus,
 )
-from rollfleet_engine.safetensors_stream import PIECE_BYTES
+from rollfleet_engine.safetensors_stream import PIECE_BYTES, second_half
 
 MIB = 1 << 20
 LINK_BYTES_PER_S = 1e9 / 8  # netsim's "1gbit"
@@ -87,20 +87,21 @@ class Node:
     """A machine with a link: an engine, or the sidecar (which has every piece from the start)."""
 
     pieces: int
-    received: int = 0
+    received: set[int] = field(default_factory=set)
     streams_out: int = 0
+    streams_in: int = 0
     staging: bool = False
     _waiters: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
 
     async def has(self, piece: int) -> None:
-        if self.received > piece:
+        if piece in self.received:
             return
         future = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(piece, []).append(future)
         await future
 
     def landed(self, piece: int) -> None:
-        self.received = piece + 1
+        self.received.add(piece)
         for future in self._waiters.pop(piece, []):
             future.set_result(None)
 
@@ -150,29 +151,47 @@ class SimApi(EngineClient):
         await self._exchange()
         return RequestsView(in_flight=[], recently_finished=[])
 
+    def _node(self, url: str) -> Node:
+        return self.sidecar if url == SIDECAR_URL else self.engines[url.removesuffix(STAGE_RELAY_PATH)].node
+
     async def stage(self, engine: EngineRef, update_info: Any, policy: Any = CONTROL) -> StageStatus:
+        """The engine's staging: every piece from `url`, or the first half of them from it and the second half
+        from `second_url` at once (`safetensors_stream.second_half`). A second upstream not staging yet is waited
+        for, as the engine's relay waits for its staging to begin."""
         await self._exchange()
-        e, url = self.engines[engine.url], str(update_info["url"])
-        source = self.sidecar if url == SIDECAR_URL else self.engines[url.removesuffix(STAGE_RELAY_PATH)].node
+        e, source = self.engines[engine.url], self._node(str(update_info["url"]))
         if source is not self.sidecar and not source.staging:
             raise EngineCallError(engine, "POST", STAGE_PATH, "HTTP 409: the upstream is not staging", status=409)
         e.stage = StageStatus(state=StageState.STAGING, manifest_sha256=MANIFEST, bytes=self.total_bytes)
         e.node.staging = True
-        asyncio.get_running_loop().create_task(self._transfer(e, source))
+        pieces = e.node.pieces
+        if update_info.get("second_url"):
+            middle = min(-(-second_half(self.total_bytes) // PIECE_BYTES), pieces)
+            halves = [(source, range(middle)), (self._node(update_info["second_url"]), range(middle, pieces))]
+        else:
+            halves = [(source, range(pieces))]
+        asyncio.get_running_loop().create_task(self._transfer(e, halves))
         return e.stage.model_copy()
 
-    async def _transfer(self, e: SimEngine, source: Node) -> None:
-        piece_bytes = self.total_bytes / e.node.pieces
-        for piece in range(e.node.pieces):
-            await source.has(piece)
-            source.streams_out += 1
-            await asyncio.sleep(piece_bytes * source.streams_out / LINK_BYTES_PER_S)
-            source.streams_out -= 1
-            e.node.landed(piece)
+    async def _transfer(self, e: SimEngine, halves: list[tuple[Node, range]]) -> None:
+        await asyncio.gather(*(self._stream(e.node, source, pieces) for source, pieces in halves))
         e.stage = StageStatus(
             state=StageState.STAGED, manifest_sha256=MANIFEST, bytes=self.total_bytes, staged_url="file:///staged"
         )
         e.staged.set()
+
+    async def _stream(self, node: Node, source: Node, pieces: range) -> None:
+        """`pieces` from `source`, each once the source has it, at the rate of the busier of the two links: the
+        source's uplink and the node's downlink are shared evenly by their streams."""
+        piece_bytes = self.total_bytes / node.pieces
+        for piece in pieces:
+            await source.has(piece)
+            source.streams_out += 1
+            node.streams_in += 1
+            await asyncio.sleep(piece_bytes * max(source.streams_out, node.streams_in) / LINK_BYTES_PER_S)
+            source.streams_out -= 1
+            node.streams_in -= 1
+            node.landed(piece)
 
     async def stage_status(self, engine: EngineRef, wait_s: float = 0.0) -> StageStatus:
         await self._exchange()
@@ -251,7 +270,7 @@ async def _push(
 ) -> PushResult:
     pieces = max(1, -(-total_bytes // PIECE_BYTES))
     sims = {f"http://engine-{i}:8000": SimEngine(Node(pieces)) for i in range(engines)}
-    sidecar = Node(pieces, received=pieces)
+    sidecar = Node(pieces, received=set(range(pieces)))
     api = SimApi(sims, sidecar, total_bytes, call_cpu_s)
     orch = Orchestrator(
         store=FileStore(tmp / "record.json"),

@@ -113,8 +113,12 @@ def test_200_engines_are_each_paused_resumed_and_pushed_and_none_is_missed(clust
     assert not left, f"{len(left)} engines left out of the push: {left[:5]}"
     relayed = [e for e in status.engines if e.source is not None and e.relay_error is None]
     assert len(relayed) == ENGINES - 1, f"{ENGINES - 1 - len(relayed)} engines did not stage from a relay"
-    # 200 engines and a model of a few 1 MiB pieces: a binary tree, each upstream relaying to two.
+    # 200 engines and a model of a few 1 MiB pieces: two binary trees, each upstream relaying to two, the second
+    # carrying the second half of the shard (its root from the sidecar).
     assert max(Counter(e.source for e in relayed).values()) == 2
+    halves = Counter(e.second_source for e in relayed if e.second_source is not None)
+    assert sum(halves.values()) >= ENGINES - 2 and max(halves.values()) == 2, halves
+    assert not {e.source for e in relayed} & set(halves), "an engine relays in one tree only"
     engines = served(fake_nodes)
     manifests = {e["weights_manifest_sha256"] for e in engines.values()}
     not_pushed = sorted(n for n, e in engines.items() if e["weight_version"] != PUSHED or e["paused"])

@@ -123,6 +123,11 @@ class EngineProgress(BaseModel):
     step: EngineStep = EngineStep.WAITING
     stage_s: float | None = Field(default=None, description="Prefetch: download and verification, while serving.")
     source: str | None = Field(default=None, description="The engine it staged from (relay); None: the sidecar.")
+    second_source: str | None = Field(
+        default=None,
+        description="Down two relay trees: the engine it staged the second half of every shard from (None: the "
+        "sidecar, or one tree).",
+    )
     relay_error: str | None = Field(default=None, description="Why a relay failed, and it staged from the sidecar.")
     transfer_s: float | None = None
     error: str | None = None

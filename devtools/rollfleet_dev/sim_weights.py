@@ -42,6 +42,7 @@ from rollfleet_engine.protocol import (
 from rollfleet_engine.safetensors_stream import TransferError, receive_shard
 from rollfleet_engine.staging import RelayUnavailable, Stager
 from rollfleet_engine.weights_client import MANIFEST_FILE, check_length, check_manifest, fetch_manifest, http_get
+from rollfleet_engine.weights_server import content_range
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -108,11 +109,18 @@ class SimWeights:
         return web.Response(body=raw, content_type="application/json")
 
     async def relay_shard(self, request: web.Request) -> web.StreamResponse:
+        asked = request.headers.get("Range")
         try:
-            shard, chunks = self.stager.relay_shard("/" + request.match_info["path"])
+            path = "/" + request.match_info["path"]
+            shard, (begin, end), chunks = await _blocking(self.stager.relay_shard, path, asked)
         except RelayUnavailable as err:
             return _error(409, str(err))
-        resp = web.StreamResponse(headers={"Content-Length": str(shard.size)})
+        except ValueError as err:  # a Range past the shard
+            return _error(416, str(err))
+        headers = {"Content-Length": str(end - begin)}
+        if asked is not None:
+            headers["Content-Range"] = content_range(begin, end, shard.size)
+        resp = web.StreamResponse(status=200 if asked is None else 206, headers=headers)
         await resp.prepare(request)
         with contextlib.suppress(RelayUnavailable):  # the stream breaks off short, as the engine's does
             while (chunk := await _blocking(next, chunks, None)) is not None:
@@ -155,7 +163,8 @@ class SimWeights:
         except ValidationError as err:
             return _error(400, f"a load needs update_info and weight_version: {err}")
         self._loading = []
-        updated = await self._update(orjson.dumps({"update_info": load.update_info.model_dump(mode="json")}))
+        update_info = load.update_info.model_dump(mode="json", exclude={"second_url"})  # vLLM takes no more
+        updated = await self._update(orjson.dumps({"update_info": update_info}))
         if updated.status != 200:
             return updated
         self._finish(load.weight_version)

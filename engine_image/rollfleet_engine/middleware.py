@@ -131,7 +131,8 @@ class RollfleetMiddleware:
         except ValidationError as err:
             await _json(send, 400, {"error": f"a load needs update_info and weight_version: {err}"})
             return
-        update = {"update_info": load.update_info.model_dump(mode="json")}
+        # vLLM's http backend takes the fields of a load; `second_url` is staging's only.
+        update = {"update_info": load.update_info.model_dump(mode="json", exclude={"second_url"})}
         steps = [
             ("POST", START_WEIGHT_UPDATE_PATH, b""),
             ("POST", UPDATE_WEIGHTS_PATH, json.dumps(update).encode()),

@@ -210,6 +210,12 @@ class WeightUpdateInfo(BaseModel):
         default=None, description="Expected sha256 of the manifest; pins the exact weights the trainer meant."
     )
     timeout_s: float = Field(default=300.0, gt=0)
+    second_url: str | None = Field(
+        default=None,
+        description="Staging only: the base URL of a second upstream (another engine's relay, or the weights "
+        "server) serving the second half of every shard (safetensors_stream.second_half), received from it while "
+        "the first half comes from `url`: the sync sidecar's second relay tree.",
+    )
 
 
 class LoadRequest(BaseModel):

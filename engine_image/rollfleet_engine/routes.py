@@ -33,6 +33,7 @@ from rollfleet_engine.protocol import (
 from rollfleet_engine.rank_staging import GroupStager
 from rollfleet_engine.runtime import Runtime
 from rollfleet_engine.staging import RelayUnavailable, Stager
+from rollfleet_engine.weights_server import content_range
 
 router = APIRouter()
 
@@ -120,15 +121,23 @@ async def relay_manifest(request: Request) -> Response:
 
 @router.get(STAGE_RELAY_PATH + "/{path:path}")
 async def relay_shard(request: Request, path: str) -> StreamingResponse:
-    """A shard of the set this engine stages, its bytes as they arrive (the stream breaks if staging fails)."""
+    """A shard of the set this engine stages, or the bytes of it a Range asks for (a relay tree's half), as they
+    arrive (the stream breaks if staging fails)."""
     stager = _stager(request)
     try:
         if isinstance(stager, GroupStager):
             raise RelayUnavailable("a group's ranks stage their parts in their own pods: nothing here to relay")
-        shard, chunks = stager.relay_shard("/" + path)
+        asked = request.headers.get("range")
+        shard, (begin, end), chunks = await run_in_threadpool(stager.relay_shard, "/" + path, asked)
     except RelayUnavailable as err:
         raise HTTPException(status_code=409, detail=str(err)) from err
-    return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(shard.size)})
+    except ValueError as err:  # a Range past the shard
+        raise HTTPException(status_code=416, detail=str(err)) from err
+    headers = {"Content-Length": str(end - begin)}
+    if asked is None:
+        return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+    headers["Content-Range"] = content_range(begin, end, shard.size)
+    return StreamingResponse(chunks, status_code=206, media_type="application/octet-stream", headers=headers)
 
 
 @router.get(STAGE_PATH, response_model=StageStatus)

@@ -200,8 +200,12 @@ def _header_length(raw: bytes | bytearray | memoryview, shard: Shard) -> int:
 
 def _check_sums(received: list[tuple[TensorEntry, Future[str]]]) -> None:
     for entry, checksum in received:
-        if checksum.result() != entry.xxh3_128:
-            raise TransferError(f"{entry.name}: checksum mismatch (corrupt transfer)")
+        _check_sum(entry, checksum.result())
+
+
+def _check_sum(entry: TensorEntry, checksum: str) -> None:
+    if checksum != entry.xxh3_128:
+        raise TransferError(f"{entry.name}: checksum mismatch (corrupt transfer)")
 
 
 def read_shard(
@@ -249,6 +253,30 @@ def read_shard(
 PIECE_BYTES = 1 << 20
 
 
+def second_half(size: int) -> int:
+    """Where the second half of a shard of `size` bytes begins, for a staging from two upstreams (the sync sidecar's
+    two relay trees, each carrying one half of every shard): the piece boundary nearest below the middle. A shard
+    of under two pieces is all first half (`size`)."""
+    return size // 2 // PIECE_BYTES * PIECE_BYTES if size >= 2 * PIECE_BYTES else size
+
+
+def parse_byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """The bytes ``[begin, end)`` of a resource of `size` bytes that an HTTP ``Range`` header asks for (one range,
+    ``bytes=B-E`` or ``bytes=B-``), or None for no header. ValueError for any other form, or a range past `size`:
+    a relay answers 416 then."""
+    if header is None:
+        return None
+    unit, _, spec = header.strip().partition("=")
+    first, dash, last = spec.partition("-")
+    if unit.strip().lower() != "bytes" or not dash or not first.strip().isdigit() or "," in spec:
+        raise ValueError(f"only one range of bytes, bytes=B-E, is served: got Range {header[:80]!r}")
+    begin = int(first)
+    end = int(last) + 1 if last.strip().isdigit() else size if not last.strip() else -1
+    if not 0 <= begin < end <= size:
+        raise ValueError(f"Range {header[:80]!r} is not within the {size} bytes served")
+    return begin, end
+
+
 def receive_shard(read_into: ReadInto, shard: Shard, into: memoryview, progress: Callable[[int], object]) -> None:
     """Read a whole shard stream into `into` (``shard.size`` bytes: a mapped staging file), checking its header
     and every tensor's checksum against the manifest; `progress(bytes so far)` after every piece.
@@ -280,6 +308,30 @@ def receive_shard(read_into: ReadInto, shard: Shard, into: memoryview, progress:
             received.append((entry, hasher.submit(tensor_checksum, into[begin:end])))
         take_until(shard.size, "trailing bytes")
     _check_sums(received)
+
+
+def receive_range(
+    read_into: ReadInto, into: memoryview, begin: int, end: int, progress: Callable[[int], object]
+) -> None:
+    """Read bytes ``[begin, end)`` of a shard into `into` (the whole shard's mapped staging file), piece by piece;
+    `progress(end of the bytes so far)` after every piece. Checked afterwards, whole (`check_shard`)."""
+    position = begin
+    while position < end:
+        piece = min(PIECE_BYTES, end - position)
+        _read_exact(read_into, into[position : position + piece], f"bytes {begin}-{end}")
+        position += piece
+        progress(position)
+
+
+def check_shard(data: memoryview, shard: Shard) -> None:
+    """Check a whole shard in memory (received in parts: `receive_range`) against the manifest: its header, and
+    every tensor's checksum. TransferError on any mismatch."""
+    if len(data) != shard.size:
+        raise TransferError(f"{shard.path}: {len(data)} bytes received, manifest says {shard.size}")
+    n = _header_length(data[:8], shard)
+    for entry in _tensor_entries(json.loads(bytes(data[8 : 8 + n])), shard):
+        begin, end = (8 + n + offset for offset in entry.data_offsets)
+        _check_sum(entry, tensor_checksum(data[begin:end]))
 
 
 def tensors_from_buffer(data: bytearray | memoryview, shard: Shard) -> list[tuple[str, Any]]:

@@ -23,6 +23,14 @@ of a chain (``relay_manifest``, ``relay_shard``: its bytes as they land, through
 ``STAGE_RELAY_PATH``), so that the sidecar sends each byte about once however many
 engines there are. Every engine still checks every tensor it receives against the
 manifest, so a relay cannot pass corrupted or truncated bytes on as the weights.
+
+Two upstreams (``WeightUpdateInfo.second_url``): the first half of every shard comes from ``url``
+and the second half (``second_half``) from the second upstream, at once; a relay serves either
+half (an HTTP Range) as it lands. The sync sidecar's two relay trees use this: each engine relays
+one half down one tree and is a leaf of the other, so every engine sends about as much as it
+receives (a single tree's leaves send nothing, halving the rate). The halves are checked when
+both have landed. A relay asked before this engine began staging waits for it to begin, up to
+``RELAY_BEGIN_WAIT_S``: an engine's two upstreams cannot both be asked before it.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import atexit
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +52,14 @@ from rollfleet_engine.protocol import (
     WeightManifest,
     WeightUpdateInfo,
 )
-from rollfleet_engine.safetensors_stream import TransferError, receive_shard
+from rollfleet_engine.safetensors_stream import (
+    TransferError,
+    check_shard,
+    parse_byte_range,
+    receive_range,
+    receive_shard,
+    second_half,
+)
 from rollfleet_engine.weights_client import MANIFEST_FILE, check_length, fetch_manifest, http_get, shard_file
 
 
@@ -72,6 +87,7 @@ class RelayUnavailable(TransferError):
 
 
 _RELAY_CHUNK = 4 << 20
+RELAY_BEGIN_WAIT_S = 10.0  # a relay asked before this engine began staging waits this long for it (the sidecar's own)
 _SPARE_DIR = ".spare"  # shard files of an earlier set, kept to be written over
 
 
@@ -84,15 +100,24 @@ class _Job:
     status: StageStatus
     thread: threading.Thread | None = None
     # What a relay reads, as it grows: the manifest, the mapping each shard is received into, and its bytes
-    # written so far.
+    # landed so far: from its start (`written`) and, from two upstreams, of its second half (`seconds`: where the
+    # half begins, and the end of what landed of it).
     manifest_raw: bytes | None = None
     manifest: WeightManifest | None = None
     views: dict[int, memoryview] = field(default_factory=dict)
     written: dict[int, int] = field(default_factory=dict)
+    seconds: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def ended(self) -> bool:
         return self.status.state is not StageState.STAGING
+
+    def landed(self, index: int, position: int) -> int:
+        """The end of the bytes of shard `index` that landed without a gap from `position` on."""
+        begin, end = self.seconds.get(index, (None, 0))
+        if begin is not None and position >= begin:
+            return end
+        return self.written.get(index, 0)
 
 
 def stages_already(current: StageStatus, manifest_sha256: str) -> bool:
@@ -101,8 +126,8 @@ def stages_already(current: StageStatus, manifest_sha256: str) -> bool:
 
 
 class Stager:
-    def __init__(self, root: Path, max_bytes: int | None) -> None:
-        self.root, self.max_bytes = root, max_bytes
+    def __init__(self, root: Path, max_bytes: int | None, relay_begin_wait_s: float = RELAY_BEGIN_WAIT_S) -> None:
+        self.root, self.max_bytes, self.relay_begin_wait_s = root, max_bytes, relay_begin_wait_s
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # relays wait on it for more bytes
         # Waits for the end of a staging, apart: they need not wake at each of its pieces.
@@ -150,9 +175,10 @@ class Stager:
         return started
 
     def relay_manifest(self, manifest_sha256: str | None = None) -> bytes:
-        """The manifest being staged, once it is known (blocks until then)."""
+        """The manifest being staged, once it is known (blocks until then, and until a staging begins, up to
+        `relay_begin_wait_s`)."""
+        job = self._begun()
         with self._progress:
-            job = self._job
             self._progress.wait_for(lambda: job.manifest_raw is not None or job.ended or self._job is not job)
             if job.manifest_raw is None or self._job is not job or job.status.state is StageState.FAILED:
                 raise RelayUnavailable("this engine is not staging any weights now")
@@ -160,30 +186,48 @@ class Stager:
                 raise RelayUnavailable(f"this engine stages {job.status.manifest_sha256}, not {manifest_sha256}")
             return job.manifest_raw
 
-    def relay_shard(self, path: str) -> tuple[Shard, Iterator[memoryview]]:
-        """The shard of the set being staged at `path` (as the manifest names it), and its bytes as they
-        arrive. The iterator raises if the staging fails or is replaced before the shard is complete."""
+    def relay_shard(
+        self, path: str, byte_range: str | None = None
+    ) -> tuple[Shard, tuple[int, int], Iterator[memoryview]]:
+        """The shard of the set being staged at `path` (as the manifest names it), the bytes ``[begin, end)``
+        served (those an HTTP Range header's `byte_range` asks for, else the whole shard), and those bytes as they
+        arrive. Blocks until a staging has begun (up to `relay_begin_wait_s`). The iterator raises if the staging
+        fails or is replaced before they are all served. ValueError for a range past the shard."""
+        job = self._begun()
         with self._progress:
-            job, manifest = self._job, self._job.manifest
-            if manifest is None or job.status.state is StageState.FAILED:
+            self._progress.wait_for(lambda: job.manifest is not None or job.ended or self._job is not job)
+            manifest = job.manifest
+            if manifest is None or self._job is not job or job.status.state is StageState.FAILED:
                 raise RelayUnavailable("this engine is not staging any weights now")
         index = next((i for i, sh in enumerate(manifest.shards) if sh.path == path), None)
         if index is None:
             raise RelayUnavailable(f"no shard {path!r} in the weights being staged")
-        return manifest.shards[index], self._relay(job, index, manifest.shards[index].size)
+        shard = manifest.shards[index]
+        begin, end = parse_byte_range(byte_range, shard.size) or (0, shard.size)
+        return shard, (begin, end), self._relay(job, index, begin, end)
 
-    def _relay(self, job: _Job, index: int, size: int) -> Iterator[memoryview]:
-        sent = 0
+    def _begun(self) -> _Job:
+        """The staging under way or staged; one not begun yet is waited for, up to `relay_begin_wait_s` (the
+        sidecar may ask this engine's downstream of its second relay tree first)."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._job.status.state is not StageState.IDLE, self.relay_begin_wait_s)
+            return self._job
+
+    def _relay(self, job: _Job, index: int, begin: int, end: int) -> Iterator[memoryview]:
+        sent = begin
 
         def more() -> bool:  # called under the lock
-            return job.written.get(index, 0) > sent or job.ended or self._job is not job
+            return job.landed(index, sent) > sent or job.ended or self._job is not job
 
-        while sent < size:
+        while sent < end:
             with self._progress:
                 self._progress.wait_for(more)
-                if job.written.get(index, 0) <= sent or self._job is not job:  # ended or replaced before it was whole
-                    raise RelayUnavailable(f"staging ended {job.status.state.value} after {sent} of {size} bytes")
-                available, data = job.written[index], job.views[index]
+                available = min(job.landed(index, sent), end)
+                if available <= sent or self._job is not job:  # ended or replaced before it was whole
+                    raise RelayUnavailable(
+                        f"staging ended {job.status.state.value} after {sent - begin} of {end - begin} bytes"
+                    )
+                data = job.views[index]
             # Slices of the mapping the bytes were received into, handed to the socket without a copy (a
             # pread copied every relayed byte once more, on the CPU the engine shares).
             while sent < available:
@@ -223,25 +267,66 @@ class Stager:
             target = partial / shard_file(i)
             if (spare / shard_file(i)).exists():
                 (spare / shard_file(i)).rename(target)
+            view = self._mappings.view(target, shard.size)
+            with self._progress:
+                job.views[i], job.written[i] = view, 0
+            if info.second_url is not None:
+                self._receive_halves(job, info, headers, i, shard, view)
+                continue
             with http_get(info.url, shard.path, info.timeout_s, headers) as resp:
                 check_length(resp, shard)
-                view = self._mappings.view(target, shard.size)
-                with self._progress:
-                    job.views[i], job.written[i] = view, 0
-
-                def progress(n: int, i: int = i) -> None:
-                    with self._progress:
-                        job.written[i] = n
-                        self._progress.notify_all()
-
                 # Every tensor is checked against the manifest as it arrives (staged means verified), and its
                 # bytes land in the shard's file, where a relay reads them on.
-                receive_shard(resp.readinto, shard, view, progress)
+                receive_shard(resp.readinto, shard, view, self._landing(job, i))
         shutil.rmtree(spare, ignore_errors=True)  # a set of more shards than this one
         self._mappings.keep_only(partial.iterdir())  # and its files' memory goes with their mappings
         (partial / MANIFEST_FILE).write_bytes(raw)
         partial.rename(final)
         return f"{STAGED_URL_SCHEME}://{final}"
+
+    def _landing(self, job: _Job, index: int, second: int | None = None) -> Callable[[int], None]:
+        """What records the bytes of shard `index` landed so far, from its start or from `second` (its second half's
+        start), and wakes the relays waiting for them."""
+
+        def landed(n: int) -> None:
+            with self._progress:
+                if second is None:
+                    job.written[index] = n
+                else:
+                    job.seconds[index] = (second, n)
+                self._progress.notify_all()
+
+        return landed
+
+    def _receive_halves(
+        self, job: _Job, info: WeightUpdateInfo, headers: dict[str, str], index: int, shard: Shard, view: memoryview
+    ) -> None:
+        """Shard `index` from two upstreams at once: its first half from `info.url`, its second from
+        `info.second_url`; every tensor checked once both have landed."""
+        assert info.second_url is not None
+        middle = second_half(shard.size)
+        with self._progress:
+            job.seconds[index] = (middle, middle)
+        halves = [(info.url, (0, middle), None), (info.second_url, (middle, shard.size), middle)]
+        failures: list[BaseException] = []
+
+        def receive(url: str, window: tuple[int, int], second: int | None) -> None:
+            try:
+                with http_get(url, shard.path, info.timeout_s, headers, window) as resp:
+                    check_length(resp, shard, window)
+                    receive_range(resp.readinto, view, *window, self._landing(job, index, second))
+            except (OSError, ValueError, TransferError) as err:
+                failures.append(err)
+
+        second = threading.Thread(target=receive, args=halves[1], name="rollfleet-stage-half", daemon=True)
+        if middle < shard.size:  # else the shard is all first half
+            second.start()
+        receive(*halves[0])
+        if middle < shard.size:
+            second.join()
+        if failures:
+            raise failures[0]
+        check_shard(view, shard)
 
     def _recycle(self) -> Path:
         """Every shard file left in the area (a set staged or loaded before, a staging cut off) moved into the

@@ -45,17 +45,25 @@ _QUOTED_BYTES = 300  # of a refusal's body, in the error
 
 @contextmanager
 def http_get(
-    url: str, path: str, timeout_s: float, headers: Mapping[str, str] | None = None
+    url: str,
+    path: str,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Iterator[http.client.HTTPResponse]:
-    """An open GET of `path` under the weights server (or engine relay) at `url`; refused unless it answers 200."""
+    """An open GET of `path` under the weights server (or engine relay) at `url`; refused unless it answers 200, or
+    with `window`, bytes ``[begin, end)`` of it (a Range: 206)."""
     parts = urlsplit(url.rstrip("/"))
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"weights URL must be http://host:port, got {url!r}")
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    sent = dict(headers or {})
+    if window is not None:
+        sent["Range"] = f"bytes={window[0]}-{window[1] - 1}"
     try:
-        conn.request("GET", parts.path + path, headers=dict(headers or {}))
+        conn.request("GET", parts.path + path, headers=sent)
         resp = conn.getresponse()
-        if resp.status != 200:
+        if resp.status != (200 if window is None else 206):
             said = resp.read(_QUOTED_BYTES).decode("utf-8", "replace")
             raise TransferError(f"GET {url}{path}: HTTP {resp.status}: {said}")
         yield resp
@@ -77,9 +85,10 @@ def fetch_manifest(
     return raw, check_manifest(raw, manifest_sha256)
 
 
-def check_length(resp: http.client.HTTPResponse, shard: Shard) -> None:
-    if resp.length is not None and resp.length != shard.size:
-        raise TransferError(f"{shard.path}: {resp.length} bytes offered, manifest says {shard.size}")
+def check_length(resp: http.client.HTTPResponse, shard: Shard, window: tuple[int, int] | None = None) -> None:
+    expected = shard.size if window is None else window[1] - window[0]
+    if resp.length is not None and resp.length != expected:
+        raise TransferError(f"{shard.path}: {resp.length} bytes offered, manifest says {expected}")
 
 
 def fetch_weights(url: str, manifest_sha256: str | None, timeout_s: float) -> list[tuple[str, Any]]:

@@ -2,10 +2,10 @@
 
 Engines with the ``http`` weight backend pull from it. Routes: ``GET /manifest``
 (shards, and per tensor name, dtype, shape, offsets and checksum), ``GET /shards/<i>``
-(a byte-exact safetensors file), and, for a rank that needs only its part of each tensor
-(``tp_slices``), ``POST /slices`` with a ``SlicePlan``: the manifest of one shard of those
-parts, each checksummed from bytes first checked against the pinned manifest, served at
-``GET /slices/<id>``. Python API, reused by the sync sidecar::
+(a byte-exact safetensors file; with ``Range: bytes=B-E``, those bytes of it: a relay tree's half),
+and, for a rank that needs only its part of each tensor (``tp_slices``), ``POST /slices`` with a
+``SlicePlan``: the manifest of one shard of those parts, each checksummed from bytes first checked
+against the pinned manifest, served at ``GET /slices/<id>``. Python API, reused by the sync sidecar::
 
     server = WeightsServer(model.state_dict(), host="10.0.0.5", port=0)
     url = server.start()
@@ -48,6 +48,7 @@ from rollfleet_engine.safetensors_stream import (
     HEADER_LEN,
     MemoryShard,
     manifest_bytes,
+    parse_byte_range,
     safetensors_header,
     sha256_hex,
     shard_from_file,
@@ -274,7 +275,8 @@ class WeightsServer:
 
     def update_info(self) -> dict[str, Any]:
         """The ``update_info`` body for vLLM's ``/update_weights`` with the ``http`` backend."""
-        return WeightUpdateInfo(url=self.url, manifest_sha256=self._snapshot.manifest_sha256).model_dump()
+        info = WeightUpdateInfo(url=self.url, manifest_sha256=self._snapshot.manifest_sha256)
+        return info.model_dump(exclude={"second_url"})  # staging only, and only a relay plan knows it
 
     def stop(self) -> None:
         if self._httpd is not None:
@@ -305,16 +307,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(snap.manifest_raw)
         elif self.path in snap.memory:
             mem = snap.memory[self.path]
-            self._head(mem.shard.size, "application/octet-stream")
-            self._write([mem.header, *mem.buffers])
+            if (window := self._range(mem.shard.size)) is not None:
+                self._write(byte_window([mem.header, *mem.buffers], *window))
         elif self.path in snap.files:
             file = snap.files[self.path]
-            size = file.stat().st_size
-            self._head(size, "application/octet-stream")
-            self.sent(size)
-            with file.open("rb") as f:
-                # Zero-copy from the page cache to the socket.
-                self.connection.sendfile(f, 0, size)
+            if (window := self._range(file.stat().st_size)) is not None:
+                begin, end = window
+                self.sent(end - begin)
+                with file.open("rb") as f:
+                    # Zero-copy from the page cache to the socket.
+                    self.connection.sendfile(f, begin, end - begin)
         elif (planned := snap.slice_stream(self.path)) is not None:
             shard, chunks = planned
             self._head(shard.size, "application/octet-stream")
@@ -356,11 +358,46 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _head(self, length: int, content_type: str) -> None:
-        self.send_response(HTTPStatus.OK)
+    def _head(self, length: int, content_type: str, window: tuple[int, int, int] | None = None) -> None:
+        """The head of a 200, or with `window` (begin, end, size) of a 206 answering a Range."""
+        self.send_response(HTTPStatus.OK if window is None else HTTPStatus.PARTIAL_CONTENT)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(length))
+        if window is not None:
+            self.send_header("Content-Range", content_range(*window))
         self.end_headers()
+
+    def _range(self, size: int) -> tuple[int, int] | None:
+        """Sends the head of a shard of `size` bytes, whole or the range asked for (a relay tree's half); the bytes
+        to send, or None once a bad range was refused (416)."""
+        try:
+            window = parse_byte_range(self.headers.get("Range"), size)
+        except ValueError as err:
+            self._refuse(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, str(err))
+            return None
+        if window is None:
+            self._head(size, "application/octet-stream")
+            return 0, size
+        self._head(window[1] - window[0], "application/octet-stream", (*window, size))
+        return window
+
+
+def content_range(begin: int, end: int, size: int) -> str:
+    """The Content-Range of an answer with bytes ``[begin, end)`` of `size`."""
+    return f"bytes {begin}-{end - 1}/{size}"
+
+
+def byte_window(chunks: Iterable[memoryview | bytes], begin: int, end: int) -> Iterator[memoryview]:
+    """Bytes ``[begin, end)`` of the concatenation of `chunks`, as views (no copy)."""
+    position = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        lo, hi = max(begin - position, 0), min(end - position, view.nbytes)
+        if lo < hi:
+            yield view[lo:hi]
+        position += view.nbytes
+        if position >= end:
+            return
 
 
 def serve_forever(source: str, host: str, port: int) -> None:

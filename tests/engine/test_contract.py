@@ -361,15 +361,28 @@ def test_weights_are_staged_relayed_and_loaded_with_the_proof_of_their_bytes(eng
     try:
         info = server.update_info()
         assert control(engine, STAGE_PATH, json={"url": info["url"]}).status_code == 400  # no manifest to pin
-        started = control(engine, STAGE_PATH, json=info)
+        # From two upstreams, as down the sidecar's two relay trees: the first half of every shard from `url`, the
+        # second from `second_url` (here the same server: the halves are the unit tests').
+        started = control(engine, STAGE_PATH, json=info | {"second_url": info["url"]})
         assert started.status_code == 202 and started.json()["manifest_sha256"] == info["manifest_sha256"]
         # What it stages, it relays on: the manifest as the weights server serves it, byte for byte.
         relayed = control(engine, STAGE_RELAY_PATH + WEIGHTS_MANIFEST_PATH, method="GET")
         assert relayed.status_code == 200 and hashlib.sha256(relayed.content).hexdigest() == info["manifest_sha256"]
         staged = control(engine, STAGE_PATH, method="GET", params={"wait": 30}).json()
         assert staged["state"] == "staged" and staged["staged_url"].startswith("file://"), staged
+        assert server.bytes_sent == staged["bytes"]  # each half once
     finally:
         server.stop()
+    # And each shard whole, or the bytes a Range asks for (a relay tree's half), or 416 for a Range past it.
+    shard = json.loads(relayed.content)["shards"][0]
+    url = engine.url + STAGE_RELAY_PATH + shard["path"]
+    whole = engine.client.get(url, headers=engine.auth, timeout=30)
+    assert whole.status_code == 200 and len(whole.content) == shard["size"]
+    part = engine.client.get(url, headers=engine.auth | {"Range": "bytes=10-99"}, timeout=30)
+    assert (part.status_code, part.content) == (206, whole.content[10:100])
+    assert part.headers["Content-Range"] == f"bytes 10-99/{shard['size']}"
+    past = engine.client.get(url, headers=engine.auth | {"Range": f"bytes=0-{shard['size']}"}, timeout=30)
+    assert past.status_code == 416, past.text
     # The same weights under the same label: the cases after this one see the engine as before.
     load_staged(engine, staged["staged_url"], info["manifest_sha256"], version, one_call=True)
     after = state(engine)

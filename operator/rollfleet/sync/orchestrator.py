@@ -65,7 +65,7 @@ from rollfleet.sync.protocol import (
     should_commit,
     stale_requests,
 )
-from rollfleet.sync.relay import relay_fanout, relay_parents
+from rollfleet.sync.relay import relay_fanout, relay_parents, second_parents
 from rollfleet.sync.store import RecordStore, read_record, update
 from rollfleet_client.spool import keep_as_spare, open_over_spare
 from rollfleet_client.sync_protocol import (
@@ -79,7 +79,7 @@ from rollfleet_client.sync_protocol import (
     PushStatus,
 )
 from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, EngineState, StageState
-from rollfleet_engine.safetensors_stream import read_layout
+from rollfleet_engine.safetensors_stream import PIECE_BYTES, read_layout
 from rollfleet_engine.weights_server import WeightsServer
 
 log = logging.getLogger(__name__)
@@ -430,13 +430,18 @@ class Orchestrator:
         `relay.relay_fanout`), from what that one has received so far; the sidecar serves the first, so it sends
         each byte about once. An engine is asked once its upstream has begun (it can relay from then on), so the
         stagings begin a level of the tree at a time, then run together. An upstream that does not begin within
-        RELAY_BEGIN_S, or fails to, is passed over for its own upstream (the sidecar at the top)."""
+        RELAY_BEGIN_S, or fails to, is passed over for its own upstream (the sidecar at the top). Down a tree, the
+        second half of every shard comes down a second tree (`relay.second_parents`), whose upstream the engine
+        asks itself: a relay asked before its engine begins waits for it (the two trees' orders differ)."""
         if not self.prefetch:
             return [target] * len(engines)
         t0 = self.clock()
         relay = self.relay_min_engines is not None and len(engines) >= self.relay_min_engines
         fanout = relay_fanout(len(engines), status.bytes, self.relay_chain_max)
         parents = relay_parents(len(engines), fanout) if relay else [None] * len(engines)
+        # Weights of under two pieces have no second half to send.
+        halves = relay and fanout > 1 and status.bytes >= 2 * PIECE_BYTES
+        seconds = second_parents(len(engines), fanout) if halves else None
         loop = asyncio.get_running_loop()
         begun: list[asyncio.Future[bool]] = [loop.create_future() for _ in engines]
 
@@ -451,7 +456,10 @@ class Orchestrator:
 
         async def one(i: int) -> WeightsRef | None:
             engine = engines[i]
-            return await self._stage(engine, target, progress[engine.name], await upstream_of(i), begun[i])
+            above = None if seconds is None else seconds[i]
+            second = None if above is None else engines[above]
+            upstream, halves = await upstream_of(i), seconds is not None
+            return await self._stage(engine, target, progress[engine.name], upstream, begun[i], halves, second)
 
         refs = list(await asyncio.gather(*(one(i) for i in range(len(engines)))))
         status.prefetch_s = self.clock() - t0
@@ -479,21 +487,29 @@ class Orchestrator:
         progress: EngineProgress,
         upstream: EngineRef | None = None,
         begun: asyncio.Future[bool] | None = None,
+        halves: bool = False,
+        second: EngineRef | None = None,
     ) -> WeightsRef | None:
         """Have the engine stage `ref` while it serves, relayed by `upstream` if given, else (or if that
-        relay fails) from the sidecar; the ref to load from (its staging area), or None."""
+        relay fails) from the sidecar; with `halves`, the second half of every shard relayed by `second` (None:
+        the sidecar). The ref to load from (its staging area), or None."""
         progress.step = EngineStep.STAGING
         await self.notify()
         t0 = self.clock()
+        relayed = upstream is not None or second is not None
         try:
             try:
                 progress.source = upstream.name if upstream is not None else None
-                staged = await self._staged(engine, ref, relay_url(upstream) if upstream else ref.url, begun)
+                progress.second_source = second.name if second is not None else None
+                url = relay_url(upstream) if upstream else ref.url
+                second_url = (relay_url(second) if second else ref.url) if halves else None
+                staged = await self._staged(engine, ref, url, begun, second_url)
             except EngineCallError as err:
-                if upstream is None or err.status == 404:
+                if not relayed or err.status == 404:
                     raise
-                log.warning("relay from %s to %s failed, staging from the sidecar: %s", upstream.name, engine.name, err)
-                progress.source, progress.relay_error = None, str(err)
+                relays = " and ".join(e.name for e in (upstream, second) if e is not None)
+                log.warning("relay from %s to %s failed, staging from the sidecar: %s", relays, engine.name, err)
+                progress.source, progress.second_source, progress.relay_error = None, None, str(err)
                 staged = await self._staged(engine, ref, ref.url)
         except EngineCallError as err:
             if err.status == 404:  # an engine image without prefetch: it pulls in the pause, as before
@@ -508,12 +524,19 @@ class Orchestrator:
         return replace(ref, url=staged)
 
     async def _staged(
-        self, engine: EngineRef, ref: WeightsRef, url: str | None, begun: asyncio.Future[bool] | None = None
+        self,
+        engine: EngineRef,
+        ref: WeightsRef,
+        url: str | None,
+        begun: asyncio.Future[bool] | None = None,
+        second_url: str | None = None,
     ) -> str:
-        """Stage `ref` from `url` on the engine; the staged URL it loads from. Raises EngineCallError.
-        `begun` is resolved once the engine has begun (it can relay from then on)."""
+        """Stage `ref` from `url` (and the second half of every shard from `second_url`, if given) on the engine;
+        the staged URL it loads from. Raises EngineCallError. `begun` is resolved once the engine has begun (it can
+        relay from then on)."""
         t0 = self.clock()
-        staged = await self.api.stage(engine, {"url": url, "manifest_sha256": ref.manifest_sha256})
+        info = {"url": url, "manifest_sha256": ref.manifest_sha256}
+        staged = await self.api.stage(engine, info | ({"second_url": second_url} if second_url else {}))
         if begun is not None and not begun.done():
             begun.set_result(staged.state in (StageState.STAGING, StageState.STAGED))
         while staged.state is StageState.STAGING:

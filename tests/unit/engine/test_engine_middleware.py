@@ -328,7 +328,8 @@ def test_a_load_in_one_call_runs_vllms_three_in_order_with_their_bookkeeping_the
         ("POST", "/finish_weight_update"),
         ("GET", STATE_PATH),
     ]
-    assert json.loads(app.calls[1][2])["update_info"]["manifest_sha256"] == "aa11"
+    sent = json.loads(app.calls[1][2])["update_info"]
+    assert sent["manifest_sha256"] == "aa11" and "second_url" not in sent  # vLLM's http backend takes no more
     assert json.loads(app.calls[2][2]) == {"weight_version": "v9"}
     assert {auth for *_, auth in app.calls} == {"Bearer ctl"}  # each step with the caller's credential
     # The steps' own bookkeeping ran: the proof of the bytes, the caches dropped before the answer.

@@ -17,7 +17,7 @@ from rollfleet_engine.safetensors_stream import (
     shard_from_tensors,
     tensors_from_buffer,
 )
-from rollfleet_engine.weights_client import fetch_weights
+from rollfleet_engine.weights_client import fetch_weights, http_get
 from rollfleet_engine.weights_server import WeightsServer
 
 
@@ -105,3 +105,26 @@ def test_server_and_fetch(tmp_path: Path) -> None:
         assert set(got) == set(_tensors())
     finally:
         directory.stop()
+
+
+@pytest.mark.parametrize("kept", ["memory", "file"])
+def test_the_server_serves_the_bytes_a_range_asks_for_and_refuses_one_past_the_shard(tmp_path: Path, kept: str) -> None:
+    """A relay tree's half, from the sidecar: its tensors held in memory, or a file sent from the page cache."""
+    save_file(_tensors(), str(tmp_path / "model.safetensors"))
+    server = WeightsServer(_tensors() if kept == "memory" else tmp_path, host="127.0.0.1")
+    url = server.start()
+    try:
+        shard = server.manifest.shards[0]
+        with http_get(url, shard.path, 10) as resp:
+            whole = resp.read()
+        assert len(whole) == shard.size
+        for window in ((0, 1), (3, shard.size - 5), (shard.size - 1, shard.size), (0, shard.size)):
+            with http_get(url, shard.path, 10, window=window) as resp:
+                assert resp.status == 206 and resp.getheader("Content-Range") == (
+                    f"bytes {window[0]}-{window[1] - 1}/{shard.size}"
+                )
+                assert resp.read() == whole[window[0] : window[1]], window
+        with pytest.raises(TransferError, match="HTTP 416"), http_get(url, shard.path, 10, window=(0, shard.size + 1)):
+            pass
+    finally:
+        server.stop()

@@ -1,6 +1,6 @@
 """Relay: a stager serves what it has received so far to the next engine, and breaks off when its own
 staging does. The upstream is a weights server held halfway through a shard, so the relay's bytes are
-seen to flow before the shard is whole."""
+seen to flow before the shard is whole. A stager with two upstreams takes half of every shard from each."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import torch
 from tests.unit.engine.test_staging import settled
 
 from rollfleet_engine.protocol import STAGING_DIR_ENV, StageState, WeightManifest, WeightUpdateInfo
-from rollfleet_engine.safetensors_stream import manifest_bytes, sha256_hex, shard_from_tensors
+from rollfleet_engine.safetensors_stream import manifest_bytes, second_half, sha256_hex, shard_from_tensors
 from rollfleet_engine.staging import RelayUnavailable, Stager
 from rollfleet_engine.weights_client import fetch_weights
+from rollfleet_engine.weights_server import WeightsServer
 
 
 @dataclass
@@ -79,7 +80,8 @@ def test_a_relay_passes_bytes_on_before_the_shard_is_whole_then_all_of_it(held: 
     upstream = Stager(tmp_path / "staging" / "up", max_bytes=None)
     upstream.start(WeightUpdateInfo(url=held.url, manifest_sha256=sha))
     assert upstream.relay_manifest(sha) == held.manifest_raw
-    shard, chunks = upstream.relay_shard("/shards/0")
+    shard, window, chunks = upstream.relay_shard("/shards/0")
+    assert window == (0, len(held.data))
     first = bytes(next(chunks))  # the held server has sent half: the relay already has bytes to give
     assert 0 < len(first) <= len(held.data) // 2 and held.data.startswith(first)
     assert upstream.status().state is StageState.STAGING
@@ -97,7 +99,7 @@ def test_a_relay_breaks_off_when_its_own_staging_fails(held: HeldServer, tmp_pat
     upstream = Stager(tmp_path / "staging" / "up", max_bytes=None)
     upstream.start(WeightUpdateInfo(url=held.url, manifest_sha256=sha))
     upstream.relay_manifest(sha)
-    _, chunks = upstream.relay_shard("/shards/0")
+    _, _, chunks = upstream.relay_shard("/shards/0")
     assert next(chunks)
     held.cut = True
     held.release.set()
@@ -108,7 +110,7 @@ def test_a_relay_breaks_off_when_its_own_staging_fails(held: HeldServer, tmp_pat
 
 
 def test_a_stager_that_stages_nothing_or_another_set_relays_nothing(held: HeldServer, tmp_path: Path) -> None:
-    idle = Stager(tmp_path / "staging" / "idle", max_bytes=None)
+    idle = Stager(tmp_path / "staging" / "idle", max_bytes=None, relay_begin_wait_s=0.2)
     with pytest.raises(RelayUnavailable, match="not staging"):
         idle.relay_manifest()
     with pytest.raises(RelayUnavailable, match="not staging"):
@@ -120,6 +122,30 @@ def test_a_stager_that_stages_nothing_or_another_set_relays_nothing(held: HeldSe
         busy.relay_manifest("0" * 64)
     with pytest.raises(RelayUnavailable, match="no shard"):
         busy.relay_shard("/shards/9")
+    with pytest.raises(ValueError, match="not within"):
+        busy.relay_shard("/shards/0", f"bytes=0-{len(held.data)}")
+
+
+def test_a_relay_asked_before_its_staging_begins_waits_for_it_then_serves_the_range_asked(
+    held: HeldServer, tmp_path: Path
+) -> None:
+    """The sidecar's second relay tree may ask an engine's relay before that engine was asked to stage."""
+    sha = sha256_hex(held.manifest_raw)
+    upstream = Stager(tmp_path / "staging" / "up", max_bytes=None)
+    asked: list[tuple[int, int] | bytes] = []
+
+    def ask() -> None:
+        _, window, chunks = upstream.relay_shard("/shards/0", "bytes=10-")
+        asked.extend([window, b"".join(chunks)])
+
+    relay = threading.Thread(target=ask)
+    relay.start()
+    relay.join(0.3)
+    assert relay.is_alive() and asked == []  # waiting for a staging to begin
+    upstream.start(WeightUpdateInfo(url=held.url, manifest_sha256=sha))
+    held.release.set()
+    relay.join(10)
+    assert asked == [(10, len(held.data)), held.data[10:]]
 
 
 def test_a_status_asked_with_a_wait_answers_once_the_staging_has_ended(held: HeldServer, tmp_path: Path) -> None:
@@ -129,3 +155,48 @@ def test_a_status_asked_with_a_wait_answers_once_the_staging_has_ended(held: Hel
     assert stager.status(wait_s=0.2).state is StageState.STAGING  # held half-way: the wait runs out
     held.release.set()
     assert stager.status(wait_s=30).state is StageState.STAGED  # answered when staged, not before
+
+
+def big_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """Past two receive pieces (4 MiB and a bias): a shard with a second half."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(1024, 1024, generator=g), "b.bias": torch.randn(1024, generator=g)}
+
+
+def test_a_staging_from_two_upstreams_takes_each_half_from_one_and_relays_either(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sidecar's two relay trees: the first half of every shard from `url`, the second from `second_url`."""
+    monkeypatch.setenv(STAGING_DIR_ENV, str(tmp_path / "staging"))
+    first, second = WeightsServer(big_tensors(1)), WeightsServer(big_tensors(1))
+    first.start(), second.start()
+    try:
+        info = WeightUpdateInfo(**first.update_info(), second_url=second.update_info()["url"])
+        stager = Stager(tmp_path / "staging", max_bytes=None)
+        stager.start(info)
+        status = stager.status(30)
+        assert status.state is StageState.STAGED, status
+        got = dict(fetch_weights(status.staged_url or "", info.manifest_sha256, 10))
+        assert all(torch.equal(got[n], t) for n, t in big_tensors(1).items())
+        size = first.manifest.shards[0].size
+        middle = second_half(size)
+        assert 0 < middle < size and (first.bytes_sent, second.bytes_sent) == (middle, size - middle)
+        # Staged, it relays either half, as the engines below it in each tree ask.
+        data = b"".join(bytes(c) for c in stager.relay_shard("/shards/0")[2])
+        assert b"".join(bytes(c) for c in stager.relay_shard("/shards/0", f"bytes={middle}-")[2]) == data[middle:]
+        assert b"".join(bytes(c) for c in stager.relay_shard("/shards/0", f"bytes=0-{middle - 1}")[2]) == data[:middle]
+    finally:
+        first.stop(), second.stop()
+
+
+def test_a_half_that_is_not_the_manifests_fails_the_staging(tmp_path: Path) -> None:
+    first, other = WeightsServer(big_tensors(1)), WeightsServer(big_tensors(2))  # the same layout, other values
+    first.start(), other.start()
+    try:
+        info = WeightUpdateInfo(**first.update_info(), second_url=other.update_info()["url"])
+        stager = Stager(tmp_path / "staging", max_bytes=None)
+        stager.start(info)
+        status = stager.status(30)
+        assert status.state is StageState.FAILED and "checksum mismatch" in (status.error or ""), status
+    finally:
+        first.stop(), other.stop()

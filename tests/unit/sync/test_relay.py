@@ -15,7 +15,7 @@ from bench.bench_sync import free_port, sidecar
 from safetensors.torch import save_file
 from tests.unit.sim_serving import serve_sims, stop_sims
 
-from rollfleet.sync.relay import depth, relay_fanout, relay_parents
+from rollfleet.sync.relay import depth, relay_fanout, relay_parents, second_parents
 from rollfleet_client.sync_protocol import EngineStep, PushState
 from rollfleet_dev import oneshot
 from rollfleet_dev.sim_engine import SimEngine
@@ -36,6 +36,16 @@ def test_a_chain_up_to_its_length_then_a_binary_tree_whose_upstreams_come_first(
         assert all(p is None or p < i for i, p in enumerate(parents)), "an upstream is asked to stage first"
         assert max((parents.count(i) for i in range(n)), default=0) <= fanout
     assert depth(relay_parents(2000, 2)) == 11 and depth(relay_parents(8, 1)) == 8
+
+
+def test_the_second_tree_mirrors_the_first_so_the_engines_that_relay_in_one_are_leaves_of_the_other() -> None:
+    assert second_parents(7, 2) == [4, 4, 5, 5, 6, 6, None]
+    for n in (2, 3, 8, 17, 2000):
+        first, second = relay_parents(n, 2), second_parents(n, 2)
+        relaying = [{p for p in tree if p is not None} for tree in (first, second)]
+        assert not relaying[0] & relaying[1], n
+        assert second.count(None) == 1 and max(second.count(i) for i in range(n)) <= 2
+        assert depth(second) == depth(first)
     with pytest.raises(ValueError, match="fanout"):
         relay_parents(3, 0)
 
@@ -68,15 +78,20 @@ def served(sims: list[SimEngine]) -> Iterator[list[str]]:
 def test_a_push_runs_down_a_relay_tree_and_every_engine_proves_the_bytes(tmp_path: Path) -> None:
     weights = tmp_path / "weights"
     weights.mkdir()
-    save_file({"w": torch.randn(256, 256), "b": torch.randn(256)}, str(weights / "model.safetensors"))
+    # 4 MiB and a bias: past two receive pieces, so the second tree carries the second half of the shard.
+    save_file({"w": torch.randn(1024, 1024), "b": torch.randn(256)}, str(weights / "model.safetensors"))
     sims = [SimEngine(f"sim-{i}") for i in range(7)]
     with served(sims) as urls, sidecar(urls, tmp_path, "--relay-chain-max", "3") as client:
         status = client.push_dir(weights, "v2")
         assert status.state is PushState.DONE, status
-        # Past 3 engines, a binary tree: each engine staged from its parent in the heap, none from a failed relay.
+        # Past 3 engines, two binary trees: each engine staged the first half of the shard from its parent in the
+        # heap and the second half from its parent in the mirrored heap, none from a failed relay.
         by_name = {e.name: e for e in status.engines}
-        expected = [None if p is None else urls[p] for p in relay_parents(7, 2)]
-        assert [(by_name[u].source, by_name[u].relay_error) for u in urls] == [(p, None) for p in expected]
+        first = [None if p is None else urls[p] for p in relay_parents(7, 2)]
+        second = [None if p is None else urls[p] for p in second_parents(7, 2)]
+        assert [(by_name[u].source, by_name[u].second_source, by_name[u].relay_error) for u in urls] == [
+            (p, q, None) for p, q in zip(first, second, strict=True)
+        ]
         assert all(e.step is EngineStep.RESUMED for e in status.engines)
         states = [oneshot.get(url + STATE_PATH, timeout=10).json() for url in urls]
         assert all(s["weight_version"] == "v2" and not s["paused"] for s in states), states
