@@ -478,6 +478,7 @@ def receiver(address: str) -> None:
 
     from rollfleet_engine.middleware import one_manifest, verified_manifest
     from rollfleet_engine.protocol import (
+        RELAY_MANIFEST_HEADER,
         STAGE_PATH,
         STAGE_RELAY_PATH,
         WEIGHTS_MANIFEST_PATH,
@@ -556,9 +557,11 @@ def receiver(address: str) -> None:
     async def rank_stage_status(_: web.Request) -> web.Response:
         return web.json_response(rank_stage.status().model_dump(mode="json"))
 
-    async def relay_manifest(_: web.Request) -> web.Response:
+    async def relay_manifest(request: web.Request) -> web.Response:
         try:
-            return web.Response(body=await asyncio.to_thread(stager.relay_manifest), content_type="application/json")
+            pinned = request.headers.get(RELAY_MANIFEST_HEADER)
+            raw = await asyncio.to_thread(stager.relay_manifest, pinned)
+            return web.Response(body=raw, content_type="application/json")
         except RelayUnavailable as err:
             return web.json_response({"error": str(err)}, status=409)
 
@@ -566,7 +569,8 @@ def receiver(address: str) -> None:
         asked = request.headers.get("Range")
         try:
             path = "/" + request.match_info["path"]
-            shard, (begin, end), chunks = await asyncio.to_thread(stager.relay_shard, path, asked)
+            pinned = request.headers.get(RELAY_MANIFEST_HEADER)
+            shard, (begin, end), chunks = await asyncio.to_thread(stager.relay_shard, path, asked, pinned)
         except RelayUnavailable as err:
             return web.json_response({"error": str(err)}, status=409)
         except ValueError as err:  # a Range past the shard

@@ -205,6 +205,10 @@ class SimApi(EngineClient):
         await self._exchange()
         self.engines[engine.url].paused = True
 
+    async def pause_and_look(self, engine: EngineRef, mode: Any, policy: Any = None) -> RequestsView:
+        await self.pause(engine, mode, policy)
+        return RequestsView(in_flight=[], recently_finished=[])
+
     async def resume(self, engine: EngineRef, policy: Any = CONTROL) -> None:
         await self._exchange()
         self.engines[engine.url].paused = False

@@ -47,6 +47,7 @@ from rollfleet_engine.protocol import (
     ABORT_PATH,
     ATTEMPT_HEADER,
     MAX_WEIGHT_LAG_HEADER,
+    PAUSE_AND_LOOK_PATH,
     PAUSE_PATH,
     READY_PATH,
     REQUEST_ID_HEADER,
@@ -180,6 +181,7 @@ class SimEngine:
         app.router.add_get(STATE_PATH, self.state)
         app.router.add_get(READY_PATH, self.ready)
         app.router.add_post(PAUSE_PATH, self.pause)
+        app.router.add_post(PAUSE_AND_LOOK_PATH, self.pause_and_look)
         app.router.add_post(RESUME_PATH, self.resume)
         self.weights.add_routes(app, self.state)
         app.on_startup.append(self._serving)
@@ -228,6 +230,11 @@ class SimEngine:
             while self._admitted_before_pause & self.running:
                 await self.tracker.wait_changed(1.0)
         return web.json_response({})
+
+    async def pause_and_look(self, request: web.Request) -> web.Response:
+        """PAUSE_AND_LOOK_PATH: the pause, then the requests view, as the engine's middleware runs them."""
+        paused = await self.pause(request)
+        return paused if paused.status != 200 else await self.requests_view(request)
 
     async def resume(self, request: web.Request) -> web.Response:
         self.pause_mode = None

@@ -29,6 +29,7 @@ from rollfleet_engine.middleware import one_manifest, verified_manifest
 from rollfleet_engine.protocol import (
     FINISH_WEIGHT_UPDATE_PATH,
     LOAD_PATH,
+    RELAY_MANIFEST_HEADER,
     STAGE_PATH,
     STAGE_RELAY_PATH,
     STAGE_WAIT_MAX_S,
@@ -101,9 +102,10 @@ class SimWeights:
         status = await _blocking(self.stager.status, wait)
         return web.json_response(status.model_dump(mode="json"))
 
-    async def relay_manifest(self, _: web.Request) -> web.Response:
+    async def relay_manifest(self, request: web.Request) -> web.Response:
         try:
-            raw = await _blocking(self.stager.relay_manifest)  # waits until the manifest has arrived
+            # Waits until the manifest of the set asked for has arrived.
+            raw = await _blocking(self.stager.relay_manifest, request.headers.get(RELAY_MANIFEST_HEADER))
         except RelayUnavailable as err:
             return _error(409, str(err))
         return web.Response(body=raw, content_type="application/json")
@@ -112,7 +114,8 @@ class SimWeights:
         asked = request.headers.get("Range")
         try:
             path = "/" + request.match_info["path"]
-            shard, (begin, end), chunks = await _blocking(self.stager.relay_shard, path, asked)
+            pinned = request.headers.get(RELAY_MANIFEST_HEADER)
+            shard, (begin, end), chunks = await _blocking(self.stager.relay_shard, path, asked, pinned)
         except RelayUnavailable as err:
             return _error(409, str(err))
         except ValueError as err:  # a Range past the shard

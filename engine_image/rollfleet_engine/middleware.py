@@ -27,8 +27,10 @@ from rollfleet_engine.protocol import (
     LOAD_PATH,
     MAX_WEIGHT_LAG_HEADER,
     MIXED_WEIGHTS_MARK,
+    PAUSE_AND_LOOK_PATH,
     PAUSE_PATH,
     REQUEST_ID_HEADER,
+    REQUESTS_PATH,
     RESUME_PATH,
     START_WEIGHT_UPDATE_PATH,
     STATE_PATH,
@@ -46,6 +48,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Step = tuple[str, str, bytes, bytes]  # method, path, body, query string
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,12 @@ class RollfleetMiddleware:
             return
         if method == "POST" and path == LOAD_PATH:
             await self._load(scope, receive, send)
+            return
+        if method == "POST" and path == PAUSE_AND_LOOK_PATH:
+            query = scope.get("query_string", b"")
+            await self._in_order(
+                scope, receive, send, [("POST", PAUSE_PATH, b"", query), ("GET", REQUESTS_PATH, b"", b"")]
+            )
             return
         if path == RESUME_PATH and not self.runtime.weights_intact:
             await _json(send, 409, {"error": _NOT_INTACT})
@@ -133,22 +142,32 @@ class RollfleetMiddleware:
             return
         # vLLM's http backend takes the fields of a load; `second_url` is staging's only.
         update = {"update_info": load.update_info.model_dump(mode="json", exclude={"second_url"})}
+        version = json.dumps({"weight_version": load.weight_version}).encode()
         steps = [
-            ("POST", START_WEIGHT_UPDATE_PATH, b""),
-            ("POST", UPDATE_WEIGHTS_PATH, json.dumps(update).encode()),
-            ("POST", FINISH_WEIGHT_UPDATE_PATH, json.dumps({"weight_version": load.weight_version}).encode()),
-            ("GET", STATE_PATH, b""),
+            ("POST", START_WEIGHT_UPDATE_PATH, b"", b""),
+            ("POST", UPDATE_WEIGHTS_PATH, json.dumps(update).encode(), b""),
+            ("POST", FINISH_WEIGHT_UPDATE_PATH, version, b""),
+            ("GET", STATE_PATH, b"", b""),
         ]
-        for method, path, body in steps:
-            status, answer = await self._inner(scope, receive, method, path, body)
-            if status != 200 and path != START_WEIGHT_UPDATE_PATH:
+        await self._in_order(scope, receive, send, steps, passed_over=START_WEIGHT_UPDATE_PATH)
+
+    async def _in_order(
+        self, scope: Scope, receive: Receive, send: Send, steps: list[Step], passed_over: str | None = None
+    ) -> None:
+        """The calls of `steps` in order, each through this middleware as if sent on its own; the last one's answer,
+        or the first failure's (one of `passed_over` aside)."""
+        for method, path, body, query in steps:
+            status, answer = await self._inner(scope, receive, method, path, body, query)
+            if status != 200 and path != passed_over:
                 break
         await _raw_json(send, status, answer)
 
-    async def _inner(self, scope: Scope, receive: Receive, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+    async def _inner(
+        self, scope: Scope, receive: Receive, method: str, path: str, body: bytes, query: bytes = b""
+    ) -> tuple[int, bytes]:
         """One call of `path` made by this engine to itself, with the caller's credential; its status and body."""
         authorization = [(k, v) for k, v in scope["headers"] if k.lower() == b"authorization"]
-        inner = dict(scope, method=method, path=path, raw_path=path.encode(), query_string=b"")
+        inner = dict(scope, method=method, path=path, raw_path=path.encode(), query_string=query)
         inner["headers"] = [
             *authorization,
             (b"content-type", b"application/json"),

@@ -26,6 +26,10 @@ STAGE_WAIT_MAX_S = 30.0
 # Relay: an engine staging a set serves it on, as it arrives, to the next engine of a chain: this is
 # the base URL of a weights server (WEIGHTS_MANIFEST_PATH, then each shard's path) on the engine port.
 STAGE_RELAY_PATH = f"{STAGE_PATH}/relay"
+# Sent with every request of a staging (to a relay, and harmlessly to a weights server): the manifest of the set it
+# stages. A relay serves only that set, and waits for its own engine to begin staging it (up to 10 s): an engine
+# may be asked before its own staging, and one that still holds an earlier set staged must not serve that one.
+RELAY_MANIFEST_HEADER = "X-Rollfleet-Manifest-Sha256"
 WEIGHTS_MANIFEST_PATH = "/manifest"  # under a weights server's base URL; the manifest names the shards' paths
 # Shard-aware pull: POST a SlicePlan here (under a weights server's base URL) for the manifest of one
 # rank's slices, one shard whose path the answer names (rollfleet_engine.tp_slices).
@@ -37,6 +41,9 @@ WEIGHTS_SLICES_PATH = "/slices"
 # died left open is continued. The first of the others that fails answers for the call. Four calls in one: at
 # thousands of engines the sidecar's CPU per call, not the network, made the pause window (docs/weight-sync.md).
 LOAD_PATH = f"{API_PREFIX}/weights/load"
+# The pause of a push, in one call: POST ?mode= runs vLLM's /pause?mode= as if called on its own, then answers the
+# requests view (RequestsView) as it stands paused, which the sync sidecar reads for requests too stale to keep.
+PAUSE_AND_LOOK_PATH = f"{API_PREFIX}/pause"
 # Where an engine stages weights (a memory-backed emptyDir in the engine pod), and its bound in bytes.
 STAGING_DIR_ENV = "ROLLFLEET_STAGING_DIR"
 STAGING_MAX_BYTES_ENV = "ROLLFLEET_STAGING_MAX_BYTES"

@@ -163,5 +163,5 @@ class GroupStager:
     def release(self) -> None:
         """Each rank released its part when it loaded it."""
 
-    def relay_manifest(self) -> bytes:
+    def relay_manifest(self, manifest_sha256: str | None = None) -> bytes:
         raise RelayUnavailable("a group's ranks stage their parts in their own pods: nothing here to relay")

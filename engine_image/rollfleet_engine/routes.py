@@ -16,6 +16,7 @@ from rollfleet_engine.abort import abort_requests
 from rollfleet_engine.protocol import (
     ABORT_PATH,
     READY_PATH,
+    RELAY_MANIFEST_HEADER,
     REQUESTS_PATH,
     STAGE_PATH,
     STAGE_RELAY_PATH,
@@ -113,7 +114,8 @@ async def relay_manifest(request: Request) -> Response:
     """The manifest of the set this engine stages, for the next engine of a relay chain."""
     stager = _stager(request)
     try:
-        raw = await run_in_threadpool(stager.relay_manifest)  # waits until the manifest has arrived
+        # Waits until the manifest of the set asked for has arrived.
+        raw = await run_in_threadpool(stager.relay_manifest, request.headers.get(RELAY_MANIFEST_HEADER))
     except RelayUnavailable as err:
         raise HTTPException(status_code=409, detail=str(err)) from err
     return Response(raw, media_type="application/json")
@@ -128,7 +130,8 @@ async def relay_shard(request: Request, path: str) -> StreamingResponse:
         if isinstance(stager, GroupStager):
             raise RelayUnavailable("a group's ranks stage their parts in their own pods: nothing here to relay")
         asked = request.headers.get("range")
-        shard, (begin, end), chunks = await run_in_threadpool(stager.relay_shard, "/" + path, asked)
+        pinned = request.headers.get(RELAY_MANIFEST_HEADER)
+        shard, (begin, end), chunks = await run_in_threadpool(stager.relay_shard, "/" + path, asked, pinned)
     except RelayUnavailable as err:
         raise HTTPException(status_code=409, detail=str(err)) from err
     except ValueError as err:  # a Range past the shard

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from rollfleet_engine.mappings import Mappings
 from rollfleet_engine.protocol import (
+    RELAY_MANIFEST_HEADER,
     STAGED_URL_SCHEME,
     Shard,
     StageState,
@@ -177,7 +178,7 @@ class Stager:
     def relay_manifest(self, manifest_sha256: str | None = None) -> bytes:
         """The manifest being staged, once it is known (blocks until then, and until a staging begins, up to
         `relay_begin_wait_s`)."""
-        job = self._begun()
+        job = self._begun(manifest_sha256)
         with self._progress:
             self._progress.wait_for(lambda: job.manifest_raw is not None or job.ended or self._job is not job)
             if job.manifest_raw is None or self._job is not job or job.status.state is StageState.FAILED:
@@ -187,18 +188,21 @@ class Stager:
             return job.manifest_raw
 
     def relay_shard(
-        self, path: str, byte_range: str | None = None
+        self, path: str, byte_range: str | None = None, manifest_sha256: str | None = None
     ) -> tuple[Shard, tuple[int, int], Iterator[memoryview]]:
         """The shard of the set being staged at `path` (as the manifest names it), the bytes ``[begin, end)``
         served (those an HTTP Range header's `byte_range` asks for, else the whole shard), and those bytes as they
-        arrive. Blocks until a staging has begun (up to `relay_begin_wait_s`). The iterator raises if the staging
-        fails or is replaced before they are all served. ValueError for a range past the shard."""
-        job = self._begun()
+        arrive. Blocks until a staging (of `manifest_sha256`, if given) has begun, up to `relay_begin_wait_s`. The
+        iterator raises if the staging fails or is replaced before they are all served. ValueError for a range
+        past the shard."""
+        job = self._begun(manifest_sha256)
         with self._progress:
             self._progress.wait_for(lambda: job.manifest is not None or job.ended or self._job is not job)
             manifest = job.manifest
             if manifest is None or self._job is not job or job.status.state is StageState.FAILED:
                 raise RelayUnavailable("this engine is not staging any weights now")
+            if manifest_sha256 is not None and job.status.manifest_sha256 != manifest_sha256:
+                raise RelayUnavailable(f"this engine stages {job.status.manifest_sha256}, not {manifest_sha256}")
         index = next((i for i, sh in enumerate(manifest.shards) if sh.path == path), None)
         if index is None:
             raise RelayUnavailable(f"no shard {path!r} in the weights being staged")
@@ -206,11 +210,16 @@ class Stager:
         begin, end = parse_byte_range(byte_range, shard.size) or (0, shard.size)
         return shard, (begin, end), self._relay(job, index, begin, end)
 
-    def _begun(self) -> _Job:
-        """The staging under way or staged; one not begun yet is waited for, up to `relay_begin_wait_s` (the
-        sidecar may ask this engine's downstream of its second relay tree first)."""
+    def _begun(self, manifest_sha256: str | None) -> _Job:
+        """The staging under way or staged (of `manifest_sha256`, if given); one not begun yet is waited for, up to
+        `relay_begin_wait_s` (the sidecar may ask this engine's downstream of its second relay tree first)."""
+
+        def begun() -> bool:
+            status = self._job.status
+            return status.state is not StageState.IDLE and manifest_sha256 in (None, status.manifest_sha256)
+
         with self._progress:
-            self._progress.wait_for(lambda: self._job.status.state is not StageState.IDLE, self.relay_begin_wait_s)
+            self._progress.wait_for(begun, self.relay_begin_wait_s)
             return self._job
 
     def _relay(self, job: _Job, index: int, begin: int, end: int) -> Iterator[memoryview]:
@@ -250,7 +259,9 @@ class Stager:
 
     def _stage(self, job: _Job, info: WeightUpdateInfo, authorization: str | None) -> str:
         assert info.manifest_sha256 is not None
-        headers = {"Authorization": authorization} if authorization else {}
+        headers = {RELAY_MANIFEST_HEADER: info.manifest_sha256} | (
+            {"Authorization": authorization} if authorization else {}
+        )
         raw, manifest = fetch_manifest(info.url, info.manifest_sha256, info.timeout_s, headers)
         job.status.bytes = manifest.total_bytes
         final = self.root / info.manifest_sha256

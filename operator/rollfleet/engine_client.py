@@ -32,6 +32,7 @@ from rollfleet_engine.protocol import (
     FINISH_WEIGHT_UPDATE_PATH,
     INIT_WEIGHT_TRANSFER_PATH,
     LOAD_PATH,
+    PAUSE_AND_LOOK_PATH,
     PAUSE_PATH,
     REQUESTS_PATH,
     RESET_PREFIX_CACHE_PATH,
@@ -217,6 +218,14 @@ class EngineClient:
     async def pause(self, engine: EngineRef, mode: PauseMode, policy: CallPolicy | None = None) -> None:
         """Pause generation; `mode` says what happens to in-flight requests (policy: `PAUSE[mode]`)."""
         await self._call("POST", engine, PAUSE_PATH, policy or PAUSE[mode], params={"mode": mode})
+
+    async def pause_and_look(
+        self, engine: EngineRef, mode: PauseMode, policy: CallPolicy | None = None
+    ) -> RequestsView:
+        """Pause generation, then the requests view as it stands paused, in one call. HTTP 404 from an engine image
+        older than the route (`EngineCallError.status`)."""
+        policy = policy or PAUSE[mode]
+        return await self._answer(RequestsView, "POST", engine, PAUSE_AND_LOOK_PATH, policy, params={"mode": mode})
 
     async def resume(self, engine: EngineRef, policy: CallPolicy = CONTROL) -> None:
         await self._call("POST", engine, RESUME_PATH, policy)

@@ -3,12 +3,13 @@
 The control-plane tier runs its fleets on `rollfleet_dev.sim_engine`; these checks hold it to what
 the real engine answers: generation shapes and headers, access (401 and 403, open routes), abort by
 caller id (answers, partial output, the tracked request, scoped to the sender's attempt), a client
-that goes away, `n` choices and usage, the three pause modes, sampling (greedy and seeded requests
-repeat, other seeds differ), the vLLM metrics tests read, vLLM's refusals (status and error body),
-its refusal to start with a context longer than the model's, and the weight routes the sync sidecar drives
-(staging, the relay of what is staged, the update session in the engine's one call, and the manifest the state
-reports; the engine's own tests load in vLLM's three calls). A case runs once per engine (`[vllm]`, `[sim]`); a
-simulator that answers one of them differently fails here.
+that goes away, `n` choices and usage, the three pause modes (keep in the sync sidecar's one call, with
+a look at the requests), sampling (greedy and seeded requests repeat, other seeds differ), the vLLM
+metrics tests read, vLLM's refusals (status and error body), its refusal to start with a context longer
+than the model's, and the weight routes the sync sidecar drives (staging from two upstreams, the relay
+of what is staged, whole or a Range, the update session in the engine's one call, and the manifest the
+state reports; the engine's own tests load in vLLM's three calls). A case runs once per engine (`[vllm]`,
+`[sim]`); a simulator that answers one of them differently fails here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import pytest
 
 from rollfleet_dev import oneshot
 from rollfleet_dev.engine_metrics import engine_metric
-from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, WEIGHT_VERSION_HEADER, WEIGHTS_MANIFEST_PATH
+from rollfleet_engine.protocol import (
+    PAUSE_AND_LOOK_PATH,
+    STAGE_PATH,
+    STAGE_RELAY_PATH,
+    WEIGHT_VERSION_HEADER,
+    WEIGHTS_MANIFEST_PATH,
+)
 from rollfleet_engine.tiny_model import LONG_GENERATION as LONG
 from rollfleet_engine.tiny_model import TINY_MODEL_CONTEXT, ensure_tiny_model
 from rollfleet_engine.weights_server import WeightsServer
@@ -183,7 +190,9 @@ def test_pause_keep_freezes_then_resumes_every_token(engine: Engine) -> None:
 
     s = Stream(engine, rid("keep"), 300)
     s.wait_tokens(20)
-    assert control(engine, "/pause?mode=keep").status_code == 200
+    # The sync sidecar's pause: vLLM's, and the requests as they stand paused, in one call.
+    paused = control(engine, PAUSE_AND_LOOK_PATH, params={"mode": "keep"})
+    assert paused.status_code == 200 and s.request_id in {r["request_id"] for r in paused.json()["in_flight"]}
     paused_at = time.monotonic()
     st = state(engine)
     assert st["paused"] is True and st["pause_mode"] == "keep"

@@ -17,6 +17,7 @@ from rollfleet.contract import ANNOTATION_TEMPLATE_HASH, ENGINE_PORT, engine_dis
 from rollfleet.engine_client import CONTROL, EngineCallError, EngineClient, EngineRef
 from rollfleet.kube import POD, Kube
 from rollfleet.sync.protocol import EngineObservation, InFlight
+from rollfleet_engine.protocol import RequestsView
 
 
 async def observe(api: EngineClient, engine: EngineRef) -> EngineObservation:
@@ -33,7 +34,11 @@ async def observe(api: EngineClient, engine: EngineRef) -> EngineObservation:
 
 async def in_flight(api: EngineClient, engine: EngineRef) -> list[InFlight]:
     """The engine's requests in flight, with the weight versions that produced their tokens."""
-    view = await api.requests(engine)
+    return flights(await api.requests(engine))
+
+
+def flights(view: RequestsView) -> list[InFlight]:
+    """The requests in flight of an engine's requests view, with the weight versions that produced their tokens."""
     return [InFlight(r.request_id, tuple(r.weight_versions), r.max_weight_lag) for r in view.in_flight]
 
 

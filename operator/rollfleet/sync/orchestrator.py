@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 
 from rollfleet.contract import COLLECTIVE_BACKENDS, STATE_PATH, PauseMode
 from rollfleet.engine_client import CONTROL, TRANSFER, CallPolicy, EngineCallError, EngineClient, EngineRef
-from rollfleet.sync.engines import Discovery, in_flight, observe
+from rollfleet.sync.engines import Discovery, flights, in_flight, observe
 from rollfleet.sync.fleetversion import fleet_weight_version
 from rollfleet.sync.metrics import PushMetrics
 from rollfleet.sync.protocol import (
@@ -78,7 +78,7 @@ from rollfleet_client.sync_protocol import (
     PushState,
     PushStatus,
 )
-from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, EngineState, StageState
+from rollfleet_engine.protocol import STAGE_PATH, STAGE_RELAY_PATH, EngineState, RequestsView, StageState
 from rollfleet_engine.safetensors_stream import PIECE_BYTES, read_layout
 from rollfleet_engine.weights_server import WeightsServer
 
@@ -409,9 +409,19 @@ class Orchestrator:
         status.state = PushState.DONE if committing else PushState.ROLLED_BACK
         return record
 
-    async def abort_stale(self, engine: EngineRef, record: FleetRecord, target: WeightsRef, bound: int | None) -> int:
+    async def abort_stale(
+        self,
+        engine: EngineRef,
+        record: FleetRecord,
+        target: WeightsRef,
+        bound: int | None,
+        view: RequestsView | None = None,
+    ) -> int:
+        """Abort the engine's requests past the bound; how many. From `view`, its requests as the pause answered
+        them, else as it answers now."""
         try:
-            ids = stale_requests(await in_flight(self.api, engine), record, target.generation, bound)
+            held = flights(view) if view is not None else await in_flight(self.api, engine)
+            ids = stale_requests(held, record, target.generation, bound)
             if ids:
                 await self.api.abort(engine, ids)
         except EngineCallError as err:  # an unreachable engine fails in the transfer, with its reason
@@ -554,14 +564,24 @@ class Orchestrator:
         """Pause the engine, then abort what it holds past a staleness bound: paused, it produces no token, so
         the versions it reports for each request are final for the old weights."""
         try:
-            # The sidecar's control limit whatever the mode: keep (its default) holds requests at once.
-            await self.api.pause(engine, self.pause_mode)  # PAUSE[mode]: wait may take minutes
+            view = await self._pause(engine)
         except EngineCallError as err:
             progress.step, progress.error = EngineStep.FAILED, str(err)
             return False
         progress.step = EngineStep.PAUSED
-        stale.aborted += await self.abort_stale(engine, stale.record, stale.target, stale.bound)
+        stale.aborted += await self.abort_stale(engine, stale.record, stale.target, stale.bound, view)
         return True
+
+    async def _pause(self, engine: EngineRef) -> RequestsView | None:
+        """Pause the engine (PAUSE[mode]: wait may take minutes); its requests as it stands paused, in the same call
+        (`EngineClient.pause_and_look`), or None from an engine image older than that route."""
+        try:
+            return await self.api.pause_and_look(engine, self.pause_mode)
+        except EngineCallError as err:
+            if err.status != 404:
+                raise
+        await self.api.pause(engine, self.pause_mode)
+        return None
 
     async def _pause_and_sync(
         self, engine: EngineRef, ref: WeightsRef, progress: EngineProgress, stale: StaleCheck

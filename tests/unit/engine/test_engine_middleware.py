@@ -10,7 +10,7 @@ from typing import Any
 from rollfleet_engine.access import AccessPolicy
 from rollfleet_engine.engine_hooks import current_caller_id
 from rollfleet_engine.middleware import RollfleetMiddleware
-from rollfleet_engine.protocol import LOAD_PATH, MIXED_WEIGHTS_MARK, STATE_PATH
+from rollfleet_engine.protocol import LOAD_PATH, MIXED_WEIGHTS_MARK, PAUSE_AND_LOOK_PATH, REQUESTS_PATH, STATE_PATH
 from rollfleet_engine.runtime import Runtime
 
 
@@ -360,3 +360,18 @@ def test_a_load_in_one_call_is_refused_without_the_token_or_a_whole_body_and_cha
         status, answer = load(mw, bad)
         assert status == 400 and "a load needs update_info and weight_version" in answer["error"], bad
     assert app.calls == []
+
+
+def test_a_pause_and_a_look_in_one_call_runs_vllms_pause_with_its_mode_then_answers_the_requests() -> None:
+    view = json.dumps({"in_flight": [], "recently_finished": []}).encode()
+    app = ScriptedApp({REQUESTS_PATH: (200, view)})
+    mw, runtime = scripted(app)
+    sent: list[dict[str, Any]] = []
+    assert call(mw, PAUSE_AND_LOOK_PATH, CONTROL, sent=sent)["status"] == 200  # the query string: mode=keep
+    assert json.loads(b"".join(m.get("body", b"") for m in sent[1:])) == json.loads(view)
+    assert [(m, p) for m, p, _, _ in app.calls] == [("POST", "/pause"), ("GET", REQUESTS_PATH)]
+    assert runtime.pause_mode == "keep"  # the pause's own bookkeeping ran
+    refused = ScriptedApp({"/pause": (400, b'{"error": "no"}')})
+    mw, runtime = scripted(refused)
+    assert call(mw, PAUSE_AND_LOOK_PATH, CONTROL)["status"] == 400 and runtime.pause_mode is None
+    assert [p for _, p, _, _ in refused.calls] == ["/pause"]  # nothing looked at after a refused pause

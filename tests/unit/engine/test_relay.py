@@ -17,7 +17,7 @@ from tests.unit.engine.test_staging import settled
 from rollfleet_engine.protocol import STAGING_DIR_ENV, StageState, WeightManifest, WeightUpdateInfo
 from rollfleet_engine.safetensors_stream import manifest_bytes, second_half, sha256_hex, shard_from_tensors
 from rollfleet_engine.staging import RelayUnavailable, Stager
-from rollfleet_engine.weights_client import fetch_weights
+from rollfleet_engine.weights_client import fetch_weights, http_get
 from rollfleet_engine.weights_server import WeightsServer
 
 
@@ -200,3 +200,33 @@ def test_a_half_that_is_not_the_manifests_fails_the_staging(tmp_path: Path) -> N
         assert status.state is StageState.FAILED and "checksum mismatch" in (status.error or ""), status
     finally:
         first.stop(), other.stop()
+
+
+def test_a_relay_serves_only_the_set_asked_for_and_waits_for_its_staging_to_begin(tmp_path: Path) -> None:
+    """An engine that still holds an earlier set staged (a push rolled back) must not pass it on as the new one."""
+    old, new = WeightsServer(big_tensors(1)), WeightsServer(big_tensors(2))
+    old.start(), new.start()
+    try:
+        stager = Stager(tmp_path / "staging", max_bytes=None, relay_begin_wait_s=5)
+        stager.start(WeightUpdateInfo(**old.update_info()))
+        assert stager.status(30).state is StageState.STAGED
+        wanted = new.update_info()["manifest_sha256"]
+        asked: list[bytes] = []
+
+        def ask() -> None:
+            asked.append(b"".join(bytes(c) for c in stager.relay_shard("/shards/0", "bytes=0-99", wanted)[2]))
+
+        relay = threading.Thread(target=ask)
+        relay.start()
+        relay.join(0.3)
+        assert relay.is_alive() and asked == []  # the staged set is another: waiting for this one
+        stager.start(WeightUpdateInfo(**new.update_info()))
+        relay.join(10)
+        with http_get(new.update_info()["url"], "/shards/0", 10, window=(0, 100)) as resp:
+            assert asked == [resp.read()]
+        quick = Stager(tmp_path / "other", max_bytes=None, relay_begin_wait_s=0.2)
+        quick.start(WeightUpdateInfo(**old.update_info()))
+        with pytest.raises(RelayUnavailable, match=f"not {wanted}"):
+            quick.relay_shard("/shards/0", None, wanted)
+    finally:
+        old.stop(), new.stop()

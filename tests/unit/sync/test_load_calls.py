@@ -1,6 +1,6 @@
-"""The load in a push's pause: one call to each engine (LOAD_PATH) where the engine has the route, vLLM's three
-and a state read where it does not (an older engine image); no look before loading a set the push staged, and the
-verified engines resumed without another look."""
+"""A push's pause window: the pause and the look at its requests in one call (PAUSE_AND_LOOK_PATH), the load in one
+(LOAD_PATH) where the engine has the routes, vLLM's calls where it does not (an older engine image); no look before
+loading a set the push staged, and the verified engines resumed without another look."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from rollfleet_client.sync_protocol import PushState
 from rollfleet_engine.protocol import (
     FINISH_WEIGHT_UPDATE_PATH,
     LOAD_PATH,
+    PAUSE_AND_LOOK_PATH,
     PAUSE_PATH,
     REQUESTS_PATH,
     RESUME_PATH,
@@ -33,8 +34,8 @@ from rollfleet_engine.protocol import (
 
 
 class Engine:
-    """An engine's weight routes as the sidecar meets them; `one_call`: an image with LOAD_PATH; `stages`: one with
-    prefetch (it stages at once), else it pulls in the pause (404)."""
+    """An engine's weight routes as the sidecar meets them; `one_call`: an image with PAUSE_AND_LOOK_PATH and
+    LOAD_PATH; `stages`: one with prefetch (it stages at once), else it pulls in the pause (404)."""
 
     def __init__(self, one_call: bool, stages: bool) -> None:
         self.one_call, self.stages = one_call, stages
@@ -53,6 +54,11 @@ class Engine:
         if path == STATE_PATH:
             return self.state()
         if path == REQUESTS_PATH:
+            return httpx.Response(200, json={"in_flight": [], "recently_finished": []})
+        if path == PAUSE_AND_LOOK_PATH:
+            if not self.one_call:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            self.paused = True
             return httpx.Response(200, json={"in_flight": [], "recently_finished": []})
         if path in (PAUSE_PATH, RESUME_PATH):
             self.paused = path == PAUSE_PATH
@@ -113,14 +119,15 @@ def test_each_engine_loads_in_one_call_where_it_can_and_in_vllms_three_where_it_
     for engine in engines.values():
         assert (engine.version, engine.paused) == ("v1", False)
         assert engine.manifest is not None  # the load named the pushed manifest, and the state showed it
-        window = engine.calls[engine.calls.index(PAUSE_PATH) :]
+        window = engine.calls[engine.calls.index(PAUSE_AND_LOOK_PATH) :]
         # Its state is looked at before a load only where the push did not stage it: one that serves the target
         # already is not loaded again. One staged in this push cannot serve it yet.
         look = [] if stages else [STATE_PATH]
         load = [LOAD_PATH] if one_call else [LOAD_PATH, START_WEIGHT_UPDATE_PATH, UPDATE_WEIGHTS_PATH]
         load += [] if one_call else [FINISH_WEIGHT_UPDATE_PATH, STATE_PATH]
-        # Paused, its requests looked at (staleness), the load, resumed at once: the state that verified the
-        # load is the look that resuming needs.
-        assert window == [PAUSE_PATH, REQUESTS_PATH, *look, *load, RESUME_PATH]
+        # Paused with its requests in the answer (staleness), the load, resumed at once: the state that verified
+        # the load is the look that resuming needs.
+        pause = [PAUSE_AND_LOOK_PATH] if one_call else [PAUSE_AND_LOOK_PATH, PAUSE_PATH, REQUESTS_PATH]
+        assert window == [*pause, *look, *load, RESUME_PATH]
         if stages:
             assert engine.manifest == engine.staging
