@@ -145,12 +145,21 @@ def test_a_multi_pod_fleet_runs_each_engine_as_a_group_and_acts_on_groups_whole(
     # A rank lost: LWS recreates its whole group, a fresh engine the operator waits for as for any other.
     leader = engine_group_leader(groups[0])
     before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in group_pods(cluster, NS, groups[0])}
+
+    def readied() -> int:
+        """How often the operator saw the leader become Ready: the status alone may still show the old group."""
+        mine = [e for e in fleet.events() if e.get("reason") == "EngineReady" and e["message"].startswith(f"{leader}:")]
+        return sum(e.get("count") or 1 for e in mine)
+
+    ready_before = readied()
     cluster.kubectl("-n", NS, "delete", "pod", f"{leader}-1", "--wait=false")
 
     def restarted(st: dict[str, Any]) -> bool:
         pods = group_pods(cluster, NS, groups[0])
         fresh = len(pods) == 2 and all(p["metadata"]["uid"] != before.get(p["metadata"]["name"]) for p in pods)
-        return fresh and st.get("readyReplicas") == 2
+        # LWS may make the new group before the operator has seen the old one go: then the status still counts 2
+        # Ready, and a scale-down right after would pick the new group as the engine not serving yet.
+        return fresh and st.get("readyReplicas") == 2 and readied() > ready_before
 
     fleet.wait(restarted, "the group recreated whole, and Ready again", timeout=120)
     assert lws_names(cluster) == groups  # the same group, not a second one
