@@ -29,8 +29,9 @@ and the second half (``second_half``) from the second upstream, at once; a relay
 half (an HTTP Range) as it lands. The sync sidecar's two relay trees use this: each engine relays
 one half down one tree and is a leaf of the other, so every engine sends about as much as it
 receives (a single tree's leaves send nothing, halving the rate). The halves are checked when
-both have landed. A relay asked before this engine began staging waits for it to begin, up to
-``RELAY_BEGIN_WAIT_S``: an engine's two upstreams cannot both be asked before it.
+both have landed. A relay asked for a set (``RELAY_MANIFEST_HEADER``, which every staging sends)
+before this engine began staging it waits for it to begin, up to ``RELAY_BEGIN_WAIT_S``: an
+engine's two upstreams cannot both be asked before it.
 """
 
 from __future__ import annotations
@@ -176,8 +177,8 @@ class Stager:
         return started
 
     def relay_manifest(self, manifest_sha256: str | None = None) -> bytes:
-        """The manifest being staged, once it is known (blocks until then, and until a staging begins, up to
-        `relay_begin_wait_s`)."""
+        """The manifest being staged, once it is known (blocks until then, and until a staging of `manifest_sha256`
+        begins, up to `relay_begin_wait_s`)."""
         job = self._begun(manifest_sha256)
         with self._progress:
             self._progress.wait_for(lambda: job.manifest_raw is not None or job.ended or self._job is not job)
@@ -192,7 +193,7 @@ class Stager:
     ) -> tuple[Shard, tuple[int, int], Iterator[memoryview]]:
         """The shard of the set being staged at `path` (as the manifest names it), the bytes ``[begin, end)``
         served (those an HTTP Range header's `byte_range` asks for, else the whole shard), and those bytes as they
-        arrive. Blocks until a staging (of `manifest_sha256`, if given) has begun, up to `relay_begin_wait_s`. The
+        arrive. Blocks until a staging of `manifest_sha256`, if given, has begun, up to `relay_begin_wait_s`. The
         iterator raises if the staging fails or is replaced before they are all served. ValueError for a range
         past the shard."""
         job = self._begun(manifest_sha256)
@@ -211,15 +212,17 @@ class Stager:
         return shard, (begin, end), self._relay(job, index, begin, end)
 
     def _begun(self, manifest_sha256: str | None) -> _Job:
-        """The staging under way or staged (of `manifest_sha256`, if given); one not begun yet is waited for, up to
-        `relay_begin_wait_s` (the sidecar may ask this engine's downstream of its second relay tree first)."""
+        """The staging of `manifest_sha256` under way or staged; one not begun yet is waited for, up to
+        `relay_begin_wait_s` (the sidecar may ask this engine's downstream of its second relay tree first). Without
+        a set named, the staging there is now, if any."""
 
         def begun() -> bool:
             status = self._job.status
-            return status.state is not StageState.IDLE and manifest_sha256 in (None, status.manifest_sha256)
+            return status.state is not StageState.IDLE and status.manifest_sha256 == manifest_sha256
 
         with self._progress:
-            self._progress.wait_for(begun, self.relay_begin_wait_s)
+            if manifest_sha256 is not None:
+                self._progress.wait_for(begun, self.relay_begin_wait_s)
             return self._job
 
     def _relay(self, job: _Job, index: int, begin: int, end: int) -> Iterator[memoryview]:

@@ -112,11 +112,11 @@ def test_a_relay_breaks_off_when_its_own_staging_fails(held: HeldServer, tmp_pat
 def test_a_stager_that_stages_nothing_or_another_set_relays_nothing(held: HeldServer, tmp_path: Path) -> None:
     idle = Stager(tmp_path / "staging" / "idle", max_bytes=None, relay_begin_wait_s=0.2)
     with pytest.raises(RelayUnavailable, match="not staging"):
-        idle.relay_manifest()
+        idle.relay_manifest()  # at once: no set named to wait for
     with pytest.raises(RelayUnavailable, match="not staging"):
-        idle.relay_shard("/shards/0")
+        idle.relay_shard("/shards/0", None, sha256_hex(held.manifest_raw))  # after its wait
     sha = sha256_hex(held.manifest_raw)
-    busy = Stager(tmp_path / "staging" / "busy", max_bytes=None)
+    busy = Stager(tmp_path / "staging" / "busy", max_bytes=None, relay_begin_wait_s=0.2)
     busy.start(WeightUpdateInfo(url=held.url, manifest_sha256=sha))
     with pytest.raises(RelayUnavailable, match=r"not 0+"):
         busy.relay_manifest("0" * 64)
@@ -135,7 +135,7 @@ def test_a_relay_asked_before_its_staging_begins_waits_for_it_then_serves_the_ra
     asked: list[tuple[int, int] | bytes] = []
 
     def ask() -> None:
-        _, window, chunks = upstream.relay_shard("/shards/0", "bytes=10-")
+        _, window, chunks = upstream.relay_shard("/shards/0", "bytes=10-", sha)
         asked.extend([window, b"".join(chunks)])
 
     relay = threading.Thread(target=ask)
