@@ -166,8 +166,7 @@ class SimWeights:
         except ValidationError as err:
             return _error(400, f"a load needs update_info and weight_version: {err}")
         self._loading = []
-        update_info = load.update_info.model_dump(mode="json", exclude={"second_url"})  # vLLM takes no more
-        updated = await self._update(orjson.dumps({"update_info": update_info}))
+        updated = await self._update(orjson.dumps({"update_info": load.update_info.for_load()}))
         if updated.status != 200:
             return updated
         self._finish(load.weight_version)

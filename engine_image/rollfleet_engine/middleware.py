@@ -140,8 +140,7 @@ class RollfleetMiddleware:
         except ValidationError as err:
             await _json(send, 400, {"error": f"a load needs update_info and weight_version: {err}"})
             return
-        # vLLM's http backend takes the fields of a load; `second_url` is staging's only.
-        update = {"update_info": load.update_info.model_dump(mode="json", exclude={"second_url"})}
+        update = {"update_info": load.update_info.for_load()}
         version = json.dumps({"weight_version": load.weight_version}).encode()
         steps = [
             ("POST", START_WEIGHT_UPDATE_PATH, b"", b""),
@@ -184,7 +183,7 @@ class RollfleetMiddleware:
         try:
             await self(inner, _replay(body, receive), capture)
         except Exception as err:  # vLLM's error middleware answers 500, then re-raises: its answer stands
-            log.exception("%s %s, in a load", method, path)
+            log.exception("%s %s, called by the engine itself", method, path)
             if answer["status"] is None:
                 error = f"{method} {path}: {type(err).__name__}: {err}"
                 answer = {"status": 500, "body": json.dumps({"error": error}).encode()}

@@ -224,6 +224,10 @@ class WeightUpdateInfo(BaseModel):
         "the first half comes from `url`: the sync sidecar's second relay tree.",
     )
 
+    def for_load(self) -> dict[str, object]:
+        """The `update_info` of a load (vLLM's http backend takes no field of staging's only)."""
+        return self.model_dump(mode="json", exclude={"second_url"})
+
 
 class LoadRequest(BaseModel):
     """The body of LOAD_PATH."""

@@ -275,8 +275,7 @@ class WeightsServer:
 
     def update_info(self) -> dict[str, Any]:
         """The ``update_info`` body for vLLM's ``/update_weights`` with the ``http`` backend."""
-        info = WeightUpdateInfo(url=self.url, manifest_sha256=self._snapshot.manifest_sha256)
-        return info.model_dump(exclude={"second_url"})  # staging only, and only a relay plan knows it
+        return WeightUpdateInfo(url=self.url, manifest_sha256=self._snapshot.manifest_sha256).for_load()
 
     def stop(self) -> None:
         if self._httpd is not None:

@@ -210,7 +210,7 @@ class EngineClient:
         """The load in a pause in one call (start, update with `update_info`, finish as `version`); the engine's
         state after it. HTTP 404 from an engine image older than the route (`EngineCallError.status`)."""
         body = LoadRequest.model_validate({"update_info": dict(update_info), "weight_version": version})
-        sent = body.model_dump(mode="json", exclude={"update_info": {"second_url"}})  # staging's only
+        sent = {"update_info": body.update_info.for_load(), "weight_version": body.weight_version}
         return await self._answer(EngineState, "POST", engine, LOAD_PATH, policy, json=sent)
 
     # --- vLLM's RL routes ------------------------------------------------------------

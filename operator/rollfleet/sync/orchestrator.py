@@ -468,8 +468,9 @@ class Orchestrator:
             engine = engines[i]
             above = None if seconds is None else seconds[i]
             second = None if above is None else engines[above]
-            upstream, halves = await upstream_of(i), seconds is not None
-            return await self._stage(engine, target, progress[engine.name], upstream, begun[i], halves, second)
+            return await self._stage(
+                engine, target, progress[engine.name], await upstream_of(i), begun[i], halves, second
+            )
 
         refs = list(await asyncio.gather(*(one(i) for i in range(len(engines)))))
         status.prefetch_s = self.clock() - t0

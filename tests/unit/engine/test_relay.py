@@ -4,6 +4,7 @@ seen to flow before the shard is whole. A stager with two upstreams takes half o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ import pytest
 import torch
 from tests.unit.engine.test_staging import settled
 
-from rollfleet_engine.protocol import STAGING_DIR_ENV, StageState, WeightManifest, WeightUpdateInfo
+from rollfleet_engine.protocol import STAGING_DIR_ENV, StageState, StageStatus, WeightManifest, WeightUpdateInfo
 from rollfleet_engine.safetensors_stream import manifest_bytes, second_half, sha256_hex, shard_from_tensors
 from rollfleet_engine.staging import RelayUnavailable, Stager
 from rollfleet_engine.weights_client import fetch_weights, http_get
@@ -163,60 +164,65 @@ def big_tensors(seed: int) -> dict[str, torch.Tensor]:
     return {"a.weight": torch.randn(1024, 1024, generator=g), "b.bias": torch.randn(1024, generator=g)}
 
 
+@contextlib.contextmanager
+def serving(*seeds: int) -> Iterator[list[WeightsServer]]:
+    """A weights server of `big_tensors(seed)` for each seed, started."""
+    servers = [WeightsServer(big_tensors(seed)) for seed in seeds]
+    for server in servers:
+        server.start()
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def stage_halves(root: Path, first: WeightsServer, second: WeightsServer) -> tuple[Stager, StageStatus]:
+    """A stager that staged the first half of every shard from `first`, the second from `second`; its status."""
+    stager = Stager(root, max_bytes=None)
+    stager.start(WeightUpdateInfo(**first.update_info(), second_url=second.update_info()["url"]))
+    return stager, stager.status(30)
+
+
+def relayed(stager: Stager, byte_range: str | None = None, manifest_sha256: str | None = None) -> bytes:
+    """What the stager relays of shard 0, whole or the range asked for."""
+    return b"".join(bytes(c) for c in stager.relay_shard("/shards/0", byte_range, manifest_sha256)[2])
+
+
 def test_a_staging_from_two_upstreams_takes_each_half_from_one_and_relays_either(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The sidecar's two relay trees: the first half of every shard from `url`, the second from `second_url`."""
     monkeypatch.setenv(STAGING_DIR_ENV, str(tmp_path / "staging"))
-    first, second = WeightsServer(big_tensors(1)), WeightsServer(big_tensors(1))
-    first.start(), second.start()
-    try:
-        info = WeightUpdateInfo(**first.update_info(), second_url=second.update_info()["url"])
-        stager = Stager(tmp_path / "staging", max_bytes=None)
-        stager.start(info)
-        status = stager.status(30)
+    with serving(1, 1) as (first, second):
+        stager, status = stage_halves(tmp_path / "staging", first, second)
         assert status.state is StageState.STAGED, status
-        got = dict(fetch_weights(status.staged_url or "", info.manifest_sha256, 10))
+        got = dict(fetch_weights(status.staged_url or "", first.update_info()["manifest_sha256"], 10))
         assert all(torch.equal(got[n], t) for n, t in big_tensors(1).items())
         size = first.manifest.shards[0].size
         middle = second_half(size)
         assert 0 < middle < size and (first.bytes_sent, second.bytes_sent) == (middle, size - middle)
         # Staged, it relays either half, as the engines below it in each tree ask.
-        data = b"".join(bytes(c) for c in stager.relay_shard("/shards/0")[2])
-        assert b"".join(bytes(c) for c in stager.relay_shard("/shards/0", f"bytes={middle}-")[2]) == data[middle:]
-        assert b"".join(bytes(c) for c in stager.relay_shard("/shards/0", f"bytes=0-{middle - 1}")[2]) == data[:middle]
-    finally:
-        first.stop(), second.stop()
+        data = relayed(stager)
+        assert relayed(stager, f"bytes={middle}-") == data[middle:]
+        assert relayed(stager, f"bytes=0-{middle - 1}") == data[:middle]
 
 
 def test_a_half_that_is_not_the_manifests_fails_the_staging(tmp_path: Path) -> None:
-    first, other = WeightsServer(big_tensors(1)), WeightsServer(big_tensors(2))  # the same layout, other values
-    first.start(), other.start()
-    try:
-        info = WeightUpdateInfo(**first.update_info(), second_url=other.update_info()["url"])
-        stager = Stager(tmp_path / "staging", max_bytes=None)
-        stager.start(info)
-        status = stager.status(30)
+    with serving(1, 2) as (first, other):  # the same layout, other values
+        _, status = stage_halves(tmp_path / "staging", first, other)
         assert status.state is StageState.FAILED and "checksum mismatch" in (status.error or ""), status
-    finally:
-        first.stop(), other.stop()
 
 
 def test_a_relay_serves_only_the_set_asked_for_and_waits_for_its_staging_to_begin(tmp_path: Path) -> None:
     """An engine that still holds an earlier set staged (a push rolled back) must not pass it on as the new one."""
-    old, new = WeightsServer(big_tensors(1)), WeightsServer(big_tensors(2))
-    old.start(), new.start()
-    try:
+    with serving(1, 2) as (old, new):
         stager = Stager(tmp_path / "staging", max_bytes=None, relay_begin_wait_s=5)
         stager.start(WeightUpdateInfo(**old.update_info()))
         assert stager.status(30).state is StageState.STAGED
         wanted = new.update_info()["manifest_sha256"]
         asked: list[bytes] = []
-
-        def ask() -> None:
-            asked.append(b"".join(bytes(c) for c in stager.relay_shard("/shards/0", "bytes=0-99", wanted)[2]))
-
-        relay = threading.Thread(target=ask)
+        relay = threading.Thread(target=lambda: asked.append(relayed(stager, "bytes=0-99", wanted)))
         relay.start()
         relay.join(0.3)
         assert relay.is_alive() and asked == []  # the staged set is another: waiting for this one
@@ -228,5 +234,3 @@ def test_a_relay_serves_only_the_set_asked_for_and_waits_for_its_staging_to_begi
         quick.start(WeightUpdateInfo(**old.update_info()))
         with pytest.raises(RelayUnavailable, match=f"not {wanted}"):
             quick.relay_shard("/shards/0", None, wanted)
-    finally:
-        old.stop(), new.stop()
