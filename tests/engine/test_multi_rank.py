@@ -192,11 +192,13 @@ def test_pause_keep_holds_every_rank_and_loses_no_token(group: tuple[str, Engine
     for s in streams:
         s.wait_tokens(5)
     assert control(engine, "/pause?mode=keep").status_code == 200
-    paused_at = time.monotonic()
-    assert state(engine)["paused"] is True
-    time.sleep(1.5)  # the observation window: no token may arrive in it, at any rank
-    resumed_at = time.monotonic()
-    assert control(engine, "/resume").status_code == 200
+    try:
+        paused_at = time.monotonic()
+        assert state(engine)["paused"] is True
+        time.sleep(1.5)  # the observation window: no token may arrive in it, at any rank
+        resumed_at = time.monotonic()
+    finally:  # a failure here must not leave the group paused for the tests after it
+        assert control(engine, "/resume").status_code == 200
     for s, baseline in zip(streams, baselines, strict=True):
         s.join()
         assert [t for t in s.arrivals if paused_at + 0.2 < t < resumed_at] == []
