@@ -10,13 +10,16 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    after N RolloutRequests reach a terminal phase and stay (no TTL). They name a fleet that
    does not exist, so they finish at once, with no pod: what is measured is what the operator
    keeps per finished request.
-2. throughput: one RolloutRequest of P prompts x n samples (by default a GRPO step's batch, 512 x 16
+2. throughput: as a training loop's steps, a first request of 16 prompts, which starts a runner of its own
+   (`apply_to_first_sample_own_runner_s`) and leaves a spare runner waiting for the next (the operator's
+   `spares`); then one RolloutRequest of P prompts x n samples (by default a GRPO step's batch, 512 x 16
    of 64 tokens, then 2,048 x 16; prompts past the inline limit come from a ConfigMap), timed from create
    to the runner's terminal status (its completionTime),
    then the same samples sent straight to the fleet's gateway with the same bodies, concurrency and
    HTTP client (`samples_per_s_ratio_vs_direct`, goal >= 0.9: the smallest over the sizes, each also
    given by size), and a part of them with httpx for reference; and the time from create to
-   the first sample sent (`apply_to_first_sample_s`: the runner Job's pod starting).
+   the first sample sent (`apply_to_first_sample_s`: the spare taking the request). Each spare's start is
+   waited for before a measured run, so that it runs beside none.
 3. a request of 10,000 samples x 256 tokens with logprobs, results on the claim: the
    operator's RSS growth (goal < 50 MiB) and the bytes it adds to etcd (goal < 1 MiB: the
    namespace's objects as stored after it, less before; etcd's own in-use size is printed
@@ -83,8 +86,10 @@ from rollfleet_dev import prometheus as prom
 from rollfleet_dev.localcluster import claims, controlplane
 from rollfleet_dev.localcluster.nodeagent.logs import nodes_state_dir
 from rollfleet_dev.localcluster.nodeagent.processes import cpu_seconds, process_cpu_seconds
+from rollfleet_dev.runners import waiting_spares
 
 BIN = Path(sys.executable).parent
+FIRST_PROMPTS = 16  # the first request's prompts (x --n samples): it starts the spare runners
 
 
 def rss_mib(pid: int) -> float:
@@ -297,7 +302,7 @@ def run_request(custom: kubernetes.client.CustomObjectsApi, namespace: str, spec
     # poll here saw it.
     first = datetime.fromisoformat(status["startTime"]).timestamp() - created
     took = datetime.fromisoformat(status["completionTime"]).timestamp() - created
-    return {"name": rr, "status": status, "seconds": took, "first_sample_s": first}
+    return {"name": rr, "status": status, "created": created, "seconds": took, "first_sample_s": first}
 
 
 def batch_texts(prompts: int) -> list[str]:
@@ -336,15 +341,46 @@ def batch_spec(
     return spec | {"promptsFrom": [{"name": name}]}
 
 
+def wait_for_spare(client: kubernetes.client.ApiClient, namespace: str, claim: str) -> None:
+    """Until a spare runner of the fleet and claim waits for the next request (the operator starts one as a
+    request ends), so that its start runs beside no measured run."""
+    kube = Kube(client)
+    wait_until(
+        lambda: asyncio.run(waiting_spares(kube, namespace, FLEET, claim)), timeout=120, what="a spare runner waiting"
+    )
+
+
+def bench_first_request(
+    client: kubernetes.client.ApiClient, namespace: str, claim: str, args: argparse.Namespace
+) -> dict[str, float]:
+    """A training loop's first step: its request has no spare runner yet, and starts a runner of its own."""
+    core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
+    run = run_request(custom, namespace, batch_spec(core, namespace, claim, args, FIRST_PROMPTS))
+    assert run["status"]["phase"] == "Succeeded", run["status"]
+    wait_for_spare(client, namespace, claim)
+    print(f"first request (a runner of its own): apply -> first sample in flight {run['first_sample_s']:.2f} s")
+    return {"apply_to_first_sample_own_runner_s": run["first_sample_s"]}
+
+
+def send_span(run: dict[str, Any], directory: Path) -> tuple[float, float]:
+    """From the request's results file: the seconds from its first sample sent to its last one answered, and
+    from that answer to the request's terminal status (the last write, the status)."""
+    lines = [json.loads(line) for line in (directory / run["status"]["results"]["path"]).read_text().splitlines()]
+    first, last = min(r["started_at"] for r in lines), max(r["finished_at"] for r in lines)
+    return last - first, run["created"] + run["seconds"] - last
+
+
 def bench_throughput(
-    client: kubernetes.client.ApiClient, namespace: str, claim: str, args: argparse.Namespace, prompts: int
+    client: kubernetes.client.ApiClient, namespace: str, claim: tuple[str, Path], args: argparse.Namespace, prompts: int
 ) -> dict[str, float]:
     core, custom = kubernetes.client.CoreV1Api(client), kubernetes.client.CustomObjectsApi(client)
     n, parallelism = args.n, args.parallelism
-    spec = batch_spec(core, namespace, claim, args, prompts)
+    spec = batch_spec(core, namespace, claim[0], args, prompts)
     texts = batch_texts(prompts)
     run = run_request(custom, namespace, spec)
     assert run["status"]["phase"] == "Succeeded", run["status"]
+    sending, ending = send_span(run, claim[1])
+    wait_for_spare(client, namespace, claim[0])  # the next one starts now: not beside the direct run
 
     view = asyncio.run(read_fleet(Kube(client), OperatorKey(namespace), namespace, FLEET))
     assert view.gateway and view.model, f"fleet {namespace}/{FLEET} has no gateway yet"
@@ -367,7 +403,9 @@ def bench_throughput(
         "samples_per_s_ratio_vs_direct": via_gateway / run["seconds"],
         # Without the runner's start: what the runner's sending costs next to sending directly.
         "samples_per_s_ratio_vs_direct_after_start": via_gateway / (run["seconds"] - run["first_sample_s"]),
-        "apply_to_first_sample_s": run["first_sample_s"],
+        "apply_to_first_sample_s": run["first_sample_s"],  # in a spare runner, started before
+        "first_to_last_sample_s": sending,
+        "last_sample_to_end_s": ending,
     }
     print(f"-- {prompts} prompts x {n} samples of {args.max_tokens} tokens, {parallelism} in flight")
     print(
@@ -383,7 +421,10 @@ def bench_throughput(
         f"request / direct: {out['samples_per_s_ratio_vs_direct']:.2f}   (goal >= 0.9; from the first sample on: "
         f"{out['samples_per_s_ratio_vs_direct_after_start']:.2f})"
     )
-    print(f"apply -> first sample in flight: {run['first_sample_s']:.2f} s")
+    print(
+        f"apply -> first sample in flight: {run['first_sample_s']:.2f} s; first sample sent -> last answered: "
+        f"{sending:.2f} s; -> the request's end: {ending:.2f} s"
+    )
     return out
 
 
@@ -582,8 +623,9 @@ def main() -> int:
                 GROUP, VERSION, ns, FLEET_PLURAL, fleet | {"spec": sim_fleet_spec(args.engines)}
             )
             wait_until(lambda: fleet_ready(custom, ns, args.engines), timeout=300, what="the simulated fleet Ready")
+            report |= bench_first_request(client, ns, claim[0], args)
             for prompts in args.prompts:
-                figures = bench_throughput(client, ns, claim[0], args, prompts)
+                figures = bench_throughput(client, ns, claim, args, prompts)
                 report |= {f"{k}_{prompts}x{args.n}": v for k, v in figures.items()}
             # The headline: the smallest ratio over the sizes (each is reported by size too).
             for key in ("samples_per_s_ratio_vs_direct", "samples_per_s_ratio_vs_direct_after_start"):

@@ -36,7 +36,6 @@ from e2e.fleet_helpers import (
 )
 from e2e.provider import Cluster, wait_for
 from rollfleet.contract import (
-    COMPONENT_RUNNER,
     ENGINE_PORT,
     GATEWAY_PORT,
     GROUP,
@@ -47,7 +46,7 @@ from rollfleet.contract import (
     inference_secret_name,
     secret_name,
 )
-from rollfleet.kube import REQUEST
+from rollfleet.kube import JOB_NAME_LABEL, REQUEST
 from rollfleet_dev import oneshot
 from rollfleet_dev.localcluster import claims
 
@@ -228,8 +227,10 @@ def _fleet(on: LiveFleet | Fleet) -> Fleet:
 
 
 def runner_pods(fleet: LiveFleet, uid: str) -> list[dict[str, Any]]:
-    """The request's runner pods (its Job's) that are not being deleted."""
-    return live_pods(fleet.cluster, fleet.namespace, f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={uid}")
+    """The request's runner pods (its Job's: its own, or the spare runner it took) that are not being deleted."""
+    jobs = fleet.cluster.kubectl("-n", fleet.namespace, "get", "jobs", "-l", f"{LABEL_REQUEST_UID}={uid}", "-o", "name")
+    names = [job.removeprefix("job.batch/") for job in jobs.stdout.split()]
+    return [p for name in names for p in live_pods(fleet.cluster, fleet.namespace, f"{JOB_NAME_LABEL}={name}")]
 
 
 def running(fleet: LiveFleet, uid: str) -> list[str]:

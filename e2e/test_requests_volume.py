@@ -8,6 +8,7 @@ machine) fails it with that reason, in the status and in an Event, keeping what 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,7 +20,12 @@ import pytest
 
 from e2e.live_fleet import LiveFleet, create, host_path_claim, results, wait_phase
 from e2e.provider import wait_for
-from rollfleet.contract import LABEL_REQUEST, LABEL_REQUEST_UID, runner_name
+from rollfleet.contract import LABEL_REQUEST, LABEL_REQUEST_UID, SPARE_RUNNER_PREFIX, runner_name
+from rollfleet.controller.owner import RequestRef
+from rollfleet.controller.requests import spares
+from rollfleet.controller.requests.worker import wait_for_assignment
+from rollfleet.kube import CONFIG_MAP, ApiError, Kube, load_client
+from rollfleet_dev.runners import waiting_spares
 
 pytestmark = [
     pytest.mark.cluster,
@@ -68,6 +74,31 @@ def _result_config_maps(fleet: LiveFleet, uid: str) -> list[str]:
         "-n", fleet.namespace, "get", "configmaps", "-l", f"{LABEL_REQUEST_UID}={uid}", "-o", "name"
     )
     return out.stdout.split()
+
+
+def _json(fleet: LiveFleet, *args: str) -> Any:
+    return json.loads(fleet.cluster.kubectl("-n", fleet.namespace, *args, "-o", "json").stdout)
+
+
+def _may(fleet: LiveFleet, account: str, verb: str, resource: str) -> bool:
+    user = f"--as=system:serviceaccount:{fleet.namespace}:{account}"
+    answer = fleet.cluster.kubectl("auth", "can-i", verb, resource, "-n", fleet.namespace, user, check=False)
+    assert answer.stdout.strip() in ("yes", "no"), answer
+    return answer.stdout.strip() == "yes"
+
+
+def _waiting_spare(fleet: LiveFleet, claim: str, other_than: str = "") -> str:
+    """A spare runner of the fleet and claim whose pod waits for a request (not `other_than`)."""
+    kube = Kube(load_client(str(fleet.cluster.kubeconfig)))
+
+    def waiting() -> str | None:
+        names = asyncio.run(waiting_spares(kube, fleet.namespace, fleet.fleet.name, claim))
+        return next((n for n in names if n != other_than), None)
+
+    try:
+        return str(wait_for(waiting, 120, interval=0.5, what=f"a spare runner of claim {claim} waiting"))
+    finally:
+        kube.close()
 
 
 def _lines(file: Path) -> list[dict[str, Any]]:
@@ -145,3 +176,78 @@ def test_a_full_results_volume_fails_the_request_keeping_every_sample_it_took(
     assert len({(r["prompt"], r["sample"]) for r in stored}) == len(stored)
     assert counts["inFlight"] == 0
     wait_for(lambda: not any(fleet.in_flight(f"{uid}-").values()), 30, what="its samples stopped at the engines")
+
+
+def test_the_next_request_of_a_fleet_and_claim_runs_in_a_spare_started_ahead_of_it_with_only_its_rights(
+    fleet: LiveFleet, claim: tuple[str, Path]
+) -> None:
+    claim_name, directory = claim
+    on_claim = {"results": {"persistentVolumeClaim": {"claimName": claim_name}}, "sampling": {"maxTokens": 4}}
+    first, _ = create(fleet, 4, 2, **on_claim)
+    wait_phase(fleet, first, "Succeeded", timeout=300)
+    assert _json(fleet, "get", "job", runner_name(first))["metadata"]["labels"][LABEL_REQUEST] == first  # its own
+
+    spare = _waiting_spare(fleet, claim_name)
+    assert spare.startswith(SPARE_RUNNER_PREFIX)
+    # Until a request takes it, the spare may read and expire its assignment, and nothing else.
+    assert _may(fleet, spare, "get", f"configmaps/{spare}") and _may(fleet, spare, "patch", f"configmaps/{spare}")
+    assert not _may(fleet, spare, "get", f"rolloutrequests/{first}") and not _may(fleet, spare, "list", "configmaps")
+    assert not _may(fleet, spare, "get", "secrets") and not _may(fleet, spare, "create", "configmaps")
+    started = _json(fleet, "get", "job", spare)["metadata"]["creationTimestamp"]
+
+    second, uid = create(fleet, 4, 2, **on_claim)
+    st = wait_phase(fleet, second, "Succeeded", timeout=300)
+    [job] = _json(fleet, "get", "jobs", "-l", f"{LABEL_REQUEST_UID}={uid}")["items"]
+    assert job["metadata"]["name"] == spare and job["metadata"]["creationTimestamp"] == started
+    [owner] = job["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"]) == ("RolloutRequest", uid)  # deleted with its request
+    assert "ttlSecondsAfterFinished" not in job["spec"] and "activeDeadlineSeconds" not in job["spec"]
+    own = fleet.cluster.kubectl("-n", fleet.namespace, "get", "job", runner_name(second), check=False)
+    assert own.returncode != 0 and "NotFound" in own.stderr  # no runner of its own was made
+    wait_for(lambda: _json(fleet, "get", "job", spare)["status"].get("succeeded") == 1, 60, what=f"{spare} completed")
+    stored = _lines(directory / st["results"]["path"])
+    assert sorted((r["prompt"], r["sample"]) for r in stored) == [(p, s) for p in range(4) for s in range(2)]
+    # Taken, it has the rights of that request's runner, and no other request's.
+    assert _may(fleet, spare, "get", f"rolloutrequests/{second}") and _may(fleet, spare, "get", f"configmaps/{spare}")
+    assert not _may(fleet, spare, "get", f"rolloutrequests/{first}")
+
+    # A new spare waits for the next one; the one taken went with its request.
+    _waiting_spare(fleet, claim_name, other_than=spare)
+    fleet.cluster.kubectl("-n", fleet.namespace, "delete", "rolloutrequest", second)
+    wait_for(
+        lambda: not fleet.cluster.kubectl("-n", fleet.namespace, "get", "job", spare, check=False).stdout,
+        120,
+        what=f"{spare} deleted with {second}",
+    )
+
+
+def test_a_spare_left_idle_expires_unless_it_was_taken_first(fleet: LiveFleet) -> None:
+    """The spare's wait, against the API server: the compare-and-swap on its ConfigMap decides between a
+    request given to it and its own expiry, whichever comes first."""
+    ns = fleet.namespace
+    kube = Kube(load_client(str(fleet.cluster.kubeconfig)))
+
+    async def scenario() -> None:
+        for name, give in ((f"{SPARE_RUNNER_PREFIX}idle", False), (f"{SPARE_RUNNER_PREFIX}taken", True)):
+            waiting = {spares.KEY_STATE: spares.WAITING}
+            meta = {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": "rollfleet"}}
+            await kube.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": waiting})
+            try:
+                waited = asyncio.create_task(wait_for_assignment(kube, ns, name, idle_s=5.0 if give else 0.5))
+                if give:
+                    await kube.json_patch(CONFIG_MAP, ns, name, spares.take(RequestRef("rr-x", ns, "u-1234567890")))
+                    assert await waited == spares.Assignment("rr-x", "u-1234567890")
+                else:
+                    assert await waited is None
+                    after = await kube.get(CONFIG_MAP, ns, name)
+                    assert after["data"] == {spares.KEY_STATE: spares.EXPIRED}
+                    with pytest.raises(ApiError) as refused:  # too late to take it: the operator's patch fails
+                        await kube.json_patch(CONFIG_MAP, ns, name, spares.take(RequestRef("rr-y", ns, "u-2")))
+                    assert refused.value.status == 422
+            finally:
+                await kube.delete(CONFIG_MAP, ns, name)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        kube.close()

@@ -45,8 +45,9 @@ def _add_request_runner(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
     p = sub.add_parser("request-runner", help="run one RolloutRequest's samples (the process of its runner Job)")
     p.add_argument("--namespace", required=True, help="the RolloutRequest's namespace")
-    p.add_argument("--name", required=True, help="the RolloutRequest's name")
-    p.add_argument("--uid", required=True, help="its uid: a new request of the same name is not this one's to run")
+    p.add_argument("--name", help="the RolloutRequest's name")
+    p.add_argument("--uid", help="its uid: a new request of the same name is not this one's to run")
+    p.add_argument("--spare", help="run as this spare runner: wait for a request, instead of --name and --uid")
     p.add_argument("--token-file", default=TOKEN_FILE, help="the fleet's admin token (its Secret, mounted)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig when not in a pod (default: $KUBECONFIG)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -54,7 +55,11 @@ def _add_request_runner(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     def run(args: argparse.Namespace) -> int:
         from rollfleet.controller.requests import worker
 
-        return worker.main(args.namespace, args.name, args.uid, args.token_file, args.kubeconfig, args.verbose)
+        if (args.spare is None) == (args.name is None or args.uid is None):
+            p.error("give --name and --uid (a request), or --spare (a spare runner)")
+        return worker.main(
+            args.namespace, args.name, args.uid, args.spare, args.token_file, args.kubeconfig, args.verbose
+        )
 
     p.set_defaults(func=run)
 

@@ -67,6 +67,8 @@ LABEL_INDEX = f"{GROUP}/engine-index"
 LABEL_REQUEST = f"{GROUP}/request"
 LABEL_REQUEST_UID = f"{GROUP}/request-uid"
 LABEL_CHUNK = f"{GROUP}/chunk"
+# On a spare runner's objects: the results claim it mounts (its name, or a digest of a long one).
+LABEL_RESULTS_CLAIM = f"{GROUP}/results-claim"
 
 APP_NAME = "rollfleet"  # the value of LABEL_NAME
 # The value of LABEL_MANAGED_BY, and the operator's field manager and Event source.
@@ -80,6 +82,9 @@ COMPONENT_INFERENCE_TOKEN = "inference-token"
 COMPONENT_RESULTS = "results"  # a RolloutRequest's result ConfigMaps
 # A RolloutRequest's runner: the Job that sends its samples, with its ServiceAccount and RBAC.
 COMPONENT_RUNNER = "runner"
+# A spare runner: a runner Job started ahead of the next request naming its fleet and results claim, which
+# that request takes (its pod already running) instead of starting one of its own.
+COMPONENT_SPARE_RUNNER = "runner-spare"
 # The pods that run the sync sidecar (manifests/sync/trainer-job.yaml): with the fleet
 # label, what the engines' NetworkPolicy admits as the fleet's trainers. Also the
 # ServiceAccount and RBAC the operator makes for them.
@@ -251,6 +256,16 @@ def runner_account(request: str) -> str:
         return name
     digest = hashlib.sha256(request.encode()).hexdigest()[:8]
     return f"{RUNNER_ACCOUNT_PREFIX}{request[:RUNNER_ACCOUNT_KEEP]}{digest}"
+
+
+# A spare runner's Job, ServiceAccount, Role, RoleBinding and assignment ConfigMap share one name: this prefix
+# and random hex. Not the runners' prefix: the admission policy must not take a spare for a request's runner.
+SPARE_RUNNER_PREFIX = f"{APP_NAME}-spare-"
+
+
+def results_claim_label(claim: str) -> str:
+    """A results claim as a label value (at most 63 characters): its name, or for a longer one a digest."""
+    return claim if len(claim) <= 63 else "sha256-" + hashlib.sha256(claim.encode()).hexdigest()[:40]
 
 
 # Results in ConfigMaps stop at 16 MiB (api.request.CONFIG_MAP_RESULTS_LIMIT) in chunks of 900 KiB: 19,

@@ -123,6 +123,7 @@ SERVICE_ACCOUNT = Kind("ServiceAccount", "service_account", "serviceaccounts", _
 EVENT = Kind("Event", "event", "events", _CORE)
 DEPLOYMENT = Kind("Deployment", "deployment", "deployments", _APPS)
 JOB = Kind("Job", "job", "jobs", _BATCH)
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # on every pod of a Job, set by its controller
 ROLE = Kind("Role", "role", "roles", _RBAC)
 ROLE_BINDING = Kind("RoleBinding", "role_binding", "rolebindings", _RBAC)
 NETWORK_POLICY = Kind("NetworkPolicy", "network_policy", "networkpolicies", _NET)
@@ -360,6 +361,12 @@ class Kube:
         method: Callable[..., Any] = getattr(api, name + ("_status" if status else ""))
         self._methods[(kind, verb, status)] = method
         return method
+
+    def preload(self, *kinds: Kind) -> None:
+        """Make the client's API objects of these kinds now (each class an import of its own, on first use; a
+        CoreV1Api alone takes most of a second), so that a first call later does not wait for one."""
+        for kind in kinds:
+            self._api(kind.api)
 
     def _api(self, name: str) -> Any:
         """The official client's API object of that class name, made on first use."""

@@ -80,10 +80,11 @@ holds the same rules; a test compares them).
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch]
-# Each running RolloutRequest's runner Job, watched for pods that cannot start or keep failing.
+# Each running RolloutRequest's runner Job, watched for pods that cannot start or keep failing; spare
+# runners, made ahead of the next request of a fleet and claim, found by label and given to a request.
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, create]
+  verbs: [get, list, create, patch]
 # A RolloutRequest's results claim, looked up before its runner is made (a missing one fails it).
 - apiGroups: [""]
   resources: [persistentvolumeclaims]

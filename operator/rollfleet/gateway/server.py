@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 from pathlib import Path
@@ -19,10 +18,10 @@ import uvloop
 from rollfleet.gateway.app import GatewayConfig, serving
 from rollfleet.gateway.proxy import ProxyConfig
 from rollfleet.gateway.routing import RoutingPolicy
+from rollfleet.hotpath import settle_gc
 
 DEFAULT_TOKEN_FILE = "/var/run/secrets/rollfleet/token"
 log = logging.getLogger(__name__)
-GC_THRESHOLDS = (20_000, 20, 20)  # allocations between young collections (CPython's default: 700, 10, 10)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,11 +122,7 @@ async def _serve(config: GatewayConfig, host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with serving(config, host, port):
-        # Most of what a request allocates is freed by reference counting; the cycle collector's passes
-        # over everything alive cost ~10% of the CPU per request (bench_gateway). Leave what exists now
-        # (modules, the app) out of them, and run them less often.
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
+        settle_gc()
         log.info("gateway serving on %s:%d", host, port)
         await stop.wait()
         log.info("shutting down: requests in flight get %.0f s to finish", config.shutdown_grace_s)

@@ -98,34 +98,59 @@ def runner_role(ref: RequestRef, spec: RolloutRequestSpec) -> Manifest:
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(ref), "rules": rules}
 
 
-def runner_role_binding(ref: RequestRef) -> Manifest:
+def runner_role_binding(ref: RequestRef, account: str | None = None) -> Manifest:
+    """The binding of the request's Role to its runner's account: its own, or a spare runner's it took."""
     name = runner_name(ref.name)
+    subject = {"kind": "ServiceAccount", "name": account or runner_account(ref.name), "namespace": ref.namespace}
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
         "metadata": _meta(ref),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": runner_account(ref.name), "namespace": ref.namespace}],
+        "subjects": [subject],
     }
 
 
 def runner_job(ref: RequestRef, spec: RolloutRequestSpec, image: str, image_pull_policy: str) -> Manifest:
     """The Job whose pod runs the request: restarted pods adopt what earlier ones sent, so a pod
     that fails is simply replaced; the request's own status says how the run goes."""
-    labels = runner_labels(ref)
-    # Optional: a request may name a fleet not made yet; the runner waits for it.
-    volumes: list[Manifest] = [token_volume(spec.fleet, optional=True)]
-    mounts: list[Manifest] = [dict(TOKEN_MOUNT)]
     claim = spec.results.persistent_volume_claim
+    return job_manifest(
+        _meta(ref),
+        runner_labels(ref),
+        runner_account(ref.name),
+        ["request-runner", "--namespace", ref.namespace, "--name", ref.name, "--uid", ref.uid],
+        spec.fleet,
+        claim.claim_name if claim is not None else None,
+        image,
+        image_pull_policy,
+    )
+
+
+def job_manifest(
+    meta: Manifest,
+    pod_labels: dict[str, str],
+    account: str,
+    args: list[str],
+    fleet: str,
+    claim: str | None,
+    image: str,
+    image_pull_policy: str,
+) -> Manifest:
+    """A runner Job (a request's own or a spare): `rollfleet <args>` as `account`, with the fleet's admin token
+    and the results claim, if any, mounted."""
+    # Optional: a request may name a fleet not made yet; the runner waits for it.
+    volumes: list[Manifest] = [token_volume(fleet, optional=True)]
+    mounts: list[Manifest] = [dict(TOKEN_MOUNT)]
     if claim is not None:
-        volumes.append({"name": RESULTS_VOLUME, "persistentVolumeClaim": {"claimName": claim.claim_name}})
+        volumes.append({"name": RESULTS_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
         mounts.append({"name": RESULTS_VOLUME, "mountPath": RESULTS_MOUNT})
     uid = ROLLFLEET_IMAGE_UID
     container: Manifest = {
         "name": RUNNER_CONTAINER,
         "image": image,
         "imagePullPolicy": image_pull_policy,
-        "args": ["request-runner", "--namespace", ref.namespace, "--name", ref.name, "--uid", ref.uid],
+        "args": args,
         "resources": RUNNER_RESOURCES,
         "volumeMounts": mounts,
         "securityContext": {
@@ -137,16 +162,16 @@ def runner_job(ref: RequestRef, spec: RolloutRequestSpec, image: str, image_pull
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _meta(ref),
+        "metadata": meta,
         "spec": {
             "backoffLimit": RUNNER_BACKOFF_LIMIT,
             # A new pod only once the old one has ended: two runners would both send (and write) samples.
             "podReplacementPolicy": "Failed",
             "template": {
-                "metadata": {"labels": labels},
+                "metadata": {"labels": pod_labels},
                 "spec": {
                     "restartPolicy": "Never",
-                    "serviceAccountName": runner_account(ref.name),
+                    "serviceAccountName": account,
                     "enableServiceLinks": False,
                     "securityContext": {
                         "runAsNonRoot": True,

@@ -16,10 +16,11 @@ runner's objects, its pods, the request's status) and to gateways (`runner.gatew
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,12 +29,13 @@ import kopf
 import prometheus_client
 
 from rollfleet.api.request import KIND, PLURAL, TERMINAL_PHASES, RolloutRequest, RolloutRequestSpec
-from rollfleet.contract import COMPONENT_RUNNER, GROUP, LABEL_COMPONENT, LABEL_REQUEST_UID, VERSION, runner_name
+from rollfleet.contract import GROUP, LABEL_REQUEST_UID, VERSION, runner_name
 from rollfleet.controller.events import event_manifest
 from rollfleet.controller.metrics import RequestMetrics
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests import plan, runner
 from rollfleet.controller.requests.desired import runner_objects
+from rollfleet.controller.requests.spare_pool import SparePool
 from rollfleet.controller.requests.status import (
     Verdict,
     fleet_not_found,
@@ -46,6 +48,7 @@ from rollfleet.controller.tokens import OperatorKey
 from rollfleet.kube import (
     FLEET,
     JOB,
+    JOB_NAME_LABEL,
     PERSISTENT_VOLUME_CLAIM,
     POD,
     REQUEST,
@@ -68,6 +71,7 @@ async def open_clients(memo: kopf.Memo, **_: Any) -> None:
     memo.request_kube = Kube(load_client())
     memo.request_http = runner.gateway_client()
     memo.request_tasks = ObjectTasks("request", wanted=_needs_task)
+    memo.request_spares = SparePool(memo.request_kube, memo.runner_image)
     memo.request_metrics = RequestMetrics(prometheus_client.REGISTRY)  # served on --metrics-port
 
 
@@ -96,15 +100,27 @@ async def request_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None
     tasks.on_event(
         event.get("type"),
         event["object"],
-        lambda body: RequestRun(memo.request_kube, memo.operator_key, memo.request_http, memo.runner_image, body),
+        lambda body: RequestRun(
+            memo.request_kube, memo.operator_key, memo.request_http, memo.runner_image, memo.request_spares, body
+        ),
     )
+
+
+async def _exists(read: Awaitable[Any]) -> bool:
+    try:
+        await read
+    except NotFound:
+        return False
+    return True
 
 
 class RequestRun:
     """A request's task: its runner until the request ends, then its deletion once its TTL passed."""
 
-    def __init__(self, kube: Kube, key: OperatorKey, http: httpx.AsyncClient, image: str, body: LiveBody) -> None:
-        self.kube, self.key, self.http, self.image, self.body = kube, key, http, image, body
+    def __init__(
+        self, kube: Kube, key: OperatorKey, http: httpx.AsyncClient, image: str, spares: SparePool, body: LiveBody
+    ) -> None:
+        self.kube, self.key, self.http, self.image, self.spares, self.body = kube, key, http, image, spares, body
         self.ref = RequestRef.of(dict(body))
 
     async def run(self, stop: Stop) -> None:
@@ -116,6 +132,7 @@ class RequestRun:
                     await self._stop_samples()
                 return
             finished_at = time.time()
+            await self._keep_a_spare()
         await runner.expire(self.kube, self.body, stop.wait, finished_at)
 
     async def close(self) -> None:
@@ -124,19 +141,17 @@ class RequestRun:
     async def _supervise(self, stop: Stop) -> None:
         """Keep the runner in place until the request is terminal; say what its runner cannot."""
         spec = RolloutRequest.model_validate(dict(self.body)).spec
-        ns, name = self.ref.namespace, runner_name(self.ref.name)
+        ns = self.ref.namespace
         said: Verdict | None = None
         while not stop and _phase(self.body) not in TERMINAL_PHASES:
-            try:
-                job: Mapping[str, Any] | None = await self.kube.get(JOB, ns, name)
-            except NotFound:
-                job = None
+            job = await self._runner_job(spec)
+            if job is None:
                 failed = await self._make_runner(spec)
                 if failed is not None:
                     await self._say(failed)
                     return
-            selector = f"{LABEL_COMPONENT}={COMPONENT_RUNNER},{LABEL_REQUEST_UID}={self.ref.uid}"
-            pods = await self.kube.list(POD, ns, selector)
+                continue
+            pods = await self.kube.list(POD, ns, f"{JOB_NAME_LABEL}={job['metadata']['name']}")
             verdict = runner_verdict(job, pods, _phase(self.body))
             if verdict is not None and verdict != said:
                 await self._say(verdict)
@@ -145,25 +160,58 @@ class RequestRun:
                     return
             await stop.wait(SUPERVISE_INTERVAL_S)
 
+    async def _runner_job(self, spec: RolloutRequestSpec) -> Mapping[str, Any] | None:
+        """The Job that runs the request: its own, or the spare it took (labelled for it once taken)."""
+        jobs, spare = await asyncio.gather(
+            self.kube.list(JOB, self.ref.namespace, f"{LABEL_REQUEST_UID}={self.ref.uid}"),
+            self.spares.taken_by(self.ref),
+        )
+        if jobs:
+            return jobs[0]
+        if spare is None:
+            return None
+        # Taken by an operator that stopped before it made the Job the request's: finish that.
+        await self.spares.finish_taking(self.ref, spec, spare)
+        return await self.kube.get(JOB, self.ref.namespace, spare)
+
     async def _make_runner(self, spec: RolloutRequestSpec) -> Verdict | None:
-        """Make the runner (ServiceAccount, Role, RoleBinding, Job). A request whose fleet or results
-        claim does not exist fails at once instead: no pod is spent on it (one would wait for ever)."""
+        """Take a spare runner, or make the request's own (ServiceAccount, Role, RoleBinding, Job). A request
+        whose fleet or results claim does not exist fails at once instead: no pod is spent on it (one would
+        wait for ever)."""
         ns = self.ref.namespace
-        try:
-            await self.kube.get(FLEET, ns, spec.fleet)
-        except NotFound:
-            return fleet_not_found(spec.fleet, ns)
         claim = spec.results.persistent_volume_claim
-        if claim is not None:
-            try:
-                await self.kube.get(PERSISTENT_VOLUME_CLAIM, ns, claim.claim_name)
-            except NotFound:
+        if claim is None:
+            if not await _exists(self.kube.get(FLEET, ns, spec.fleet)):
+                return fleet_not_found(spec.fleet, ns)
+        else:
+            # Looked at together: a request that takes a spare runs as soon as the spare learns of it.
+            fleet, found, spares = await asyncio.gather(
+                _exists(self.kube.get(FLEET, ns, spec.fleet)),
+                _exists(self.kube.get(PERSISTENT_VOLUME_CLAIM, ns, claim.claim_name)),
+                self.spares.untaken(ns, spec.fleet, claim.claim_name),
+            )
+            if not fleet:
+                return fleet_not_found(spec.fleet, ns)
+            if not found:
                 return results_claim_not_found(claim.claim_name, ns)
+            if await self.spares.take(self.ref, spec, claim.claim_name, spares):
+                return None
         for manifest in runner_objects(self.ref, spec, self.image, "IfNotPresent"):
             with contextlib.suppress(Conflict):  # made by an earlier try, or by the operator before a restart
                 await self.kube.create(manifest)
         log.info("RolloutRequest %s/%s: runner Job %s created", ns, self.ref.name, runner_name(self.ref.name))
         return None
+
+    async def _keep_a_spare(self) -> None:
+        """The request ended: a spare runner waits for the next one of its fleet and claim (`spares`)."""
+        spec = RolloutRequest.model_validate(dict(self.body)).spec
+        claim = spec.results.persistent_volume_claim
+        if claim is None:
+            return
+        try:
+            await self.spares.keep(self.ref.namespace, spec.fleet, claim.claim_name)
+        except ApiError as err:  # the next request starts a runner of its own
+            log.warning("RolloutRequest %s/%s: no spare runner made: %s", self.ref.namespace, self.ref.name, err)
 
     async def _say(self, verdict: Verdict) -> None:
         ns, name = self.ref.namespace, self.ref.name

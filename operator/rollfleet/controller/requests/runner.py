@@ -189,6 +189,10 @@ class Run:
         self.abort_record: AbortRecord | None = self.rr.status.abort if self.rr.status else None
         self.fleet = FleetView(exists=True)
         self.tasks: dict[asyncio.Task[tuple[Outcome, SampleResult | None]], SampleKey] = {}
+        # Calls that ended since the loop last looked, and a wake-up for it: the loop takes them all at once,
+        # where asyncio.wait over every call in flight would cost each turn a callback per call.
+        self.ended: list[asyncio.Task[tuple[Outcome, SampleResult | None]]] = []
+        self.ended_event = asyncio.Event()
         self.unsure: set[SampleKey] = set()  # may still run somewhere: stop before sending again
         self.aborting = False
         self.abort_token: str | None = None  # the abort annotation value (or "deadline") being acted on
@@ -200,6 +204,10 @@ class Run:
         self.flushing: asyncio.Task[None] | None = None  # the results write under way: sending goes on meanwhile
         self.fleet_rate = plan.RateLimit(FLEET_INTERVAL_S)
         self.last_patched: Verdict | None = None
+        # A look at the fleet and a status patch go on beside the sending: the loop sends no sample while it awaits
+        # the API server, and at 64 samples in flight a wait of 20 ms drains the batch.
+        self.looking: asyncio.Task[None] | None = None
+        self.patching: asyncio.Task[None] | None = None
         self.stuck_since: float | None = None
         self.gateway_error: str | None = None  # why the gateway did not answer the last abort; None when it did
 
@@ -208,8 +216,10 @@ class Run:
         try:
             return await self._loop()
         finally:
-            if self.flushing is not None:  # a write in a thread cannot be cancelled: let it end before closing
-                await asyncio.gather(self.flushing, return_exceptions=True)
+            # A write in a thread cannot be cancelled, nor should a status patch be cut: let them end before closing.
+            await asyncio.gather(*(t for t in (self.flushing, self.patching) if t), return_exceptions=True)
+            if self.looking is not None:
+                self.looking.cancel()
             self.store.close()
             # After a failure, a retry adopts what this run sent: its calls must not outlive it
             # (a cancelled call closes its connection, and the gateway stops the sample).
@@ -234,7 +244,7 @@ class Run:
                 await self._on_stop()
                 return self.verdict
             if self.fleet_rate.due(now):
-                await self._observe_fleet()
+                await self._look_at_fleet()
             final = self._final_verdict(schedule, now)
             if final is not None:
                 if final.phase != "Succeeded" and final.reason != "SamplesFailed":
@@ -331,6 +341,14 @@ class Run:
             )
         return None
 
+    async def _look_at_fleet(self) -> None:
+        """Look at the fleet: at once while its gateway is not known (nothing can be sent before), else beside the
+        sending, one look at a time."""
+        if self.fleet.gateway is None:
+            await self._observe_fleet()
+        elif _ended(self.looking):
+            self.looking = asyncio.create_task(self._observe_fleet())
+
     async def _observe_fleet(self) -> None:
         try:
             self.fleet = await read_fleet(self.kube, self.tokens, self.ns, self.rr.spec.fleet)
@@ -370,7 +388,12 @@ class Run:
             self.verdict = Verdict("Running", "Running", f"{len(keys)} samples in flight")
         for key in keys:
             task = asyncio.create_task(self._sample(key, f.gateway, self.rr.spec.model or f.model, f.token))
+            task.add_done_callback(self._ended)
             self.tasks[task] = key
+
+    def _ended(self, task: asyncio.Task[tuple[Outcome, SampleResult | None]]) -> None:
+        self.ended.append(task)
+        self.ended_event.set()
 
     async def _sample(
         self, key: SampleKey, gateway: str, model: str, token: str | None
@@ -403,12 +426,16 @@ class Run:
         )
 
     async def _collect(self, schedule: plan.Schedule, wait_s: float = TICK_S) -> None:
-        if not self.tasks:
-            await asyncio.sleep(wait_s)
-            return
-        done, _ = await asyncio.wait(self.tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            key = self.tasks.pop(task)
+        if not self.ended:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self.ended_event.wait()
+        self.ended_event.clear()
+        ended, self.ended = self.ended, []
+        for task in ended:
+            key = self.tasks.pop(task, None)
+            if key is None:  # cancelled and dropped while stopping
+                continue
             outcome, result = task.result()
             self._record(schedule, key, outcome, result)
 
@@ -518,7 +545,7 @@ class Run:
         changed = self.last_patched is None or self.last_patched.phase != self.verdict.phase
         if not self.status_rate.due(time.time(), urgent=urgent or changed):
             return
-        status = request_status(
+        status = request_status(  # as things stand now, whenever it is sent
             self.rr.status,
             verdict=self.verdict,
             tally=self.tally,
@@ -531,9 +558,19 @@ class Run:
             start_time=self.start,
             abort=self.abort_record,
         )
+        self.last_patched = self.verdict
+        earlier = self.patching if not _ended(self.patching) else None
+        if urgent:  # the end of the run: after any patch still under way, and done when this returns
+            self.patching = None
+            await self._send_status(status, earlier)
+        else:
+            self.patching = asyncio.create_task(self._send_status(status, earlier))
+
+    async def _send_status(self, status: dict[str, Any], earlier: asyncio.Task[None] | None) -> None:
+        if earlier is not None:  # patches land in the order they were made
+            await earlier
         with contextlib.suppress(NotFound):  # deleted meanwhile
             await self.kube.patch(REQUEST, self.ns, self.name, {"status": status}, status=True)
-        self.last_patched = self.verdict
 
     async def _finish(self, verdict: Verdict) -> Verdict:
         self.verdict = verdict
@@ -553,6 +590,17 @@ class Run:
             await self.kube.create(event)
         except ApiError as err:
             log.warning("event %s on %s/%s not posted: %s", verdict.reason, self.ns, self.name, err)
+
+
+def _ended(task: asyncio.Task[None] | None) -> bool:
+    """Whether a task beside the loop is over (or none was started); one that failed raises its error here, so
+    that a failure beside the loop fails the run as one inside it does."""
+    if task is None:
+        return True
+    if not task.done():
+        return False
+    task.result()
+    return True
 
 
 async def gateway_abort(
