@@ -8,6 +8,7 @@ person reads when the API server refuses a request. Pure: talks to nobody.
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -139,9 +140,14 @@ class SamplingParams(ApiModel):
         "Each result then keeps the sampled token's logprob for every token (`logprobs` in `rollfleet results`).",
     )
 
+    @functools.cached_property
+    def vllm_fields(self) -> dict[str, Any]:
+        """vLLM request fields (snake_case), dumped once: a request's every sample is sent with them."""
+        return self.model_dump(mode="json", by_alias=False, exclude_none=True)
+
     def body(self, sample: int) -> dict[str, Any]:
         """vLLM request fields (snake_case), with this sample's seed."""
-        out = self.model_dump(mode="json", by_alias=False, exclude_none=True)
+        out = dict(self.vllm_fields)
         if self.seed is not None:
             out["seed"] = self.seed + sample
         return out
