@@ -14,10 +14,10 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    (`apply_to_first_sample_own_runner_s`) and leaves a spare runner waiting for the next (the operator's
    `spares`); then one RolloutRequest of P prompts x n samples (by default a GRPO step's batch, 512 x 16
    of 64 tokens, then 2,048 x 16; prompts past the inline limit come from a ConfigMap), timed from create
-   to the runner's terminal status (its completionTime),
-   then the same samples sent straight to the fleet's gateway with the same bodies, concurrency and
-   HTTP client (`samples_per_s_ratio_vs_direct`, goal >= 0.9: the smallest over the sizes, each also
-   given by size), and a part of them with httpx for reference; and the time from create to
+   to the runner's terminal status (its completionTime), and the same samples sent straight to the fleet's
+   gateway, before it and after it (their mean), with the same bodies, concurrency and HTTP client
+   (`samples_per_s_ratio_vs_direct`, goal >= 0.9: the smallest over the sizes, each also given by size),
+   and a part of them with httpx for reference; and the time from create to
    the first sample sent (`apply_to_first_sample_s`: the spare taking the request). Each spare's start is
    waited for before a measured run, so that it runs beside none.
 3. a request of 10,000 samples x 256 tokens with logprobs, results on the claim: the
@@ -377,28 +377,33 @@ def bench_throughput(
     n, parallelism = args.n, args.parallelism
     spec = batch_spec(core, namespace, claim[0], args, prompts)
     texts = batch_texts(prompts)
+    view = asyncio.run(read_fleet(Kube(client), OperatorKey(namespace), namespace, FLEET))
+    assert view.gateway and view.model, f"fleet {namespace}/{FLEET} has no gateway yet"
+    gateway, parsed = view.gateway, RolloutRequestSpec.model_validate(spec)
+
+    def calls_of(uid: str) -> list[plan.Call]:
+        keys = [(p, s) for p in range(prompts) for s in range(n)]
+        return [plan.build_call(parsed, view.model or "", uid, key, Prompt(text=texts[key[0]])) for key in keys]
+
+    # The direct baseline runs before and after the request, and counts as their mean: the machine's pace drifts
+    # by more than the goal's margin over a minute.
+    before = asyncio.run(direct(gateway, view.token, calls_of(f"before-{uuid.uuid4().hex[:8]}"), parallelism))
     run = run_request(custom, namespace, spec)
     assert run["status"]["phase"] == "Succeeded", run["status"]
     sending, ending = send_span(run, claim[1])
     wait_for_spare(client, namespace, claim[0])  # the next one starts now: not beside the direct run
-
-    view = asyncio.run(read_fleet(Kube(client), OperatorKey(namespace), namespace, FLEET))
-    assert view.gateway and view.model, f"fleet {namespace}/{FLEET} has no gateway yet"
-    parsed = RolloutRequestSpec.model_validate(spec)
-    uid = f"direct-{uuid.uuid4().hex[:8]}"
-    calls = [
-        plan.build_call(parsed, view.model, uid, (p, s), Prompt(text=texts[p]))
-        for p in range(prompts)
-        for s in range(n)
-    ]
-    via_gateway = asyncio.run(direct(view.gateway, view.token, calls, parallelism))
+    calls = calls_of(f"after-{uuid.uuid4().hex[:8]}")
+    after = asyncio.run(direct(gateway, view.token, calls, parallelism))
+    via_gateway = (before + after) / 2
     some = calls[:HTTPX_CALLS]  # a reference only: httpx takes minutes over a large batch
-    via_httpx = asyncio.run(direct_httpx(view.gateway, view.token, some, parallelism))
+    via_httpx = asyncio.run(direct_httpx(gateway, view.token, some, parallelism))
     total = prompts * n
     out = {
         "samples": total,
         "samples_per_s_request": total / run["seconds"],
         "samples_per_s_direct": total / via_gateway,
+        "samples_per_s_direct_before": total / before,
+        "samples_per_s_direct_after": total / after,
         "samples_per_s_direct_httpx": len(some) / via_httpx,
         "samples_per_s_ratio_vs_direct": via_gateway / run["seconds"],
         # Without the runner's start: what the runner's sending costs next to sending directly.
@@ -412,7 +417,10 @@ def bench_throughput(
         f"RolloutRequest  {total} samples in {run['seconds']:6.1f} s = {out['samples_per_s_request']:7.1f} samples/s "
         f"(from create to Succeeded: runner Job start, sending, results on the claim, status)"
     )
-    print(f"gateway direct  {total} samples in {via_gateway:6.1f} s = {out['samples_per_s_direct']:7.1f} samples/s")
+    print(
+        f"gateway direct  {total} samples in {via_gateway:6.1f} s = {out['samples_per_s_direct']:7.1f} samples/s "
+        f"(the mean of {before:.1f} s before the request and {after:.1f} s after it)"
+    )
     print(
         f"  with httpx    {len(some)} samples in {via_httpx:6.1f} s = "
         f"{out['samples_per_s_direct_httpx']:7.1f} samples/s (reference: a script's usual client)"

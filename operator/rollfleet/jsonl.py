@@ -24,6 +24,9 @@ _LINE_BREAKS_JSON_KEEPS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"
 
 def safe_line(line: str) -> str:
     """A serialized JSON record with every line-break character escaped (already-safe text is unchanged)."""
+    # A translate looks up every character (20 µs on a sample's line); these scans are a fraction of that.
+    if line.isascii() or not any(chr(c) in line for c in _LINE_BREAKS_JSON_KEEPS):
+        return line
     return line.translate(_LINE_BREAKS_JSON_KEEPS)
 
 
