@@ -426,10 +426,10 @@ class Run:
         )
 
     async def _collect(self, schedule: plan.Schedule, wait_s: float = TICK_S) -> None:
-        if not self.ended:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await self.ended_event.wait()
+        if not self.ended:  # wait for one, or the tick (a timer handle: cheaper than a timeout per turn)
+            tick = asyncio.get_running_loop().call_later(wait_s, self.ended_event.set)
+            await self.ended_event.wait()
+            tick.cancel()
         self.ended_event.clear()
         ended, self.ended = self.ended, []
         for task in ended:
