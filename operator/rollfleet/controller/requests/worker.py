@@ -180,8 +180,9 @@ async def _run_request(
 
 
 async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any] | None:
-    """The request, or None when it is gone. Its Role is made just before this pod's Job; the API
-    server's authorizer may not know it for a moment: 403 is tried again for RBAC_WAIT_S."""
+    """The request, or None when it is gone. Its Role is made just before this pod's Job (a spare's, just after
+    the spare was given the request); the API server's authorizer may not know it for a moment: 403 is tried
+    again for RBAC_WAIT_S, at first every 20 ms."""
     deadline, poll_s = time.monotonic() + RBAC_WAIT_S, 0.02
     while True:
         try:
