@@ -226,6 +226,14 @@ def _fleet(on: LiveFleet | Fleet) -> Fleet:
     return on.fleet if isinstance(on, LiveFleet) else on
 
 
+def may(fleet: LiveFleet, account: str, verb: str, resource: str) -> bool:
+    """Whether the API server lets the fleet namespace's ServiceAccount `account` do `verb` on `resource`."""
+    user = f"--as=system:serviceaccount:{fleet.namespace}:{account}"
+    answer = fleet.cluster.kubectl("auth", "can-i", verb, resource, "-n", fleet.namespace, user, check=False)
+    assert answer.stdout.strip() in ("yes", "no"), answer
+    return answer.stdout.strip() == "yes"
+
+
 def runner_pods(fleet: LiveFleet, uid: str) -> list[dict[str, Any]]:
     """The request's runner pods (its Job's: its own, or the spare runner it took) that are not being deleted."""
     jobs = fleet.cluster.kubectl("-n", fleet.namespace, "get", "jobs", "-l", f"{LABEL_REQUEST_UID}={uid}", "-o", "name")

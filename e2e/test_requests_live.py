@@ -21,6 +21,7 @@ import pytest
 
 from e2e.fleet_helpers import OPERATOR_NS, operator_pods
 from e2e.live_fleet import LiveFleet, create, host_path_claim, results, runner_pods, running, status, wait_phase
+from e2e.live_fleet import may as may_as
 from e2e.provider import wait_for
 from rollfleet.api.admission import RUNNER_POLICY_NAME
 from rollfleet.contract import (
@@ -89,9 +90,7 @@ def test_a_runner_may_touch_only_its_own_result_configmaps(fleet: LiveFleet) -> 
     as_runner = f"--as=system:serviceaccount:{ns}:{account}"
 
     def may(verb: str, resource: str) -> bool:
-        answer = kubectl("auth", "can-i", verb, resource, "-n", ns, as_runner, check=False).stdout.strip()
-        assert answer in ("yes", "no"), answer
-        return answer == "yes"
+        return may_as(fleet, account, verb, resource)
 
     own = results_chunk_name(name, uid, 0)
     wait_for(lambda: may("get", f"configmaps/{own}"), 60, what=f"the Role of {name}'s runner")

@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from e2e.live_fleet import LiveFleet, create, host_path_claim, results, wait_phase
+from e2e.live_fleet import LiveFleet, create, host_path_claim, may, results, wait_phase
 from e2e.provider import wait_for
 from rollfleet.contract import LABEL_REQUEST, LABEL_REQUEST_UID, SPARE_RUNNER_PREFIX, runner_name
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests import spares
 from rollfleet.controller.requests.worker import wait_for_assignment
-from rollfleet.kube import CONFIG_MAP, ApiError, Kube, load_client
+from rollfleet.kube import CONFIG_MAP, Conflict, Kube, load_client
 from rollfleet_dev.runners import waiting_spares
 
 pytestmark = [
@@ -78,13 +78,6 @@ def _result_config_maps(fleet: LiveFleet, uid: str) -> list[str]:
 
 def _json(fleet: LiveFleet, *args: str) -> Any:
     return json.loads(fleet.cluster.kubectl("-n", fleet.namespace, *args, "-o", "json").stdout)
-
-
-def _may(fleet: LiveFleet, account: str, verb: str, resource: str) -> bool:
-    user = f"--as=system:serviceaccount:{fleet.namespace}:{account}"
-    answer = fleet.cluster.kubectl("auth", "can-i", verb, resource, "-n", fleet.namespace, user, check=False)
-    assert answer.stdout.strip() in ("yes", "no"), answer
-    return answer.stdout.strip() == "yes"
 
 
 def _waiting_spare(fleet: LiveFleet, claim: str, other_than: str = "") -> str:
@@ -190,9 +183,9 @@ def test_the_next_request_of_a_fleet_and_claim_runs_in_a_spare_started_ahead_of_
     spare = _waiting_spare(fleet, claim_name)
     assert spare.startswith(SPARE_RUNNER_PREFIX)
     # Until a request takes it, the spare may read and expire its assignment, and nothing else.
-    assert _may(fleet, spare, "get", f"configmaps/{spare}") and _may(fleet, spare, "patch", f"configmaps/{spare}")
-    assert not _may(fleet, spare, "get", f"rolloutrequests/{first}") and not _may(fleet, spare, "list", "configmaps")
-    assert not _may(fleet, spare, "get", "secrets") and not _may(fleet, spare, "create", "configmaps")
+    assert may(fleet, spare, "get", f"configmaps/{spare}") and may(fleet, spare, "patch", f"configmaps/{spare}")
+    assert not may(fleet, spare, "get", f"rolloutrequests/{first}") and not may(fleet, spare, "list", "configmaps")
+    assert not may(fleet, spare, "get", "secrets") and not may(fleet, spare, "create", "configmaps")
     started = _json(fleet, "get", "job", spare)["metadata"]["creationTimestamp"]
 
     second, uid = create(fleet, 4, 2, **on_claim)
@@ -208,8 +201,8 @@ def test_the_next_request_of_a_fleet_and_claim_runs_in_a_spare_started_ahead_of_
     stored = _lines(directory / st["results"]["path"])
     assert sorted((r["prompt"], r["sample"]) for r in stored) == [(p, s) for p in range(4) for s in range(2)]
     # Taken, it has the rights of that request's runner, and no other request's.
-    assert _may(fleet, spare, "get", f"rolloutrequests/{second}") and _may(fleet, spare, "get", f"configmaps/{spare}")
-    assert not _may(fleet, spare, "get", f"rolloutrequests/{first}")
+    assert may(fleet, spare, "get", f"rolloutrequests/{second}") and may(fleet, spare, "get", f"configmaps/{spare}")
+    assert not may(fleet, spare, "get", f"rolloutrequests/{first}")
 
     # A new spare waits for the next one; the one taken went with its request.
     _waiting_spare(fleet, claim_name, other_than=spare)
@@ -241,7 +234,7 @@ def test_a_spare_left_idle_expires_unless_it_was_taken_first(fleet: LiveFleet) -
                     assert await waited is None
                     after = await kube.get(CONFIG_MAP, ns, name)
                     assert after["data"] == {spares.KEY_STATE: spares.EXPIRED}
-                    with pytest.raises(ApiError) as refused:  # too late to take it: the operator's patch fails
+                    with pytest.raises(Conflict) as refused:  # too late to take it: the operator's patch fails
                         await kube.json_patch(CONFIG_MAP, ns, name, spares.take(RequestRef("rr-y", ns, "u-2")))
                     assert refused.value.status == 422
             finally:

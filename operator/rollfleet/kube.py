@@ -75,6 +75,9 @@ class Conflict(ApiError):
     status = 409
 
 
+UNPROCESSABLE = 422  # what the API server answers a JSON patch whose test failed
+
+
 class Gone(ApiError):
     """A watch's resourceVersion is too old: list again."""
 
@@ -285,11 +288,16 @@ class Kube:
         )
 
     async def json_patch(self, kind: Kind, namespace: str, name: str, ops: Objs) -> Obj:
-        """An RFC 6902 JSON patch. A failed `test` operation is refused as 422 Invalid (`ApiError`), so a
-        patch that opens with tests is a compare-and-swap on the fields it tests."""
-        return await self._call(
-            f"patch {kind.name}", self._method(kind, "patch"), kind, namespace, name, ops, _content_type=JSON_PATCH
-        )
+        """An RFC 6902 JSON patch. A patch that opens with `test` operations is a compare-and-swap on the fields
+        they test: the API server refuses one that fails (422 Invalid) as `Conflict`, the object having moved."""
+        try:
+            return await self._call(
+                f"patch {kind.name}", self._method(kind, "patch"), kind, namespace, name, ops, _content_type=JSON_PATCH
+            )
+        except ApiError as err:
+            if err.status == UNPROCESSABLE:
+                raise Conflict(str(err), err.status, err.reason) from err
+            raise
 
     async def apply(self, manifest: Mapping[str, Any]) -> Obj:
         """Server-side apply as the operator's field manager: creates, or converges, the object."""

@@ -141,11 +141,9 @@ class ConfigMapStore:
                 await self._kube.patch(CONFIG_MAP, self.namespace, self.name, body)
             else:
                 await self._kube.json_patch(CONFIG_MAP, self.namespace, self.name, ops)
-        except Conflict:
+        except Conflict:  # a stale resourceVersion, or the patch's test failed: the record moved
             raise
         except ApiError as err:
-            if err.status == 422:  # the test operation failed: the record moved
-                raise Conflict(str(err)) from err
             raise self._unavailable("write", err) from err
 
     def _unavailable(self, verb: str, err: ApiError, what: str | None = None) -> RecordUnavailable:

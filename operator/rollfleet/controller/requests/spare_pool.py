@@ -16,9 +16,7 @@ from rollfleet.contract import SPARE_RUNNER_PREFIX
 from rollfleet.controller.owner import FleetRef, RequestRef
 from rollfleet.controller.requests import spares
 from rollfleet.controller.requests.desired import runner_role, runner_role_binding
-from rollfleet.kube import CONFIG_MAP, FLEET, JOB, PERSISTENT_VOLUME_CLAIM, ApiError, Conflict, Kube, NotFound, Obj
-
-UNPROCESSABLE, NOT_FOUND = 422, 404
+from rollfleet.kube import CONFIG_MAP, FLEET, JOB, PERSISTENT_VOLUME_CLAIM, Conflict, Kube, NotFound, Obj
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +41,7 @@ class SparePool:
                     continue
                 try:
                     await self.kube.json_patch(CONFIG_MAP, ref.namespace, name, spares.take(ref))
-                except ApiError as err:  # 422: no longer waiting (taken, or expired); 404: gone or not made yet
-                    if err.status not in (UNPROCESSABLE, NOT_FOUND):
-                        raise
+                except (Conflict, NotFound):  # no longer waiting (taken, or expired); gone, or not made yet
                     continue
                 await self.finish_taking(ref, spec, name)
                 log.info("RolloutRequest %s/%s: took the spare runner %s", ref.namespace, ref.name, name)

@@ -37,13 +37,14 @@ from rollfleet.kube import (
     SERVICE,
     ApiError,
     Changed,
+    Conflict,
     Kube,
     NotFound,
     load_client,
 )
 
 EXIT_STOPPED = 143  # as a process killed by SIGTERM: not done, the Job makes another pod
-FORBIDDEN, UNPROCESSABLE = 403, 422
+FORBIDDEN = 403
 RBAC_WAIT_S = 30.0
 RETRIES = 5  # runs in this pod before it fails (backoff 2, 4, 8, 16 s between them)
 SPARE_WAITING = "waiting for a request"  # what a spare logs once started, ready to be given one
@@ -124,9 +125,7 @@ async def wait_for_assignment(kube: Kube, namespace: str, spare: str, idle_s: fl
                 try:
                     await kube.json_patch(CONFIG_MAP, namespace, spare, spares.expire())
                     return None
-                except ApiError as err:  # 422: no longer waiting (taken, most likely; the watch brings it)
-                    if err.status != UNPROCESSABLE:
-                        raise
+                except Conflict:  # no longer waiting (taken, most likely; the watch brings it)
                     deadline = time.monotonic() + 1.0
     finally:
         follower.cancel()
