@@ -61,6 +61,7 @@ from typing import Any
 
 import httpx
 import kubernetes
+import uvloop
 
 from bench.crds import install_crds
 from bench.processes import stop
@@ -179,8 +180,8 @@ def bench_memory(kubeconfig: Path, client: kubernetes.client.ApiClient, count: i
 
 async def direct(gateway: str, token: str | None, calls: list[plan.Call], parallelism: int) -> float:
     """The calls sent straight to the gateway as the runner sends them (`runner.post_sample`: its credential,
-    the fleet's admin token, and its HTTP client), each answer read whole: what a runner costs over the
-    sending itself."""
+    the fleet's admin token, and its HTTP client; run on the runner's event loop, uvloop), each answer read whole:
+    what a runner costs over the sending itself."""
     sem = asyncio.Semaphore(parallelism)
     client = Upstream(idle_s=60)
 
@@ -387,13 +388,13 @@ def bench_throughput(
 
     # The direct baseline runs before and after the request, and counts as their mean: the machine's pace drifts
     # by more than the goal's margin over a minute.
-    before = asyncio.run(direct(gateway, view.token, calls_of(f"before-{uuid.uuid4().hex[:8]}"), parallelism))
+    before = uvloop.run(direct(gateway, view.token, calls_of(f"before-{uuid.uuid4().hex[:8]}"), parallelism))
     run = run_request(custom, namespace, spec)
     assert run["status"]["phase"] == "Succeeded", run["status"]
     sending, ending = send_span(run, claim[1])
     wait_for_spare(client, namespace, claim[0])  # the next one starts now: not beside the direct run
     calls = calls_of(f"after-{uuid.uuid4().hex[:8]}")
-    after = asyncio.run(direct(gateway, view.token, calls, parallelism))
+    after = uvloop.run(direct(gateway, view.token, calls, parallelism))
     via_gateway = (before + after) / 2
     some = calls[:HTTPX_CALLS]  # a reference only: httpx takes minutes over a large batch
     via_httpx = asyncio.run(direct_httpx(gateway, view.token, some, parallelism))

@@ -185,6 +185,18 @@ def test_schedule_sends_in_order_bounded_and_puts_retries_first() -> None:
     assert sch.idle
 
 
+def test_schedule_next_takes_one_within_the_bound() -> None:
+    sch = plan.Schedule(prompts=2, n=2)
+    assert sch.next(2) == (0, 0) and sch.next(2) == (0, 1)
+    assert sch.next(2) is None  # two in flight: a sender whose sample ended takes one only after it is recorded
+    sch.finished((0, 0))
+    assert sch.next(2) == (1, 0)
+    sch.again((0, 1))  # a retry goes first
+    assert sch.next(2) == (0, 1)
+    sch.finished((0, 1))
+    assert sch.next(2) == (1, 1) and sch.next(9) is None  # none left
+
+
 def test_maybe_sent_bounds_what_a_restart_must_stop() -> None:
     # 4 prompts x 2: samples 0..2 stored, parallelism 2: only unstored ones among the first 3 + 2 may run.
     assert plan.maybe_sent(4, 2, [(0, 0), (0, 1), (1, 0)], bound=5) == [(1, 1), (2, 0)]

@@ -56,6 +56,7 @@ from rollfleet.kube import (
     Conflict,
     Kube,
     NotFound,
+    Obj,
     load_client,
 )
 
@@ -143,22 +144,27 @@ class RequestRun:
         spec = RolloutRequest.model_validate(dict(self.body)).spec
         ns = self.ref.namespace
         said: Verdict | None = None
-        while not stop and _phase(self.body) not in TERMINAL_PHASES:
-            job = await self._runner_job(spec)
+        # At first, what making a runner needs is read beside its Job: a request that takes a spare runs as soon as
+        # the spare learns of it.
+        job, needs = await asyncio.gather(self._runner_job(spec), self._runner_needs(spec))
+        while not stop:
             if job is None:
-                failed = await self._make_runner(spec)
+                failed = await self._make_runner(spec, needs if needs is not None else await self._runner_needs(spec))
                 if failed is not None:
                     await self._say(failed)
                     return
-                continue
-            pods = await self.kube.list(POD, ns, f"{JOB_NAME_LABEL}={job['metadata']['name']}")
-            verdict = runner_verdict(job, pods, _phase(self.body))
-            if verdict is not None and verdict != said:
-                await self._say(verdict)
-                said = verdict
-                if verdict.terminal:
-                    return
+            else:
+                pods = await self.kube.list(POD, ns, f"{JOB_NAME_LABEL}={job['metadata']['name']}")
+                verdict = runner_verdict(job, pods, _phase(self.body))
+                if verdict is not None and verdict != said:
+                    await self._say(verdict)
+                    said = verdict
+                    if verdict.terminal:
+                        return
             await stop.wait(SUPERVISE_INTERVAL_S)
+            if stop or _phase(self.body) in TERMINAL_PHASES:
+                return
+            job, needs = await self._runner_job(spec), None
 
     async def _runner_job(self, spec: RolloutRequestSpec) -> Mapping[str, Any] | None:
         """The Job that runs the request: its own, or the spare it took (labelled for it once taken)."""
@@ -174,28 +180,34 @@ class RequestRun:
         await self.spares.finish_taking(self.ref, spec, spare)
         return await self.kube.get(JOB, self.ref.namespace, spare)
 
-    async def _make_runner(self, spec: RolloutRequestSpec) -> Verdict | None:
-        """Take a spare runner, or make the request's own (ServiceAccount, Role, RoleBinding, Job). A request
-        whose fleet or results claim does not exist fails at once instead: no pod is spent on it (one would
-        wait for ever)."""
+    async def _runner_needs(self, spec: RolloutRequestSpec) -> Verdict | list[Obj]:
+        """What making a runner needs: the spare runners that wait for the request's fleet and claim; or, when the
+        fleet or the claim does not exist, the verdict (no pod is spent on a request that one would wait on for
+        ever). All read at once."""
         ns = self.ref.namespace
         claim = spec.results.persistent_volume_claim
         if claim is None:
-            if not await _exists(self.kube.get(FLEET, ns, spec.fleet)):
-                return fleet_not_found(spec.fleet, ns)
-        else:
-            # Looked at together: a request that takes a spare runs as soon as the spare learns of it.
-            fleet, found, spares = await asyncio.gather(
-                _exists(self.kube.get(FLEET, ns, spec.fleet)),
-                _exists(self.kube.get(PERSISTENT_VOLUME_CLAIM, ns, claim.claim_name)),
-                self.spares.untaken(ns, spec.fleet, claim.claim_name),
-            )
-            if not fleet:
-                return fleet_not_found(spec.fleet, ns)
-            if not found:
-                return results_claim_not_found(claim.claim_name, ns)
-            if await self.spares.take(self.ref, spec, claim.claim_name, spares):
-                return None
+            return [] if await _exists(self.kube.get(FLEET, ns, spec.fleet)) else fleet_not_found(spec.fleet, ns)
+        fleet, found, spares = await asyncio.gather(
+            _exists(self.kube.get(FLEET, ns, spec.fleet)),
+            _exists(self.kube.get(PERSISTENT_VOLUME_CLAIM, ns, claim.claim_name)),
+            self.spares.untaken(ns, spec.fleet, claim.claim_name),
+        )
+        if not fleet:
+            return fleet_not_found(spec.fleet, ns)
+        if not found:
+            return results_claim_not_found(claim.claim_name, ns)
+        return spares
+
+    async def _make_runner(self, spec: RolloutRequestSpec, needs: Verdict | list[Obj]) -> Verdict | None:
+        """Take one of the spare runners (`needs`), or make the request's own (ServiceAccount, Role, RoleBinding,
+        Job); the verdict when it cannot have one (`_runner_needs`)."""
+        if isinstance(needs, Verdict):
+            return needs
+        ns = self.ref.namespace
+        claim = spec.results.persistent_volume_claim
+        if claim is not None and await self.spares.take(self.ref, spec, claim.claim_name, needs):
+            return None
         for manifest in runner_objects(self.ref, spec, self.image, "IfNotPresent"):
             with contextlib.suppress(Conflict):  # made by an earlier try, or by the operator before a restart
                 await self.kube.create(manifest)

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -47,6 +47,7 @@ from rollfleet.controller.tasks import Stop
 from rollfleet.controller.tokens import FleetTokens
 from rollfleet.kube import CONFIG_MAP, FLEET, REQUEST, SERVICE, ApiError, Conflict, Kube, NotFound
 from rollfleet.upstream import Response, Upstream, UpstreamError
+from rollfleet_client.protocol import WEIGHT_VERSION_HEADER
 
 STATUS_INTERVAL_S = 1.0  # status patches per request, at most one a second (phase changes go at once)
 FLUSH_INTERVAL_S = 0.5  # results wait at most this long before they are written
@@ -60,6 +61,8 @@ STALL_S = 120.0  # samples waiting, the fleet ready, none in flight this long: a
 
 # Each in-flight sample holds one connection to its gateway (up to spec.parallelism, <= 4096).
 IDLE_CONNECTION_S = 30.0  # a sample connection left idle this long is closed: below the gateway's 75 s keep-alive
+WEIGHT_VERSION = WEIGHT_VERSION_HEADER.lower().encode()  # as a response's raw headers name it
+
 KEEPALIVE = [
     (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
     (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
@@ -120,10 +123,16 @@ class FleetView:
 
 async def read_fleet(kube: Kube, tokens: FleetTokens, namespace: str, name: str) -> FleetView:
     """The fleet, its gateway Service's address and its admin token (`tokens`), as they are now."""
-    try:
-        fleet = await kube.get(FLEET, namespace, name)
-    except NotFound:
+    # Both at once: a run's first look at them is on the way to its first sample.
+    fleet, svc = await asyncio.gather(
+        kube.get(FLEET, namespace, name), kube.get(SERVICE, namespace, gateway_name(name)), return_exceptions=True
+    )
+    if isinstance(fleet, NotFound):
         return FleetView(exists=False)
+    for read in (fleet, svc):
+        if isinstance(read, BaseException) and not isinstance(read, NotFound):
+            raise read
+    assert isinstance(fleet, Mapping)
     status = fleet.get("status") or {}
     view = FleetView(
         exists=True,
@@ -131,9 +140,7 @@ async def read_fleet(kube: Kube, tokens: FleetTokens, namespace: str, name: str)
         paused=(status.get("pause") or {}).get("mode"),
         weight_version=status.get("weightVersion"),
     )
-    try:
-        svc = await kube.get(SERVICE, namespace, gateway_name(name))
-    except NotFound:  # the fleet's operator has not created it yet
+    if isinstance(svc, BaseException):  # NotFound: the fleet's operator has not created it yet
         return view
     ip = svc["spec"].get("clusterIP")
     gateway = f"http://{ip}:{GATEWAY_PORT}" if ip and ip != "None" else None
@@ -188,11 +195,11 @@ class Run:
         self.start: datetime | None = self.rr.status.start_time if self.rr.status else None
         self.abort_record: AbortRecord | None = self.rr.status.abort if self.rr.status else None
         self.fleet = FleetView(exists=True)
-        self.tasks: dict[asyncio.Task[tuple[Outcome, SampleResult | None]], SampleKey] = {}
-        # Calls that ended since the loop last looked, and a wake-up for it: the loop takes them all at once,
-        # where asyncio.wait over every call in flight would cost each turn a callback per call.
-        self.ended: list[asyncio.Task[tuple[Outcome, SampleResult | None]]] = []
-        self.ended_event = asyncio.Event()
+        # The senders and the sample each is sending. A sender goes on with the next sample while sending may go on
+        # (`_may_send`): a task and a turn of this loop per sample cost the runner more CPU than the call itself.
+        self.calls: dict[asyncio.Task[None], SampleKey] = {}
+        self.ended: list[asyncio.Task[None]] = []  # senders that stopped since the loop last looked
+        self.wake = asyncio.Event()  # the loop has something to do before its tick: a sender stopped, a write is due
         self.unsure: set[SampleKey] = set()  # may still run somewhere: stop before sending again
         self.aborting = False
         self.abort_token: str | None = None  # the abort annotation value (or "deadline") being acted on
@@ -223,13 +230,18 @@ class Run:
             self.store.close()
             # After a failure, a retry adopts what this run sent: its calls must not outlive it
             # (a cancelled call closes its connection, and the gateway stops the sample).
-            for task in self.tasks:
+            senders = list(self.calls)
+            for task in senders:
                 task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await asyncio.gather(*senders, return_exceptions=True)
             self.samples.close()
 
     async def _loop(self) -> Verdict:
+        # The first look at the fleet goes beside loading the results and prompts; the loop's looks start a second on.
+        self.looking = asyncio.create_task(self._observe_fleet())
         verdict = await self._prepare()
+        await self.looking
+        self.fleet_rate.due(time.time())
         if verdict is not None:
             return await self._finish(verdict)
         schedule = plan.Schedule(len(self.prompts), self.rr.spec.samples_per_prompt, self.store.results)
@@ -256,12 +268,12 @@ class Run:
             f = self.fleet
             self.stuck_since = plan.stuck_since(
                 self.stuck_since,
-                in_flight=len(self.tasks),
+                in_flight=len(self.calls),
                 waiting=len(schedule),
                 can_send=bool(f.gateway and f.model and not f.paused and self.gateway_error is None),
                 now=now,
             )
-            await self._collect(schedule)
+            await self._collect()
             await self._flush(urgent=False)
             await self._patch_status(len(schedule.in_flight))
 
@@ -380,27 +392,58 @@ class Run:
                 # Not stuck: an outside wait, which the status says (a restarting gateway or API server).
                 message = f"waiting for the gateway to confirm {len(self.unsure)} samples stopped: {self.gateway_error}"
             self.verdict = Verdict("Running", "Running", message)
-        if self.unsure or now < self.hold_until or self.store.pending >= MAX_UNFLUSHED:
+        if not self._may_send(now):
             return
         keys = schedule.take(self.rr.spec.parallelism)
         if keys and self.start is None:
             self.start = datetime.now(UTC)
             self.verdict = Verdict("Running", "Running", f"{len(keys)} samples in flight")
         for key in keys:
-            task = asyncio.create_task(self._sample(key, f.gateway, self.rr.spec.model or f.model, f.token))
-            task.add_done_callback(self._ended)
-            self.tasks[task] = key
+            task = asyncio.create_task(self._send(schedule, key))
+            task.add_done_callback(self._sender_ended)
+            self.calls[task] = key
 
-    def _ended(self, task: asyncio.Task[tuple[Outcome, SampleResult | None]]) -> None:
+    def _may_send(self, now: float) -> bool:
+        f = self.fleet
+        return bool(
+            f.gateway
+            and f.model
+            and not f.paused
+            and not (self.unsure or self.aborting or self.stop or self.volume_failure)
+            and now >= self.hold_until
+            and self.store.pending < MAX_UNFLUSHED
+        )
+
+    async def _send(self, schedule: plan.Schedule, key: SampleKey) -> None:
+        """A sender: sends sample `key` and records it, then the next sample while sending may go on; the loop
+        starts senders again once it may. A sender that fails fails the run (`_collect`)."""
+        me = asyncio.current_task()
+        assert me is not None
+        while True:
+            f = self.fleet
+            outcome, result = await self._sample(key, cast(str, f.gateway), self.rr.spec.model or f.model, f.token)
+            self._record(schedule, key, outcome, result)
+            if self.store.pending >= MAX_UNFLUSHED // 2 and (self.flushing is None or self.flushing.done()):
+                self.wake.set()  # a write is due
+            follows = schedule.next(self.rr.spec.parallelism) if self._may_send(time.time()) else None
+            if follows is None:
+                return
+            key = self.calls[me] = follows
+
+    def _sender_ended(self, task: asyncio.Task[None]) -> None:
+        self.calls.pop(task, None)
         self.ended.append(task)
-        self.ended_event.set()
+        self.wake.set()
 
     async def _sample(
-        self, key: SampleKey, gateway: str, model: str, token: str | None
+        self, key: SampleKey, gateway: str, model: str | None, token: str | None
     ) -> tuple[Outcome, SampleResult | None]:
-        left = plan.deadline_left(
-            self.start.timestamp() if self.start else None, self.rr.spec.active_deadline_seconds, time.time()
-        )
+        assert model is not None  # _may_send
+        left = None
+        if self.rr.spec.active_deadline_seconds is not None:
+            left = plan.deadline_left(
+                self.start.timestamp() if self.start else None, self.rr.spec.active_deadline_seconds, time.time()
+            )
         # The gateway stops the sample by itself a little after the deadline, should this operator be gone.
         call = plan.build_call(
             self.rr.spec, model, self.uid, key, self.prompts[key[0]], timeout_s=None if left is None else left + 5
@@ -414,10 +457,11 @@ class Run:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             body = None
+        version = resp.header(WEIGHT_VERSION)
         return plan.interpret(
             status,
             body if isinstance(body, dict) else None,
-            {k.decode("latin-1"): v.decode("latin-1") for k, v in resp.headers.items()},
+            {} if version is None else {WEIGHT_VERSION_HEADER.lower(): version},
             uid=self.uid,
             key=key,
             started_at=started,
@@ -425,19 +469,17 @@ class Run:
             abort_wanted=self.aborting,
         )
 
-    async def _collect(self, schedule: plan.Schedule, wait_s: float = TICK_S) -> None:
-        if not self.ended:  # wait for one, or the tick (a timer handle: cheaper than a timeout per turn)
-            tick = asyncio.get_running_loop().call_later(wait_s, self.ended_event.set)
-            await self.ended_event.wait()
-            tick.cancel()
-        self.ended_event.clear()
+    async def _collect(self, wait_s: float = TICK_S) -> None:
+        """Wait for a wake-up or the tick (a timer handle: cheaper than a timeout per turn); a sender that failed
+        raises its error here."""
+        tick = asyncio.get_running_loop().call_later(wait_s, self.wake.set)
+        await self.wake.wait()
+        tick.cancel()
+        self.wake.clear()
         ended, self.ended = self.ended, []
         for task in ended:
-            key = self.tasks.pop(task, None)
-            if key is None:  # cancelled and dropped while stopping
-                continue
-            outcome, result = task.result()
-            self._record(schedule, key, outcome, result)
+            if not task.cancelled():
+                task.result()
 
     def _record(self, schedule: plan.Schedule, key: SampleKey, outcome: Outcome, result: SampleResult | None) -> None:
         if (
@@ -483,26 +525,25 @@ class Run:
         # sent just before the abort may still be on its way to an engine ("unknown" everywhere): abort
         # again, every ABORT_RESEND_S, until every call has come back.
         deadline = time.monotonic() + ABORT_WAIT_S
-        while (self.tasks or ids) and time.monotonic() < deadline:
-            ids += [plan.sample_id(self.uid, k) for k in self.tasks.values()]
+        while (self.calls or ids) and time.monotonic() < deadline:
+            ids += [plan.sample_id(self.uid, k) for k in self.calls.values()]
             if ids:
                 answer = await self._gateway_abort(ids, timeout_s=5) or {}
                 stopped.update(rid for rid, v in answer.items() if v == "aborted")
                 ids = []
-            await self._collect(schedule, wait_s=max(0.0, min(ABORT_RESEND_S, deadline - time.monotonic())))
-        for task in self.tasks:  # closing the connection makes the gateway stop it too
+            await self._collect(wait_s=max(0.0, min(ABORT_RESEND_S, deadline - time.monotonic())))
+        for task in list(self.calls):  # closing the connection makes the gateway stop it too
             task.cancel()
-        self.tasks.clear()
         if self.abort_token is not None:
             self.abort_record = AbortRecord(token=self.abort_token, time=datetime.now(UTC), stopped=len(stopped))
 
     async def _on_stop(self) -> None:
         """The run stops: the request was deleted (stop its samples) or its pod is going away."""
         deleted = self.stop.deleted
-        if deleted and self.tasks:
+        if deleted and self.calls:
             self.aborting = True
-            await self._gateway_abort([plan.sample_id(self.uid, k) for k in self.tasks.values()], timeout_s=5)
-        for task in self.tasks:
+            await self._gateway_abort([plan.sample_id(self.uid, k) for k in self.calls.values()], timeout_s=5)
+        for task in list(self.calls):
             task.cancel()
         if not deleted:
             await self._flush(urgent=True)
@@ -522,6 +563,7 @@ class Run:
             await self._stored(self.store.flush(), urgent)
         elif self.store.pending >= MAX_UNFLUSHED // 2 or self.flush_rate.due(time.time()):
             self.flushing = asyncio.create_task(self.store.flush())
+            self.flushing.add_done_callback(lambda _: self.wake.set())  # the next write may be due
 
     async def _stored(self, flush: Awaitable[None], urgent: bool) -> None:
         try:

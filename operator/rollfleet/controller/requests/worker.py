@@ -1,8 +1,9 @@
 """`rollfleet request-runner`: the process in a RolloutRequest's runner Job.
 
-Runs one request to a terminal phase (`runner.Run`) and exits 0. A spare runner (`--spare`,
-`spares`) first waits for the operator to give it a request, then does the same. Any other end exits
-non-zero, and the Job starts another pod, which adopts what this one sent (see `runner`).
+Runs one request to a terminal phase (`runner.Run`, on uvloop, as the gateway whose client it uses) and
+exits 0. A spare runner (`--spare`, `spares`) first waits for the operator to give it a request, then does
+the same. Any other end exits non-zero, and the Job starts another pod, which adopts what this one sent
+(see `runner`).
 A watch keeps a live view of the request, so a new abort annotation acts within a tick.
 SIGTERM (the pod deleted or evicted) stops the run; when the request itself is gone, its
 in-flight samples are aborted at the engines first.
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+import uvloop
 
 from rollfleet.api.request import TERMINAL_PHASES
 from rollfleet.controller.requests import runner, spares
@@ -67,9 +69,9 @@ def main(
         format="[%(asctime)s] %(name)-20s [%(levelname)-8s] %(message)s",
     )
     if spare is not None:
-        return asyncio.run(run_spare(namespace, spare, token_file, kubeconfig))
+        return uvloop.run(run_spare(namespace, spare, token_file, kubeconfig))
     assert name is not None and uid is not None
-    return asyncio.run(run_request(namespace, name, uid, token_file, kubeconfig))
+    return uvloop.run(run_request(namespace, name, uid, token_file, kubeconfig))
 
 
 async def run_spare(namespace: str, spare: str, token_file: str, kubeconfig: str | None = None) -> int:
@@ -181,8 +183,8 @@ async def _run_request(
 async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any] | None:
     """The request, or None when it is gone. Its Role is made just before this pod's Job (a spare's, just after
     the spare was given the request); the API server's authorizer may not know it for a moment: 403 is tried
-    again for RBAC_WAIT_S, at first every 20 ms."""
-    deadline, poll_s = time.monotonic() + RBAC_WAIT_S, 0.02
+    again for RBAC_WAIT_S, at first every 5 ms (a spare learns of its request as the operator makes its Role)."""
+    deadline, poll_s = time.monotonic() + RBAC_WAIT_S, 0.005
     while True:
         try:
             return await kube.get(REQUEST, namespace, name)
