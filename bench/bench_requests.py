@@ -126,6 +126,27 @@ def phases(custom: kubernetes.client.CustomObjectsApi, namespace: str) -> dict[s
     return {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in items}
 
 
+def wait_finished(custom: kubernetes.client.CustomObjectsApi, namespace: str, name: str, timeout: float) -> None:
+    """Until the request reaches a terminal phase: a watch of it alone. A poll would list every request, prompts
+    and all, beside the run measured."""
+    deadline = time.monotonic() + timeout
+    watch = kubernetes.watch.Watch()
+    while time.monotonic() < deadline:
+        for event in watch.stream(
+            custom.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            field_selector=f"metadata.name={name}",
+            timeout_seconds=max(1, int(deadline - time.monotonic())),
+        ):
+            if (event["object"].get("status") or {}).get("phase") in TERMINAL_PHASES:
+                watch.stop()
+                return
+    raise TimeoutError(f"timed out waiting for {name} to finish")
+
+
 def wait_until(predicate: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -297,7 +318,7 @@ def run_request(custom: kubernetes.client.CustomObjectsApi, namespace: str, spec
     rr = f"bench-{uuid.uuid4().hex[:6]}"
     created = time.time()
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, request_body(rr, spec))
-    wait_until(lambda: phases(custom, namespace).get(rr) in TERMINAL_PHASES, timeout=3600, what=f"{rr} finished")
+    wait_finished(custom, namespace, rr, timeout=3600)
     status = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, rr)["status"]
     # The runner's own times (this host's clock): the end is when it wrote the terminal status, not when a
     # poll here saw it.

@@ -66,9 +66,11 @@ def cel(
     message_expression: str | None = None,
     field_path: str | None = None,
     reason: str | None = None,
-) -> dict[str, str]:
-    """One `x-kubernetes-validations` entry; the message is what a person reads on refusal."""
-    entry = {"rule": rule}
+    optional_old_self: bool = False,
+) -> dict[str, str | bool]:
+    """One `x-kubernetes-validations` entry; the message is what a person reads on refusal. `optional_old_self`: the
+    rule runs on create too, with `oldSelf` unset (a rule naming `oldSelf` otherwise runs on updates only)."""
+    entry: dict[str, str | bool] = {"rule": rule}
     if message is not None:
         entry["message"] = message
     if message_expression is not None:
@@ -77,10 +79,12 @@ def cel(
         entry["fieldPath"] = field_path
     if reason is not None:
         entry["reason"] = reason
+    if optional_old_self:
+        entry["optionalOldSelf"] = True
     return entry
 
 
-def validations(*rules: dict[str, str]) -> dict[str, Any]:
+def validations(*rules: dict[str, str | bool]) -> dict[str, Any]:
     """`json_schema_extra` for a model or field carrying CEL rules."""
     return {"x-kubernetes-validations": list(rules)}
 
@@ -164,7 +168,7 @@ class CrdInfo:
     # Scale subresource from .spec.replicas, .status.replicas and .status.selector.
     scalable: bool = False
     # CEL rules on the whole object (the only place that can check metadata.name).
-    root_validations: tuple[dict[str, str], ...] = ()
+    root_validations: tuple[dict[str, str | bool], ...] = ()
     categories: tuple[str, ...] = ("rollfleet",)
     group: str = GROUP
     version: str = VERSION

@@ -274,13 +274,13 @@ def reference_markdown(infos: Sequence[CrdInfo]) -> str:
                 "|---|---|---|",
             ]
             for where, r in rules:
-                message = r.get("message") or r.get("messageExpression", "")
-                lines.append(f"| `{where}` | `{_cell(r['rule'])}` | {_cell(message)} |")
+                message = str(r.get("message") or r.get("messageExpression", ""))
+                lines.append(f"| `{where}` | `{_cell(str(r['rule']))}` | {_cell(message)} |")
             lines.append("")
     return "\n".join(lines)
 
 
-def _field_rows(node: Schema, path: str, rows: list[str], rules: list[tuple[str, dict[str, str]]]) -> None:
+def _field_rows(node: Schema, path: str, rows: list[str], rules: list[tuple[str, dict[str, str | bool]]]) -> None:
     rules += [(path, r) for r in node.get("x-kubernetes-validations", [])]
     required = set(node.get("required", []))
     for name, sub in node.get("properties", {}).items():
@@ -292,9 +292,11 @@ def _field_rows(node: Schema, path: str, rows: list[str], rules: list[tuple[str,
         if sub.get("type") == "object":
             _field_rows(sub, sub_path, rows, rules)
         elif sub.get("type") == "array" and isinstance(sub.get("items"), dict):
-            rules += [(f"{sub_path}[]", r) for r in sub["items"].get("x-kubernetes-validations", [])]
-            if sub["items"].get("type") == "object":
+            rules += [(sub_path, r) for r in sub.get("x-kubernetes-validations", [])]
+            if sub["items"].get("type") == "object":  # its rules are collected with its fields
                 _field_rows(sub["items"], f"{sub_path}[]", rows, rules)
+            else:
+                rules += [(f"{sub_path}[]", r) for r in sub["items"].get("x-kubernetes-validations", [])]
 
 
 def _type_name(node: Schema) -> str:
