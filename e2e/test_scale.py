@@ -9,15 +9,25 @@ the module stops both again."""
 from __future__ import annotations
 
 import json
-from collections import Counter
+import threading
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import kubernetes
 import pytest
 
-from e2e.fleet_helpers import SIDECAR_MODELS, Fleet, deploy_operator, sync_sidecar_pod
+from e2e.fleet_helpers import SIDECAR_MODELS, Fleet, deploy_operator, live_pods, sync_sidecar_pod
 from e2e.provider import Cluster, wait_for
-from rollfleet.contract import ANNOTATION_PAUSE, API_VERSION, SYNC_API_PORT, engine_pod_name
+from rollfleet.contract import (
+    ANNOTATION_PAUSE,
+    ANNOTATION_PHASE,
+    ANNOTATION_WEIGHT_GENERATION,
+    API_VERSION,
+    SYNC_API_PORT,
+    engine_pod_name,
+    engine_selector,
+)
 from rollfleet_client.sync import SyncClient
 from rollfleet_client.sync_protocol import EngineStep, PushState
 from rollfleet_dev import oneshot
@@ -50,6 +60,45 @@ def served(url: str) -> dict[str, dict[str, Any]]:
     return {e["pod"]: e for e in oneshot.get(url, timeout=30).json() if e["namespace"] == NS}
 
 
+class PhaseWatch:
+    """Each of the fleet's engine pods' (`rollfleet.dev/phase`, pod Ready) pairs, as a watch shows every change
+    from its start on."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._core = kubernetes.client.CoreV1Api(cluster.api_client())
+        self._watch = kubernetes.watch.Watch()
+        self._seen: dict[str, set[tuple[str | None, bool]]] = defaultdict(set)
+        self._broken: Exception | None = None
+        self._stopped = threading.Event()
+
+    def __enter__(self) -> PhaseWatch:
+        since = self._core.list_namespaced_pod(NS, label_selector=engine_selector(FLEET)).metadata.resource_version
+        threading.Thread(target=self._run, args=(since,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
+        self._watch.stop()  # the stream ends at its next event, or when the namespace goes
+
+    def _run(self, since: str) -> None:
+        selector = engine_selector(FLEET)
+        try:
+            for event in self._watch.stream(
+                self._core.list_namespaced_pod, NS, label_selector=selector, resource_version=since
+            ):
+                pod = event["object"]
+                ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+                self._seen[pod.metadata.name].add(((pod.metadata.annotations or {}).get(ANNOTATION_PHASE), ready))
+        except Exception as err:  # what a broken stream missed must not pass for nothing having happened
+            if not self._stopped.is_set():
+                self._broken = err
+
+    def shown(self) -> dict[str, set[tuple[str | None, bool]]]:
+        if self._broken is not None:
+            raise AssertionError(f"the pod watch broke: {self._broken}")
+        return {name: set(pairs) for name, pairs in list(self._seen.items())}
+
+
 def test_200_engines_are_each_paused_resumed_and_pushed_and_none_is_missed(cluster: Cluster, fake_nodes: str) -> None:
     from rollfleet_dev import kwok
 
@@ -66,10 +115,25 @@ def test_200_engines_are_each_paused_resumed_and_pushed_and_none_is_missed(clust
             "gateway": {"enabled": False},
         },
     }
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
     fleet = Fleet(cluster, FLEET, NS)
-    fleet.wait_ready(ENGINES, timeout=TIMEOUT_S)
     names = {engine_pod_name(FLEET, i) for i in range(ENGINES)}
+    with PhaseWatch(cluster) as watch:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+        fleet.wait_ready(ENGINES, timeout=TIMEOUT_S)
+
+        def all_shown_ready() -> bool:
+            shown = watch.shown()
+            return all(("Ready", True) in shown.get(name, ()) for name in names)
+
+        wait_for(all_shown_ready, 60, what="the watch to show every engine's pod Ready")
+        shown = watch.shown()
+    # Neither pushed to nor paused, each engine was born Ready at weight generation 0 (plan.born_ready): its pod
+    # was annotated Ready while it loaded (not Ready), and the operator wrote it no other phase on the way.
+    assert shown.keys() == names
+    born = {name: pairs for name, pairs in shown.items() if pairs != {("Ready", False), ("Ready", True)}}
+    assert not born, f"{len(born)} engines not born Ready: {sorted(born.items())[:5]}"
+    pods = live_pods(cluster, NS, engine_selector(FLEET))
+    assert {p["metadata"]["annotations"].get(ANNOTATION_WEIGHT_GENERATION) for p in pods} == {"0"}
     assert {e["name"] for e in fleet.status()["engines"]} == names
     assert set(wait_for(lambda: (s := served(fake_nodes)).keys() == names and s, 60, what="all engines served"))
 

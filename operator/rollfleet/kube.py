@@ -249,6 +249,14 @@ class Kube:
     async def get(self, kind: Kind, namespace: str, name: str) -> Obj:
         return await self._call(f"read {kind.name}", self._method(kind, "read"), kind, namespace, name)
 
+    async def exists(self, kind: Kind, namespace: str, name: str, uid: str) -> bool:
+        """Whether `name` is still the object of `uid`: neither deleted nor made again under that name."""
+        try:
+            obj = await self.get(kind, namespace, name)
+        except NotFound:
+            return False
+        return bool(obj["metadata"]["uid"] == uid)
+
     async def list(self, kind: Kind, namespace: str | None = None, label_selector: str | None = None) -> Objs:
         return list((await self._list(kind, namespace, label_selector)).get("items") or [])
 

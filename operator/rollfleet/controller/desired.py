@@ -20,6 +20,7 @@ from rollfleet.contract import (
     ANNOTATION_CRASHES,
     ANNOTATION_PHASE,
     ANNOTATION_TEMPLATE_HASH,
+    ANNOTATION_WEIGHT_GENERATION,
     APP_NAME,
     COLLECTIVE_BACKENDS,
     COMPONENT_ADMIN_TOKEN,
@@ -295,14 +296,13 @@ def _placement_fields(placement: PlacementSpec, spread: Manifest | None = None) 
     return {k: v for k, v in fields.items() if v}
 
 
-def _engine_meta(ref: FleetRef, spec: RolloutFleetSpec, name: str, index: int, phase: str, crashes: int) -> Manifest:
-    """The engine pod's labels and the annotations the operator keeps its state in."""
-    meta = _meta(
-        ref,
-        name,
-        COMPONENT_ENGINE,
-        annotations={ANNOTATION_PHASE: phase, ANNOTATION_TEMPLATE_HASH: template_hash(spec)},
-    )
+def _engine_meta(ref: FleetRef, spec: RolloutFleetSpec, name: str, index: int, ready: bool, crashes: int) -> Manifest:
+    """The engine pod's labels and the annotations the operator keeps its state in: phase Starting, or Ready at
+    weight generation 0 for an engine born ready (`plan.born_ready`)."""
+    annotations = {ANNOTATION_PHASE: EnginePhase.STARTING, ANNOTATION_TEMPLATE_HASH: template_hash(spec)}
+    if ready:
+        annotations |= {ANNOTATION_PHASE: EnginePhase.READY, ANNOTATION_WEIGHT_GENERATION: "0"}
+    meta = _meta(ref, name, COMPONENT_ENGINE, annotations=annotations)
     if crashes:
         meta["annotations"][ANNOTATION_CRASHES] = str(crashes)
     meta["labels"][LABEL_INDEX] = str(index)
@@ -337,25 +337,23 @@ def _engine_pod_spec(ref: FleetRef, spec: RolloutFleetSpec, index: int, rank: bo
     }
 
 
-def engine_pod(
-    ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING, crashes: int = 0
-) -> Manifest:
+def engine_pod(ref: FleetRef, spec: RolloutFleetSpec, index: int, ready: bool = False, crashes: int = 0) -> Manifest:
     """The pod of engine `index`: stable name, owner reference, GPUs, probes, token and model mounts.
 
-    `crashes`: how many engines of this index crashed in a row before it (its crash-loop backoff)."""
-    meta = _engine_meta(ref, spec, engine_pod_name(ref.name, index), index, phase, crashes)
+    `ready`: born ready (`plan.born_ready`). `crashes`: how many engines of this index crashed in a row before it
+    (its crash-loop backoff)."""
+    meta = _engine_meta(ref, spec, engine_pod_name(ref.name, index), index, ready, crashes)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": _engine_pod_spec(ref, spec, index)}
 
 
-def engine_group(
-    ref: FleetRef, spec: RolloutFleetSpec, index: int, phase: str = EnginePhase.STARTING, crashes: int = 0
-) -> Manifest:
+def engine_group(ref: FleetRef, spec: RolloutFleetSpec, index: int, crashes: int = 0) -> Manifest:
     """Engine `index` of a fleet whose engines span `spec.engine.podsPerEngine` pods: a LeaderWorkerSet of one
     group (rollfleet.controller.groups). Its leader pod is the engine, as `engine_pod` would be (labels,
     annotations, the serving container); the other pods run vLLM's headless ranks. LWS places the group's pods
     together and recreates all of them when one fails."""
     name = engine_pod_name(ref.name, index)
-    leader_meta = _engine_meta(ref, spec, name, index, phase, crashes)
+    # Never born Ready: LWS makes a group's pods again from this template when one fails, after pushes maybe.
+    leader_meta = _engine_meta(ref, spec, name, index, False, crashes)
     rank_labels = component_labels(ref.name, COMPONENT_ENGINE_RANK) | {LABEL_INDEX: str(index)}
     return {
         "apiVersion": LWS_API_VERSION,
@@ -380,10 +378,12 @@ def engine_group(
     }
 
 
-def engine_object(ref: FleetRef, spec: RolloutFleetSpec, index: int, crashes: int = 0) -> Manifest:
-    """What the operator creates for engine `index`: its pod, or its group's LeaderWorkerSet."""
-    make = engine_group if spec.engine.pods_per_engine > 1 else engine_pod
-    return make(ref, spec, index, crashes=crashes)
+def engine_object(ref: FleetRef, spec: RolloutFleetSpec, index: int, ready: bool, crashes: int = 0) -> Manifest:
+    """What the operator creates for engine `index`: its pod (born Ready if `ready`), or its group's
+    LeaderWorkerSet."""
+    if spec.engine.pods_per_engine > 1:
+        return engine_group(ref, spec, index, crashes)
+    return engine_pod(ref, spec, index, ready, crashes)
 
 
 def admin_secret(ref: FleetRef, token: str) -> Manifest:

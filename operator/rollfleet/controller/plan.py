@@ -287,8 +287,22 @@ def engine_pause_calls(
     return calls
 
 
-def phase_updates(engines: Sequence[Engine], actions: Sequence[PodAction]) -> dict[str, str]:
-    """Engines whose `rollfleet.dev/phase` annotation must change (the gateway routes on it)."""
+def born_ready(pristine: bool, pause_mode: PauseMode | None) -> bool:
+    """Whether a new engine is created Ready at weight generation 0, where otherwise it is created Starting and
+    written Ready once its state says so: when nothing the operator checks can hold it back. No push ever
+    (`pristine`: it serves the weights every engine started with) and no pause asked for. The gateway routes
+    an engine only once its pod is Ready too, and its readiness probe passes only once the model is loaded.
+    Each engine then needs no write of its own to start serving: at 2,000 engines, 2,000 pod patches fewer,
+    each sent to every pod watcher (docs/architecture.md, "Scale")."""
+    return pristine and pause_mode is None
+
+
+def phase_updates(engines: Sequence[Engine], actions: Sequence[PodAction], born: bool) -> dict[str, str]:
+    """Engines whose `rollfleet.dev/phase` annotation must change (the gateway routes on it). `born`
+    (`born_ready`): an engine annotated Ready keeps its annotation while it is Starting (its pod not Ready, or its
+    state not read): the gateway routes no pod that is not Ready, and nothing its state could say yet would hold it
+    back. Otherwise it is held back as Starting until its state is read, in case it came back on other weights or
+    into a paused fleet."""
     leaving = {a.name for a in actions if isinstance(a, Drain | Delete)}
     return {
         e.obs.name: e.phase
@@ -297,6 +311,7 @@ def phase_updates(engines: Sequence[Engine], actions: Sequence[PodAction]) -> di
         and e.obs.name not in leaving
         and not e.obs.terminating
         and e.phase != EnginePhase.FAILED
+        and not (born and e.obs.annotated_phase == EnginePhase.READY and e.phase == EnginePhase.STARTING)
     }
 
 

@@ -251,6 +251,9 @@ class FleetLoop:
     def _index_pods(self) -> Sequence[Mapping[str, Any]]:
         return [p for p in self._pod_index.get(self.key, ()) if p["metadata"].get("uid") not in self._gone]
 
+    async def exists(self) -> bool:
+        return await self.shared.kube.exists(FLEET, self.ref.namespace, self.ref.name, self.ref.uid)
+
     async def close(self) -> None:
         """Cancel its engine calls and Events in flight (the fleet is gone, or the operator exits)."""
         tasks = [*self._calls.values(), *self._background, *self._refreshing.values()]
@@ -323,12 +326,16 @@ class FleetLoop:
         return [a for a in actions if not (isinstance(a, plan.Create) and a.index in self._created)]
 
     async def _annotate_engines(
-        self, engines: Sequence[Engine], actions: Sequence[plan.PodAction], generations: Mapping[str, int | None]
+        self,
+        engines: Sequence[Engine],
+        actions: Sequence[plan.PodAction],
+        generations: Mapping[str, int | None],
+        born: bool,
     ) -> bool:
         """Write the engine pods' annotations the gateway routes on (phase, weight generation); whether any
-        phase changed."""
+        phase changed. `born`: `plan.born_ready`."""
         changes: dict[str, dict[str, str | None]] = {}
-        phases = plan.phase_updates(engines, actions)
+        phases = plan.phase_updates(engines, actions, born)
         for name, phase in phases.items():
             changes.setdefault(name, {})[ANNOTATION_PHASE] = phase
         for name, generation in plan.generation_updates(engines, generations).items():
@@ -376,6 +383,7 @@ class FleetLoop:
         request = plan.pause_request(meta, recorded)
         engines = [classify(o, weights, request.mode is not None, spec.weight_sync.require_sync) for o in observed]
         record = plan.pause_record(request, recorded, engines, now)
+        born = plan.born_ready(fv.pristine, request.mode)
 
         blocked = await self._group_check(spec)
         max_unavailable, max_surge = plan.rollout_budget(spec.update_strategy, spec.replicas)
@@ -401,10 +409,10 @@ class FleetLoop:
             if call.name not in self._calls and ip is not None:
                 # One call per engine at a time: pause?mode=wait blocks until requests finish.
                 self._calls[call.name] = asyncio.create_task(self._control(call, ip, token))
-        done = await asyncio.gather(*(self._act(a, spec, by_name, now) for a in actions))
+        done = await asyncio.gather(*(self._act(a, spec, by_name, now, born) for a in actions))
         for type_, reason, message in batched([d for d in done if d is not None]):
             self.event(type_, reason, message)
-        phase_changes = await self._annotate_engines(engines, actions, fv.engine_generations)
+        phase_changes = await self._annotate_engines(engines, actions, fv.engine_generations, born)
         await self._pause_bookkeeping(request)
 
         status = fleet_status(
@@ -426,13 +434,7 @@ class FleetLoop:
             self.key, FleetSnapshot(status, spec.replicas, fv.generation, fv.engine_generations)
         )
         interval = BUSY_RESYNC_S if busy or actions or phase_changes or self._calls else IDLE_RESYNC_S
-        if status != previous:
-            wait = STATUS_MIN_INTERVAL_S - (time.monotonic() - self._last_status_at)
-            if wait > 0:  # rate limit: the next pass writes whatever is newest by then
-                return min(interval, wait)
-            await self._write_status(status, previous)
-            self._transition_events(previous, status)
-        return interval
+        return await self._publish(status, previous, interval)
 
     async def _group_check(self, spec: RolloutFleetSpec) -> groups.Blocked | None:
         """Whether this cluster can run the fleet's engines of several pods (single-pod ones: no call)."""
@@ -581,12 +583,14 @@ class FleetLoop:
                 task.cancel()
 
     async def _act(
-        self, action: plan.PodAction, spec: RolloutFleetSpec, engines: Mapping[str, Engine], now: datetime
+        self, action: plan.PodAction, spec: RolloutFleetSpec, engines: Mapping[str, Engine], now: datetime, born: bool
     ) -> tuple[str, str, str] | None:
-        """Carry out one pod action; the Event that says so (posted batched with the pass's others)."""
+        """Carry out one pod action; the Event that says so (posted batched with the pass's others). `born`: a new
+        engine is created Ready (`plan.born_ready`)."""
         kube, ns = self.shared.kube, self.ref.namespace
         if isinstance(action, plan.Create):
-            engine = desired.engine_object(self.ref, spec, action.index, crashes=self._crashes.pop(action.index, 0))
+            crashes = self._crashes.pop(action.index, 0)
+            engine = desired.engine_object(self.ref, spec, action.index, born, crashes)
             try:
                 await kube.create(engine)
             except Conflict:  # names are stable: one of that name exists already, no duplicate
@@ -669,6 +673,17 @@ class FleetLoop:
             await self._patch_fleet({"metadata": {"annotations": dict.fromkeys(request.remove_annotations)}})
 
     # ---- status ----------------------------------------------------------------------------
+
+    async def _publish(self, status: RolloutFleetStatus, previous: RolloutFleetStatus | None, interval: float) -> float:
+        """Write the status if it changed, at most every STATUS_MIN_INTERVAL_S; how long to sleep (`interval`, or
+        until the status may be written)."""
+        if status != previous:
+            wait = STATUS_MIN_INTERVAL_S - (time.monotonic() - self._last_status_at)
+            if wait > 0:  # rate limit: the next pass writes whatever is newest by then
+                return min(interval, wait)
+            await self._write_status(status, previous)
+            self._transition_events(previous, status)
+        return interval
 
     async def _write_status(self, status: RolloutFleetStatus, previous: RolloutFleetStatus | None) -> None:
         wire = listed(status).wire()

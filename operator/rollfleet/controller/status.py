@@ -229,7 +229,8 @@ def classify(obs: EngineObs, weights: WeightView, fleet_paused: bool, require_sy
     if obs.pod_phase != "Running":
         return Engine(obs, EnginePhase.STARTING, obs.reason or "pod is being scheduled and started")
     if not obs.ready:
-        loading = obs.annotated_phase in (None, EnginePhase.STARTING)
+        # Never read: an engine born Ready (plan.born_ready) is annotated Ready while it loads.
+        loading = obs.annotated_phase in (None, EnginePhase.STARTING) or obs.state is None
         return Engine(obs, EnginePhase.STARTING, "loading the model" if loading else "readiness probe failing")
     if obs.state is None:
         return Engine(obs, EnginePhase.STARTING, "waiting for the engine's state")

@@ -4,7 +4,8 @@ The controller's one idiom for both kinds: kopf owns the watches (`on.event`) an
 the shared clients live in kopf's memo, and each object gets one task here, started on the
 first event that wants one, handed the newest body on every event, and stopped when the object
 is deleted or the operator exits. A task that fails is run again after a backoff that doubles
-with each failure in a row (2 s up to 30 s); one that ends on its own is not started again.
+with each failure in a row (2 s up to 30 s), unless its object is gone; one that ends on its own is
+not started again.
 
 Why not `kopf.daemon`, which does the same: kopf ties every daemon to a finalizer, so a deleted
 object waits for the operator. With no operator, or when kopf (in namespaced mode) stops
@@ -13,7 +14,7 @@ watching a namespace being deleted before its objects' finalizers are removed (k
 ever), deletion hangs. Without finalizers the garbage collector removes what an object owns,
 and its task learns of the deletion from the watch.
 
-Owns the tasks and their stop flags; talks to nobody.
+Owns the tasks and their stop flags; talks to nobody (a task's own `exists` asks the API server).
 """
 
 from __future__ import annotations
@@ -86,6 +87,18 @@ class ObjectRun(Protocol):
 
     async def close(self) -> None: ...
 
+    async def exists(self) -> bool:
+        """Whether its object is still there (asked after a failed run: kopf in namespaced mode stops watching a
+        namespace being deleted, and never reports its objects' deletion)."""
+        ...
+
+
+async def _still_there(work: ObjectRun) -> bool:
+    try:
+        return await work.exists()
+    except Exception:  # cannot tell (the API server may be what failed): it is run again
+        return True
+
 
 @dataclass
 class _Task:
@@ -142,6 +155,12 @@ class ObjectTasks:
                     await work.run(entry.stop)
                 except Exception:
                     failures += 1
+                    if not await _still_there(work):
+                        # Run again, it would act for ever on what is gone: a fleet of 200 tried to create its
+                        # 200 pods every 30 s in a namespace deleted minutes before.
+                        log.warning("%s failed and is gone, though no deletion was reported: its task ends", name)
+                        entry.stop.set(deleted=True)
+                        continue
                     delay = backoff_s(failures)
                     log.exception("%s failed (%d in a row), retrying in %.0fs", name, failures, delay)
                     await entry.stop.wait(delay)

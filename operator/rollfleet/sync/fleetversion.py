@@ -29,6 +29,7 @@ class FleetWeightVersion:
     # The generation of the weights each engine reports (None: unknown, or a version the record does not
     # remember); weights nobody pushed yet are generation 0. The gateway bounds a request's lag with these.
     engine_generations: Mapping[str, int | None]
+    pristine: bool  # the record's (protocol.FleetRecord.pristine): an engine started now serves generation 0
 
 
 def fleet_weight_version(
@@ -64,7 +65,7 @@ def fleet_weight_version(
 
     generations = {name: generation(v) for name, v in engine_versions.items()}
     if c is not None:
-        return FleetWeightVersion(c.version, c.generation, ok, pending, syncing_to, generations)
+        return FleetWeightVersion(c.version, c.generation, ok, pending, syncing_to, generations, record.pristine)
     reported = {v for v in engine_versions.values() if v is not None}
     agreed = reported.pop() if len(reported) == 1 and None not in engine_versions.values() else None
-    return FleetWeightVersion(agreed, None, ok, pending, None, generations)
+    return FleetWeightVersion(agreed, None, ok, pending, None, generations, record.pristine)

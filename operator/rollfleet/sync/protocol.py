@@ -134,6 +134,13 @@ class FleetRecord:
     def generation_of(self, version: str) -> int | None:
         return next((g for v, g in reversed(self.history) if v == version), None)
 
+    @property
+    def pristine(self) -> bool:
+        """No push was ever started: the fleet serves the weights of its spec.model, those an engine starts with
+        (generation 0; at most adopted as the fleet's version, ``adopt_initial``). A record kept for another model
+        starts over (``operator_fields``)."""
+        return self.push is None and self.generation == 0
+
 
 # --- the record as the ConfigMap's data --------------------------------------------
 

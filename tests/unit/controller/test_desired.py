@@ -8,7 +8,7 @@ import pytest
 
 from rollfleet import contract
 from rollfleet.api.fleet import RolloutFleetSpec
-from rollfleet.contract import ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH, TOKEN_FILE
+from rollfleet.contract import ANNOTATION_PHASE, ANNOTATION_TEMPLATE_HASH, ANNOTATION_WEIGHT_GENERATION, TOKEN_FILE
 from rollfleet.controller import desired
 from rollfleet.controller.owner import FleetRef
 
@@ -51,6 +51,17 @@ def test_engine_pod_has_stable_name_owner_labels_and_gpu_request() -> None:
         one = desired.engine_pod(REF, spec(engine={"tensorParallelSize": tp, "gpusPerEngine": tp}), 0)
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in one["spec"]["volumes"]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in one["spec"]["containers"][0]["volumeMounts"]
+
+
+def test_an_engine_born_ready_carries_its_phase_and_weight_generation_and_a_group_never_does() -> None:
+    born = desired.engine_object(REF, spec(), 0, ready=True)["metadata"]["annotations"]
+    assert (born[ANNOTATION_PHASE], born[ANNOTATION_WEIGHT_GENERATION]) == ("Ready", "0")
+    starting = desired.engine_object(REF, spec(), 0, ready=False)["metadata"]["annotations"]
+    assert starting[ANNOTATION_PHASE] == "Starting" and ANNOTATION_WEIGHT_GENERATION not in starting
+    # LWS makes a group's pods again from its template, maybe after pushes: its leader is always born Starting.
+    group = desired.engine_object(REF, spec(engine={"podsPerEngine": 2}), 0, ready=True)
+    leader = group["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["annotations"]
+    assert leader[ANNOTATION_PHASE] == "Starting" and ANNOTATION_WEIGHT_GENERATION not in leader
 
 
 def test_engine_args_follow_the_engine_cli_contract() -> None:

@@ -204,7 +204,28 @@ def test_pause_calls_are_idempotent_and_resume_only_what_the_fleet_paused() -> N
 def test_phase_updates_skip_engines_that_are_leaving() -> None:
     new = engine(0, annotated="Starting")
     gone = engine(1, annotated="Starting")
-    assert plan.phase_updates([new, gone], [Drain("f-engine-1", "scale-down")]) == {"f-engine-0": "Ready"}
+    assert plan.phase_updates([new, gone], [Drain("f-engine-1", "scale-down")], born=False) == {"f-engine-0": "Ready"}
+
+
+def test_a_new_engine_is_born_ready_only_where_nothing_could_hold_it_back() -> None:
+    assert plan.born_ready(pristine=True, pause_mode=None)
+    assert not plan.born_ready(pristine=False, pause_mode=None)  # pushed weights: it loads them first
+    assert not plan.born_ready(pristine=True, pause_mode="keep")  # a paused fleet: it is paused first
+
+
+def test_an_engine_born_ready_keeps_its_phase_until_its_pod_is_ready_and_no_longer_once_it_could_be_held_back() -> None:
+    loading = engine(0, ready=False)  # annotated Ready at its creation, its model loading
+    assert (loading.phase, loading.message) == ("Starting", "loading the model")
+    assert plan.phase_updates([loading], [], born=True) == {}  # the gateway routes no pod that is not Ready
+    # A push began or a pause was asked for meanwhile: held back until its state says where it is.
+    assert plan.phase_updates([loading], [], born=False) == {"f-engine-0": "Starting"}
+    # Ready for the kubelet, its state not read yet: nothing it could say would hold it back, unless born=False.
+    unread = engine(1, engine=None, state=None)
+    assert plan.phase_updates([unread], [], born=True) == {}
+    assert plan.phase_updates([unread], [], born=False) == {"f-engine-1": "Starting"}
+    # What its state says is written whatever its birth: here, paused at the engine.
+    paused = engine(2, engine=state(paused=True, mode="keep"))
+    assert plan.phase_updates([paused], [], born=True) == {"f-engine-2": "Paused"}
 
 
 def test_the_weight_generation_annotation_follows_what_each_engine_reports() -> None:

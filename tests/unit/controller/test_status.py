@@ -80,6 +80,8 @@ def test_phases() -> None:
     assert engine(0).phase == "Ready"
     assert engine(0, phase="Pending", ready=False).phase == "Starting"
     assert engine(0, ready=False, annotated="Starting").message == "loading the model"
+    assert engine(0, ready=False, annotated="Ready").message == "loading the model"  # born Ready, never read
+    assert engine(0, ready=False, engine=state()).message == "readiness probe failing"
     assert engine(0, engine=state(paused=True)).phase == "Paused"
     assert engine(0, phase="Failed", ready=False).phase == "Failed"
     assert engine(0, node_lost=True).phase == "Failed"

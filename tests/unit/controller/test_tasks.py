@@ -27,7 +27,9 @@ class Recorder:
         self.fail_first = fail_first
         self.finish = asyncio.Event()
         self.closed = False
+        self.closing = asyncio.Event()
         self.stopped_deleted: bool | None = None
+        self.present = True  # what `exists` says
 
     async def run(self, stop: Stop) -> None:
         self.runs += 1
@@ -42,6 +44,10 @@ class Recorder:
 
     async def close(self) -> None:
         self.closed = True
+        self.closing.set()
+
+    async def exists(self) -> bool:
+        return self.present
 
 
 def recorder(made: list[Recorder], fail_first: bool = False) -> Callable[[LiveBody], Recorder]:
@@ -102,6 +108,22 @@ def test_an_object_of_the_same_name_and_another_uid_stops_the_earlier_task() -> 
         await settle()
         assert len(made) == 2 and made[0].stopped_deleted is True and made[0].closed
         assert made[1].runs == 1 and made[1].stopped_deleted is None  # the new one runs on
+
+    asyncio.run(main())
+
+
+def test_a_failed_task_whose_object_is_gone_ends_though_no_deletion_came() -> None:
+    """kopf in namespaced mode stops watching a namespace being deleted: no DELETED comes for what it held."""
+
+    async def main() -> None:
+        tasks = ObjectTasks("fleet")
+        made: list[Recorder] = []
+        tasks.on_event(None, fleet(), recorder(made, fail_first=True))
+        made[0].present = False
+        # Ended at once, within its first backoff (2 s) and never run again.
+        await asyncio.wait_for(made[0].closing.wait(), timeout=1.5)
+        assert made[0].runs == 1
+        assert made[0].stopped_deleted is None  # its run had failed: it never saw the stop
 
     asyncio.run(main())
 

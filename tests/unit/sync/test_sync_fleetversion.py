@@ -35,6 +35,17 @@ def test_no_record_the_version_is_the_one_all_engines_agree_on() -> None:
     assert fleet_weight_version({}, reports(e0="A", e1=None)).version is None
 
 
+def test_a_fleet_is_pristine_until_its_first_push() -> None:
+    """Pristine: an engine started now serves what the fleet serves (rollfleet.controller.plan.born_ready)."""
+    assert fleet_weight_version({}, reports(e0="A")).pristine
+    adopted = adopt_initial(FleetRecord(), ["A"])
+    assert fleet_weight_version(as_annotations(adopted), reports(e0="A")).pristine  # what they started with
+    pushing = begin_push(adopted, B, now=0.0)
+    assert not fleet_weight_version(as_annotations(pushing), reports(e0="A")).pristine
+    done = complete(commit(pushing))
+    assert not fleet_weight_version(as_annotations(done), reports(e0="B")).pristine
+
+
 def test_during_a_push_the_version_stays_until_commit() -> None:
     pushing = begin_push(adopt_initial(FleetRecord(), ["A"]), B, now=0.0)
     fv = fleet_weight_version(as_annotations(pushing), reports(e0="A", e1="B", e2=None))

@@ -139,6 +139,9 @@ class RequestRun:
     async def close(self) -> None:
         return
 
+    async def exists(self) -> bool:
+        return await self.kube.exists(REQUEST, self.ref.namespace, self.ref.name, self.ref.uid)
+
     async def _supervise(self, stop: Stop) -> None:
         """Keep the runner in place until the request is terminal; say what its runner cannot."""
         spec = RolloutRequest.model_validate(dict(self.body)).spec
