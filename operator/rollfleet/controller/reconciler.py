@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -50,12 +49,12 @@ from rollfleet.controller.status import (
     Engine,
     EngineObs,
     GatewayObs,
+    Observations,
     PauseView,
     WeightView,
     classify,
     fleet_status,
     listed,
-    observe_pod,
 )
 from rollfleet.controller.tasks import Stop
 from rollfleet.controller.tokens import OperatorKey
@@ -183,6 +182,7 @@ class FleetLoop:
         self._gone: set[str | None] = set()  # uids of pods the index holds but a LIST showed gone
         self._token: str | None = None
         self._states: dict[str, tuple[float, EngineState | None]] = {}
+        self._observations = Observations(self.ref.name)
         self._refreshing: dict[str, asyncio.Task[None]] = {}  # engine -> a state read in the background
         self._sync_record: str | None = None  # the sync sidecar's record (its JSON) last seen
         self._calls: dict[str, asyncio.Task[None]] = {}
@@ -299,11 +299,7 @@ class FleetLoop:
             pods = listed
         if any(_unwell(p) for p in pods):
             await self.shared.nodes.refresh()
-        observed = [
-            o
-            for o in (observe_pod(p, self.ref.name, self.shared.nodes.lost(_node_of(p)), None) for p in pods)
-            if o is not None
-        ]
+        observed = self._observations.observe(pods, self._node_lost)
         busy = len(observed) != spec.replicas or any(o.annotated_phase not in SETTLED or not o.ready for o in observed)
         sync_record = record.get(RECORD_SYNC_STATE)
         if sync_record != self._sync_record:
@@ -317,7 +313,10 @@ class FleetLoop:
         states = await self._poll_states(
             observed, functools.partial(plan.state_max_age, busy=busy, busy_s=BUSY_RESYNC_S, idle_s=idle_age)
         )
-        return [dataclasses.replace(o, state=states.get(o.name)) for o in observed], busy
+        return self._observations.with_states(observed, states), busy
+
+    def _node_lost(self, pod: Mapping[str, Any]) -> bool:
+        return self.shared.nodes.lost(_node_of(pod))
 
     def _not_in_flight(self, actions: list[plan.PodAction], observed: Sequence[EngineObs]) -> list[plan.PodAction]:
         """The pass's actions less the creations of engines created already whose pods the watch has not shown."""

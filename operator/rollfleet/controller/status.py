@@ -1,15 +1,17 @@
 """From observations to facts: each engine's phase, and the fleet's status and conditions.
 
 Pure. `observe_pod` reads an engine pod (as the API server serves it) plus what the
-operator knows about its node and last polled engine state; `classify` gives the
+operator knows about its node and last polled engine state (`Observations` keeps them between passes);
+`classify` gives the
 engine its phase (the one the gateway routes on, via the pod's `rollfleet.dev/phase`);
 `fleet_status` builds the status subresource, conditions included. Talks to nobody.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -149,6 +151,53 @@ def observe_pod(pod: Mapping[str, Any], fleet: str, node_lost: bool, state: Engi
         exited=_exited(status),
         group=(meta.get("labels") or {}).get(LWS_LABEL_NAME),
     )
+
+
+class Observations:
+    """A fleet's engine observations, each kept while what it was made of is unchanged: its pod (the
+    resourceVersion), its node's loss, its engine's state (the object last read). A pass of a fleet of 2,000 observes
+    every pod, and few changed since the pass before."""
+
+    def __init__(self, fleet: str) -> None:
+        self._fleet = fleet
+        self._pods: dict[str, tuple[tuple[str | None, bool], EngineObs | None]] = {}
+        self._stated: dict[str, tuple[EngineObs, EngineState | None, EngineObs]] = {}
+
+    def observe(
+        self, pods: Iterable[Mapping[str, Any]], node_lost: Callable[[Mapping[str, Any]], bool]
+    ) -> list[EngineObs]:
+        """`observe_pod` of each of the fleet's engine pods, without its state."""
+        kept: dict[str, tuple[tuple[str | None, bool], EngineObs | None]] = {}
+        observed = []
+        for pod in pods:
+            meta = pod["metadata"]
+            key = (meta.get("resourceVersion"), node_lost(pod))
+            known = self._pods.get(meta["name"])
+            if known is not None and known[0] == key and key[0] is not None:
+                obs = known[1]
+            else:
+                obs = observe_pod(pod, self._fleet, key[1], None)
+            kept[meta["name"]] = (key, obs)
+            if obs is not None:
+                observed.append(obs)
+        self._pods = kept
+        return observed
+
+    def with_states(self, observed: Sequence[EngineObs], states: Mapping[str, EngineState | None]) -> list[EngineObs]:
+        """`observed` (from `observe`), each with its engine's state in `states`."""
+        kept: dict[str, tuple[EngineObs, EngineState | None, EngineObs]] = {}
+        stated = []
+        for o in observed:
+            state = states.get(o.name)
+            known = self._stated.get(o.name)
+            if known is not None and known[0] is o and known[1] is state:
+                full = known[2]
+            else:
+                full = dataclasses.replace(o, state=state)
+            kept[o.name] = (o, state, full)
+            stated.append(full)
+        self._stated = kept
+        return stated
 
 
 def _int(value: str | None) -> int:

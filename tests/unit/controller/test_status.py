@@ -14,6 +14,7 @@ from rollfleet.controller.status import (
     ENGINES_PAUSED_ALONE,
     Engine,
     GatewayObs,
+    Observations,
     PauseView,
     WeightView,
     classify,
@@ -56,6 +57,29 @@ def test_observe_pod_reads_the_facts_the_operator_decides_on() -> None:
     )
     assert o.draining_since == NOW - timedelta(minutes=1)
     assert observe_pod(pod(name="f-gateway-x"), "f", False, None) is None
+
+
+def test_observations_are_made_again_only_when_the_pod_its_node_or_its_engine_s_state_changed() -> None:
+    memo, lost = Observations("f"), {"gpu-1": False}
+    pods = [pod("f-engine-1", resourceVersion="10"), pod("f-engine-2", resourceVersion="20")]
+    first = memo.observe(pods, lambda p: lost[p["spec"]["nodeName"]])
+    assert first == [observe_pod(p, "f", False, None) for p in pods]
+    moved = [pods[0], pod("f-engine-2", phase="Failed", resourceVersion="21")]
+    again = memo.observe(moved, lambda p: lost[p["spec"]["nodeName"]])
+    assert again[0] is first[0] and again[1].failed and again[1] is not first[1]
+    lost["gpu-1"] = True
+    assert all(o.node_lost for o in memo.observe(moved, lambda p: lost[p["spec"]["nodeName"]]))
+    # A pod without a resourceVersion (never from the API server) is observed anew every time.
+    unversioned = [pod("f-engine-3")]
+    assert memo.observe(unversioned, lambda _: False)[0] is not memo.observe(unversioned, lambda _: False)[0]
+
+    read, reread = state(), state(running=2)
+    observed = memo.observe(pods, lambda _: False)
+    stated = memo.with_states(observed, {"f-engine-1": read})
+    assert (stated[0].state, stated[1].state) == (read, None)
+    kept = memo.with_states(observed, {"f-engine-1": read})
+    assert kept[0] is stated[0] and kept[1] is stated[1]
+    assert memo.with_states(observed, {"f-engine-1": reread})[0].in_flight == 2
 
 
 def test_observe_pod_explains_why_an_engine_is_not_running() -> None:
