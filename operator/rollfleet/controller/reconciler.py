@@ -83,6 +83,9 @@ INDEX_POLL_S = 0.05  # between passes, how often the loop looks for changes in k
 BUSY_RESYNC_S = 1.0  # while anything changes: engines starting, draining, pausing
 IDLE_RESYNC_S = 10.0  # otherwise: refresh engine states (in-flight, weight versions)
 IDLE_STATE_READS_PER_S = 50.0
+# Engine calls begun before the loop lets those begun connect and send: begun all at once, a pause's 2,000 calls
+# each opened a connection before any sent its request, and the first engine paused as late as the last.
+FAN_OUT_BATCH = 50
 # How long an engine that missed a state read keeps its last one: a busy engine (2,000 on one host) is not a
 # starting one, and its readiness probe, not one slow answer, says when it stops serving.
 KEEP_S = 30.0
@@ -192,7 +195,7 @@ class FleetLoop:
         self._background: set[asyncio.Task[Any]] = set()
         self._spec_error: str | None = None
         self._written: RolloutFleetStatus | None = None
-        self._wake_early = False  # an engine call ended: pass again without waiting for the timer
+        self._wake_early = False  # the last engine call in flight ended: pass again without waiting for the timer
         self._created: dict[int, float] = {}  # engines created (index -> when) that the watch has not shown yet
         # Annotation writes the watch has not shown yet: pod -> (its resourceVersion then, what was written).
         self._annotated: dict[str, tuple[str | None, plan.Annotations]] = {}
@@ -403,11 +406,8 @@ class FleetLoop:
         actions = self._not_in_flight(actions, observed)
         by_name = {e.obs.name: e for e in engines}
         # The engines' pause calls first: the pod writes below take seconds at 2,000 engines (bench_scale).
-        for call in plan.engine_pause_calls(request.mode, record, engines):
-            ip = by_name[call.name].obs.pod_ip
-            if call.name not in self._calls and ip is not None:
-                # One call per engine at a time: pause?mode=wait blocks until requests finish.
-                self._calls[call.name] = asyncio.create_task(self._control(call, ip, token))
+        calls = plan.engine_pause_calls(request.mode, record, engines)
+        await self._begin_calls([(c, by_name[c.name].obs.pod_ip) for c in calls], token)
         done = await asyncio.gather(*(self._act(a, spec, by_name, now, born) for a in actions))
         for type_, reason, message in batched([d for d in done if d is not None]):
             self.event(type_, reason, message)
@@ -629,6 +629,17 @@ class FleetLoop:
             f"{action.name} deleted: {action.reason}",
         )
 
+    async def _begin_calls(
+        self, calls: Sequence[tuple[plan.PauseCall | plan.ResumeCall, str | None]], token: str
+    ) -> None:
+        """Start each (call, engine IP) in the background, FAN_OUT_BATCH at a time; not one to an engine with a
+        call in flight (pause?mode=wait blocks until requests finish) or without an IP."""
+        for i, (call, ip) in enumerate(calls, 1):
+            if call.name not in self._calls and ip is not None:
+                self._calls[call.name] = asyncio.create_task(self._control(call, ip, token))
+            if i % FAN_OUT_BATCH == 0:
+                await asyncio.sleep(0)  # one turn of the loop: the calls begun so far connect and send
+
     async def _control(self, call: plan.PauseCall | plan.ResumeCall, ip: str, token: str) -> None:
         engines, engine = self.shared.engines.with_token(token), EngineRef(call.name, engine_url(ip))
         mode = call.mode if isinstance(call, plan.PauseCall) else None
@@ -644,7 +655,10 @@ class FleetLoop:
             self._confirmed(call.name, mode)
         finally:
             self._calls.pop(call.name, None)
-            self._wake_early = True
+            # Once the fan-out's last call ends: a pass for each that ended (2,000 passes' worth of wake-ups, one pass
+            # of 2,000 engines every 0.25 s) competed with the calls still going; the 1 s busy pass still comes.
+            if not self._calls:
+                self._wake_early = True
 
     def _confirmed(self, name: str, mode: PauseMode | None) -> None:
         """The engine answered its pause (`mode`) or resume (None) call: its state says so from now on, until its

@@ -17,7 +17,7 @@ from tests.unit.controller.fleet_fixtures import obs, state
 
 from rollfleet.controller import plan
 from rollfleet.controller.owned import OwnedObjects
-from rollfleet.controller.reconciler import PASS_MIN_INTERVAL_S, FleetLoop, Shared, WeightsRecord
+from rollfleet.controller.reconciler import FAN_OUT_BATCH, PASS_MIN_INTERVAL_S, FleetLoop, Shared, WeightsRecord
 from rollfleet.controller.status import GatewayObs
 from rollfleet.controller.tasks import MAX_BACKOFF_S, Stop, backoff_s
 from rollfleet.engine_client import EngineCallError, EngineRef
@@ -177,3 +177,68 @@ def test_stale_states_are_read_in_the_background_and_a_missed_read_keeps_the_las
 
     asyncio.run(go())
     assert asked.count("f-engine-1") == 3
+
+
+class Connecting:
+    """Engines whose pause and resume calls take two turns of the loop before they are sent (a connection opened,
+    then the request written); an engine in `answers` answers once its event is set, the others at once."""
+
+    def __init__(self, answers: dict[str, asyncio.Event] | None = None) -> None:
+        self.answers = answers or {}
+        self.log: list[tuple[str, str]] = []  # ("begun" | "sent", engine name), in order
+
+    def with_token(self, _: str) -> Connecting:
+        return self
+
+    async def pause(self, ref: EngineRef, mode: str) -> None:
+        await self._call(ref)
+
+    async def resume(self, ref: EngineRef) -> None:
+        await self._call(ref)
+
+    async def _call(self, ref: EngineRef) -> None:
+        self.log.append(("begun", ref.name))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        self.log.append(("sent", ref.name))
+        if ref.name in self.answers:
+            await self.answers[ref.name].wait()
+
+
+def test_a_fan_out_sends_its_first_calls_before_it_begins_its_last() -> None:
+    """Begun all at once, a pause's 2,000 calls each opened a connection before any sent its request: the first
+    engine paused as late as the last (bench_scale)."""
+    engines = Connecting()
+    loop = FleetLoop(SimpleNamespace(engines=engines, owned=OwnedObjects()), FLEET, {}, {}, {})  # type: ignore[arg-type]
+    n = FAN_OUT_BATCH * 4
+    calls = [(plan.PauseCall(f"f-engine-{i}", "keep"), f"10.0.0.{i}") for i in range(n)]
+
+    async def go() -> None:
+        await loop._begin_calls([*calls, (plan.PauseCall("f-engine-no-ip", "keep"), None)], "token")
+        await asyncio.gather(*loop._calls.values())
+
+    asyncio.run(go())
+    assert engines.log.index(("sent", "f-engine-0")) < engines.log.index(("begun", f"f-engine-{n - 1}"))
+    assert sorted(name for what, name in engines.log if what == "sent") == sorted(c.name for c, _ in calls)
+
+
+def test_the_loop_wakes_once_the_fan_outs_last_call_ends_not_at_each() -> None:
+    """A wake-up for each call that ended made a pass of 2,000 engines every 0.25 s while the rest were going."""
+
+    async def go() -> list[tuple[str, str]]:
+        answers = {"f-engine-0": asyncio.Event(), "f-engine-1": asyncio.Event()}
+        engines = Connecting(answers)
+        loop = FleetLoop(SimpleNamespace(engines=engines, owned=OwnedObjects()), FLEET, {}, {}, {})  # type: ignore[arg-type]
+        resume = (plan.ResumeCall("f-engine-0"), "10.0.0.1")
+        await loop._begin_calls([resume, (plan.PauseCall("f-engine-1", "wait"), "10.0.0.2")], "token")
+        await loop._begin_calls([resume], "token")  # in flight: not begun again
+        answers["f-engine-0"].set()
+        await loop._calls["f-engine-0"]
+        assert not loop._wake_early  # f-engine-1's call goes on
+        answers["f-engine-1"].set()
+        await asyncio.gather(*loop._calls.values())
+        assert loop._wake_early and not loop._calls
+        return engines.log
+
+    log = asyncio.run(go())
+    assert [name for what, name in log if what == "begun"] == ["f-engine-0", "f-engine-1"]
