@@ -44,6 +44,7 @@ Obj = dict[str, Any]
 CONTROL_PORT = 10248
 NODE_PREFIX = "sim-gpu-"  # rollfleet_dev.kwok.NODE_NAME's
 ROUTE = ["local", KWOK_POD_CIDR, "dev", "lo"]
+FREEZE_EVERY_S = 5.0  # `freeze_survivors`
 SECRET_CACHE_S = 10.0  # how long a Secret read serves the engines that mount it (a rotated token: 10 s late at most)
 
 
@@ -163,11 +164,6 @@ class Host:
         await served.runner.setup()
         await web.TCPSite(served.runner, ip, args.port, reuse_address=True).start()
         self.engines[ip] = served
-        # Out of the collector's reach: 2,000 engines' apps, trackers and sockets made each full collection long,
-        # and its time fell on whichever request allocated then (py-spy under the gateway's load: the tracker's
-        # update took 26% of the host's samples with 2,000 engines, 8% with 2, 10% once frozen). Thawed when an
-        # engine stops, so that a later collection frees what it leaves.
-        gc.freeze()
 
     async def _stop(self, ip: str) -> None:
         served = self.engines.pop(ip)
@@ -202,6 +198,18 @@ def _timestamps(served: Served) -> Any:
     return record
 
 
+async def freeze_survivors() -> None:
+    """Every FREEZE_EVERY_S, put what survived out of the cyclic collector's reach (gc.freeze): the engines' apps
+    and servers, and each engine's tracker of its last 4,096 requests. A process of 2,000 engines keeps up to 2,000
+    times the history one engine does, and each full collection scanned it all, on whichever request allocated
+    then: under the gateway's load the host spent more per request at 2,000 engines than at 2, and the gateway's
+    ratio measured the host (py-spy: the tracker's update, where collections land, 26% of the host's samples at
+    2,000 engines, 8% at 2). A stopped engine thaws everything (`Host._stop`), so that its cycles are collected."""
+    while True:
+        await asyncio.sleep(FREEZE_EVERY_S)
+        gc.freeze()
+
+
 def route(action: str) -> None:
     """Add (`replace`) or delete (`del`) the route that makes KWOK's pod range this machine's own."""
     cmd = ["ip", "route", action, *ROUTE]
@@ -224,9 +232,11 @@ async def serve(kubeconfig: Path, control_port: int) -> None:
     runner = web.AppRunner(control, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", control_port).start()
+    freezer = asyncio.create_task(freeze_survivors())
     try:
         await api.informer("/api/v1/pods", host.on_pod, labelSelector=f"{LABEL_COMPONENT}={COMPONENT_ENGINE}")
     finally:
+        freezer.cancel()
         for ip in list(host.engines):
             await host._stop(ip)
         await runner.cleanup()
