@@ -195,7 +195,9 @@ class FleetLoop:
         self._background: set[asyncio.Task[Any]] = set()
         self._spec_error: str | None = None
         self._written: RolloutFleetStatus | None = None
-        self._wake_early = False  # the last engine call in flight ended: pass again without waiting for the timer
+        # A state read changed what a phase rests on, or the last control call in flight ended: pass again without
+        # waiting for the timer.
+        self._wake_early = False
         self._created: dict[int, float] = {}  # engines created (index -> when) that the watch has not shown yet
         # Annotation writes the watch has not shown yet: pod -> (its resourceVersion then, what was written).
         self._annotated: dict[str, tuple[str | None, plan.Annotations]] = {}
