@@ -20,7 +20,7 @@ import pytest
 
 from e2e.live_fleet import LiveFleet, create, host_path_claim, may, results, wait_phase
 from e2e.provider import wait_for
-from rollfleet.contract import LABEL_REQUEST, LABEL_REQUEST_UID, SPARE_RUNNER_PREFIX, runner_name
+from rollfleet.contract import LABEL_REQUEST, LABEL_REQUEST_UID, SPARE_RUNNER_PREFIX, gateway_name, runner_name
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests import spares
 from rollfleet.controller.requests.worker import wait_for_assignment
@@ -182,8 +182,14 @@ def test_the_next_request_of_a_fleet_and_claim_runs_in_a_spare_started_ahead_of_
 
     spare = _waiting_spare(fleet, claim_name)
     assert spare.startswith(SPARE_RUNNER_PREFIX)
-    # Until a request takes it, the spare may read and expire its assignment, and nothing else.
+    # Until a request takes it, the spare may read and expire its assignment, read its fleet and gateway Service
+    # (it reads them as it learns of its request), and nothing else.
     assert may(fleet, spare, "get", f"configmaps/{spare}") and may(fleet, spare, "patch", f"configmaps/{spare}")
+    gateway = gateway_name(fleet.fleet.name)
+    assert may(fleet, spare, "get", f"rolloutfleets/{fleet.fleet.name}") and may(
+        fleet, spare, "get", f"services/{gateway}"
+    )
+    assert not may(fleet, spare, "list", "rolloutfleets") and not may(fleet, spare, "get", "services/other")
     assert not may(fleet, spare, "get", f"rolloutrequests/{first}") and not may(fleet, spare, "list", "configmaps")
     assert not may(fleet, spare, "get", "secrets") and not may(fleet, spare, "create", "configmaps")
     started = _json(fleet, "get", "job", spare)["metadata"]["creationTimestamp"]

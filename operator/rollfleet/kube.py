@@ -335,17 +335,23 @@ class Kube:
         label_selector: str | None = None,
         timeout_s: int = WATCH_TIMEOUT_S,
         field_selector: str | None = None,
+        since: str | None = None,
     ) -> AsyncIterator[Listed | Changed]:
         """List, then every change, until the consumer stops; re-lists on 410 Gone at once and after
-        any other failure (an API error, a dropped connection) with a backoff of 0.5 s doubling to 10 s."""
+        any other failure (an API error, a dropped connection) with a backoff of 0.5 s doubling to 10 s.
+        `since`: a resourceVersion the consumer has already read everything at (a get of the one object
+        selected): the first list is skipped, and changes come from there."""
         backoff = BACKOFF_MIN_S
         selectors = {"label_selector": label_selector, "field_selector": field_selector}
         while True:
             try:
-                listed = await self._list(kind, namespace, **selectors)
-                yield Listed(list(listed.get("items") or []))
-                backoff = BACKOFF_MIN_S
-                version = listed["metadata"]["resourceVersion"]
+                if since is None:
+                    listed = await self._list(kind, namespace, **selectors)
+                    yield Listed(list(listed.get("items") or []))
+                    backoff = BACKOFF_MIN_S
+                    version = listed["metadata"]["resourceVersion"]
+                else:
+                    version, since = since, None  # once: a re-list after a failure starts over
                 while True:  # each watch request ends after timeout_s; the next resumes at `version`
                     async for event in self._stream(kind, namespace, selectors, version, timeout_s):
                         obj = event["object"]

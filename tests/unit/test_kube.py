@@ -169,10 +169,10 @@ def events(*items: tuple[str, dict[str, Any]]) -> bytes:
     return b"".join(json.dumps({"type": t, "object": o}).encode() + b"\n" for t, o in items)
 
 
-def collect(kube: Kube, count: int) -> list[Listed | Changed]:
+def collect(kube: Kube, count: int, since: str | None = None) -> list[Listed | Changed]:
     async def go() -> list[Listed | Changed]:
         seen: list[Listed | Changed] = []
-        async with contextlib.aclosing(kube.watch(POD, "ns", "app=x", timeout_s=5)) as updates:
+        async with contextlib.aclosing(kube.watch(POD, "ns", "app=x", timeout_s=5, since=since)) as updates:
             async for update in updates:
                 seen.append(update)
                 if len(seen) == count:
@@ -214,6 +214,22 @@ def test_the_watch_resumes_where_it_stopped_and_re_lists_after_410_gone() -> Non
     ]
     watched_from = [q["resourceVersion"][0] for _, _, q, _ in server.requests if "watch" in q]
     assert watched_from[:3] == ["1", "3", "7"]
+
+
+def test_a_watch_since_a_version_read_lists_only_once_that_version_is_gone() -> None:
+    lists = iter([{"metadata": {"resourceVersion": "9"}, "items": [pod("a", "9")]}])
+    streams = {
+        "5": events(("MODIFIED", pod("a", "6")), ("ERROR", {"kind": "Status", "code": 410, "reason": "Expired"})),
+    }
+
+    def answer(_: str, __: str, query: dict[str, list[str]]) -> Answer:
+        if "watch" not in query:
+            return 200, next(lists)
+        return 200, streams.get(query["resourceVersion"][0], b"")
+
+    server = FakeApiServer(answer)
+    assert collect(kube_with(server), 2, since="5") == [Changed("MODIFIED", pod("a", "6")), Listed([pod("a", "9")])]
+    assert ["watch" in q for _, _, q, _ in server.requests][:2] == [True, False]  # watched first, listed on 410
 
 
 def test_the_watch_lists_again_after_a_backoff_when_the_api_server_fails(monkeypatch: pytest.MonkeyPatch) -> None:

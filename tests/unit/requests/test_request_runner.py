@@ -19,7 +19,7 @@ from rollfleet.contract import (
 from rollfleet.controller.owner import RequestRef
 from rollfleet.controller.requests.desired import runner_objects
 from rollfleet.controller.requests.results_volume import RESULTS_MOUNT
-from rollfleet.controller.requests.status import Verdict, runner_verdict, status_with_verdict
+from rollfleet.controller.requests.status import Verdict, runner_pods_matter, runner_verdict, status_with_verdict
 
 # Kubernetes' rule for object names such as a ServiceAccount's (RFC 1123 subdomain).
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -125,6 +125,27 @@ def test_a_failed_job_fails_the_request_naming_its_last_pods_end() -> None:
     assert "BackoffLimitExceeded: 6 failures" in verdict.message
     assert "runner exited with code 1 (Error): boom | KeyError" in verdict.message
     assert "kubectl logs job/r-runner" in verdict.message
+
+
+def test_the_runners_pods_are_read_only_while_they_can_change_the_verdict() -> None:
+    cases = [  # (job, request phase, whether the operator lists the runner's pods)
+        (job(), None, True),
+        (job(), "Pending", True),
+        (job(failed=True), "Running", True),
+        (job(), "Running", False),
+        (job(), "Paused", False),
+        (None, None, False),
+    ]
+    pulling = pod(
+        "r-runner-x",
+        "2026-01-01T00:00:02Z",
+        "Pending",
+        containerStatuses=[{"state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}],
+    )
+    for j, phase, matter in cases:
+        assert runner_pods_matter(j, phase) is matter, (j, phase)
+        if not matter:  # the verdict made without them is the one they would have given
+            assert runner_verdict(j, [], phase) == runner_verdict(j, [pulling], phase)
 
 
 def test_the_operators_verdict_keeps_what_the_runner_recorded() -> None:

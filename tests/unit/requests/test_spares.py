@@ -7,8 +7,10 @@ from typing import Any
 import jsonpatch
 import pytest
 
+from rollfleet.api.fleet import PLURAL as FLEET_PLURAL
 from rollfleet.contract import (
     COMPONENT_SPARE_RUNNER,
+    GROUP,
     LABEL_COMPONENT,
     LABEL_FLEET,
     LABEL_REQUEST,
@@ -16,6 +18,7 @@ from rollfleet.contract import (
     LABEL_RESULTS_CLAIM,
     RUNNER_ACCOUNT_PREFIX,
     SPARE_RUNNER_PREFIX,
+    gateway_name,
     results_claim_label,
 )
 from rollfleet.controller.owner import FleetRef, RequestRef
@@ -49,7 +52,7 @@ def test_a_spare_is_a_job_of_its_fleet_waiting_as_its_own_account_with_the_claim
     assert made["spec"]["activeDeadlineSeconds"] > spares.SPARE_IDLE_S  # a backstop for a pod that never waits
 
 
-def test_until_taken_a_spare_may_read_watch_and_expire_its_assignment_and_nothing_else() -> None:
+def test_until_taken_a_spare_may_read_watch_and_expire_its_assignment_and_read_its_fleet_and_nothing_else() -> None:
     made = {m["kind"]: m for m in spares.spare_identity(job())}
     assert sorted(made) == ["ConfigMap", "Role", "RoleBinding", "ServiceAccount"]
     for m in made.values():
@@ -62,7 +65,9 @@ def test_until_taken_a_spare_may_read_watch_and_expire_its_assignment_and_nothin
             "resources": ["configmaps"],
             "verbs": ["get", "list", "watch", "patch"],
             "resourceNames": [NAME],
-        }
+        },
+        {"apiGroups": [GROUP], "resources": [FLEET_PLURAL], "verbs": ["get"], "resourceNames": ["tiny"]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get"], "resourceNames": [gateway_name("tiny")]},
     ]
     assert made["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": NAME, "namespace": "team-a"}]
     assert made["ConfigMap"]["data"] == {spares.KEY_STATE: spares.WAITING}
@@ -74,7 +79,7 @@ def test_taking_a_spare_is_a_patch_that_applies_only_while_it_waits_and_names_th
     ops = spares.take(REQUEST)
     assert ops[0] == {"op": "test", "path": "/data/state", "value": "waiting"}  # refused whole once not waiting
     taken = jsonpatch.apply_patch(waiting, ops)
-    assert spares.assignment(taken) == spares.Assignment("grpo-step-8", REQUEST.uid)
+    assert spares.assignment(taken) == spares.Assignment("grpo-step-8", REQUEST.uid, "tiny")
     assert taken["metadata"]["labels"][LABEL_REQUEST_UID] == REQUEST.uid  # the request finds its spare again
     with pytest.raises(jsonpatch.JsonPatchTestFailed):  # neither taken twice, nor expired once taken
         jsonpatch.apply_patch(taken, spares.take(RequestRef("other", "team-a", "u-2")))

@@ -75,14 +75,21 @@ def runner_service_account(ref: RequestRef) -> Manifest:
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(ref) | {"name": runner_account(ref.name)}}
 
 
+def fleet_read_rules(fleet: str) -> list[Manifest]:
+    """Reading the fleet and its gateway Service (`runner.read_fleet`): a runner's, and a spare's of its fleet."""
+    return [
+        {"apiGroups": [GROUP], "resources": [FLEET_PLURAL], "verbs": ["get"], "resourceNames": [fleet]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get"], "resourceNames": [gateway_name(fleet)]},
+    ]
+
+
 def runner_role(ref: RequestRef, spec: RolloutRequestSpec) -> Manifest:
     prompts = sorted({p.name for p in spec.prompts_from or []})
     rules: list[Manifest] = [
         # watch needs list; a list with the field selector metadata.name=<request> is allowed by resourceNames.
         {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch"], "resourceNames": [ref.name]},
         {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["patch"], "resourceNames": [ref.name]},
-        {"apiGroups": [GROUP], "resources": [FLEET_PLURAL], "verbs": ["get"], "resourceNames": [spec.fleet]},
-        {"apiGroups": [""], "resources": ["services"], "verbs": ["get"], "resourceNames": [gateway_name(spec.fleet)]},
+        *fleet_read_rules(spec.fleet),
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]
     if spec.results.persistent_volume_claim is None:

@@ -40,6 +40,7 @@ from rollfleet.controller.requests.status import (
     Verdict,
     fleet_not_found,
     results_claim_not_found,
+    runner_pods_matter,
     runner_verdict,
     status_with_verdict,
 )
@@ -157,8 +158,10 @@ class RequestRun:
                     await self._say(failed)
                     return
             else:
-                pods = await self.kube.list(POD, ns, f"{JOB_NAME_LABEL}={job['metadata']['name']}")
-                verdict = runner_verdict(job, pods, _phase(self.body))
+                phase, pods = _phase(self.body), []
+                if runner_pods_matter(job, phase):
+                    pods = await self.kube.list(POD, ns, f"{JOB_NAME_LABEL}={job['metadata']['name']}")
+                verdict = runner_verdict(job, pods, phase)
                 if verdict is not None and verdict != said:
                     await self._say(verdict)
                     said = verdict
@@ -167,10 +170,16 @@ class RequestRun:
             await stop.wait(SUPERVISE_INTERVAL_S)
             if stop or _phase(self.body) in TERMINAL_PHASES:
                 return
-            job, needs = await self._runner_job(spec), None
+            job, needs = await self._runner_job(spec, job["metadata"]["name"] if job else None), None
 
-    async def _runner_job(self, spec: RolloutRequestSpec) -> Mapping[str, Any] | None:
-        """The Job that runs the request: its own, or the spare it took (labelled for it once taken)."""
+    async def _runner_job(self, spec: RolloutRequestSpec, known: str | None = None) -> Mapping[str, Any] | None:
+        """The Job that runs the request: its own, or the spare it took (labelled for it once taken). `known`: its
+        name at the last look, read first (the lists below read every Job and ConfigMap of the namespace)."""
+        if known is not None:
+            with contextlib.suppress(NotFound):
+                job = await self.kube.get(JOB, self.ref.namespace, known)
+                if job["metadata"].get("labels", {}).get(LABEL_REQUEST_UID) == self.ref.uid:
+                    return job
         jobs, spare = await asyncio.gather(
             self.kube.list(JOB, self.ref.namespace, f"{LABEL_REQUEST_UID}={self.ref.uid}"),
             self.spares.taken_by(self.ref),

@@ -179,8 +179,16 @@ class Run:
     """One request's run, from adoption (fresh or after a restart) to a terminal phase."""
 
     def __init__(
-        self, kube: Kube, tokens: FleetTokens, http: httpx.AsyncClient, body: Mapping[str, Any], stop: Stop
+        self,
+        kube: Kube,
+        tokens: FleetTokens,
+        http: httpx.AsyncClient,
+        body: Mapping[str, Any],
+        stop: Stop,
+        fleet: FleetView | None = None,
     ) -> None:
+        """`fleet`: the fleet as read just before (a spare reads it as it learns of its request); None: the run's
+        first look reads it."""
         self.kube, self.tokens, self.http = kube, tokens, http
         self.samples = sample_client()  # its connections are this run's: closed with it
         self.body = body  # a live view: annotations change under us
@@ -197,6 +205,10 @@ class Run:
         self.start: datetime | None = self.rr.status.start_time if self.rr.status else None
         self.abort_record: AbortRecord | None = self.rr.status.abort if self.rr.status else None
         self.fleet = FleetView(exists=True)
+        self.history: list[str] = []  # fleet weight versions seen, oldest first (staleness)
+        self.fleet_read = fleet is not None
+        if fleet is not None:
+            self._saw(fleet)
         # The senders and the sample each is sending. A sender goes on with the next sample while sending may go on
         # (`_may_send`): a task and a turn of this loop per sample cost the runner more CPU than the call itself.
         self.calls: dict[asyncio.Task[None], SampleKey] = {}
@@ -206,7 +218,6 @@ class Run:
         self.aborting = False
         self.abort_token: str | None = None  # the abort annotation value (or "deadline") being acted on
         self.hold_until = 0.0
-        self.history: list[str] = []  # fleet weight versions seen, oldest first (staleness)
         self.verdict = Verdict("Pending", "Starting", "starting")
         self.status_rate = plan.RateLimit(STATUS_INTERVAL_S)
         self.flush_rate = plan.RateLimit(FLUSH_INTERVAL_S)
@@ -239,10 +250,13 @@ class Run:
             self.samples.close()
 
     async def _loop(self) -> Verdict:
-        # The first look at the fleet goes beside loading the results and prompts; the loop's looks start a second on.
-        self.looking = asyncio.create_task(self._observe_fleet())
+        # The first look at the fleet (unless made before the run) goes beside loading the results and prompts; the
+        # loop's looks start a second on.
+        if not self.fleet_read:
+            self.looking = asyncio.create_task(self._observe_fleet())
         verdict = await self._prepare()
-        await self.looking
+        if self.looking is not None:
+            await self.looking
         self.fleet_rate.due(time.time())
         if verdict is not None:
             return await self._finish(verdict)
@@ -365,11 +379,15 @@ class Run:
 
     async def _observe_fleet(self) -> None:
         try:
-            self.fleet = await read_fleet(self.kube, self.tokens, self.ns, self.rr.spec.fleet)
+            view = await read_fleet(self.kube, self.tokens, self.ns, self.rr.spec.fleet)
         except ApiError as err:  # API hiccup: keep the last view
             log.warning("reading fleet %s/%s: %s", self.ns, self.rr.spec.fleet, err)
             return
-        v = self.fleet.weight_version
+        self._saw(view)
+
+    def _saw(self, view: FleetView) -> None:
+        self.fleet = view
+        v = view.weight_version
         if v and (not self.history or self.history[-1] != v):
             self.history.append(v)
 

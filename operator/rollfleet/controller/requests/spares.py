@@ -8,7 +8,9 @@ the request into the spare's assignment ConfigMap (a compare-and-swap, so two re
 binds the request's own Role (`desired.runner_role`) to the spare's account, and makes the request the Job's owner.
 The pod then runs that one request and exits; a pod never runs two requests.
 
-Until taken, a spare may read its assignment ConfigMap and nothing else. One left idle for `SPARE_IDLE_S` marks
+Until taken, a spare may read its assignment ConfigMap, and its fleet and the fleet's gateway Service (whose admin
+token its pod holds already): it reads those as it learns of its request, beside the wait for the request's Role,
+so that the run starts with them. One left idle for `SPARE_IDLE_S` marks
 its ConfigMap expired (the same compare-and-swap: it cannot expire once taken) and exits, so that it holds no pod
 and no claim (one whose pod never started is ended by its Job's deadline). Its Job is then deleted after
 `SPARE_TTL_AFTER_FINISHED_S`, and its ServiceAccount, Role, RoleBinding and ConfigMap (owned by the Job) with it.
@@ -37,7 +39,7 @@ from rollfleet.contract import (
     selector,
 )
 from rollfleet.controller.owner import FleetRef, RequestRef
-from rollfleet.controller.requests.desired import job_manifest
+from rollfleet.controller.requests.desired import fleet_read_rules, job_manifest
 
 Manifest = dict[str, Any]
 
@@ -57,6 +59,7 @@ class Assignment:
 
     name: str
     uid: str
+    fleet: str | None = None  # the spare's (from its labels)
 
 
 def spare_labels(fleet: str, claim: str) -> dict[str, str]:
@@ -95,7 +98,8 @@ def spare_job(name: str, fleet: FleetRef, claim: str, image: str, image_pull_pol
 
 def spare_identity(job: Mapping[str, Any]) -> list[Manifest]:
     """The spare's ServiceAccount, its Role and RoleBinding (its assignment ConfigMap: read, watch, and marked
-    expired), and that ConfigMap, waiting; all named as the Job and owned by it."""
+    expired; its fleet and gateway Service: read), and that ConfigMap, waiting; all named as the Job and owned by
+    it."""
     meta = job["metadata"]
     owner = {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"], "controller": True}
     common = {
@@ -118,7 +122,8 @@ def spare_identity(job: Mapping[str, Any]) -> list[Manifest]:
                     # list and watch: a watch by name (field selector metadata.name) is allowed by resourceNames.
                     "verbs": ["get", "list", "watch", "patch"],
                     "resourceNames": [meta["name"]],
-                }
+                },
+                *fleet_read_rules(meta["labels"][LABEL_FLEET]),
             ],
         },
         {
@@ -135,7 +140,9 @@ def spare_identity(job: Mapping[str, Any]) -> list[Manifest]:
 def assignment(config_map: Mapping[str, Any]) -> Assignment | None:
     data = config_map.get("data") or {}
     if data.get(KEY_STATE) == TAKEN:
-        return Assignment(data[KEY_REQUEST], data[KEY_UID])
+        return Assignment(
+            data[KEY_REQUEST], data[KEY_UID], (config_map["metadata"].get("labels") or {}).get(LABEL_FLEET)
+        )
     return None
 
 

@@ -84,6 +84,18 @@ def results_claim_not_found(claim: str, namespace: str) -> Verdict:
     )
 
 
+def _failed(job: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The Job's Failed condition, when it failed for good."""
+    failed = next((c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"), None)
+    return failed if failed is not None and failed.get("status") == "True" else None
+
+
+def runner_pods_matter(job: Mapping[str, Any] | None, phase: str | None) -> bool:
+    """Whether `runner_verdict` reads the runner's pods: its Job failed, or the runner has not written a status yet.
+    Otherwise the operator does not list them (a list reads every pod of the namespace)."""
+    return job is not None and (_failed(job) is not None or phase in (None, "Pending"))
+
+
 def runner_verdict(
     job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]], phase: str | None
 ) -> Verdict | None:
@@ -99,8 +111,8 @@ def runner_verdict(
         pod_status = last.get("status") or {}
         conditions = {c.get("type"): c for c in pod_status.get("conditions") or []}
         why = not_running_reason(pod_status, conditions, what="runner")
-    failed = next((c for c in (job.get("status") or {}).get("conditions") or [] if c.get("type") == "Failed"), None)
-    if failed is not None and failed.get("status") == "True":
+    failed = _failed(job)
+    if failed is not None:
         return Verdict(
             "Failed",
             "RunnerFailed",

@@ -86,7 +86,7 @@ async def run_spare(namespace: str, spare: str, token_file: str, kubeconfig: str
             log.info("spare runner %s: no request came; exiting", spare)
             return 0
         log.info("spare runner %s: running RolloutRequest %s/%s (uid %s)", spare, namespace, given.name, given.uid)
-        return await _run_request(kube, http, namespace, given.name, given.uid, token_file)
+        return await _run_request(kube, http, namespace, given.name, given.uid, token_file, given.fleet)
     finally:
         await http.aclose()
         kube.close()
@@ -150,16 +150,25 @@ async def run_request(namespace: str, name: str, uid: str, token_file: str, kube
 
 
 async def _run_request(
-    kube: Kube, http: httpx.AsyncClient, namespace: str, name: str, uid: str, token_file: str
+    kube: Kube, http: httpx.AsyncClient, namespace: str, name: str, uid: str, token_file: str, fleet: str | None = None
 ) -> int:
+    """Run the request; a spare names its `fleet`, which it may read before the request's Role is known to the API
+    server: that read goes beside the first look at the request, and the run starts with it."""
     stop = Stop()
-    first = await _first_look(kube, namespace, name)
+    tokens = FileTokens(token_file)
+    early = asyncio.create_task(runner.read_fleet(kube, tokens, namespace, fleet)) if fleet else None
+    try:
+        first = await _first_look(kube, namespace, name)
+    finally:
+        view = await _read_early(early)
     if not _ours(first, uid):
         log.info("RolloutRequest %s/%s (uid %s) is gone: nothing to run", namespace, name, uid)
         return 0
     assert first is not None
     if (first.get("status") or {}).get("phase") in TERMINAL_PHASES:
         return 0
+    if first["spec"]["fleet"] != fleet:
+        view = None
     body = LiveBody(first)
     settle_gc()  # every sample's result stays in memory: the collector would pass over them again and again
     terminating: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
@@ -168,9 +177,11 @@ async def _run_request(
         terminating.add(asyncio.ensure_future(_on_sigterm(kube, namespace, name, uid, stop)))
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
-    follower = asyncio.create_task(_follow(kube, body, stop, namespace, name, uid))
+    follower = asyncio.create_task(
+        _follow(kube, body, stop, namespace, name, uid, first["metadata"]["resourceVersion"])
+    )
     try:
-        verdict = await _run(kube, FileTokens(token_file), http, body, stop)
+        verdict = await _run(kube, tokens, http, body, stop, view)
     finally:
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -178,6 +189,18 @@ async def _run_request(
     if verdict is not None and verdict.terminal:
         return 0
     return 0 if stop.deleted else EXIT_STOPPED
+
+
+async def _read_early(read: asyncio.Task[runner.FleetView] | None) -> runner.FleetView | None:
+    """The fleet as the spare read it, or None: it could not (an older operator's spare lacks the right), and the
+    run reads it itself."""
+    if read is None:
+        return None
+    try:
+        return await read
+    except ApiError as err:
+        log.info("the fleet could not be read before the run: %s", err)
+        return None
 
 
 async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any] | None:
@@ -197,13 +220,16 @@ async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any
         poll_s = min(poll_s * 2, 1.0)
 
 
-async def _run(kube: Kube, tokens: FileTokens, http: httpx.AsyncClient, body: LiveBody, stop: Stop) -> Verdict | None:
-    """Run it; a run that fails (an API hiccup outlasting its retries) is run again in this pod after a
-    backoff, adopting what it sent, RETRIES times before the pod fails and its Job takes over."""
+async def _run(
+    kube: Kube, tokens: FileTokens, http: httpx.AsyncClient, body: LiveBody, stop: Stop, fleet: runner.FleetView | None
+) -> Verdict | None:
+    """Run it (the first try with the `fleet` read before it, if any); a run that fails (an API hiccup outlasting its
+    retries) is run again in this pod after a backoff, adopting what it sent, RETRIES times before the pod fails and
+    its Job takes over."""
     failures = 0
     while not stop:
         try:
-            return await runner.Run(kube, tokens, http, body, stop).run()
+            return await runner.Run(kube, tokens, http, body, stop, fleet if failures == 0 else None).run()
         except Exception:
             failures += 1
             log.exception("the run failed (%d of %d tries)", failures, RETRIES)
@@ -213,9 +239,11 @@ async def _run(kube: Kube, tokens: FileTokens, http: httpx.AsyncClient, body: Li
     return None
 
 
-async def _follow(kube: Kube, body: LiveBody, stop: Stop, namespace: str, name: str, uid: str) -> None:
-    """Keep `body` the request as the API server has it; a deleted (or replaced) request stops the run."""
-    async for update in kube.watch(REQUEST, namespace, field_selector=f"metadata.name={name}"):
+async def _follow(kube: Kube, body: LiveBody, stop: Stop, namespace: str, name: str, uid: str, since: str) -> None:
+    """Keep `body` the request as the API server has it; a deleted (or replaced) request stops the run. The watch
+    goes on from the first look (`since`, its resourceVersion): a list would read the request again (its inline
+    prompts too) at the run's start."""
+    async for update in kube.watch(REQUEST, namespace, field_selector=f"metadata.name={name}", since=since):
         if isinstance(update, Changed):
             obj = None if update.type == "DELETED" else update.object
         else:
