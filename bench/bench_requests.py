@@ -12,11 +12,12 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    keeps per finished request.
 2. throughput: as a training loop's steps, a first request of 16 prompts, which starts a runner of its own
    (`apply_to_first_sample_own_runner_s`) and leaves a spare runner waiting for the next (the operator's
-   `spares`); then one RolloutRequest of P prompts x n samples (by default a GRPO step's batch, 512 x 16
-   of 64 tokens, then 2,048 x 16; prompts past the inline limit come from a ConfigMap), timed from create
+   `spares`); then RolloutRequests of P prompts x n samples (by default a GRPO step's batch, 512 x 16
+   of 64 tokens, then 2,048 x 16; prompts past the inline limit come from a ConfigMap), each timed from create
    to the runner's terminal status (its completionTime), and the same samples sent straight to the fleet's
    gateway, before it and after it (their mean), with the same bodies, concurrency and HTTP client
-   (`samples_per_s_ratio_vs_direct`, goal >= 0.9: the smallest over the sizes, each also given by size),
+   (`samples_per_s_ratio_vs_direct`, goal >= 0.9: the median of `--trials` requests per size, direct runs between
+   them; the smallest median over the sizes, each also given by size with its trials' min and max),
    and a part of them with httpx for reference; and the time from create to
    the first sample sent (`apply_to_first_sample_s`: the spare taking the request). Each spare's start is
    waited for before a measured run, so that it runs beside none.
@@ -35,7 +36,8 @@ gateway, the results on a PersistentVolumeClaim (a hostPath volume made here), t
    than a 15 s scrape costs.
 
 Usage: python -m bench.bench_requests [--json PATH] [--finished 1000] [--prompts 512 2048 --n 16
-       --max-tokens 64 --parallelism 64] [--samples 10000 --tokens 256] [--scrape-rounds 2 --scrape-interval 15]
+       --max-tokens 64 --parallelism 64 --trials 3] [--samples 10000 --tokens 256]
+       [--scrape-rounds 2 --scrape-interval 15]
 """
 
 from __future__ import annotations
@@ -407,53 +409,68 @@ def bench_throughput(
         keys = [(p, s) for p in range(prompts) for s in range(n)]
         return [plan.build_call(parsed, view.model or "", uid, key, Prompt(text=texts[key[0]])) for key in keys]
 
-    # The direct baseline runs before and after the request, and counts as their mean: the machine's pace drifts
-    # by more than the goal's margin over a minute.
-    before = uvloop.run(direct(gateway, view.token, calls_of(f"before-{uuid.uuid4().hex[:8]}"), parallelism))
-    run = run_request(custom, namespace, spec)
-    assert run["status"]["phase"] == "Succeeded", run["status"]
-    sending, ending = send_span(run, claim[1])
-    wait_for_spare(client, namespace, claim[0])  # the next one starts now: not beside the direct run
-    calls = calls_of(f"after-{uuid.uuid4().hex[:8]}")
-    after = uvloop.run(direct(gateway, view.token, calls, parallelism))
-    via_gateway = (before + after) / 2
-    some = calls[:HTTPX_CALLS]  # a reference only: httpx takes minutes over a large batch
+    def send_direct() -> float:
+        return uvloop.run(direct(gateway, view.token, calls_of(f"direct-{uuid.uuid4().hex[:8]}"), parallelism))
+
+    # Each request runs between two direct runs and counts against their mean: the machine's pace drifts by more
+    # than the goal's margin over a minute. A request is measured `--trials` times (each in the spare its
+    # predecessor left, started before it), and the median counts: one run of a few seconds on a shared machine
+    # moves by +-0.05.
+    directs, runs = [send_direct()], []
+    for _ in range(args.trials):
+        run = run_request(custom, namespace, spec)
+        assert run["status"]["phase"] == "Succeeded", run["status"]
+        run["sending"], run["ending"] = send_span(run, claim[1])
+        runs.append(run)
+        wait_for_spare(client, namespace, claim[0])  # the next one starts now: not beside the direct run
+        directs.append(send_direct())
+    some = calls_of(f"httpx-{uuid.uuid4().hex[:8]}")[:HTTPX_CALLS]  # a reference only: httpx takes minutes
     via_httpx = asyncio.run(direct_httpx(gateway, view.token, some, parallelism))
     total = prompts * n
+    ratios = [(directs[i] + directs[i + 1]) / 2 / r["seconds"] for i, r in enumerate(runs)]
+    after_start = [(directs[i] + directs[i + 1]) / 2 / (r["seconds"] - r["first_sample_s"]) for i, r in enumerate(runs)]
+    mid = sorted(range(len(runs)), key=lambda i: ratios[i])[len(runs) // 2]  # the median trial, reported whole
+    run, via_gateway = runs[mid], (directs[mid] + directs[mid + 1]) / 2
     out = {
         "samples": total,
+        "trials": len(runs),
         "samples_per_s_request": total / run["seconds"],
         "samples_per_s_direct": total / via_gateway,
-        "samples_per_s_direct_before": total / before,
-        "samples_per_s_direct_after": total / after,
+        "samples_per_s_direct_min": total / max(directs),
+        "samples_per_s_direct_max": total / min(directs),
         "samples_per_s_direct_httpx": len(some) / via_httpx,
-        "samples_per_s_ratio_vs_direct": via_gateway / run["seconds"],
+        "samples_per_s_ratio_vs_direct": ratios[mid],
+        "samples_per_s_ratio_vs_direct_min": min(ratios),
+        "samples_per_s_ratio_vs_direct_max": max(ratios),
         # Without the runner's start: what the runner's sending costs next to sending directly.
-        "samples_per_s_ratio_vs_direct_after_start": via_gateway / (run["seconds"] - run["first_sample_s"]),
+        "samples_per_s_ratio_vs_direct_after_start": statistics.median(after_start),
         "apply_to_first_sample_s": run["first_sample_s"],  # in a spare runner, started before
-        "first_to_last_sample_s": sending,
-        "last_sample_to_end_s": ending,
+        "first_to_last_sample_s": run["sending"],
+        "last_sample_to_end_s": run["ending"],
     }
     print(f"-- {prompts} prompts x {n} samples of {args.max_tokens} tokens, {parallelism} in flight")
     print(
         f"RolloutRequest  {total} samples in {run['seconds']:6.1f} s = {out['samples_per_s_request']:7.1f} samples/s "
-        f"(from create to Succeeded: runner Job start, sending, results on the claim, status)"
+        f"(the median of {len(runs)}; from create to Succeeded: sending, results on the claim, status)"
     )
     print(
         f"gateway direct  {total} samples in {via_gateway:6.1f} s = {out['samples_per_s_direct']:7.1f} samples/s "
-        f"(the mean of {before:.1f} s before the request and {after:.1f} s after it)"
+        f"(the mean of the runs before and after it; all {len(directs)}: "
+        + ", ".join(f"{d:.1f}" for d in directs)
+        + " s)"
     )
     print(
         f"  with httpx    {len(some)} samples in {via_httpx:6.1f} s = "
         f"{out['samples_per_s_direct_httpx']:7.1f} samples/s (reference: a script's usual client)"
     )
     print(
-        f"request / direct: {out['samples_per_s_ratio_vs_direct']:.2f}   (goal >= 0.9; from the first sample on: "
-        f"{out['samples_per_s_ratio_vs_direct_after_start']:.2f})"
+        f"request / direct: {ratios[mid]:.2f}, the median of "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f"   (goal >= 0.9; from the first sample on: {out['samples_per_s_ratio_vs_direct_after_start']:.2f})"
     )
     print(
         f"apply -> first sample in flight: {run['first_sample_s']:.2f} s; first sample sent -> last answered: "
-        f"{sending:.2f} s; -> the request's end: {ending:.2f} s"
+        f"{run['sending']:.2f} s; -> the request's end: {run['ending']:.2f} s"
     )
     return out
 
@@ -627,6 +644,9 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--parallelism", type=int, default=64)
+    parser.add_argument(
+        "--trials", type=int, default=3, help="requests per size, each between two direct runs (the median counts)"
+    )
     parser.add_argument("--samples", type=int, default=10_000, help="samples of the large request (0: skip)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per sample of the large request")
     parser.add_argument(
