@@ -26,7 +26,7 @@ import pytest
 import yaml
 from starlette.routing import Route
 
-from e2e.provider import Cluster, unanswered, wait_for
+from e2e.provider import Cluster, kubectl_unanswered, unanswered, wait_for
 from rollfleet import jsonl
 from rollfleet.api.common import DEFAULT_ROLLFLEET_IMAGE
 from rollfleet.contract import (
@@ -50,6 +50,7 @@ from rollfleet.contract import (
 )
 from rollfleet.gateway.app import GatewayConfig, build_app
 from rollfleet.kube import FLEET
+from rollfleet.kubectl import KubectlError
 from rollfleet_client.protocol import TRL_PREFIX
 from rollfleet_client.sync import SyncClient
 from rollfleet_dev import oneshot
@@ -625,8 +626,12 @@ def run_grpo_example(
     cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(pod))
 
     def ended() -> dict[str, Any] | None:
-        out = cluster.kubectl("-n", namespace, "get", "pod", GRPO_TRAINER, "-o", "json").stdout
-        for c in json.loads(out)["status"].get("containerStatuses") or []:
+        got = cluster.kubectl("-n", namespace, "get", "pod", GRPO_TRAINER, "-o", "json", check=False)
+        if kubectl_unanswered(got):  # the API server on a loaded host: the next poll asks again
+            return None
+        if got.returncode != 0:
+            raise KubectlError(f"kubectl get pod {GRPO_TRAINER} failed:\n{got.stderr.strip()}")
+        for c in json.loads(got.stdout)["status"].get("containerStatuses") or []:
             if c["name"] == "trainer" and "terminated" in (c.get("state") or {}):
                 return dict(c["state"]["terminated"])
         return None

@@ -195,6 +195,15 @@ def unanswered(err: Exception) -> bool:
     return isinstance(err, kubernetes.client.ApiException) and (err.status == 0 or err.status >= 500)
 
 
+# What kubectl says when the API server did not answer (a loaded host): a poll tries again, as with `unanswered`.
+KUBECTL_UNANSWERED = ("Unable to connect to the server", "TLS handshake timeout", "the server was unable to return")
+
+
+def kubectl_unanswered(proc: subprocess.CompletedProcess[str]) -> bool:
+    """Whether a kubectl call failed because the API server did not answer, not because it refused."""
+    return proc.returncode != 0 and any(text in proc.stderr for text in KUBECTL_UNANSWERED)
+
+
 def wait_for(predicate: Callable[[], T], timeout: float, *, interval: float = 0.2, what: str = "condition") -> T:
     """Poll `predicate` until it returns something truthy; fail with `what` after `timeout` s. `interval` and
     `what` by name only: a description passed where the interval goes failed a CI run (sleep of a str)."""
