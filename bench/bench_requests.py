@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -427,10 +428,11 @@ def bench_throughput(
     some = calls_of(f"httpx-{uuid.uuid4().hex[:8]}")[:HTTPX_CALLS]  # a reference only: httpx takes minutes
     via_httpx = asyncio.run(direct_httpx(gateway, view.token, some, parallelism))
     total = prompts * n
-    ratios = [(directs[i] + directs[i + 1]) / 2 / r["seconds"] for i, r in enumerate(runs)]
-    after_start = [(directs[i] + directs[i + 1]) / 2 / (r["seconds"] - r["first_sample_s"]) for i, r in enumerate(runs)]
+    around = [(before + after) / 2 for before, after in itertools.pairwise(directs)]  # the direct runs around each
+    ratios = [d / r["seconds"] for d, r in zip(around, runs, strict=True)]
+    after_start = [d / (r["seconds"] - r["first_sample_s"]) for d, r in zip(around, runs, strict=True)]
     mid = sorted(range(len(runs)), key=lambda i: ratios[i])[len(runs) // 2]  # the median trial, reported whole
-    run, via_gateway = runs[mid], (directs[mid] + directs[mid + 1]) / 2
+    run, via_gateway = runs[mid], around[mid]
     out = {
         "samples": total,
         "trials": len(runs),

@@ -626,12 +626,13 @@ def run_grpo_example(
     cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(pod))
 
     def ended() -> dict[str, Any] | None:
-        got = cluster.kubectl("-n", namespace, "get", "pod", GRPO_TRAINER, "-o", "json", check=False)
-        if kubectl_unanswered(got):  # the API server on a loaded host: the next poll asks again
-            return None
-        if got.returncode != 0:
-            raise KubectlError(f"kubectl get pod {GRPO_TRAINER} failed:\n{got.stderr.strip()}")
-        for c in json.loads(got.stdout)["status"].get("containerStatuses") or []:
+        try:
+            out = cluster.kubectl("-n", namespace, "get", "pod", GRPO_TRAINER, "-o", "json").stdout
+        except KubectlError as err:
+            if kubectl_unanswered(err):  # the API server on a loaded host: the next poll asks again
+                return None
+            raise
+        for c in json.loads(out)["status"].get("containerStatuses") or []:
             if c["name"] == "trainer" and "terminated" in (c.get("state") or {}):
                 return dict(c["state"]["terminated"])
         return None

@@ -26,7 +26,7 @@ import httpx
 import kubernetes
 import urllib3
 
-from rollfleet.kubectl import Kubectl
+from rollfleet.kubectl import Kubectl, KubectlError
 from rollfleet_dev import oneshot
 
 T = TypeVar("T")
@@ -199,9 +199,9 @@ def unanswered(err: Exception) -> bool:
 KUBECTL_UNANSWERED = ("Unable to connect to the server", "TLS handshake timeout", "the server was unable to return")
 
 
-def kubectl_unanswered(proc: subprocess.CompletedProcess[str]) -> bool:
+def kubectl_unanswered(err: KubectlError) -> bool:
     """Whether a kubectl call failed because the API server did not answer, not because it refused."""
-    return proc.returncode != 0 and any(text in proc.stderr for text in KUBECTL_UNANSWERED)
+    return any(text in str(err) for text in KUBECTL_UNANSWERED)
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, *, interval: float = 0.2, what: str = "condition") -> T:
