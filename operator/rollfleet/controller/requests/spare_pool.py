@@ -34,32 +34,46 @@ class SparePool:
 
     async def take(self, ref: RequestRef, spec: RolloutRequestSpec, claim: str, jobs: list[Obj]) -> bool:
         """Give the request one of these spare Jobs (`untaken`) that waits, oldest first; False when none does."""
+        waiting = [
+            job["metadata"]["name"]
+            for job in sorted(jobs, key=lambda j: j["metadata"].get("creationTimestamp") or "")
+            if not spares.finished(job)
+        ]
+        if not waiting:
+            return False
         async with self._lock(ref.namespace, spec.fleet, claim):
-            for job in sorted(jobs, key=lambda j: j["metadata"].get("creationTimestamp") or ""):
-                name = job["metadata"]["name"]
-                if spares.finished(job):
-                    continue
-                try:
-                    await self.kube.json_patch(CONFIG_MAP, ref.namespace, name, spares.take(ref))
-                except (Conflict, NotFound):  # no longer waiting (taken, or expired); gone, or not made yet
-                    continue
-                await self.finish_taking(ref, spec, name)
-                log.info("RolloutRequest %s/%s: took the spare runner %s", ref.namespace, ref.name, name)
-                return True
+            # The request's Role is made beside the taking (it grants nothing until bound, and a runner of its own
+            # needs it as well): the spare, which learns of its request as its ConfigMap is patched, waits for one
+            # write less before it may read the request.
+            role = asyncio.create_task(_create(self.kube, runner_role(ref, spec)))
+            try:
+                for name in waiting:
+                    try:
+                        await self.kube.json_patch(CONFIG_MAP, ref.namespace, name, spares.take(ref))
+                    except (Conflict, NotFound):  # no longer waiting (taken, or expired); gone, or not made yet
+                        continue
+                    await role
+                    await self.finish_taking(ref, spec, name, role_made=True)
+                    log.info("RolloutRequest %s/%s: took the spare runner %s", ref.namespace, ref.name, name)
+                    return True
+            finally:
+                await role
         return False
 
     async def untaken(self, namespace: str, fleet: str, claim: str) -> list[Obj]:
         """The spare Jobs of this fleet and claim that no request took."""
         return await self.kube.list(JOB, namespace, spares.untaken_selector(fleet, claim))
 
-    async def finish_taking(self, ref: RequestRef, spec: RolloutRequestSpec, name: str) -> None:
+    async def finish_taking(
+        self, ref: RequestRef, spec: RolloutRequestSpec, name: str, role_made: bool = False
+    ) -> None:
         """After the spare's ConfigMap names the request: grant the spare the request's Role, then make the request
         the Job's owner, which labels the Job for the request and so marks the taking done. Also what an operator
         restarted before that does (each step may be done already)."""
         # In this order: a RoleBinding names a Role that must exist (the API server checks its rules).
-        for manifest in (runner_role(ref, spec), runner_role_binding(ref, account=name)):
-            with contextlib.suppress(Conflict):
-                await self.kube.create(manifest)
+        if not role_made:
+            await _create(self.kube, runner_role(ref, spec))
+        await _create(self.kube, runner_role_binding(ref, account=name))
         await self.kube.patch(JOB, ref.namespace, name, spares.taken_job_patch(ref))
 
     async def taken_by(self, ref: RequestRef) -> str | None:
@@ -83,3 +97,9 @@ class SparePool:
             for manifest in spares.spare_identity(job):
                 await self.kube.create(manifest)
             log.info("fleet %s/%s: spare runner %s made for claim %s", namespace, fleet, name, claim)
+
+
+async def _create(kube: Kube, manifest: Obj) -> None:
+    """Create it; one made already (by an earlier try, or before an operator restart) is kept."""
+    with contextlib.suppress(Conflict):
+        await kube.create(manifest)

@@ -48,6 +48,9 @@ from rollfleet.kube import (
 EXIT_STOPPED = 143  # as a process killed by SIGTERM: not done, the Job makes another pod
 FORBIDDEN = 403
 RBAC_WAIT_S = 30.0
+# A spare's first look: its Role and binding are made a few tens of ms after it learns of its request. It asks every
+# 5 ms that long (a refused read costs the API server little), then less and less often.
+RBAC_POLL_S, RBAC_FAST_S = 0.005, 0.25
 RETRIES = 5  # runs in this pod before it fails (backoff 2, 4, 8, 16 s between them)
 SPARE_WAITING = "waiting for a request"  # what a spare logs once started, ready to be given one
 
@@ -207,7 +210,8 @@ async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any
     """The request, or None when it is gone. Its Role is made just before this pod's Job (a spare's, just after
     the spare was given the request); the API server's authorizer may not know it for a moment: 403 is tried
     again for RBAC_WAIT_S, at first every 5 ms (a spare learns of its request as the operator makes its Role)."""
-    deadline, poll_s = time.monotonic() + RBAC_WAIT_S, 0.005
+    start = time.monotonic()
+    deadline, fast_until, poll_s = start + RBAC_WAIT_S, start + RBAC_FAST_S, RBAC_POLL_S
     while True:
         try:
             return await kube.get(REQUEST, namespace, name)
@@ -217,7 +221,8 @@ async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any
             if err.status != FORBIDDEN or time.monotonic() >= deadline:
                 raise
         await asyncio.sleep(poll_s)  # polling the authorizer: no event tells when the Role is known
-        poll_s = min(poll_s * 2, 1.0)
+        if time.monotonic() >= fast_until:
+            poll_s = min(poll_s * 2, 1.0)
 
 
 async def _run(
