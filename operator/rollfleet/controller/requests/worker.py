@@ -207,9 +207,9 @@ async def _read_early(read: asyncio.Task[runner.FleetView] | None) -> runner.Fle
 
 
 async def _first_look(kube: Kube, namespace: str, name: str) -> Mapping[str, Any] | None:
-    """The request, or None when it is gone. Its Role is made just before this pod's Job (a spare's, just after
-    the spare was given the request); the API server's authorizer may not know it for a moment: 403 is tried
-    again for RBAC_WAIT_S, at first every 5 ms (a spare learns of its request as the operator makes its Role)."""
+    """The request, or None when it is gone. Its Role is bound just before this pod's Job is made (a spare's, just
+    after the spare was given the request); the API server's authorizer may not know it for a moment: 403 is tried
+    again for RBAC_WAIT_S, every 5 ms at first (a spare learns of its request as the operator binds its Role)."""
     start = time.monotonic()
     deadline, fast_until, poll_s = start + RBAC_WAIT_S, start + RBAC_FAST_S, RBAC_POLL_S
     while True:
