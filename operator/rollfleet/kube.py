@@ -271,6 +271,12 @@ class Kube:
             manifest,
         )
 
+    async def create_kept(self, manifest: Mapping[str, Any]) -> None:
+        """Create it; one of that name that exists already (made by an earlier try, by another operator, or before
+        a restart) is kept as it is."""
+        with contextlib.suppress(Conflict):
+            await self.create(manifest)
+
     async def replace(self, manifest: Mapping[str, Any]) -> Obj:
         """A full update; conditional on metadata.resourceVersion when the manifest carries one."""
         kind, meta = kind_named(manifest["kind"]), manifest["metadata"]

@@ -117,6 +117,19 @@ def test_a_create_that_lost_the_race_is_a_conflict_and_a_read_of_nothing_not_fou
         kube.close()
 
 
+def test_create_kept_keeps_what_exists_and_raises_any_other_refusal() -> None:
+    refusals = iter([status(409, "AlreadyExists", 'roles "r" already exists'), status(403, "Forbidden", "no")])
+    kube = kube_with(FakeApiServer(lambda *_: next(refusals)))
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "r", "namespace": "ns"}}
+    try:
+        assert asyncio.run(kube.create_kept(role)) is None  # made by an earlier try: kept
+        with pytest.raises(ApiError) as raised:
+            asyncio.run(kube.create_kept(role))
+        assert raised.value.status == 403
+    finally:
+        kube.close()
+
+
 def test_a_status_patch_is_a_merge_patch_of_the_status_subresource() -> None:
     server = FakeApiServer(lambda *_: (200, {"metadata": {"name": "f"}}))
     kube = kube_with(server)

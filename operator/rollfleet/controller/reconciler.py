@@ -461,8 +461,7 @@ class FleetLoop:
             # this token, unless the operator's key was replaced (docs/security.md says what to do then).
             inference = await self.shared.key.inference_token(kube, ref.namespace, ref.name, ref.uid)
             for secret in (desired.admin_secret(ref, token), desired.inference_secret(ref, inference)):
-                with contextlib.suppress(Conflict):
-                    await kube.create(secret)
+                await kube.create_kept(secret)
             self._token = token
         return self._token
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import hmac
 import secrets
@@ -24,7 +23,7 @@ from typing import Any, Protocol
 
 from rollfleet.contract import OPERATOR_KEY_DATA, OPERATOR_KEY_SECRET
 from rollfleet.errors import RollfleetError
-from rollfleet.kube import SECRET, ApiError, Conflict, Kube
+from rollfleet.kube import SECRET, ApiError, Kube
 
 KEY_BYTES = 32
 INFERENCE = "inference"  # the purpose of a fleet's inference token
@@ -96,8 +95,7 @@ class OperatorKey:
         where = f"Secret {self.namespace}/{OPERATOR_KEY_SECRET}"
         try:
             # Made before read (kept if it exists), so two operators starting at once agree on the first one.
-            with contextlib.suppress(Conflict):
-                await kube.create(key_secret(self.namespace, secrets.token_bytes(KEY_BYTES)))
+            await kube.create_kept(key_secret(self.namespace, secrets.token_bytes(KEY_BYTES)))
             secret = await kube.get(SECRET, self.namespace, OPERATOR_KEY_SECRET)
         except ApiError as err:
             raise OperatorKeyError(

@@ -54,7 +54,6 @@ from rollfleet.kube import (
     POD,
     REQUEST,
     ApiError,
-    Conflict,
     Kube,
     NotFound,
     Obj,
@@ -221,8 +220,7 @@ class RequestRun:
         if claim is not None and await self.spares.take(self.ref, spec, claim.claim_name, needs):
             return None
         for manifest in runner_objects(self.ref, spec, self.image, "IfNotPresent"):
-            with contextlib.suppress(Conflict):  # made by an earlier try, or by the operator before a restart
-                await self.kube.create(manifest)
+            await self.kube.create_kept(manifest)  # made by an earlier try, or by the operator before a restart
         log.info("RolloutRequest %s/%s: runner Job %s created", ns, self.ref.name, runner_name(self.ref.name))
         return None
 

@@ -7,7 +7,6 @@ the spare it takes, the fleet (the owner of a new spare).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 
@@ -45,7 +44,7 @@ class SparePool:
             # The request's Role is made beside the taking (it grants nothing until bound, and a runner of its own
             # needs it as well): the spare, which learns of its request as its ConfigMap is patched, waits for one
             # write less before it may read the request.
-            role = asyncio.create_task(_create(self.kube, runner_role(ref, spec)))
+            role = asyncio.create_task(self.kube.create_kept(runner_role(ref, spec)))
             try:
                 for name in waiting:
                     try:
@@ -72,8 +71,8 @@ class SparePool:
         restarted before that does (each step may be done already)."""
         # In this order: a RoleBinding names a Role that must exist (the API server checks its rules).
         if not role_made:
-            await _create(self.kube, runner_role(ref, spec))
-        await _create(self.kube, runner_role_binding(ref, account=name))
+            await self.kube.create_kept(runner_role(ref, spec))
+        await self.kube.create_kept(runner_role_binding(ref, account=name))
         await self.kube.patch(JOB, ref.namespace, name, spares.taken_job_patch(ref))
 
     async def taken_by(self, ref: RequestRef) -> str | None:
@@ -97,9 +96,3 @@ class SparePool:
             for manifest in spares.spare_identity(job):
                 await self.kube.create(manifest)
             log.info("fleet %s/%s: spare runner %s made for claim %s", namespace, fleet, name, claim)
-
-
-async def _create(kube: Kube, manifest: Obj) -> None:
-    """Create it; one made already (by an earlier try, or before an operator restart) is kept."""
-    with contextlib.suppress(Conflict):
-        await kube.create(manifest)
